@@ -1,0 +1,240 @@
+"""Model size presets -> transformers.LlamaConfig -> LlamaForCausalLM.
+
+The model knows nothing about distribution. ZeRO-3 partitioning is applied by the caller
+(``anneal.train``) wrapping construction in ``deepspeed.zero.Init``; this module only offers
+``init_weights_`` so that the caller can re-apply the std-0.02 init that construction under
+``zero.Init`` skips (embeddings otherwise come out with std 1.0).
+
+Embeddings are untied (Llama-style): the LM head has its own matrix. Parameter counts below
+therefore include two vocab x hidden matrices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+# Nominal vocabulary used to size the presets (Llama's). At training time the vocabulary comes
+# from the prepared data and the real count is printed at start.
+NOMINAL_VOCAB = 32000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """Shape of a Llama-style decoder. Names follow transformers.LlamaConfig."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    seq_len: int
+    """Training context length in tokens (also max_position_embeddings)."""
+    nominal_params: float | None
+    """The size the name promises, in parameters; None for ``tiny``."""
+    vocab_size: int = NOMINAL_VOCAB
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def with_vocab(self, vocab_size: int) -> ModelPreset:
+        return dataclasses.replace(self, vocab_size=vocab_size)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in [
+        ModelPreset(
+            name="tiny",
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            seq_len=256,
+            nominal_params=None,
+            vocab_size=8192,
+        ),
+        ModelPreset(
+            name="125m",
+            hidden_size=768,
+            intermediate_size=1792,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            seq_len=2048,
+            nominal_params=125e6,
+        ),
+        ModelPreset(
+            name="350m",
+            hidden_size=1024,
+            intermediate_size=2560,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            seq_len=2048,
+            nominal_params=350e6,
+        ),
+        ModelPreset(
+            name="1b",
+            hidden_size=2048,
+            intermediate_size=5504,
+            num_hidden_layers=18,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            seq_len=2048,
+            nominal_params=1e9,
+        ),
+        ModelPreset(
+            name="7b",
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            seq_len=4096,
+            nominal_params=7e9,
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def llama_config(preset: ModelPreset, *, eos_token_id: int | None = None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.seq_len,
+        rope_theta=preset.rope_theta,
+        initializer_range=preset.initializer_range,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+    )
+
+
+def build_model(preset: ModelPreset, *, eos_token_id: int | None = None) -> nn.Module:
+    """A freshly constructed LlamaForCausalLM in fp32 with SDPA attention."""
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(preset, eos_token_id=eos_token_id)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def count_params(preset: ModelPreset, *, embeddings: bool = True) -> int:
+    """Exact parameter count of the preset's LlamaForCausalLM, from its shapes.
+
+    ``embeddings=False`` leaves out the input embedding only; the LM head stays, as in the
+    PaLM FLOPs convention.
+    """
+    h, f, n_layers = preset.hidden_size, preset.intermediate_size, preset.num_hidden_layers
+    kv = preset.num_key_value_heads * preset.head_dim
+    attn = h * h + 2 * h * kv + h * h  # q, k, v, o
+    mlp = 3 * h * f  # gate, up, down (SwiGLU)
+    norms = 2 * h
+    per_layer = attn + mlp + norms
+    head = preset.vocab_size * h
+    embed = preset.vocab_size * h if embeddings else 0
+    return n_layers * per_layer + h + head + embed
+
+
+def flops_per_token(preset: ModelPreset, *, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: ``6N + 12*L*H*Q*T`` (PaLM, appendix B).
+
+    N excludes the input embedding but includes the LM head; the second term is attention's
+    score and value matmuls with L layers, H heads, Q head dim and T context length.
+    """
+    t = seq_len or preset.seq_len
+    n = count_params(preset, embeddings=False)
+    return 6 * n + 12 * preset.num_hidden_layers * preset.num_attention_heads * preset.head_dim * t
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def is_decayed(p: torch.Tensor) -> bool:
+    """Weight decay goes on 2-D+ weights only.
+
+    Under ZeRO-3 a partitioned parameter is a 1-D shard (``p.dim() == 1``); its real shape is
+    ``p.ds_shape``. Reading ``dim()`` would silently give no decay at all.
+    """
+    shape = getattr(p, "ds_shape", None)
+    ndim = len(shape) if shape is not None else p.dim()
+    return ndim >= 2
+
+
+def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+    """AdamW groups: decoupled decay on matrices, none on norm weights and biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if is_decayed(p) else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def _init_module_(module: nn.Module, std: float) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif hasattr(module, "weight") and "RMSNorm" in type(module).__name__:
+        nn.init.ones_(module.weight)
+
+
+def init_weights_(model: nn.Module, *, std: float, seed: int, gather=None) -> None:
+    """Deterministic init: N(0, std) for Linear and Embedding weights, ones for RMSNorm.
+
+    ``gather(params)`` is a context manager that makes a module's parameters whole and
+    writable (``deepspeed.zero.GatheredParameters`` under ZeRO-3); modules are visited one at a
+    time so at most one module is ever gathered. The result depends only on ``seed``, not on
+    the ZeRO stage or the number of ranks.
+    """
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for module in model.modules():
+            params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            if gather is None:
+                with torch.no_grad():
+                    _init_module_(module, std)
+            else:
+                with gather(params), torch.no_grad():
+                    _init_module_(module, std)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def nats_to_bits(x: float) -> float:
+    return x / math.log(2)

@@ -1,0 +1,164 @@
+"""The recipe command line (DESIGN.md), shared by every ``recipes/pretrain_*.py``.
+
+Recipes are thin: a preset, a ds_config name and defaults. This module turns their argv into a
+RunConfig and calls ``anneal.train.run``; it is the only place that exits the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from anneal.config import (
+    AUTO,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+)
+
+
+def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=f"Pretrain the {preset} preset with "
+        "DeepSpeed. Run with `deepspeed [--num_gpus N | --hostfile F] "
+        f"{prog} ...` or plain `python {prog}` (one process).",
+    )
+    p.add_argument("--out", help="run directory (default runs/<recipe>)")
+    p.add_argument("--data", help="prepared data directory")
+    p.add_argument("--ds-config", help="DeepSpeed JSON: a path or a name in ds_configs/")
+    p.add_argument("--max-steps", type=int, help="optimizer steps in the whole run")
+    p.add_argument(
+        "--resume",
+        help="auto (default): newest intact checkpoint in --out; none; or a checkpoint path",
+    )
+    p.add_argument("--eval-every", type=int, help="validate every N steps")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps")
+    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value: model.*, data.*, train.* or ds.* (the "
+        "ds_config, e.g. ds.gradient_accumulation_steps=4)",
+    )
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(
+    argv: list[str],
+    *,
+    prog: str,
+    preset: str,
+    ds_config: str,
+    cpu_ds_config: str = "cpu.json",
+    on_cpu: bool = False,
+    train: TrainConfig = TrainConfig(),
+    model: ModelConfig | None = None,
+    data: DataConfig = DataConfig(),
+) -> tuple[RunConfig, list[str]]:
+    """RunConfig from recipe defaults + flags + ``--set`` overrides, and the raw overrides.
+
+    Without ``--ds-config`` a CPU-only machine gets ``cpu_ds_config`` (fp32 ZeRO-3 with torch's
+    AdamW); GPUs get the recipe's bf16 config.
+    """
+    args = build_parser(prog, preset=preset).parse_args(argv)
+    name = os.path.splitext(os.path.basename(prog))[0]
+    model = model or ModelConfig(preset=preset)
+    train = dataclasses.replace(
+        train,
+        **{
+            k: v
+            for k, v in (
+                ("max_steps", args.max_steps),
+                ("eval_every", args.eval_every),
+                ("save_every", args.save_every),
+                ("seed", args.seed),
+            )
+            if v is not None
+        },
+    )
+    if args.data:
+        data = dataclasses.replace(data, path=args.data)
+    cfg = RunConfig(
+        out=args.out or f"runs/{name}",
+        ds_config=args.ds_config or (cpu_ds_config if on_cpu else ds_config),
+        resume=args.resume or AUTO,
+        resume_explicit=args.resume is not None,
+        model=model,
+        data=data,
+        train=train,
+    )
+    return apply_overrides(cfg, args.set), args.set
+
+
+def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaults) -> None:
+    """Entry point of a recipe: parse, train, print the summary; exit 2 on a user error."""
+    import torch
+
+    argv = sys.argv[1:] if argv is None else argv
+    prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "recipe"
+    try:
+        cfg, overrides = config_from_args(
+            argv,
+            prog=prog,
+            preset=preset,
+            ds_config=ds_config,
+            on_cpu=not torch.cuda.is_available(),
+            **defaults,
+        )
+        if not torch.cuda.is_available() and "--ds-config" not in " ".join(argv):
+            print_once(f"no GPU found: using ds_configs/{cfg.ds_config} (fp32 ZeRO-3 for CPUs)")
+        from anneal.train import run
+
+        _single_process_env()
+        summary = run(cfg, overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print_once(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print_once(format_summary(summary))
+
+
+def _single_process_env() -> None:
+    """Plain ``python recipes/...``: make this process a world of one (DeepSpeed would
+    otherwise look for MPI)."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def print_once(msg: str, file=sys.stdout) -> None:
+    """Print from the first rank only (before or after torch.distributed is set up)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, file=file, flush=True)
+
+
+def format_summary(s: dict) -> str:
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "n/a"
+
+    return (
+        f"\n== summary ==\nsteps {s['step']}, tokens {s['tokens']:,}\n"
+        f"final train loss {f(s['train_loss'], '.4f')}, val loss {f(s['val_loss'], '.4f')}, "
+        f"val bpb {f(s['val_bpb'], '.4f')}\n"
+        f"throughput {f(s['tokens_per_s'], ',.0f')} tokens/s\nrun directory {s['run_dir']}"
+    )

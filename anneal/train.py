@@ -1,0 +1,380 @@
+"""The training loop on the DeepSpeed engine.
+
+One optimizer step, as the seed documents describe it: zero grads (DeepSpeed sets them to None
+after each step) -> forward (bf16 when the ds_config enables it) -> cross-entropy on next tokens
+-> backward (DeepSpeed divides the loss by the accumulation steps and reduces gradients only at
+the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on 2-D+
+weights -> warmup-cosine LR step. ``deepspeed.initialize`` is called in exactly one place:
+``build_engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from anneal import checkpoint
+from anneal import config as cfglib
+from anneal import model as modellib
+from anneal.config import ConfigError, RunConfig
+from anneal.data.stream import PackedSplit, TokenStream, validation_windows
+from anneal.dist import is_main_process, print0, rank, setup_logging, world_size
+from anneal.metrics import MetricsLogger, console_line, device_peak_flops
+from anneal.schedule import WarmupCosine
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything that advances during training besides the engine's own state."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A launch, resolved and validated before anything is written."""
+
+    cfg: RunConfig
+    ds_config: dict
+    preset: modellib.ModelPreset
+    seq_len: int
+    out: Path
+    resume_from: Path | None
+    device: torch.device
+    notes: list[str]
+
+    @property
+    def micro_batch(self) -> int:
+        return self.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def grad_accum(self) -> int:
+        return self.ds_config["gradient_accumulation_steps"]
+
+    def config_document(self) -> dict:
+        return {
+            "run": self.cfg.to_dict(),
+            "ds_config": self.ds_config,
+            "model": {
+                **dataclasses.asdict(self.preset),
+                "seq_len": self.seq_len,
+                "params": modellib.count_params(self.preset),
+            },
+            "launch": {"world_size": world_size(), "device": str(self.device)},
+        }
+
+
+def device_has_fast_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
+    """Resolve and check everything a run needs; raise ConfigError before anything is written."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    notes = []
+    ds_path = cfglib.find_ds_config(cfg.ds_config)
+    ds = cfglib.load_ds_config(ds_path)
+    ds = cfglib.override_ds_config(ds, cfglib.ds_overrides(list(overrides)), source=str(ds_path))
+    if cfg.train.precision == "fp32" or (
+        cfg.train.precision == "auto"
+        and cfglib.bf16_enabled(ds)
+        and not device_has_fast_bf16(device)
+    ):
+        if cfglib.bf16_enabled(ds):
+            notes.append(
+                f"device {device.type} has no fast bf16: training in fp32 "
+                f"(bf16.enabled -> false; --set train.precision=bf16 forces bf16)"
+            )
+        ds = cfglib.set_bf16(ds, False)
+    elif cfg.train.precision == "bf16":
+        ds = cfglib.set_bf16(ds, True)
+    if cfg.train.max_steps < 1:
+        raise ConfigError(f"--max-steps must be at least 1, got {cfg.train.max_steps}.")
+    ds = cfglib.resolve_ds_config(
+        ds, source=str(ds_path), data_parallel_size=world_size(), max_steps=cfg.train.max_steps
+    )
+
+    data_dir = Path(cfg.data.path)
+    if not (data_dir / "meta.json").is_file():
+        hint = "it does not exist" if not data_dir.exists() else "it has no meta.json"
+        raise ConfigError(
+            f"--data {data_dir}: not a prepared data directory ({hint}). Prepare "
+            f"one with `anneal data prepare --input stdlib --out {data_dir}`."
+        )
+    meta = json.loads((data_dir / "meta.json").read_text())
+    preset = modellib.get_preset(cfg.model.preset).with_vocab(meta["vocab_size"])
+    seq_len = cfg.model.seq_len or preset.seq_len
+
+    out = Path(cfg.out)
+    resume_from = None
+    try:
+        resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    plan = Plan(
+        cfg=cfg,
+        ds_config=ds,
+        preset=preset,
+        seq_len=seq_len,
+        out=out,
+        resume_from=resume_from,
+        device=device,
+        notes=notes,
+    )
+    old_path = out / "config.json"
+    if old_path.is_file():
+        diffs = cfglib.config_differences(json.loads(old_path.read_text()), plan.config_document())
+        if diffs and not cfg.resume_explicit:
+            raise ConfigError(
+                f"--out {out} holds a different run (its config.json differs: "
+                f"{'; '.join(diffs[:5])}). Anneal will not mix two runs in one directory: "
+                f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "
+                f"that run with the new settings."
+            )
+    return plan
+
+
+def build_engine(plan: Plan):
+    """Model (partitioned at construction under ZeRO-3) -> the DeepSpeed engine."""
+    import deepspeed
+
+    ds = plan.ds_config
+    zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
+    preset = dataclasses.replace(plan.preset, seq_len=plan.seq_len)
+    if zero3:
+        # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
+        # tensor construction; importing it inside fails with a dynamo signature mismatch.
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = modellib.build_model(preset)
+        gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
+    else:
+        model = modellib.build_model(preset)
+        gather = None
+    modellib.init_weights_(
+        model, std=preset.initializer_range, seed=plan.cfg.train.seed, gather=gather
+    )
+    if plan.cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt_params = ds["optimizer"]["params"]
+    sched = ds["scheduler"]["params"]
+    engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=modellib.param_groups(model, weight_decay=opt_params["weight_decay"]),
+        config=engine_config,
+        lr_scheduler=lambda opt: WarmupCosine(opt, **sched),
+    )
+    return engine
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, T, V) logits against (B, T) next tokens, in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world_size()
+
+
+def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> dict:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+    start = time.perf_counter()
+    lr = engine.get_lr()[0]  # the LR this step applies
+    losses, wait_s = [], 0.0
+    for _ in range(plan.grad_accum):
+        t0 = time.perf_counter()
+        x, y = stream.next_batch()
+        wait_s += time.perf_counter() - t0
+        x, y = x.to(plan.device), y.to(plan.device)
+        loss = next_token_loss(engine(input_ids=x).logits, y)
+        engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
+        engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
+        losses.append(loss.item())
+    state.step += 1
+    state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
+    grad_norm = engine.get_global_grad_norm()
+    elapsed = time.perf_counter() - start
+    return {
+        "kind": "train",
+        "step": state.step,
+        "tokens": state.tokens,
+        "loss": _mean_over_ranks(sum(losses) / len(losses), plan.device),
+        "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens_per_s": plan.ds_config["train_batch_size"] * plan.seq_len / elapsed,
+        "data_wait_s": round(wait_s, 6),
+    }
+
+
+@torch.no_grad()
+def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> dict:
+    """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
+    engine.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    for windows in validation_windows(
+        val.n_windows,
+        n_samples=plan.cfg.train.eval_samples,
+        rank=rank(),
+        world_size=world_size(),
+        micro_batch=plan.micro_batch,
+    ):
+        weight = torch.tensor([1.0 if j >= 0 else 0.0 for j in windows])
+        x, y = val.batch([max(j, 0) for j in windows])
+        logits = engine(input_ids=x.to(plan.device)).logits.float().cpu()
+        nats = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
+        mask = weight[:, None].expand_as(y).reshape(-1)
+        sums += torch.stack(
+            [
+                (nats * mask).sum().double(),
+                mask.sum().double(),
+                (torch.from_numpy(token_bytes[y.view(-1).numpy()]) * mask).sum().double(),
+            ]
+        )
+    if world_size() > 1:
+        sums = sums.to(plan.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    engine.train()
+    nats, tokens, n_bytes = sums.tolist()
+    val_loss = nats / tokens
+    return {
+        "kind": "val",
+        "step": 0,
+        "val_loss": val_loss,
+        "val_ppl": math.exp(val_loss),
+        "val_bpb": nats / math.log(2) / n_bytes,
+    }
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
+    """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory)."""
+    import deepspeed
+
+    deepspeed.init_distributed(verbose=False)
+    setup_logging()
+    if torch.device(deepspeed.get_accelerator().device_name()).type == "cpu":
+        _share_cpu_threads()
+    plan = plan_run(cfg, overrides)
+    for note in plan.notes:
+        log.warning(note)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    (plan.out / "checkpoints").mkdir(exist_ok=True)
+    if is_main_process():
+        tmp = plan.out / f".config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(plan.config_document(), indent=2) + "\n")
+        tmp.replace(plan.out / "config.json")
+    torch.manual_seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+
+    data_dir = Path(cfg.data.path)
+    train_split = PackedSplit(data_dir, "train", seq_len=plan.seq_len)
+    val_split = PackedSplit(data_dir, "val", seq_len=plan.seq_len)
+    token_bytes = np.load(data_dir / "token_bytes.npy")
+    n_params = modellib.count_params(plan.preset)
+    print0(
+        f"model {cfg.model.preset}: {n_params:,} parameters ({modellib.human_count(n_params)}),"
+        f" vocab {plan.preset.vocab_size}, seq {plan.seq_len}; {world_size()} rank(s), "
+        f"global batch {plan.ds_config['train_batch_size']} x {plan.seq_len} tokens; "
+        f"ZeRO stage {plan.ds_config['zero_optimization']['stage']}, "
+        f"{'bf16' if cfglib.bf16_enabled(plan.ds_config) else 'fp32'}"
+    )
+
+    engine = build_engine(plan)
+    state = TrainState()
+    metrics = MetricsLogger(plan.out)
+    position = 0
+    if plan.resume_from is not None:
+        client = checkpoint.load(engine, plan.resume_from)
+        state = TrainState(step=client["step"], tokens=client["tokens"])
+        position = client["data"]["position"]
+        metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
+        print0(f"resumed from {plan.resume_from} at step {state.step}")
+    stream = TokenStream(
+        train_split,
+        seed=cfg.train.seed,
+        rank=rank(),
+        world_size=world_size(),
+        micro_batch=plan.micro_batch,
+        position=position,
+        prefetch=cfg.data.prefetch_batches,
+    )
+    flops_per_token = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
+    peak = device_peak_flops(plan.device)
+    last_train, last_val = None, None
+    stop_at = cfg.train.stop_at_step or cfg.train.max_steps
+    try:
+        while state.step < min(stop_at, cfg.train.max_steps):
+            row = train_step(engine, stream, state, plan)
+            row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak * world_size())
+            metrics.write(row)
+            last_train = row
+            if state.step % cfg.train.log_every == 0 or state.step == 1:
+                console_line(row, max_steps=cfg.train.max_steps)
+            if _due(state.step, cfg.train.eval_every, cfg.train.max_steps):
+                last_val = {**validate(engine, val_split, token_bytes, plan), "step": state.step}
+                metrics.write(last_val)
+                print0(
+                    f"step {state.step:>6} | val loss {last_val['val_loss']:.4f} | "
+                    f"ppl {last_val['val_ppl']:.2f} | bpb {last_val['val_bpb']:.4f}"
+                )
+            if (
+                _due(state.step, cfg.train.save_every, cfg.train.max_steps)
+                or state.step == cfg.train.stop_at_step
+            ):
+                tag_dir = checkpoint.save(
+                    engine,
+                    plan.out / "checkpoints",
+                    step=state.step,
+                    client_state={**state.state_dict(), "data": stream.state_dict()},
+                    keep_last=cfg.train.keep_last,
+                )
+                metrics.event(state.step, "checkpoint", path=str(tag_dir))
+    finally:
+        stream.close()
+        metrics.close()
+    return {
+        "run_dir": str(plan.out),
+        "step": state.step,
+        "tokens": state.tokens,
+        "train_loss": last_train and last_train["loss"],
+        "tokens_per_s": last_train and last_train["tokens_per_s"],
+        "val_loss": last_val and last_val["val_loss"],
+        "val_bpb": last_val and last_val["val_bpb"],
+        "params": n_params,
+    }
+
+
+def _share_cpu_threads() -> None:
+    """On CPU, split the cores between the ranks on this host unless OMP_NUM_THREADS says."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
