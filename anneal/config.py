@@ -39,6 +39,34 @@ class ModelConfig:
     """Recompute each decoder layer in backward (HF gradient checkpointing)."""
     seq_len: int = 0
     """Context length in tokens; 0 takes the preset's."""
+    hidden_size: int = 0
+    """Shape overrides of the preset (0 keeps the preset's), for sweeps of custom sizes."""
+    intermediate_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+
+    def resolve(self, vocab_size: int):
+        """The preset with this config's overrides and the data's vocabulary."""
+        from anneal.model import get_preset
+
+        preset = get_preset(self.preset).with_vocab(vocab_size)
+        shape = {
+            k: getattr(self, k)
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads")
+            if getattr(self, k)
+        }
+        if "num_attention_heads" in shape:
+            shape["num_key_value_heads"] = shape["num_attention_heads"]
+        if self.seq_len:
+            shape["seq_len"] = self.seq_len
+        preset = dataclasses.replace(preset, **shape)
+        if preset.hidden_size % preset.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({preset.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({preset.num_attention_heads})."
+            )
+        return preset
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

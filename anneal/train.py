@@ -53,11 +53,14 @@ class Plan:
     cfg: RunConfig
     ds_config: dict
     preset: modellib.ModelPreset
-    seq_len: int
     out: Path
     resume_from: Path | None
     device: torch.device
     notes: list[str]
+
+    @property
+    def seq_len(self) -> int:
+        return self.preset.seq_len
 
     @property
     def micro_batch(self) -> int:
@@ -120,8 +123,7 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
             f"one with `anneal data prepare --input stdlib --out {data_dir}`."
         )
     meta = json.loads((data_dir / "meta.json").read_text())
-    preset = modellib.get_preset(cfg.model.preset).with_vocab(meta["vocab_size"])
-    seq_len = cfg.model.seq_len or preset.seq_len
+    preset = cfg.model.resolve(meta["vocab_size"])
 
     out = Path(cfg.out)
     resume_from = None
@@ -133,7 +135,6 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
         cfg=cfg,
         ds_config=ds,
         preset=preset,
-        seq_len=seq_len,
         out=out,
         resume_from=resume_from,
         device=device,
@@ -158,7 +159,7 @@ def build_engine(plan: Plan):
 
     ds = plan.ds_config
     zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
-    preset = dataclasses.replace(plan.preset, seq_len=plan.seq_len)
+    preset = plan.preset
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.

@@ -1,0 +1,44 @@
+# Anneal: `make demo` and `make test` set up .venv on first use, then run.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements.txt)
+# DeepSpeed JIT-builds its ops on first use; keep the build per torch/DeepSpeed pair so that
+# venvs with other builds (and CI's fresh clones) reuse it instead of thrashing one cache.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions/anneal-torch$(TORCH_VERSION)-ds$(shell sed -n 's/^deepspeed==//p' requirements.txt)
+
+.PHONY: setup demo test test-fast lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml scripts/install_torch.sh
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	bash scripts/install_torch.sh $(BIN)/python $(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --no-build-isolation -r requirements.txt -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+data/stdlib/meta.json: | $(STAMP)
+	$(BIN)/anneal data prepare --input stdlib --out data/stdlib
+
+demo: $(STAMP) data/stdlib/meta.json
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check anneal launcher recipes tests bench scripts
+	$(BIN)/ruff format --check anneal launcher recipes tests bench scripts
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean-venv:
+	rm -rf $(VENV)
