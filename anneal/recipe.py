@@ -71,7 +71,7 @@ def config_from_args(
     """
     args = build_parser(prog, preset=preset).parse_args(argv)
     name = os.path.splitext(os.path.basename(prog))[0]
-    model = model or ModelConfig(preset=preset)
+    model = dataclasses.replace(model or ModelConfig(), preset=preset)
     train = dataclasses.replace(
         train,
         **{

@@ -1,0 +1,68 @@
+"""One optimizer step through Anneal's real DeepSpeed engine (ZeRO-3, 2 ranks, accumulation 2)
+equals the same step in plain torch: the global grad norm equals torch's clip_grad_norm_, the
+clipped AdamW update equals torch.optim.AdamW's, decay lands on exactly the 2-D weights (read
+through ``ds_shape``), and the init under ``zero.Init`` is the std-0.02 one.
+
+The reference clips in float64: torch's fp32 clip_grad_norm_ on CPU was measured here to be off
+by 7e-5 relative on this model, while DeepSpeed's norm matches the float64 one to 1e-8.
+A large eps and a clip below the norm make the clip visible through AdamW, so the comparison
+against an unclipped (or decay-everything) reference must and does fail.
+"""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import BIN, ROOT, env, free_port
+
+OVERRIDES = [
+    "model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=176",
+    "model.num_attention_heads=4", "model.seq_len=64", "ds.train_micro_batch_size_per_gpu=2",
+    "ds.gradient_accumulation_steps=2", "ds.scheduler.params.warmup_num_steps=2",
+    "ds.gradient_clipping=0.5", "ds.optimizer.params.eps=0.0001",
+    "ds.optimizer.params.weight_decay=0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def result(stdlib_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grad")
+    out = tmp / "result.json"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "tests/scripts/grad_check.py", str(out), str(stdlib_data), str(tmp / "run"),
+           *OVERRIDES]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_setup_is_two_ranks_with_accumulation(result):
+    assert result["world_size"] == 2 and result["grad_accum"] == 2
+
+
+def test_loss_is_the_mean_over_ranks_and_micro_batches(result):
+    assert result["engine_loss"] == pytest.approx(result["ref_loss"], rel=1e-12)
+
+
+def test_grad_norm_equals_torch_clip_grad_norm(result):
+    assert result["engine_grad_norm"] > result["max_norm"]  # the clip is active
+    assert result["engine_grad_norm"] == pytest.approx(result["ref_grad_norm"], rel=1e-6)
+
+
+def test_clipped_adamw_update_equals_torch(result):
+    assert result["update_max_abs"] > 1e-4  # the step moved the weights
+    assert result["diff_vs_clipped"] < 1e-6
+    assert result["diff_vs_unclipped"] > 100 * result["diff_vs_clipped"]
+
+
+def test_decay_exactly_on_matrices_under_zero3(result):
+    assert result["decayed"] == result["two_d"]
+    assert result["diff_vs_decay_all"] > 100 * result["diff_vs_clipped"]
+
+
+def test_init_under_zero_init_is_std_002(result):
+    assert result["init_max_abs_diff"] == 0.0  # same weights as the plain model
+    assert result["embed_std"] == pytest.approx(0.02, rel=0.02)
+    assert result["lm_head_std"] == pytest.approx(0.02, rel=0.02)
+    assert result["norm_mean"] == 1.0
