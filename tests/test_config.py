@@ -84,7 +84,8 @@ def test_matching_train_batch_size_is_accepted(tmp_path, base):
 
 
 def test_not_json_gives_line_and_column(tmp_path):
-    path = write(tmp_path, '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": tru}\n}')
+    text = '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": tru}\n}'
+    path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=r"c\.json: not valid JSON at line 3, column 23"):
         cfglib.load_ds_config(path)
 
