@@ -52,8 +52,12 @@ class ModelConfig:
         preset = get_preset(self.preset).with_vocab(vocab_size)
         shape = {
             k: getattr(self, k)
-            for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads")
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
             if getattr(self, k)
         }
         if "num_attention_heads" in shape:

@@ -38,19 +38,35 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_recipe(args: list[str], *, ranks: int = 1, recipe: str = "recipes/pretrain_tiny.py",
-               timeout_s: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+def run_recipe(
+    args: list[str],
+    *,
+    ranks: int = 1,
+    recipe: str = "recipes/pretrain_tiny.py",
+    timeout_s: int = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """Train through the recipe: plain python for one rank, the deepspeed runner otherwise."""
     if ranks == 1:
         cmd = [sys.executable, recipe, *args]
     else:
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-               str(free_port()), recipe, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=timeout_s)
+        cmd = [
+            str(BIN / "deepspeed"),
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(free_port()),
+            recipe,
+            *args,
+        ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -60,7 +76,21 @@ def read_metrics(run_dir: Path, kind: str) -> list[dict]:
 
 
 # Small shapes so that end-to-end runs take seconds of compute on CPU.
-SMALL = ["--set", "model.hidden_size=64", "--set", "model.num_hidden_layers=2",
-         "--set", "model.intermediate_size=176", "--set", "model.num_attention_heads=4",
-         "--set", "model.seq_len=64", "--set", "train.eval_samples=16",
-         "--set", "ds.scheduler.params.warmup_num_steps=2", "--set", "train.log_every=1"]
+SMALL = [
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "model.num_hidden_layers=2",
+    "--set",
+    "model.intermediate_size=176",
+    "--set",
+    "model.num_attention_heads=4",
+    "--set",
+    "model.seq_len=64",
+    "--set",
+    "train.eval_samples=16",
+    "--set",
+    "ds.scheduler.params.warmup_num_steps=2",
+    "--set",
+    "train.log_every=1",
+]

@@ -22,16 +22,17 @@ def base():
 
 
 def test_batch_arithmetic():
-    assert cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=8,
-                                   data_parallel_size=64) == 2048
+    assert (
+        cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
+        == 2048
+    )
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
         cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
 
 
 def test_auto_batch_and_total_steps_are_filled(tmp_path, base):
     cfg = cfglib.load_ds_config(write(tmp_path, base))
-    resolved = cfglib.resolve_ds_config(cfg, source="c.json", data_parallel_size=16,
-                                        max_steps=5000)
+    resolved = cfglib.resolve_ds_config(cfg, source="c.json", data_parallel_size=16, max_steps=5000)
     assert resolved["train_batch_size"] == 4 * 8 * 16
     assert resolved["scheduler"]["params"]["total_num_steps"] == 5000
     assert cfg["train_batch_size"] == "auto"  # the loaded dict is not modified
@@ -51,13 +52,16 @@ def test_nested_typo_names_the_dotted_key(tmp_path, base):
         cfglib.load_ds_config(write(tmp_path, base))
 
 
-@pytest.mark.parametrize("path,value,expect", [
-    (("train_micro_batch_size_per_gpu",), "4", "an integer"),
-    (("gradient_clipping",), True, "a number"),
-    (("bf16", "enabled"), "yes", "true or false"),
-    (("zero_optimization",), 3, "an object"),
-    (("train_batch_size",), 12.5, 'an integer or "auto"'),
-])
+@pytest.mark.parametrize(
+    "path,value,expect",
+    [
+        (("train_micro_batch_size_per_gpu",), "4", "an integer"),
+        (("gradient_clipping",), True, "a number"),
+        (("bf16", "enabled"), "yes", "true or false"),
+        (("zero_optimization",), 3, "an object"),
+        (("train_batch_size",), 12.5, 'an integer or "auto"'),
+    ],
+)
 def test_wrong_types(tmp_path, base, path, value, expect):
     node = base
     for k in path[:-1]:
@@ -79,8 +83,12 @@ def test_mismatched_train_batch_size(tmp_path, base):
 def test_matching_train_batch_size_is_accepted(tmp_path, base):
     base["train_batch_size"] = 64
     cfg = cfglib.load_ds_config(write(tmp_path, base))
-    assert cfglib.resolve_ds_config(cfg, source="c", data_parallel_size=2,
-                                    max_steps=10_000)["train_batch_size"] == 64
+    assert (
+        cfglib.resolve_ds_config(cfg, source="c", data_parallel_size=2, max_steps=10_000)[
+            "train_batch_size"
+        ]
+        == 64
+    )
 
 
 def test_not_json_gives_line_and_column(tmp_path):
@@ -110,8 +118,9 @@ def test_unknown_file_lists_shipped_configs():
 @pytest.mark.parametrize("path", sorted(cfglib.DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_every_shipped_ds_config_validates(path):
     cfg = cfglib.load_ds_config(path)
-    resolved = cfglib.resolve_ds_config(cfg, source=str(path), data_parallel_size=8,
-                                        max_steps=100_000)
+    resolved = cfglib.resolve_ds_config(
+        cfg, source=str(path), data_parallel_size=8, max_steps=100_000
+    )
     assert resolved["gradient_clipping"] == 1.0
     opt = resolved["optimizer"]["params"]
     assert resolved["optimizer"]["type"] == "AdamW"
@@ -125,8 +134,10 @@ def test_every_shipped_ds_config_validates(path):
 
 def test_overrides_are_typed_and_strict():
     cfg = RunConfig(out="o", ds_config="cpu.json")
-    cfg = cfglib.apply_overrides(cfg, ["train.max_steps=7", "model.activation_checkpointing=true",
-                                       "ds.gradient_clipping=0.5"])
+    cfg = cfglib.apply_overrides(
+        cfg,
+        ["train.max_steps=7", "model.activation_checkpointing=true", "ds.gradient_clipping=0.5"],
+    )
     assert cfg.train.max_steps == 7 and cfg.model.activation_checkpointing is True
     with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
         cfglib.apply_overrides(cfg, ["train.max_step=7"])
@@ -149,8 +160,12 @@ def test_ds_overrides_revalidate(tmp_path, base):
 
 
 def test_config_differences_ignore_resume_keys():
-    a = {"run": {"resume": "auto", "train": {"max_steps": 10, "log_every": 1}},
-         "launch": {"world_size": 2}}
-    b = {"run": {"resume": "none", "train": {"max_steps": 20, "log_every": 5}},
-         "launch": {"world_size": 4}}
+    a = {
+        "run": {"resume": "auto", "train": {"max_steps": 10, "log_every": 1}},
+        "launch": {"world_size": 2},
+    }
+    b = {
+        "run": {"resume": "none", "train": {"max_steps": 20, "log_every": 5}},
+        "launch": {"world_size": 4},
+    }
     assert cfglib.config_differences(a, b) == ["run.train.max_steps: 10 -> 20"]

@@ -17,10 +17,16 @@ import pytest
 from tests.conftest import BIN, ROOT, env, free_port
 
 OVERRIDES = [
-    "model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=176",
-    "model.num_attention_heads=4", "model.seq_len=64", "ds.train_micro_batch_size_per_gpu=2",
-    "ds.gradient_accumulation_steps=2", "ds.scheduler.params.warmup_num_steps=2",
-    "ds.gradient_clipping=0.5", "ds.optimizer.params.eps=0.0001",
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+    "model.seq_len=64",
+    "ds.train_micro_batch_size_per_gpu=2",
+    "ds.gradient_accumulation_steps=2",
+    "ds.scheduler.params.warmup_num_steps=2",
+    "ds.gradient_clipping=0.5",
+    "ds.optimizer.params.eps=0.0001",
     "ds.optimizer.params.weight_decay=0.5",
 ]
 
@@ -29,9 +35,18 @@ OVERRIDES = [
 def result(stdlib_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grad")
     out = tmp / "result.json"
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           "tests/scripts/grad_check.py", str(out), str(stdlib_data), str(tmp / "run"),
-           *OVERRIDES]
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "tests/scripts/grad_check.py",
+        str(out),
+        str(stdlib_data),
+        str(tmp / "run"),
+        *OVERRIDES,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())

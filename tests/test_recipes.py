@@ -20,8 +20,13 @@ def recipe(path: Path) -> dict:
 
 def test_recipes_exist():
     names = {p.stem for p in RECIPES}
-    assert {"pretrain_tiny", "pretrain_125m", "pretrain_350m", "pretrain_1b",
-            "pretrain_7b"} <= names
+    assert {
+        "pretrain_tiny",
+        "pretrain_125m",
+        "pretrain_350m",
+        "pretrain_1b",
+        "pretrain_7b",
+    } <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -31,14 +36,18 @@ def test_recipe_config_validates(path, world):
     assert path.stem == f"pretrain_{spec['preset']}"
     cfg, overrides = config_from_args(
         ["--out", "runs/x", "--max-steps", "5000", "--set", "train.log_every=5"],
-        prog=str(path), **spec)
+        prog=str(path),
+        **spec,
+    )
     assert cfg.model.preset == spec["preset"] and cfg.train.max_steps == 5000
     assert cfg.ds_config == spec["ds_config"]
     ds = cfglib.load_ds_config(cfglib.find_ds_config(cfg.ds_config))
-    resolved = cfglib.resolve_ds_config(ds, source=cfg.ds_config, data_parallel_size=world,
-                                        max_steps=cfg.train.max_steps)
-    assert resolved["train_batch_size"] == (resolved["train_micro_batch_size_per_gpu"]
-                                            * resolved["gradient_accumulation_steps"] * world)
+    resolved = cfglib.resolve_ds_config(
+        ds, source=cfg.ds_config, data_parallel_size=world, max_steps=cfg.train.max_steps
+    )
+    assert resolved["train_batch_size"] == (
+        resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"] * world
+    )
     assert modellib.count_params(cfg.model.resolve(32000)) > 0
 
 
@@ -51,17 +60,38 @@ def test_cpu_machines_get_the_cpu_config():
     spec = recipe(ROOT / "recipes" / "pretrain_tiny.py")
     cfg, _ = config_from_args([], prog="recipes/pretrain_tiny.py", on_cpu=True, **spec)
     assert cfg.ds_config == "cpu.json" and cfg.out == "runs/pretrain_tiny"
-    cfg, _ = config_from_args(["--ds-config", "zero2_bf16.json"], prog="x.py", on_cpu=True,
-                              **spec)
+    cfg, _ = config_from_args(["--ds-config", "zero2_bf16.json"], prog="x.py", on_cpu=True, **spec)
     assert cfg.ds_config == "zero2_bf16.json"
 
 
 def test_recipe_flags():
     spec = recipe(ROOT / "recipes" / "pretrain_tiny.py")
     cfg, overrides = config_from_args(
-        ["--out", "o", "--data", "d", "--ds-config", "cpu.json", "--max-steps", "9",
-         "--resume", "none", "--eval-every", "3", "--save-every", "4", "--seed", "5",
-         "--set", "ds.gradient_clipping=0.5", "--local_rank", "0"], prog="x.py", **spec)
+        [
+            "--out",
+            "o",
+            "--data",
+            "d",
+            "--ds-config",
+            "cpu.json",
+            "--max-steps",
+            "9",
+            "--resume",
+            "none",
+            "--eval-every",
+            "3",
+            "--save-every",
+            "4",
+            "--seed",
+            "5",
+            "--set",
+            "ds.gradient_clipping=0.5",
+            "--local_rank",
+            "0",
+        ],
+        prog="x.py",
+        **spec,
+    )
     assert (cfg.out, cfg.data.path, cfg.ds_config, cfg.resume) == ("o", "d", "cpu.json", "none")
     assert cfg.resume_explicit
     t = cfg.train

@@ -16,11 +16,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(stdlib_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    common = ["--data", str(stdlib_data), "--max-steps", str(2 * N), "--eval-every", str(N),
-              "--save-every", str(N), *SMALL]
+    common = [
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        str(2 * N),
+        "--eval-every",
+        str(N),
+        "--save-every",
+        str(N),
+        *SMALL,
+    ]
     run_recipe(["--out", str(tmp / "full"), *common], ranks=2)
-    first = run_recipe(["--out", str(tmp / "split"), *common,
-                        "--set", f"train.stop_at_step={N}"], ranks=2)
+    first = run_recipe(
+        ["--out", str(tmp / "split"), *common, "--set", f"train.stop_at_step={N}"], ranks=2
+    )
     second = run_recipe(["--out", str(tmp / "split"), *common], ranks=2)
     return tmp / "full", tmp / "split", first, second
 

@@ -32,16 +32,26 @@ def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out_json, data_dir, run_dir, *overrides = argv
     deepspeed.init_distributed(verbose=False)
-    cfg = RunConfig(out=run_dir, ds_config="cpu.json", model=ModelConfig(preset="tiny"),
-                    train=TrainConfig(max_steps=10, seed=7))
+    cfg = RunConfig(
+        out=run_dir,
+        ds_config="cpu.json",
+        model=ModelConfig(preset="tiny"),
+        train=TrainConfig(max_steps=10, seed=7),
+    )
     cfg = apply_overrides(dataclasses_replace_data(cfg, data_dir), overrides)
     plan = plan_run(cfg, overrides)
     engine = build_engine(plan)
     before = gathered_state(engine.module)
     decayed = sorted(n for n, p in engine.module.named_parameters() if modellib.is_decayed(p))
     split = PackedSplit(data_dir, "train", seq_len=plan.seq_len)
-    stream = TokenStream(split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
-                         micro_batch=plan.micro_batch, prefetch=0)
+    stream = TokenStream(
+        split,
+        seed=cfg.train.seed,
+        rank=rank(),
+        world_size=world_size(),
+        micro_batch=plan.micro_batch,
+        prefetch=0,
+    )
     row = train_step(engine, stream, TrainState(), plan)
     after = gathered_state(engine.module)
     if rank() != 0:
@@ -55,8 +65,14 @@ def main() -> None:
     w, accum = world_size(), plan.grad_accum
     losses = []
     for r in range(w):
-        s = TokenStream(split, seed=cfg.train.seed, rank=r, world_size=w,
-                        micro_batch=plan.micro_batch, prefetch=0)
+        s = TokenStream(
+            split,
+            seed=cfg.train.seed,
+            rank=r,
+            world_size=w,
+            micro_batch=plan.micro_batch,
+            prefetch=0,
+        )
         for _ in range(accum):
             x, y = s.next_batch()
             loss = next_token_loss(ref(input_ids=x).logits, y)
@@ -90,19 +106,24 @@ def main() -> None:
     _, unclipped = reference_update(clip=False, decay_all=False)
     _, decay_all = reference_update(clip=True, decay_all=True)
     result = {
-        "engine_grad_norm": row["grad_norm"], "ref_grad_norm": ref_norm,
+        "engine_grad_norm": row["grad_norm"],
+        "ref_grad_norm": ref_norm,
         "max_norm": max_norm,
-        "diff_vs_clipped": max_diff(clipped), "diff_vs_unclipped": max_diff(unclipped),
+        "diff_vs_clipped": max_diff(clipped),
+        "diff_vs_unclipped": max_diff(unclipped),
         "diff_vs_decay_all": max_diff(decay_all),
-        "engine_loss": row["loss"], "ref_loss": sum(losses) / len(losses),
-        "lr": row["lr"], "init_max_abs_diff": init_diff,
+        "engine_loss": row["loss"],
+        "ref_loss": sum(losses) / len(losses),
+        "lr": row["lr"],
+        "init_max_abs_diff": init_diff,
         "update_max_abs": max((after[n] - before[n]).abs().max().item() for n in after),
         "decayed": decayed,
         "two_d": sorted(n for n, p in ref.named_parameters() if p.dim() >= 2),
         "embed_std": before["model.embed_tokens.weight"].std().item(),
         "lm_head_std": before["lm_head.weight"].std().item(),
         "norm_mean": before["model.norm.weight"].mean().item(),
-        "world_size": w, "grad_accum": accum,
+        "world_size": w,
+        "grad_accum": accum,
     }
     with open(out_json, "w") as f:
         json.dump(result, f)

@@ -1,0 +1,100 @@
+"""Bad input fails early with one clear paragraph, exit code 2, and loses nothing: a missing
+data directory, a ds_config that is not JSON or has a typo, a --resume path that does not
+exist, an unknown --set key, and an --out that holds a different run."""
+
+import hashlib
+import json
+
+import pytest
+
+from tests.conftest import SMALL, run_recipe
+
+
+def fail(args):
+    proc = run_recipe(args, check=False, timeout_s=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_missing_data_directory(tmp_path):
+    err = fail(["--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope")])
+    assert "--data" in err and "not a prepared data directory" in err
+    assert "anneal data prepare --input stdlib" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ds_config_not_json(stdlib_data, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": true,}\n}\n')
+    err = fail(
+        ["--out", str(tmp_path / "run"), "--data", str(stdlib_data), "--ds-config", str(bad)]
+    )
+    assert f"{bad}: not valid JSON at line 3, column" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ds_config_typo(stdlib_data, tmp_path):
+    from anneal.config import DS_CONFIG_DIR
+
+    cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
+    cfg["gradient_clipp1ng"] = cfg.pop("gradient_clipping")
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    err = fail(
+        ["--out", str(tmp_path / "run"), "--data", str(stdlib_data), "--ds-config", str(path)]
+    )
+    assert "unknown key 'gradient_clipp1ng'" in err and "did you mean 'gradient_clipping'" in err
+
+
+def test_resume_path_that_does_not_exist(stdlib_data, tmp_path):
+    err = fail(
+        [
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(stdlib_data),
+            "--resume",
+            str(tmp_path / "ckpt"),
+        ]
+    )
+    assert f"--resume {tmp_path / 'ckpt'}: no such file or directory" in err
+
+
+def test_unknown_override(stdlib_data, tmp_path):
+    err = fail(
+        ["--out", str(tmp_path / "run"), "--data", str(stdlib_data), "--set", "train.max_step=3"]
+    )
+    assert "did you mean 'max_steps'" in err
+
+
+def digest(directory):
+    h = hashlib.sha256()
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(directory)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_out_with_a_different_run_is_refused(stdlib_data, tmp_path):
+    out = tmp_path / "run"
+    base = [
+        "--out",
+        str(out),
+        "--data",
+        str(stdlib_data),
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+        *SMALL,
+    ]
+    run_recipe([*base, "--max-steps", "2"])
+    before = digest(out)
+    err = fail([*base, "--max-steps", "2", "--set", "ds.optimizer.params.lr=0.01"])
+    assert f"--out {out} holds a different run" in err
+    assert "ds_config.optimizer.params.lr: 0.003 -> 0.01" in err
+    assert digest(out) == before  # nothing written, nothing overwritten
+    # Asked explicitly, the same directory continues with the new settings.
+    proc = run_recipe([*base, "--max-steps", "4", "--resume", "auto"])
+    assert "resumed from" in proc.stdout
