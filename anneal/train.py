@@ -309,6 +309,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     )
 
     engine = build_engine(plan)
+    recompute = getattr(engine.module, "is_gradient_checkpointing", False)
+    print0(f"activation checkpointing {'on' if recompute else 'off'}")
     state = TrainState()
     metrics = MetricsLogger(plan.out)
     position = 0

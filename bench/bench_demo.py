@@ -1,0 +1,50 @@
+"""Time the main job (`make demo`): wall clock of scripts/demo.py end to end, and the training
+throughput it logged. Prints one JSON line for docs/benchmarks.md.
+
+    .venv/bin/python bench/bench_demo.py [--steps 200]
+"""
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=200)
+args = parser.parse_args()
+out = Path(tempfile.mkdtemp(prefix="anneal-bench-")) / "demo"
+start = time.time()
+subprocess.run(
+    [sys.executable, "scripts/demo.py", "--steps", str(args.steps), "--out", str(out)],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+)
+wall_s = time.time() - start
+rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+train = [r for r in rows if r["kind"] == "train"]
+steady = sorted(r["tokens_per_s"] for r in train[len(train) // 10 :])
+step_s = sum(train[-1]["tokens"] / len(train) / r["tokens_per_s"] for r in train)
+wait_s = sum(r["data_wait_s"] for r in train)
+print(
+    json.dumps(
+        {
+            "bench": "demo",
+            "steps": args.steps,
+            "wall_s": round(wall_s, 1),
+            "train_s": round(step_s, 1),
+            "startup_and_other_s": round(wall_s - step_s, 1),
+            "median_tokens_per_s": round(steady[len(steady) // 2]),
+            "data_wait_share": round(wait_s / step_s, 5),
+            "final_val_bpb": [r for r in rows if r["kind"] == "val"][-1]["val_bpb"],
+            "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+            f"{__import__('os').cpu_count()} cores",
+        }
+    )
+)
