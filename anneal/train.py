@@ -235,7 +235,8 @@ def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> di
 def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> dict:
     """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
     engine.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    byte_table = torch.from_numpy(token_bytes).to(plan.device, torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device=plan.device)  # nats, tokens, bytes
     for windows in validation_windows(
         val.n_windows,
         n_samples=plan.cfg.train.eval_samples,
@@ -243,22 +244,20 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> d
         world_size=world_size(),
         micro_batch=plan.micro_batch,
     ):
-        weight = torch.tensor([1.0 if j >= 0 else 0.0 for j in windows])
-        x, y = val.batch([max(j, 0) for j in windows])
-        logits = engine(input_ids=x.to(plan.device)).logits.float().cpu()
-        nats = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
-        mask = weight[:, None].expand_as(y).reshape(-1)
-        sums += torch.stack(
-            [
-                (nats * mask).sum().double(),
-                mask.sum().double(),
-                (torch.from_numpy(token_bytes[y.view(-1).numpy()]) * mask).sum().double(),
-            ]
+        x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
+        x, y = x.to(plan.device), y.to(plan.device)
+        weight = torch.tensor(
+            [float(j >= 0) for j in windows], dtype=torch.float64, device=plan.device
         )
+        logits = engine(input_ids=x).logits.float()
+        nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
+        sums += torch.stack([
+            (nats.double().sum(1) * weight).sum(),
+            weight.sum() * y.size(1),
+            (byte_table[y].sum(1) * weight).sum(),
+        ])  # fmt: skip
     if world_size() > 1:
-        sums = sums.to(plan.device)
         dist.all_reduce(sums)
-        sums = sums.cpu()
     engine.train()
     nats, tokens, n_bytes = sums.tolist()
     val_loss = nats / tokens
@@ -281,8 +280,11 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
 
     deepspeed.init_distributed(verbose=False)
     setup_logging()
-    if torch.device(deepspeed.get_accelerator().device_name()).type == "cpu":
+    accelerator = deepspeed.get_accelerator()
+    if accelerator.device_name() == "cpu":
         _share_cpu_threads()
+    else:  # before anything asks for "the current device"
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     plan = plan_run(cfg, overrides)
     for note in plan.notes:
         log.warning(note)
