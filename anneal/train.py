@@ -276,92 +276,49 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory)."""
-    import deepspeed
-
-    deepspeed.init_distributed(verbose=False)
-    setup_logging()
-    accelerator = deepspeed.get_accelerator()
-    if accelerator.device_name() == "cpu":
-        _share_cpu_threads()
-    else:  # before anything asks for "the current device"
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _setup_process()
     plan = plan_run(cfg, overrides)
     for note in plan.notes:
         log.warning(note)
-    plan.out.mkdir(parents=True, exist_ok=True)
-    (plan.out / "checkpoints").mkdir(exist_ok=True)
-    if is_main_process():
-        tmp = plan.out / f".config.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(plan.config_document(), indent=2) + "\n")
-        tmp.replace(plan.out / "config.json")
+    _write_run_config(plan)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
-
     data_dir = Path(cfg.data.path)
     train_split = PackedSplit(data_dir, "train", seq_len=plan.seq_len)
     val_split = PackedSplit(data_dir, "val", seq_len=plan.seq_len)
     token_bytes = np.load(data_dir / "token_bytes.npy")
     n_params = modellib.count_params(plan.preset)
-    print0(
-        f"model {cfg.model.preset}: {n_params:,} parameters ({modellib.human_count(n_params)}),"
-        f" vocab {plan.preset.vocab_size}, seq {plan.seq_len}; {world_size()} rank(s), "
-        f"global batch {plan.ds_config['train_batch_size']} x {plan.seq_len} tokens; "
-        f"ZeRO stage {plan.ds_config['zero_optimization']['stage']}, "
-        f"{'bf16' if cfglib.bf16_enabled(plan.ds_config) else 'fp32'}"
-    )
+    print0(_describe(plan, n_params))
 
     engine = build_engine(plan)
     recompute = getattr(engine.module, "is_gradient_checkpointing", False)
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
-    state = TrainState()
     metrics = MetricsLogger(plan.out)
-    position = 0
+    state, position = TrainState(), 0
     if plan.resume_from is not None:
         client = checkpoint.load(engine, plan.resume_from)
         state = TrainState(step=client["step"], tokens=client["tokens"])
         position = client["data"]["position"]
         metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
         print0(f"resumed from {plan.resume_from} at step {state.step}")
-    stream = TokenStream(
-        train_split,
-        seed=cfg.train.seed,
-        rank=rank(),
-        world_size=world_size(),
-        micro_batch=plan.micro_batch,
-        position=position,
-        prefetch=cfg.data.prefetch_batches,
-    )
+    stream = TokenStream(train_split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
+                         micro_batch=plan.micro_batch, position=position,
+                         prefetch=cfg.data.prefetch_batches)  # fmt: skip
     flops_per_token = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
     peak = device_peak_flops(plan.device)
     last_train, last_val = None, None
-    stop_at = cfg.train.stop_at_step or cfg.train.max_steps
+    end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
     try:
-        while state.step < min(stop_at, cfg.train.max_steps):
-            row = train_step(engine, stream, state, plan)
-            row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak * world_size())
-            metrics.write(row)
-            last_train = row
+        while state.step < end:
+            last_train = train_step(engine, stream, state, plan)
+            last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
+            metrics.write(last_train)
             if state.step % cfg.train.log_every == 0 or state.step == 1:
-                console_line(row, max_steps=cfg.train.max_steps)
-            if _due(state.step, cfg.train.eval_every, cfg.train.max_steps):
-                last_val = {**validate(engine, val_split, token_bytes, plan), "step": state.step}
-                metrics.write(last_val)
-                print0(
-                    f"step {state.step:>6} | val loss {last_val['val_loss']:.4f} | "
-                    f"ppl {last_val['val_ppl']:.2f} | bpb {last_val['val_bpb']:.4f}"
-                )
-            if (
-                _due(state.step, cfg.train.save_every, cfg.train.max_steps)
-                or state.step == cfg.train.stop_at_step
-            ):
-                tag_dir = checkpoint.save(
-                    engine,
-                    plan.out / "checkpoints",
-                    step=state.step,
-                    client_state={**state.state_dict(), "data": stream.state_dict()},
-                    keep_last=cfg.train.keep_last,
-                )
-                metrics.event(state.step, "checkpoint", path=str(tag_dir))
+                console_line(last_train, max_steps=cfg.train.max_steps)
+            last_val = (
+                maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
+            )
+            maybe_checkpoint(engine, stream, plan, state, metrics)
     finally:
         stream.close()
         metrics.close()
@@ -375,6 +332,66 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         "val_bpb": last_val and last_val["val_bpb"],
         "params": n_params,
     }
+
+
+def maybe_validate(engine, val, token_bytes, plan: Plan, state: TrainState, metrics) -> dict | None:
+    """Validate every ``eval_every`` steps and after the last step."""
+    if not _due(state.step, plan.cfg.train.eval_every, plan.cfg.train.max_steps):
+        return None
+    row = {**validate(engine, val, token_bytes, plan), "step": state.step}
+    metrics.write(row)
+    print0(f"step {state.step:>6} | val loss {row['val_loss']:.4f} | ppl {row['val_ppl']:.2f} | "
+           f"bpb {row['val_bpb']:.4f}")  # fmt: skip
+    return row
+
+
+def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState, metrics) -> None:
+    """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``."""
+    train = plan.cfg.train
+    if not (
+        _due(state.step, train.save_every, train.max_steps) or state.step == train.stop_at_step
+    ):
+        return
+    tag_dir = checkpoint.save(
+        engine,
+        plan.out / "checkpoints",
+        step=state.step,
+        client_state={**state.state_dict(), "data": stream.state_dict()},
+        keep_last=train.keep_last,
+    )
+    metrics.event(state.step, "checkpoint", path=str(tag_dir))
+
+
+def _setup_process() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(verbose=False)
+    setup_logging()
+    accelerator = deepspeed.get_accelerator()
+    if accelerator.device_name() == "cpu":
+        _share_cpu_threads()
+    else:  # before anything asks for "the current device"
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _write_run_config(plan: Plan) -> None:
+    """Create the run directory and write the resolved config.json (rank 0, atomically)."""
+    (plan.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if is_main_process():
+        tmp = plan.out / f".config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(plan.config_document(), indent=2) + "\n")
+        tmp.replace(plan.out / "config.json")
+
+
+def _describe(plan: Plan, n_params: int) -> str:
+    ds = plan.ds_config
+    return (
+        f"model {plan.cfg.model.preset}: {n_params:,} parameters "
+        f"({modellib.human_count(n_params)}), vocab {plan.preset.vocab_size}, "
+        f"seq {plan.seq_len}; {world_size()} rank(s), global batch {ds['train_batch_size']} x "
+        f"{plan.seq_len} tokens; ZeRO stage {ds.get('zero_optimization', {}).get('stage', 0)}, "
+        f"{'bf16' if cfglib.bf16_enabled(ds) else 'fp32'}"
+    )
 
 
 def _share_cpu_threads() -> None:

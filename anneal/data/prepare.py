@@ -48,8 +48,9 @@ def stdlib_documents() -> Iterator[Document]:
     nobody here wrote, present on every machine. Sorted, so the order is reproducible."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-    files = sorted(p for p in root.rglob("*.py")
-                   if not skip.intersection(p.relative_to(root).parts[:-1]))
+    files = sorted(
+        p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1])
+    )
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
@@ -97,22 +98,35 @@ class ShardWriter:
     def close(self) -> dict:
         if self._buf_len or not self.shards:
             self._flush(self._buf_len)
-        return {"tokens": self.tokens, "bytes": self.bytes, "documents": self.documents,
-                "shards": self.shards}
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "documents": self.documents,
+            "shards": self.shards,
+        }
 
 
-def prepare(*, inputs: list[str], out: Path, vocab_size: int = 8192, val_fraction: float = 0.02,
-            seed: int = 0, force: bool = False) -> dict:
+def prepare(
+    *,
+    inputs: list[str],
+    out: Path,
+    vocab_size: int = 8192,
+    val_fraction: float = 0.02,
+    seed: int = 0,
+    force: bool = False,
+) -> dict:
     """Train a tokenizer, tokenize and pack ``inputs`` into ``out``. Returns meta.json."""
     out = Path(out)
     if out.exists():
         if not force:
-            raise FileExistsError(f"{out} already exists. Pass --force to replace it, or choose "
-                                  f"another --out.")
+            raise FileExistsError(
+                f"{out} already exists. Pass --force to replace it, or choose another --out."
+            )
     for src in inputs:
         if src != "stdlib":
-            raise ValueError(f"--input {src}: only the embedded 'stdlib' corpus is supported "
-                             f"by this version.")
+            raise ValueError(
+                f"--input {src}: only the embedded 'stdlib' corpus is supported by this version."
+            )
     start = time.time()
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -121,8 +135,9 @@ def prepare(*, inputs: list[str], out: Path, vocab_size: int = 8192, val_fractio
         docs = list(stdlib_documents())
         train_docs = [d for d in docs if not is_validation(d, val_fraction=val_fraction)]
         model_path = partial / "tokenizer.model"
-        tok.train_sentencepiece((d.text for d in train_docs), vocab_size=vocab_size,
-                                out_path=model_path, seed=seed)
+        tok.train_sentencepiece(
+            (d.text for d in train_docs), vocab_size=vocab_size, out_path=model_path, seed=seed
+        )
         sp = tok.load(model_path)
         tok.save_hf_tokenizer(model_path, partial)
         byte_lengths = tok.token_byte_lengths(sp)

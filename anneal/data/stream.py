@@ -30,19 +30,22 @@ class PackedSplit:
         for shard in meta["splits"][split]["shards"]:
             if shard["tokens"] <= seq_len:
                 continue
-            self._shards.append(np.memmap(data_dir / split / shard["file"],
-                                          dtype=meta["dtype"], mode="r"))
+            self._shards.append(
+                np.memmap(data_dir / split / shard["file"], dtype=meta["dtype"], mode="r")
+            )
             counts.append((shard["tokens"] - 1) // seq_len)
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.n_windows = int(self._starts[-1])
         if self.n_windows == 0:
-            raise ValueError(f"{data_dir}/{split}: fewer than {seq_len + 1} tokens; prepare "
-                             f"more data or use a shorter sequence length.")
+            raise ValueError(
+                f"{data_dir}/{split}: fewer than {seq_len + 1} tokens; prepare "
+                f"more data or use a shorter sequence length."
+            )
 
     def window(self, j: int) -> np.ndarray:
         s = int(np.searchsorted(self._starts, j, side="right")) - 1
         off = (j - int(self._starts[s])) * self.seq_len
-        return np.asarray(self._shards[s][off:off + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self._shards[s][off : off + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (B, T); y is x shifted by one token."""
@@ -53,8 +56,17 @@ class PackedSplit:
 class TokenStream:
     """This rank's micro-batches of the global sample sequence, prefetched in a thread."""
 
-    def __init__(self, split: PackedSplit, *, seed: int, rank: int, world_size: int,
-                 micro_batch: int, position: int = 0, prefetch: int = 4):
+    def __init__(
+        self,
+        split: PackedSplit,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        position: int = 0,
+        prefetch: int = 4,
+    ):
         self.split = split
         self.seed = seed
         self.rank = rank
@@ -105,8 +117,9 @@ class TokenStream:
         else:
             if self._thread is None:
                 self._queue = queue.Queue(maxsize=self._prefetch)
-                self._thread = threading.Thread(target=self._worker, args=(self.position,),
-                                                daemon=True, name="anneal-prefetch")
+                self._thread = threading.Thread(
+                    target=self._worker, args=(self.position,), daemon=True, name="anneal-prefetch"
+                )
                 self._thread.start()
             item = self._queue.get()
         self.position += self.micro_batch * self.world_size
@@ -121,8 +134,9 @@ class TokenStream:
         return {"position": self.position, "seed": self.seed}
 
 
-def validation_windows(n_windows: int, *, n_samples: int, rank: int, world_size: int,
-                       micro_batch: int) -> list[list[int]]:
+def validation_windows(
+    n_windows: int, *, n_samples: int, rank: int, world_size: int, micro_batch: int
+) -> list[list[int]]:
     """The fixed held-out set (the first ``n_samples`` windows of the val split, in order),
     dealt round-robin to ranks and cut into micro-batches. Every rank gets the same number of
     batches (ZeRO-3 forwards are collective); -1 marks padding that carries no weight."""
@@ -131,4 +145,4 @@ def validation_windows(n_windows: int, *, n_samples: int, rank: int, world_size:
     per_rank = -(-n // world_size)
     batches = -(-per_rank // micro_batch)
     mine += [-1] * (batches * micro_batch - len(mine))
-    return [mine[b * micro_batch:(b + 1) * micro_batch] for b in range(batches)]
+    return [mine[b * micro_batch : (b + 1) * micro_batch] for b in range(batches)]

@@ -35,9 +35,16 @@ def _chunks(texts: Iterable[str], *, max_chars: int = 1000) -> Iterator[str]:
             yield "".join(buf)
 
 
-def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, out_path: Path,
-                        model_type: str = "bpe", sample_sentences: int = 200_000,
-                        seed: int = 0, num_threads: int = 2) -> None:
+def train_sentencepiece(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    out_path: Path,
+    model_type: str = "bpe",
+    sample_sentences: int = 200_000,
+    seed: int = 0,
+    num_threads: int = 2,
+) -> None:
     """Train on at most ``sample_sentences`` sentences drawn from ``texts`` and write
     ``out_path`` (a ``tokenizer.model``)."""
     import sentencepiece as spm
@@ -99,7 +106,15 @@ def save_hf_tokenizer(model_path: Path, out_dir: Path) -> None:
     ``AutoTokenizer.from_pretrained(out_dir)`` loads the same vocabulary."""
     from transformers import LlamaTokenizer
 
-    tok = LlamaTokenizer(vocab_file=str(model_path), add_bos_token=False, add_eos_token=False,
-                         legacy=False, add_prefix_space=False, unk_token="<unk>",
-                         eos_token="</s>", bos_token=None, pad_token=None)
+    tok = LlamaTokenizer(
+        vocab_file=str(model_path),
+        add_bos_token=False,
+        add_eos_token=False,
+        legacy=False,
+        add_prefix_space=False,
+        unk_token="<unk>",
+        eos_token="</s>",
+        bos_token=None,
+        pad_token=None,
+    )
     tok.save_pretrained(str(out_dir))
