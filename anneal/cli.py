@@ -38,12 +38,14 @@ def _data_prepare(args: argparse.Namespace) -> int:
     )
     splits = meta["splits"]
     skipped = meta["skipped"]
+    baseline_split = "val" if splits["val"]["tokens"] else "train"
     print(
         f"prepared {args.out}: vocab {meta['vocab_size']} ({meta['dtype']}), "
         f"train {splits['train']['tokens']:,} tokens / {splits['train']['documents']} docs, "
         f"val {splits['val']['tokens']:,} tokens / {splits['val']['documents']} docs, "
         f"in {meta['seconds']} s; unigram baseline "
-        f"{unigram_entropy_bits_per_byte(Path(args.out), 'train'):.3f} bits/byte"
+        f"{unigram_entropy_bits_per_byte(Path(args.out), baseline_split):.3f} bits/byte "
+        f"({baseline_split})"
         + (f"; skipped {skipped['records']} bad records" if skipped["records"] else "")
         + (f", {skipped['empty_files']} empty files" if skipped["empty_files"] else "")
     )

@@ -89,7 +89,11 @@ def _file_digests(out: Path) -> dict[str, str]:
 
 
 def _stable_meta(out: Path) -> dict:
-    return {k: v for k, v in _meta(out).items() if k not in ("seconds", "command")}
+    return {
+        k: v
+        for k, v in _meta(out).items()
+        if k not in ("seconds", "command", "pack_seconds", "pack_mb_per_s", "workers")
+    }
 
 
 def test_text_directory_round_trips_and_splits_by_document(corpus, tmp_path):

@@ -1,11 +1,11 @@
 """Tokenizers lose no text and agree with Hugging Face.
 
 Proves: text -> ids -> text is the identity for a trained tokenizer (BPE and unigram) on text
-it never saw, byte fallback included; encoding line by line gives the ids of encoding whole;
-``AutoTokenizer.from_pretrained(DIR)`` encodes the ids SentencePiece does (on real source code
-and on adversarial strings); ``token_bytes.npy`` counts exactly the UTF-8 bytes of every text;
-and a reused SentencePiece model or Hugging Face tokenizer directory prepares shards whose ids
-are the ones that tokenizer gives.
+it never saw, byte fallback included; encoding line by line gives the ids of encoding whole
+(BPE); ``AutoTokenizer.from_pretrained(DIR)`` encodes the ids SentencePiece does and decodes
+them back (on real source code and on adversarial strings); ``token_bytes.npy`` counts exactly
+the UTF-8 bytes of every text; and a reused SentencePiece model or Hugging Face tokenizer
+directory prepares shards whose ids are the ones that tokenizer gives.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_autotokenizer_encodes_the_same_ids(trained):
     texts = [*UNSEEN, *_corpus_texts(), *_fuzz(300, seed=2)]
     for text, ids in zip(texts, tok.encode_batch(texts), strict=True):
         assert hf.encode(text, add_special_tokens=False) == ids, repr(text[:60])
-    assert hf.eos_token_id == toklib.EOS_ID
+        assert hf.decode(ids) == text
+    assert hf.eos_token_id == toklib.EOS_ID and hf.convert_ids_to_tokens(1) == "</s>"
 
 
 def test_token_bytes_count_every_utf8_byte(trained):

@@ -20,7 +20,7 @@ from anneal.data import tokenizer as toklib
 from anneal.data.sources import Problems, ReadOptions, Unit, read_unit
 
 SPLITS = ("train", "val")
-ENCODE_BATCH_CHARS = 1 << 20  # characters encoded per tokenizer call (bounds list-of-int memory)
+ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 
 _WORKER: dict = {}
 

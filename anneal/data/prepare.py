@@ -171,38 +171,13 @@ def _remove_stale_partials(out: Path) -> None:
 def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], start: float):
     problems = Problems(cfg.read.on_error)
     units = {s.index: _unit_list(s, cfg.read, problems) for s in sources}
-    if cfg.tokenizer is not None:
-        tok_info = toklib.install(cfg.tokenizer, partial)
-    else:
-        t0 = time.time()
-        texts = _tokenizer_sample(sources, units, cfg, Problems(cfg.read.on_error, quiet=True))
-        model_path = partial / "tokenizer.model"
-        sample = _Counted(texts)
-        toklib.train_sentencepiece(
-            sample,
-            vocab_size=cfg.vocab_size,
-            out_path=model_path,
-            model_type=cfg.model_type,
-            seed=cfg.seed,
-        )
-        toklib.save_hf_files(model_path, partial)
-        tok_info = {
-            "kind": "sentencepiece",
-            "trained": True,
-            "model_type": cfg.model_type,
-            "sample_bytes": sample.bytes,
-        }
-        log.info(
-            "trained a %s tokenizer of %d pieces on %.1f MB in %.1f s",
-            cfg.model_type,
-            cfg.vocab_size,
-            sample.bytes / 1e6,
-            time.time() - t0,
-        )
+    tok_info = _in_child(_make_tokenizer, partial, cfg, sources, units)
     tok = toklib.load(partial)
     dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
     np.save(partial / "token_bytes.npy", tok.token_bytes())
+    t_pack = time.time()
     splits, per_source, nbytes = _pack_all(partial, cfg, sources, units, tok, dtype, problems)
+    pack_s = time.time() - t_pack
     for s in sources:
         docs = sum(per_source[split][s.name]["documents"] for split in pack.SPLITS)
         if docs == 0:
@@ -244,6 +219,9 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         "python": sys.version.split()[0],
         "input_bytes": nbytes,
         "seconds": round(seconds, 1),
+        "pack_seconds": round(pack_s, 2),
+        "pack_mb_per_s": round(nbytes / 1e6 / max(pack_s, 1e-9), 2),
+        "workers": cfg.workers or default_workers(),
     }
     (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -256,6 +234,70 @@ def _source_meta(s: Source, per_source: dict) -> dict:
     train = per_source["train"][s.name]
     entry["train_tokens"] = train["tokens"]
     return entry
+
+
+def _make_tokenizer(partial: Path, cfg: PrepareConfig, sources: list[Source], units) -> dict:
+    """Train (or install) the tokenizer and write its Hugging Face files; returns its entry for
+    meta.json. Runs in a child process (:func:`_in_child`)."""
+    if cfg.tokenizer is not None:
+        return toklib.install(cfg.tokenizer, partial)
+    t0 = time.time()
+    texts = _tokenizer_sample(sources, units, cfg, Problems(cfg.read.on_error, quiet=True))
+    model_path = partial / "tokenizer.model"
+    sample = _Counted(texts)
+    toklib.train_sentencepiece(
+        sample,
+        vocab_size=cfg.vocab_size,
+        out_path=model_path,
+        model_type=cfg.model_type,
+        seed=cfg.seed,
+    )
+    toklib.save_hf_files(model_path, partial)
+    log.info(
+        "trained a %s tokenizer of %d pieces on %.1f MB in %.1f s",
+        cfg.model_type,
+        cfg.vocab_size,
+        sample.bytes / 1e6,
+        time.time() - t0,
+    )
+    return {
+        "kind": "sentencepiece",
+        "trained": True,
+        "model_type": cfg.model_type,
+        "sample_bytes": sample.bytes,
+    }
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child process, so that the memory it takes (SentencePiece's
+    trainer holds the whole sample; transformers is large) goes back to the OS before the
+    workers are forked for packing. Exceptions come back as they were raised."""
+    if "fork" not in mp.get_all_start_methods():
+        return fn(*args)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def target():
+        try:
+            send.send((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+            try:
+                send.send((False, e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                send.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+    child = ctx.Process(target=target, name="anneal-tokenizer")
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the tokenizer process died (exit code {child.exitcode})") from None
+    finally:
+        child.join()
+    if not ok:
+        raise value
+    return value
 
 
 def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
@@ -506,10 +548,17 @@ def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float
     data_dir = Path(data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     counts = np.zeros(meta["vocab_size"], dtype=np.int64)
+    dtype = np.dtype(meta["dtype"])
+    chunk = 1 << 20  # ids read at a time: bounded memory for any split size
     for shard in meta["splits"][split]["shards"]:
-        ids = np.memmap(data_dir / split / shard["file"], dtype=meta["dtype"], mode="r")
-        for k in range(0, len(ids), 1 << 24):
-            counts += np.bincount(ids[k : k + (1 << 24)], minlength=meta["vocab_size"])
+        for k in range(0, shard["tokens"], chunk):
+            ids = np.fromfile(
+                data_dir / split / shard["file"],
+                dtype=dtype,
+                count=min(chunk, shard["tokens"] - k),
+                offset=k * dtype.itemsize,
+            )
+            counts += np.bincount(ids, minlength=meta["vocab_size"])
     p = counts[counts > 0] / counts.sum()
     bits_per_token = float(-(p * np.log2(p)).sum())
     split_meta = meta["splits"][split]

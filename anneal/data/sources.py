@@ -319,7 +319,7 @@ def _file_units(source: Source, path: Path, rel: str, opts: ReadOptions, problem
     size = path.stat().st_size
     fmt = file_format(path)
     if size == 0:
-        problems.empty(str(path))
+        problems.empty(f"{source.name}:{rel}")
         return
     common = dict(source=source.index, label=source.name, path=str(path), rel=rel, size=size)
     if fmt == "parquet":
@@ -590,34 +590,37 @@ def _line_number(path: str, offset: int) -> int:
     return count
 
 
-def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes, str]]:
-    """(offset, line, location) of the unit's lines."""
+def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes, int]]:
+    """(offset, line, line number or 0 when not counted) of the unit's lines."""
     if unit.compressed:
         with gzip.open(unit.path, "rb") as f:
             for n, line in enumerate(f, start=1):
-                yield n, line, f"{unit.path}:{n}"
+                yield n, line, n
         return
     for pos, line in _aligned_lines(unit.path, unit.start, unit.end):
-        yield pos, line, ""
+        yield pos, line, 0
 
 
 def _read_jsonl(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[Record]:
     key = opts.text_field
-    for pos, line, where in _jsonl_lines(unit):
+
+    def where(pos: int, lineno: int) -> str:  # counted only for a message
+        return f"{unit.path}:{lineno or _line_number(unit.path, pos)}"
+
+    for pos, line, lineno in _jsonl_lines(unit):
         if not line.strip():
             continue
-        where = where or f"{unit.path}:{_line_number(unit.path, pos)}"
         try:
             obj = json.loads(line)
         except UnicodeDecodeError:
-            _decode(line, where, 0, problems)
+            _decode(line, where(pos, lineno), 0, problems)
             continue
         except ValueError as e:
-            problems.bad(where, f"not JSON ({e})", "Fix or remove the line")
+            problems.bad(where(pos, lineno), f"not JSON ({e})", "Fix or remove the line")
             continue
         if not isinstance(obj, dict):
             problems.bad(
-                where,
+                where(pos, lineno),
                 f"a JSON {type(obj).__name__}, not an object",
                 "Each line must be one JSON object",
             )
@@ -629,7 +632,7 @@ def _read_jsonl(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[R
                 if key not in obj
                 else f"field {key!r} is {type(text).__name__}, not a string"
             )
-            problems.bad(where, what, "Pass --text-field with the text's key")
+            problems.bad(where(pos, lineno), what, "Pass --text-field with the text's key")
             continue
         if text:
             yield Record(f"{unit.rel}:{pos}", text, True, True)

@@ -295,46 +295,108 @@ def _hf_token_bytes(tk, vocab_size: int) -> np.ndarray:
     return lengths
 
 
-def save_hf_files(model_path: Path, out_dir: Path) -> None:
-    """Write Hugging Face tokenizer files beside ``tokenizer.model`` so that
-    ``AutoTokenizer.from_pretrained(out_dir)`` encodes the same ids as SentencePiece.
+def spm_to_hf(proto):
+    """A ``tokenizers.Tokenizer`` that encodes like SentencePiece ``proto`` (BPE or unigram).
 
-    Built with transformers' own SentencePiece converter, with changes that make the ids equal:
-    SentencePiece never emits a control piece such as ``</s>`` for text that spells it, so BPE
-    does not take whole pre-tokens from the vocabulary, unigram scores those pieces out of
-    reach, and special tokens in text are split as text (``split_special_tokens``)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SpmConverter
+    Follows transformers' ``SpmConverter.build_tokenizer_from_spm_proto`` (normaliser spec,
+    BPE merges ranked by piece score, user-defined pieces isolated, byte fallback), needing only
+    the ``tokenizers`` library, with changes that make the ids equal where SentencePiece never
+    matches a piece in text: control, unknown and byte pieces (``</s>``, ``<0x41>``)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE, Unigram
 
-    proto = _proto(model_path)
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
     user_defined = [p.piece for p in proto.pieces if p.type == _USER_DEFINED]
-    if proto.trainer_spec.model_type == 1:  # UNIGRAM
-        # SentencePiece never matches control, unknown or byte pieces in text ("</s>",
-        # "<0x41>"); Viterbi over HF's lattice would, unless they score out of reach.
+    if spec.model_type == 1:  # UNIGRAM: unmatchable pieces score out of Viterbi's reach
         vocab = [
             (p.piece, -1e9 if p.type in (_UNKNOWN, _CONTROL, _BYTE) else p.score)
             for p in proto.pieces
         ]
-    else:
+        tk = Tokenizer(Unigram(vocab, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    elif spec.model_type == 2:  # BPE: merges only between ordinary pieces, best score first
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    tk = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
-    if tk is None:
-        raise ValueError(f"{model_path}: cannot convert this SentencePiece model type.")
-    if all(len(p) == 1 for p in user_defined) and proto.trainer_spec.model_type != 1:
-        tk.model.ignore_merges = False
-    special = {"unk_token": proto.trainer_spec.unk_piece or "<unk>"}
-    if proto.trainer_spec.eos_id >= 0:
-        special["eos_token"] = proto.pieces[proto.trainer_spec.eos_id].piece
-    if proto.trainer_spec.bos_id >= 0:
-        special["bos_token"] = proto.pieces[proto.trainer_spec.bos_id].piece
-    wrapper = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=True,
-        add_prefix_space=False,
+        normal = {p.piece: (p.score, i) for i, p in enumerate(proto.pieces) if p.type == 1}
+        ranked = []
+        for piece, (score, i) in normal.items():
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in normal and right in normal:
+                    ranked.append((-score, i, left, right))
+        merges = [(left, right) for _, _, left, right in sorted(ranked)]
+        tk = Tokenizer(
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                unk_token=spec.unk_piece,
+                fuse_unk=True,
+                byte_fallback=spec.byte_fallback,
+                # whole pre-tokens are looked up only if a user-defined piece needs it
+                ignore_merges=any(len(p) > 1 for p in user_defined),
+            )
+        )
+    else:
+        raise ValueError("only BPE and unigram SentencePiece models can be converted")
+    steps = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex(r"\A +| +\z"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    tk.normalizer = normalizers.Sequence(steps)
+    pre = []
+    if norm.add_dummy_prefix:  # SentencePiece prefixes the text once, not each piece of it
+        pre.append(
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        )
+    if user_defined:
+        pattern = "|".join(re.escape(p) for p in sorted(user_defined, key=len, reverse=True))
+        pre.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+    if pre:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    dec = [decoders.Replace("\u2581", " ")]
+    if spec.byte_fallback:
+        dec.append(decoders.ByteFallback())
+    dec.append(decoders.Fuse())
+    if norm.add_dummy_prefix:
+        dec.append(decoders.Strip(content=" ", left=1))
+    tk.decoder = decoders.Sequence(dec)
+    return tk
+
+
+def save_hf_files(model_path: Path, out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` beside ``tokenizer.model`` so that
+    ``AutoTokenizer.from_pretrained(out_dir)`` encodes the same ids as SentencePiece (with
+    ``add_special_tokens=False``; text that spells ``</s>`` stays text, as in SentencePiece:
+    ``split_special_tokens``). Needs only ``tokenizers``, not transformers."""
+    from tokenizers import AddedToken
+
+    proto = _proto(model_path)
+    tk = spm_to_hf(proto)
+    spec = proto.trainer_spec
+    special = {"unk_token": proto.pieces[spec.unk_id].piece}
+    if spec.eos_id >= 0:
+        special["eos_token"] = proto.pieces[spec.eos_id].piece
+    if spec.bos_id >= 0:
+        special["bos_token"] = proto.pieces[spec.bos_id].piece
+    if spec.pad_id >= 0:
+        special["pad_token"] = proto.pieces[spec.pad_id].piece
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
+    tk.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "pad_token": None,
         **special,
-    )
-    wrapper.save_pretrained(str(out_dir))
+        "split_special_tokens": True,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000_000_000_000_019_884_624_838_656,  # transformers' "none"
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def install(source: Path | None, out_dir: Path) -> dict:
