@@ -277,3 +277,39 @@ def test_stdlib_through_the_cli(tmp_path, capsys):
     # Rerunning without --force refuses; with it, replaces.
     assert main(["data", "prepare", "--input", "stdlib", "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_dataset_dict_split_and_streamed_local_dataset(tokenizer_model, tmp_path):
+    """A saved DatasetDict by split, and ``hf:PATH?streaming=1`` (records read by the parent
+    and sent to the workers in batches) give the same documents."""
+    import datasets
+
+    texts = list(_texts().values())
+    saved = tmp_path / "dd"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": texts[:5]}),
+            "test": datasets.Dataset.from_dict({"text": texts[5:9]}),
+        }
+    ).save_to_disk(str(saved))
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "part.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[9:]))
+    out = tmp_path / "out"
+    meta = prepare(
+        inputs=[str(saved), f"hf:{saved}?split=test", f"hf:{raw}?streaming=1"],
+        out=out,
+        tokenizer=tokenizer_model,
+        val_fraction=0.0,
+        unit_bytes=30_000,
+        workers=2,
+        progress=False,
+    )
+    assert [s["kind"] for s in meta["sources"]] == ["arrow", "arrow", "hub"]
+    docs = read_documents(out, "train")
+    names = [s["name"] for s in meta["sources"]]
+    assert docs[names[0]] == texts[:5]
+    assert docs[names[1]] == texts[5:9]
+    assert docs[names[2]] == texts[9:]
+    with pytest.raises(ValueError, match="has splits train, test"):
+        prepare(inputs=[f"hf:{saved}?split=dev"], out=tmp_path / "o2", progress=False)

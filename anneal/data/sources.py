@@ -108,7 +108,9 @@ class Unit:
     """Byte offset (text, jsonl), row group (parquet) or first row (arrow)."""
     end: int = 0
     size: int = 0
-    """Whole file size in bytes (text, jsonl); first row of the row group (parquet)."""
+    """Whole file size in bytes (text, jsonl)."""
+    first_row: int = 0
+    """Index of the unit's first row in its file (parquet), for document names."""
     compressed: bool = False
     records: tuple = ()
     nbytes: int = 0
@@ -194,16 +196,26 @@ def _parse(spec: str, index: int) -> Source:
         name = url.path
         if not name:
             raise ValueError(f"--input {spec}: give a dataset name or path after 'hf:'.")
+        if _is_saved_dataset(Path(name)):  # save_to_disk output: load_dataset cannot read it
+            return Source(
+                index=index,
+                spec=spec,
+                name=_saved_dataset_name(Path(name), query),
+                kind="arrow",
+                weight=weight,
+                path=name,
+                query=query,
+            )
         return Source(
             index=index, spec=spec, name=name, kind="hub", weight=weight, path=name, query=query
         )
     path = Path(spec)
     if path.is_dir():
-        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        if _is_saved_dataset(path):
             return Source(
                 index=index,
                 spec=spec,
-                name=path.resolve().name,
+                name=_saved_dataset_name(path, {}),
                 kind="arrow",
                 weight=weight,
                 path=str(path),
@@ -230,6 +242,19 @@ def _parse(spec: str, index: int) -> Source:
         f"--input {spec}: no such file or directory. Give a file, a directory, a glob, "
         f"'stdlib', or hf:NAME for a Hugging Face dataset."
     )
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _saved_dataset_name(path: Path, query: dict) -> str:
+    """The directory's name, and the split's for a DatasetDict (``dd/test``)."""
+    name = path.resolve().name
+    if (path / "dataset_dict.json").is_file():
+        name += "/" + query.get("split", "train")
+    return name
 
 
 def _synth_meta(path: Path) -> dict | None:
@@ -337,7 +362,8 @@ def _file_units(source: Source, path: Path, rel: str, opts: ReadOptions, problem
             rows = md.row_group(g).num_rows
             group_bytes = md.row_group(g).total_byte_size
             yield Unit(
-                **{**common, "size": first_row},
+                **common,
+                first_row=first_row,
                 fmt="parquet",
                 start=g,
                 end=rows,
@@ -363,7 +389,7 @@ def _arrow_files(path: Path, source: Source) -> list[Path]:
         if split not in splits:
             raise ValueError(
                 f"--input {source.spec}: this DatasetDict has splits {', '.join(splits)}; "
-                f"choose one with hf:{path}?split=NAME."
+                f"choose one with --input 'hf:{path}?split=NAME'."
             )
         path = path / split
     state = json.loads((path / "state.json").read_text())
@@ -641,7 +667,7 @@ def _read_jsonl(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[R
 def _read_parquet(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    row = unit.size  # first row of this row group
+    row = unit.first_row
     pf = pq.ParquetFile(unit.path)
     for batch in pf.iter_batches(
         batch_size=1024, row_groups=[unit.start], columns=[opts.text_field]
