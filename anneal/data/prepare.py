@@ -127,6 +127,7 @@ def _check_config(cfg: PrepareConfig) -> None:
 
 
 def run(cfg: PrepareConfig) -> dict:
+    """:func:`prepare` for a ready :class:`PrepareConfig`."""
     _check_config(cfg)
     out = cfg.out
     if out.exists() and not cfg.force:
