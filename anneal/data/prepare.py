@@ -1,173 +1,545 @@
-"""Tokenize documents and pack them into train/val shards (the data contract in DESIGN.md).
+"""``anneal data prepare``: sources -> tokenizer -> packed train/val shards (DESIGN.md).
 
 Output layout::
 
-    DIR/meta.json           vocab size, dtype, counts per split, tokenizer hash, sources
-    DIR/tokenizer.model     SentencePiece model (+ Hugging Face tokenizer files)
-    DIR/token_bytes.npy     UTF-8 bytes per token id (for bits per byte)
-    DIR/train/shard_00000.bin ...   packed uint16/uint32 ids, documents separated by EOS
-    DIR/val/shard_00000.bin ...
+    DIR/meta.json               vocab size, dtype, counts per split and source, tokenizer hash,
+                                sources and weights, the command
+    DIR/tokenizer.model         SentencePiece model (absent for a reused HF tokenizer)
+    DIR/tokenizer.json ...      Hugging Face files: AutoTokenizer.from_pretrained(DIR)
+    DIR/token_bytes.npy         UTF-8 bytes per token id (for bits per byte)
+    DIR/train/00_00000.bin ...  packed ids of source 00 (uint16, or uint32 for vocabularies
+                                over 65536), documents separated by EOS, little-endian
+    DIR/train/00_docs.bin       uint64 end offset of each document of source 00
+    DIR/val/...                 the same for the validation documents
 
 Everything is written into ``DIR.partial-<pid>`` and renamed at the end, so an interrupted
-prepare never leaves a directory that looks complete.
+prepare never leaves a directory that looks complete. Memory is bounded by the work-unit size
+times the units in flight (two per worker), however large the input.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import multiprocessing as mp
 import os
 import shutil
 import sys
-import sysconfig
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from anneal.data import tokenizer as tok
+from anneal.data import pack
+from anneal.data import tokenizer as toklib
+from anneal.data.sources import (
+    Problems,
+    ReadOptions,
+    Source,
+    Unit,
+    list_units,
+    parse_inputs,
+    read_unit,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-SHARD_TOKENS = 16 * 1024 * 1024  # tokens per shard file (32 MiB at uint16)
+FORMAT_VERSION = 2
+SHARD_TOKENS = 16 * 1024 * 1024  # ids per shard file (32 MiB at uint16)
+DTYPES = ("auto", "uint16", "uint32")
+_SAMPLE_UNITS = 256  # units a bounded tokenizer sample is spread over, per source
 
 
 @dataclass(frozen=True, kw_only=True)
-class Document:
-    source: str
-    name: str
-    text: str
+class PrepareConfig:
+    """Everything ``anneal data prepare`` takes; defaults are the CLI's."""
+
+    inputs: tuple[str, ...]
+    """--input values: SRC or SRC:WEIGHT (see anneal.data.sources)."""
+    out: Path
+    vocab_size: int = 8192
+    """Ids of a trained tokenizer (256 byte pieces included)."""
+    model_type: str = "bpe"
+    """bpe | unigram (a trained tokenizer)."""
+    tokenizer: Path | None = None
+    """Reuse this SentencePiece model or HF tokenizer directory instead of training."""
+    tokenizer_sample_mb: float = 64.0
+    """Training documents the tokenizer learns from, in MB, spread over the inputs."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of each name)."""
+    seed: int = 0
+    workers: int = 0
+    """Tokenizer processes; 0: every core this process may use."""
+    dtype: str = "auto"
+    """auto | uint16 | uint32: the id type of the shards."""
+    shard_tokens: int = SHARD_TOKENS
+    read: ReadOptions = ReadOptions()
+    force: bool = False
+    """Replace an existing --out."""
+    progress: bool = True
+    """Progress line with MB/s on stderr."""
+    command: str = ""
+    """Recorded in meta.json; default: this process's argv."""
 
 
-def stdlib_documents() -> Iterator[Document]:
-    """The running Python's standard-library source, without its test suites: real text
-    nobody here wrote, present on every machine. Sorted, so the order is reproducible."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-    files = sorted(
-        p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1])
-    )
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if text.strip():
-            yield Document(source="stdlib", name=str(path.relative_to(root)), text=text)
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
-def is_validation(doc: Document, *, val_fraction: float) -> bool:
-    """Deterministic split by document: a hash of its name, not its position."""
-    digest = hashlib.sha256(f"{doc.source}/{doc.name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+def prepare(*, inputs: list[str], out: Path, **options) -> dict:
+    """Train or install a tokenizer, tokenize and pack ``inputs`` into ``out``. Returns the
+    meta.json dict. Options are the fields of :class:`PrepareConfig`; ``text_field``,
+    ``include``, ``exclude``, ``on_error``, ``streaming`` and ``unit_bytes`` go to
+    :class:`ReadOptions`."""
+    read_keys = {"text_field", "include", "exclude", "on_error", "streaming", "unit_bytes"}
+    read = {k: options.pop(k) for k in list(options) if k in read_keys}
+    for k in ("include", "exclude"):
+        if k in read:
+            read[k] = tuple(read[k] or ())
+    cfg = PrepareConfig(inputs=tuple(inputs), out=Path(out), read=ReadOptions(**read), **options)
+    return run(cfg)
 
 
-class ShardWriter:
-    """Appends token ids to fixed-size shard files of one split."""
-
-    def __init__(self, directory: Path, dtype: np.dtype):
-        self.dir = directory
-        self.dir.mkdir(parents=True)
-        self.dtype = dtype
-        self.shards: list[dict] = []
-        self.tokens = 0
-        self.bytes = 0
-        self.documents = 0
-        self._buf: list[np.ndarray] = []
-        self._buf_len = 0
-
-    def add(self, ids: list[int], n_bytes: int) -> None:
-        self._buf.append(np.asarray(ids, dtype=self.dtype))
-        self._buf_len += len(ids)
-        self.tokens += len(ids)
-        self.bytes += n_bytes
-        self.documents += 1
-        while self._buf_len >= SHARD_TOKENS:
-            self._flush(SHARD_TOKENS)
-
-    def _flush(self, n: int) -> None:
-        data = np.concatenate(self._buf) if self._buf else np.zeros(0, self.dtype)
-        head, tail = data[:n], data[n:]
-        name = f"shard_{len(self.shards):05d}.bin"
-        head.tofile(self.dir / name)
-        self.shards.append({"file": name, "tokens": int(len(head))})
-        self._buf = [tail] if len(tail) else []
-        self._buf_len = len(tail)
-
-    def close(self) -> dict:
-        if self._buf_len or not self.shards:
-            self._flush(self._buf_len)
-        return {
-            "tokens": self.tokens,
-            "bytes": self.bytes,
-            "documents": self.documents,
-            "shards": self.shards,
-        }
+def _check_config(cfg: PrepareConfig) -> None:
+    if not 0 <= cfg.val_fraction < 1:
+        raise ValueError(f"--val-fraction {cfg.val_fraction}: give a share in [0, 1), e.g. 0.02.")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
+    if cfg.workers < 0:
+        raise ValueError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
+    if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= 2**31 - 1:
+        raise ValueError(
+            f"--vocab-size {cfg.vocab_size}: a trained vocabulary holds 256 byte "
+            f"pieces plus control and merged pieces; give at least 260."
+        )
+    if cfg.shard_tokens < 1024:
+        raise ValueError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
+    if cfg.tokenizer_sample_mb <= 0:
+        raise ValueError(f"--tokenizer-sample-mb {cfg.tokenizer_sample_mb}: give a size above 0.")
+    if not cfg.inputs:
+        raise ValueError("give at least one --input (e.g. --input stdlib).")
 
 
-def prepare(
-    *,
-    inputs: list[str],
-    out: Path,
-    vocab_size: int = 8192,
-    val_fraction: float = 0.02,
-    seed: int = 0,
-    force: bool = False,
-) -> dict:
-    """Train a tokenizer, tokenize and pack ``inputs`` into ``out``. Returns meta.json."""
-    out = Path(out)
-    if out.exists():
-        if not force:
-            raise FileExistsError(
-                f"{out} already exists. Pass --force to replace it, or choose another --out."
-            )
-    for src in inputs:
-        if src != "stdlib":
-            raise ValueError(
-                f"--input {src}: only the embedded 'stdlib' corpus is supported by this version."
-            )
+def run(cfg: PrepareConfig) -> dict:
+    """:func:`prepare` for a ready :class:`PrepareConfig`."""
+    _check_config(cfg)
+    out = cfg.out
+    if out.exists() and not cfg.force:
+        raise FileExistsError(
+            f"{out} already exists. Pass --force to replace it, or choose another --out."
+        )
+    sources = parse_inputs(list(cfg.inputs))
+    _remove_stale_partials(out)
     start = time.time()
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        docs = list(stdlib_documents())
-        train_docs = [d for d in docs if not is_validation(d, val_fraction=val_fraction)]
-        model_path = partial / "tokenizer.model"
-        tok.train_sentencepiece(
-            (d.text for d in train_docs), vocab_size=vocab_size, out_path=model_path, seed=seed
-        )
-        sp = tok.load(model_path)
-        tok.save_hf_tokenizer(model_path, partial)
-        byte_lengths = tok.token_byte_lengths(sp)
-        np.save(partial / "token_bytes.npy", byte_lengths)
-        dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 2**16 else np.uint32)
-        writers = {split: ShardWriter(partial / split, dtype) for split in ("train", "val")}
-        for doc in docs:
-            ids = sp.encode(doc.text) + [tok.EOS_ID]
-            split = "val" if is_validation(doc, val_fraction=val_fraction) else "train"
-            writers[split].add(ids, len(doc.text.encode("utf-8")))
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "vocab_size": sp.get_piece_size(),
-            "eos_id": tok.EOS_ID,
-            "dtype": dtype.name,
-            "tokenizer_sha256": tok.file_sha256(model_path),
-            "sources": [{"name": s, "weight": 1.0} for s in inputs],
-            "val_fraction": val_fraction,
-            "splits": {split: w.close() for split, w in writers.items()},
-            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-            "python": sys.version.split()[0],
-            "seconds": round(time.time() - start, 1),
-        }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        meta = _prepare_into(partial, cfg, sources, start)
         if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+            old = out.with_name(f"{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    return meta
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Delete ``OUT.partial-PID`` directories of prepares that died (their PID is gone)."""
+    parent = out.parent if out.parent.exists() else None
+    for p in parent.glob(f"{out.name}.partial-*") if parent else ():
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by an interrupted prepare", p)
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue
+
+
+def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], start: float):
+    problems = Problems(cfg.read.on_error)
+    units = {s.index: _unit_list(s, cfg.read, problems) for s in sources}
+    tok_info = _in_child(_make_tokenizer, partial, cfg, sources, units)
+    tok = toklib.load(partial)
+    dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
+    np.save(partial / "token_bytes.npy", tok.token_bytes())
+    t_pack = time.time()
+    splits, per_source, nbytes = _pack_all(partial, cfg, sources, units, tok, dtype, problems)
+    pack_s = time.time() - t_pack
+    for s in sources:
+        docs = sum(per_source[split][s.name]["documents"] for split in pack.SPLITS)
+        if docs == 0:
+            raise ValueError(
+                f"--input {s.spec}: no documents (every file empty or every record skipped). "
+                f"Check the input and --text-field."
+            )
+    if problems.empty_files:
+        log.warning(
+            "skipped %d empty file(s), e.g. %s",
+            problems.empty_files,
+            ", ".join(problems.empty_examples),
+        )
+    if splits["val"]["documents"] == 0 and cfg.val_fraction > 0:
+        log.warning(
+            "the val split is empty: raise --val-fraction (documents are held out by "
+            "a hash of their name, so a small input may get none)"
+        )
+    seconds = time.time() - start
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": dtype.name,
+        "tokenizer_sha256": toklib.tokenizer_sha256(partial),
+        "tokenizer": tok_info,
+        "sources": [_source_meta(s, per_source) for s in sources],
+        "blend": "weighted" if sources[0].weight is not None else "natural",
+        "val_fraction": cfg.val_fraction,
+        "seed": cfg.seed,
+        "shard_tokens": cfg.shard_tokens,
+        "splits": {split: {**splits[split], "sources": per_source[split]} for split in splits},
+        "skipped": {
+            "records": problems.skipped,
+            "empty_files": problems.empty_files,
+            "examples": problems.examples,
+        },
+        "command": cfg.command or " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "python": sys.version.split()[0],
+        "input_bytes": nbytes,
+        "seconds": round(seconds, 1),
+        "pack_seconds": round(pack_s, 2),
+        "pack_mb_per_s": round(nbytes / 1e6 / max(pack_s, 1e-9), 2),
+        "workers": cfg.workers or default_workers(),
+    }
+    (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _source_meta(s: Source, per_source: dict) -> dict:
+    entry = {"name": s.name, "input": s.spec, "kind": s.kind, "weight": s.weight}
+    if s.synth is not None:
+        entry["synth"] = s.synth
+    train = per_source["train"][s.name]
+    entry["train_tokens"] = train["tokens"]
+    return entry
+
+
+def _make_tokenizer(partial: Path, cfg: PrepareConfig, sources: list[Source], units) -> dict:
+    """Train (or install) the tokenizer and write its Hugging Face files; returns its entry for
+    meta.json. Runs in a child process (:func:`_in_child`)."""
+    if cfg.tokenizer is not None:
+        return toklib.install(cfg.tokenizer, partial)
+    t0 = time.time()
+    texts = _tokenizer_sample(sources, units, cfg, Problems(cfg.read.on_error, quiet=True))
+    model_path = partial / "tokenizer.model"
+    sample = _Counted(texts)
+    toklib.train_sentencepiece(
+        sample,
+        vocab_size=cfg.vocab_size,
+        out_path=model_path,
+        model_type=cfg.model_type,
+        seed=cfg.seed,
+    )
+    toklib.save_hf_files(model_path, partial)
+    log.info(
+        "trained a %s tokenizer of %d pieces on %.1f MB in %.1f s",
+        cfg.model_type,
+        cfg.vocab_size,
+        sample.bytes / 1e6,
+        time.time() - t0,
+    )
+    return {
+        "kind": "sentencepiece",
+        "trained": True,
+        "model_type": cfg.model_type,
+        "sample_bytes": sample.bytes,
+    }
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child process, so that the memory it takes (SentencePiece's
+    trainer holds the whole sample; transformers is large) goes back to the OS before the
+    workers are forked for packing. Exceptions come back as they were raised."""
+    if "fork" not in mp.get_all_start_methods():
+        return fn(*args)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def target():
+        try:
+            send.send((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+            try:
+                send.send((False, e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                send.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+    child = ctx.Process(target=target, name="anneal-tokenizer")
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the tokenizer process died (exit code {child.exitcode})") from None
+    finally:
+        child.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
+    if dtype == "auto":
+        return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    if dtype == "uint16" and vocab_size > 2**16:
+        raise ValueError(
+            f"--dtype uint16 holds ids below 65536, but the tokenizer has {vocab_size:,} ids. "
+            f"Use --dtype uint32 (or auto), or a smaller vocabulary."
+        )
+    return np.dtype(dtype)
+
+
+class _Counted:
+    """Iterates texts, counting their UTF-8 bytes."""
+
+    def __init__(self, texts: Iterable[str]):
+        self._texts = texts
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for t in self._texts:
+            self.bytes += len(t.encode("utf-8"))
+            yield t
+
+
+def _unit_list(source: Source, opts: ReadOptions, problems: Problems):
+    """A source's units: a list when they can be listed up front (files, Arrow), else a
+    function that streams them afresh (hub datasets read by streaming)."""
+    if source.kind == "hub" and (opts.streaming or source.query.get("streaming")):
+        return lambda: list_units(source, opts, problems)
+    return list(list_units(source, opts, problems))
+
+
+def _units_of(units) -> Iterator[Unit]:
+    return iter(units()) if callable(units) else iter(units)
+
+
+def _tokenizer_sample(sources, units, cfg: PrepareConfig, problems: Problems) -> Iterator[str]:
+    """Training documents (never validation ones) for the tokenizer, at most
+    ``tokenizer_sample_mb`` in all: each source's share by its weight (or its size), spread
+    evenly over its units. Deterministic."""
+    budget = cfg.tokenizer_sample_mb * 1e6
+    sizes = {
+        s.index: (
+            sum(u.nbytes for u in units[s.index]) if isinstance(units[s.index], list) else None
+        )
+        for s in sources
+    }
+    known = [v for v in sizes.values() if v]
+    for s in sources:
+        if s.weight is not None:
+            share = s.weight / sum(x.weight for x in sources)
+        elif sizes[s.index] is not None and known:
+            share = sizes[s.index] / sum(known)
+        else:
+            share = 1 / len(sources)
+        yield from _sample_source(s, units[s.index], budget * share, cfg, problems)
+
+
+def _sample_source(source: Source, units, budget: float, cfg, problems) -> Iterator[str]:
+    if isinstance(units, list) and sum(u.nbytes for u in units) > budget:
+        picks = sorted({int(j * len(units) / _SAMPLE_UNITS) for j in range(_SAMPLE_UNITS)})
+        chosen = [units[j] for j in picks]
+        per_unit = budget / len(chosen)
+    else:
+        chosen, per_unit = _units_of(units), budget
+    taken = 0.0
+    for unit in chosen:
+        in_unit = 0
+        for rec in read_unit(unit, cfg.read, problems):
+            if pack.is_validation(source.name, rec.name, val_fraction=cfg.val_fraction):
+                continue
+            text = rec.text[: int(min(per_unit - in_unit, budget - taken)) + 1]
+            yield text
+            in_unit += len(text)
+            taken += len(text)
+            if in_unit >= per_unit or taken >= budget:
+                break
+        if taken >= budget:
+            return
+
+
+class Progress:
+    """One line on stderr: MB read, MB/s, tokens; redrawn in place on a terminal, else printed
+    every 10 s."""
+
+    def __init__(self, total_bytes: int | None, *, enabled: bool, workers: int):
+        self.total = total_bytes
+        self.enabled = enabled
+        self.workers = workers
+        self.start = time.time()
+        self.done = 0
+        self.tokens = 0
+        self._last = self.start
+        self._tty = enabled and sys.stderr.isatty()
+
+    def update(self, nbytes: int, tokens: int) -> None:
+        self.done += nbytes
+        self.tokens += tokens
+        now = time.time()
+        if self.enabled and now - self._last >= (0.5 if self._tty else 10.0):
+            self._last = now
+            self._draw(final=False)
+
+    def line(self) -> str:
+        dt = max(time.time() - self.start, 1e-9)
+        total = f"/{self.total / 1e6:,.1f}" if self.total else ""
+        pct = f" {100 * self.done / self.total:3.0f}%" if self.total else ""
+        return (
+            f"tokenize+pack{pct} {self.done / 1e6:,.1f}{total} MB | "
+            f"{self.done / 1e6 / dt:,.1f} MB/s ({self.workers} workers) | "
+            f"{self.tokens:,} tokens | {dt:,.1f} s"
+        )
+
+    def _draw(self, final: bool) -> None:
+        if self._tty:
+            print("\r" + self.line(), end="\n" if final else "", file=sys.stderr, flush=True)
+        else:
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(final=True)
+
+
+def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Iterator:
+    """``fn`` over ``units`` in order, in ``workers`` processes with at most two units per
+    worker in flight (bounded memory), or in this process for one worker."""
+    if workers <= 1:
+        pack.init_worker(*initargs)
+        for unit in units:
+            yield fn(unit)
+        return
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    with ctx.Pool(workers, initializer=pack.init_worker, initargs=initargs) as pool:
+        pending: deque = deque()
+        for unit in units:
+            pending.append(pool.apply_async(fn, (unit,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _pack_all(partial, cfg, sources, units, tok, dtype, problems):
+    workers = cfg.workers or default_workers()
+    writers = {
+        (split, s.index): pack.ShardWriter(
+            partial / split, source=s.index, dtype=dtype, shard_tokens=cfg.shard_tokens
+        )
+        for split in pack.SPLITS
+        for s in sources
+    }
+    listed = [units[s.index] for s in sources]
+    total = (
+        sum(u.nbytes for us in listed for u in us)
+        if all(isinstance(us, list) for us in listed)
+        else None
+    )
+    progress = Progress(total, enabled=cfg.progress, workers=workers)
+    all_units = (u for s in sources for u in _units_of(units[s.index]))
+    initargs = (str(partial), cfg.read, cfg.val_fraction, dtype.name)
+    for result in _ordered(pack.tokenize_unit, all_units, workers=workers, initargs=initargs):
+        for split, part in result.parts.items():
+            writers[split, result.source].add(part)
+        problems.skipped += result.skipped
+        problems.examples += result.examples[: max(0, 20 - len(problems.examples))]
+        progress.update(result.nbytes, sum(len(p.ids) for p in result.parts.values()))
+    progress.close()
+    splits, per_source = {}, {}
+    for split in pack.SPLITS:
+        groups = [(s, writers[split, s.index].close()) for s in sources]
+        splits[split] = {
+            "tokens": sum(g["tokens"] for _, g in groups),
+            "bytes": sum(g["bytes"] for _, g in groups),
+            "documents": sum(g["documents"] for _, g in groups),
+            "shards": [sh for _, g in groups for sh in g["shards"]],
+        }
+        per_source[split] = {
+            s.name: {k: g[k] for k in ("tokens", "bytes", "documents", "doc_index")}
+            for s, g in groups
+        }
+    return splits, per_source, progress.done
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a prepared directory
+
+
+def check_prepared(data_dir: Path) -> dict:
+    """meta.json of a complete prepared directory, or a ValueError saying what is wrong and
+    how to fix it: missing, interrupted, truncated shards, a tokenizer replaced after the
+    shards were made, ids that do not fit the dtype."""
+    data_dir = Path(data_dir)
+    redo = f"Prepare it again with `anneal data prepare --input ... --out {data_dir} --force`."
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        partials = sorted(data_dir.parent.glob(f"{data_dir.name}.partial-*"))
+        hint = "it does not exist" if not data_dir.exists() else "it has no meta.json"
+        if partials:
+            hint += f"; {partials[0].name} is an interrupted prepare"
+        raise ValueError(
+            f"--data {data_dir}: not a prepared data directory ({hint}). Prepare one with "
+            f"`anneal data prepare --input stdlib --out {data_dir}`."
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
+        splits = {s: meta["splits"][s] for s in pack.SPLITS}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: unreadable or incomplete ({e!r}). {redo}") from None
+    if vocab > np.iinfo(dtype).max + 1:
+        raise ValueError(f"{meta_path}: vocab_size {vocab} does not fit dtype {dtype}. {redo}")
+    for split, info in splits.items():
+        for shard in info["shards"]:
+            path = data_dir / split / shard["file"]
+            want = shard["tokens"] * dtype.itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != want:
+                raise ValueError(
+                    f"{path}: {'missing' if size is None else f'{size} bytes'}, meta.json says "
+                    f"{want} ({shard['tokens']} tokens). The directory is damaged. {redo}"
+                )
+    token_bytes = data_dir / "token_bytes.npy"
+    if not token_bytes.is_file() or len(np.load(token_bytes, mmap_mode="r")) != vocab:
+        raise ValueError(f"{token_bytes}: missing or not one entry per id ({vocab}). {redo}")
+    if "tokenizer_sha256" in meta:
+        model = data_dir / "tokenizer.model"
+        hf = data_dir / "tokenizer.json"
+        if model.is_file() or hf.is_file():
+            actual = toklib.tokenizer_sha256(data_dir)
+            if actual != meta["tokenizer_sha256"]:
+                name = "tokenizer.model" if model.is_file() else "tokenizer.json"
+                raise ValueError(
+                    f"{data_dir / name}: its sha256 {actual[:12]}... differs from the tokenizer "
+                    f"the shards were made with ({meta['tokenizer_sha256'][:12]}... in "
+                    f"meta.json): the ids in the shards would be read with another "
+                    f"vocabulary. Put the original tokenizer back, or {redo[0].lower()}{redo[1:]}"
+                )
     return meta
 
 
@@ -177,10 +549,53 @@ def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float
     data_dir = Path(data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     counts = np.zeros(meta["vocab_size"], dtype=np.int64)
+    dtype = np.dtype(meta["dtype"])
+    chunk = 1 << 20  # ids read at a time: bounded memory for any split size
     for shard in meta["splits"][split]["shards"]:
-        ids = np.fromfile(data_dir / split / shard["file"], dtype=meta["dtype"])
-        counts += np.bincount(ids, minlength=meta["vocab_size"])
+        for k in range(0, shard["tokens"], chunk):
+            ids = np.fromfile(
+                data_dir / split / shard["file"],
+                dtype=dtype,
+                count=min(chunk, shard["tokens"] - k),
+                offset=k * dtype.itemsize,
+            )
+            counts += np.bincount(ids, minlength=meta["vocab_size"])
     p = counts[counts > 0] / counts.sum()
     bits_per_token = float(-(p * np.log2(p)).sum())
     split_meta = meta["splits"][split]
     return bits_per_token * split_meta["tokens"] / split_meta["bytes"]
+
+
+def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
+    """Resuming: the data's tokenizer must be the one the run's model was built for. Compares
+    with the run's ``config.json`` (the vocabulary size, and the tokenizer hash of the data
+    directory it was started with, when that still exists); ValueError on a mismatch."""
+    config_path = Path(run_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        old_vocab = config["model"]["vocab_size"]
+        old_data = Path(config["run"]["data"]["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    fix = (
+        f"Resume with the data the run was started with (--data {old_data}), or start a "
+        f"new run with another --out."
+    )
+    if old_vocab != meta["vocab_size"]:
+        raise ValueError(
+            f"--data {data_dir}: its tokenizer has {meta['vocab_size']:,} ids, but the model in "
+            f"{run_dir} was built for {old_vocab:,} ({config_path}): the checkpoint cannot read "
+            f"these ids. {fix}"
+        )
+    try:
+        same_dir = old_data.resolve() == Path(data_dir).resolve()
+        old_meta = json.loads((old_data / "meta.json").read_text()) if not same_dir else None
+    except (OSError, ValueError):
+        old_meta = None
+    old_sha = (old_meta or {}).get("tokenizer_sha256")
+    if old_sha and old_sha != meta.get("tokenizer_sha256"):
+        raise ValueError(
+            f"--data {data_dir}: its tokenizer ({meta.get('tokenizer_sha256', '?')[:12]}...) "
+            f"differs from the one of {old_data} ({old_sha[:12]}...) that the run in {run_dir} "
+            f"was trained on; the same ids would mean other text. {fix}"
+        )

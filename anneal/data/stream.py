@@ -1,13 +1,25 @@
 """The token stream: global sample index -> (x, y), independent of the number of ranks.
 
-Sample i of the run is window ``perm_e[i mod n]`` of the packed split, where ``n`` is the
-number of windows, ``e = i // n`` the epoch and ``perm_e`` a permutation seeded by (seed, e).
+A split is cut into non-overlapping windows of ``seq_len + 1`` tokens (within each shard).
+Sample i of the run is a window chosen by a pure function of (seed, i):
+
+- one source, or several blended by size (no weights given): ``e, k = divmod(i, n)`` and the
+  window is ``perm(k)`` where ``perm`` is a seeded permutation of the ``n`` windows, drawn
+  afresh for each epoch ``e``;
+- sources blended with weights: samples come in blocks of 4096 in which source s has exactly
+  its quota (its weight's share, rounded by largest remainder) in a seeded order; the j-th
+  sample of source s is window ``perm_{s,e}(j mod n_s)`` of that source, ``e = j // n_s``, so
+  each source is read without repetition within its own epoch.
+
 Rank r of W reads samples ``i = k*W + r``. The only state is the next global index, so resume
-sets one integer: no replay, no skip, and any world size sees the same global sequence.
+sets one integer: no replay, no skip, and any world size sees the same global sequence; with
+the same global batch each optimizer step consumes the same samples. The permutation is a
+keyed Feistel network (no table): O(1) memory and time per sample for any number of windows.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -16,30 +28,104 @@ from pathlib import Path
 import numpy as np
 import torch
 
+BLEND_BLOCK = 4096  # samples per block in which weighted sources get exact quotas
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=1024)
+def _round_keys(key: tuple[int, ...]) -> np.ndarray:
+    seed = [int(x) % (1 << 64) for x in key]  # SeedSequence takes non-negative integers
+    return np.random.default_rng(seed).integers(0, _M64, size=4, dtype=np.uint64, endpoint=True)
+
+
+def permute(k: np.ndarray, n: int, key: tuple[int, ...]) -> np.ndarray:
+    """``perm(k)`` for a keyed pseudo-random permutation ``perm`` of ``range(n)``: a 4-round
+    Feistel network on the smallest even power of two >= n, with cycle walking to stay in
+    range. Deterministic in (n, key); vectorised over ``k``."""
+    k = np.asarray(k, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros_like(k, dtype=np.int64)
+    bits = max(2, (n - 1).bit_length())
+    bits += bits & 1
+    half = np.uint64(bits // 2)
+    mask = np.uint64((1 << (bits // 2)) - 1)
+    round_keys = _round_keys((*key, n))
+
+    def feistel(x):
+        left, right = x >> half, x & mask
+        for rk in round_keys:
+            left, right = right, left ^ (_mix64(right ^ rk) & mask)
+        return (left << half) | right
+
+    out = feistel(k)
+    outside = out >= np.uint64(n)
+    while outside.any():
+        out[outside] = feistel(out[outside])
+        outside = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+def blend_quotas(weights: list[float], block: int = BLEND_BLOCK) -> np.ndarray:
+    """Samples per block for each source: ``weights`` normalised, times ``block``, rounded by
+    largest remainder (ties to the earlier source) so that they sum to ``block``."""
+    w = np.asarray(weights, dtype=np.float64)
+    raw = w / w.sum() * block
+    quotas = np.floor(raw).astype(np.int64)
+    order = sorted(range(len(w)), key=lambda s: (-(raw[s] - quotas[s]), s))
+    for s in order[: block - int(quotas.sum())]:
+        quotas[s] += 1
+    if (quotas == 0).any():
+        s = int(np.argmin(quotas))
+        raise ValueError(
+            f"source {s} has weight {w[s]:g} of {w.sum():g}: below one sample in "
+            f"{block}. Raise its weight or leave the source out."
+        )
+    return quotas
+
 
 class PackedSplit:
-    """Non-overlapping windows of ``seq_len + 1`` tokens over one split's shards."""
+    """Non-overlapping windows of ``seq_len + 1`` tokens over one split's shards, numbered
+    source by source (each source's windows are one contiguous range)."""
 
     def __init__(self, data_dir: Path, split: str, *, seq_len: int):
         data_dir = Path(data_dir)
         meta = json.loads((data_dir / "meta.json").read_text())
         self.seq_len = seq_len
         self.vocab_size = meta["vocab_size"]
+        self.tokenizer_sha256 = meta.get("tokenizer_sha256")
+        sources = meta.get("sources") or [{"name": "data", "weight": None}]
+        self.source_names = [s["name"] for s in sources]
+        weighted = meta.get("blend") == "weighted"
+        self.weights = [float(s["weight"]) for s in sources] if weighted else None
+        """Blend weights per source, or None: blend by size (one permutation of all)."""
         self._shards = []
         counts = []
+        per_source = [0] * len(sources)
         for shard in meta["splits"][split]["shards"]:
             if shard["tokens"] <= seq_len:
                 continue
             self._shards.append(
                 np.memmap(data_dir / split / shard["file"], dtype=meta["dtype"], mode="r")
             )
-            counts.append((shard["tokens"] - 1) // seq_len)
+            n = (shard["tokens"] - 1) // seq_len
+            counts.append(n)
+            per_source[shard.get("source", 0)] += n
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.n_windows = int(self._starts[-1])
+        firsts = np.concatenate([[0], np.cumsum(per_source)[:-1]]).astype(np.int64)
+        self.source_windows = [(int(f), int(n)) for f, n in zip(firsts, per_source, strict=True)]
+        """(first window, number of windows) of each source."""
         if self.n_windows == 0:
             raise ValueError(
-                f"{data_dir}/{split}: fewer than {seq_len + 1} tokens; prepare "
-                f"more data or use a shorter sequence length."
+                f"{data_dir}/{split}: fewer than {seq_len + 1} tokens in every shard; prepare "
+                f"more data or use a shorter sequence length (model.seq_len)."
             )
 
     def window(self, j: int) -> np.ndarray:
@@ -67,6 +153,8 @@ class TokenStream:
         position: int = 0,
         prefetch: int = 4,
     ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}.")
         self.split = split
         self.seed = seed
         self.rank = rank
@@ -74,22 +162,62 @@ class TokenStream:
         self.micro_batch = micro_batch
         self.position = position
         """Global index of the next sample to be consumed by the whole job."""
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._quotas = None
+        if split.weights is not None:
+            self._quotas = blend_quotas(split.weights)
+            empty = [
+                split.source_names[s] for s, (_, n) in enumerate(split.source_windows) if n == 0
+            ]
+            if empty:
+                raise ValueError(
+                    f"source(s) {', '.join(empty)} have weight but no window of "
+                    f"{split.seq_len + 1} tokens in this split; prepare more of their data, "
+                    f"or a shorter sequence length."
+                )
+        self._block: tuple | None = None
         self._prefetch = prefetch
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
+    def windows_of(self, indices) -> np.ndarray:
+        """Window index of each global sample index."""
+        i = np.asarray(indices, dtype=np.int64)
+        if self._quotas is None:
+            epoch, k = np.divmod(i, self.split.n_windows)
+            out = np.empty_like(i)
+            for e in np.unique(epoch):
+                sel = epoch == e
+                out[sel] = permute(k[sel], self.split.n_windows, (self.seed, 0, int(e)))
+            return out
+        out = np.empty_like(i)
+        for n, idx in enumerate(i.ravel()):
+            out.flat[n] = self._blended_window(int(idx))
+        return out
+
     def window_of(self, i: int) -> int:
         """Window index of global sample ``i``."""
-        n = self.split.n_windows
-        epoch, k = divmod(i, n)
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(n)
-            self._perm_epoch = epoch
-        return int(self._perm[k])
+        return int(self.windows_of([i])[0])
+
+    def _block_layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source of each slot of block ``b`` and the slot's rank among its source's slots."""
+        if self._block is None or self._block[0] != b:
+            slots = np.repeat(np.arange(len(self._quotas)), self._quotas)
+            order = slots[permute(np.arange(BLEND_BLOCK), BLEND_BLOCK, (self.seed, 1, b))]
+            rank = np.empty(BLEND_BLOCK, dtype=np.int64)
+            for s in range(len(self._quotas)):
+                where = np.flatnonzero(order == s)
+                rank[where] = np.arange(len(where))
+            self._block = (b, order, rank)
+        return self._block[1], self._block[2]
+
+    def _blended_window(self, i: int) -> int:
+        b, j = divmod(i, BLEND_BLOCK)
+        order, rank = self._block_layout(b)
+        s = int(order[j])
+        first, n = self.split.source_windows[s]
+        epoch, k = divmod(b * int(self._quotas[s]) + int(rank[j]), n)
+        return first + int(permute([k], n, (self.seed, 2, s, epoch))[0])
 
     def indices_at(self, position: int) -> list[int]:
         """Global sample indices of this rank's micro-batch starting at ``position``."""
@@ -97,7 +225,7 @@ class TokenStream:
         return [position + k * w + r for k in range(self.micro_batch)]
 
     def _make(self, position: int):
-        return self.split.batch([self.window_of(i) for i in self.indices_at(position)])
+        return self.split.batch(self.windows_of(self.indices_at(position)).tolist())
 
     def _worker(self, position: int) -> None:
         stride = self.micro_batch * self.world_size
@@ -131,17 +259,25 @@ class TokenStream:
             self._thread.join(timeout=5)
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed}
+        """``position`` is all that resume needs; the rest identifies the data it indexes."""
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "n_windows": self.split.n_windows,
+            "tokenizer_sha256": self.split.tokenizer_sha256,
+        }
 
 
 def validation_windows(
     n_windows: int, *, n_samples: int, rank: int, world_size: int, micro_batch: int
 ) -> list[list[int]]:
-    """The fixed held-out set (the first ``n_samples`` windows of the val split, in order),
-    dealt round-robin to ranks and cut into micro-batches. Every rank gets the same number of
-    batches (ZeRO-3 forwards are collective); -1 marks padding that carries no weight."""
+    """The fixed held-out set: ``n_samples`` windows spread evenly over the val split (every
+    document region and source, not just the first), dealt round-robin to ranks and cut into
+    micro-batches. Every rank gets the same number of batches (ZeRO-3 forwards are collective);
+    -1 marks padding that carries no weight."""
     n = min(n_samples, n_windows)
-    mine = list(range(rank, n, world_size))
+    chosen = [t * n_windows // n for t in range(n)]
+    mine = chosen[rank::world_size]
     per_rank = -(-n // world_size)
     batches = -(-per_rank // micro_batch)
     mine += [-1] * (batches * micro_batch - len(mine))

@@ -1,31 +1,50 @@
-"""SentencePiece tokenizer: training on a bounded sample, loading, and byte accounting.
+"""Tokenizers: train a SentencePiece model, reuse one, or reuse a Hugging Face tokenizer.
 
-The tokenizer is trained lossless: identity normalisation, no dummy prefix, whitespace runs
-allowed as pieces, and byte fallback, so ``decode(encode(text)) == text`` for any UTF-8 text and
-every token maps to an exact number of UTF-8 bytes (used for bits per byte).
+A trained tokenizer is lossless: identity normalisation, no dummy prefix, whitespace runs
+allowed as pieces and byte fallback, so ``decode(encode(text)) == text`` for any text without
+U+2581 (``▁``, which SentencePiece uses to escape spaces and so decodes as a space). ``"\\n"`` is
+a user-defined piece that no other piece crosses, so a text can be encoded line by line with the
+same ids as a whole (BPE: several times faster for SentencePiece on long documents).
+
+Every prepared directory gets Hugging Face files beside ``tokenizer.model`` so that
+``transformers.AutoTokenizer.from_pretrained(DIR)`` encodes the same ids (``add_special_tokens=
+False``), and ``token_bytes.npy``: the UTF-8 bytes each id stands for, used for bits per byte.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-EOS_ID = 1  # id 0 is <unk>, 1 is </s>; no BOS and no PAD.
+EOS_ID = 1  # trained models: id 0 is <unk>, 1 is </s>; no BOS and no PAD.
+MODEL_TYPES = ("bpe", "unigram")
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+# sentencepiece_model.proto: ModelProto.SentencePiece.Type
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
 
 
 def _chunks(texts: Iterable[str], *, max_chars: int = 1000) -> Iterator[str]:
     """Split documents at line ends into sentences of about ``max_chars`` characters, keeping
-    the newlines so that the tokenizer learns code layout."""
+    the newlines so that the tokenizer learns code layout. A line longer than ``max_chars`` is
+    cut into pieces of that size (SentencePiece drops sentences over its length limit)."""
     for text in texts:
         buf: list[str] = []
         size = 0
         for line in text.splitlines(keepends=True):
+            while len(line) > max_chars:
+                if buf:
+                    yield "".join(buf)
+                    buf, size = [], 0
+                yield line[:max_chars]
+                line = line[max_chars:]
             buf.append(line)
             size += len(line)
             if size >= max_chars:
@@ -41,52 +60,189 @@ def train_sentencepiece(
     vocab_size: int,
     out_path: Path,
     model_type: str = "bpe",
-    sample_sentences: int = 200_000,
     seed: int = 0,
     num_threads: int = 2,
 ) -> None:
-    """Train on at most ``sample_sentences`` sentences drawn from ``texts`` and write
-    ``out_path`` (a ``tokenizer.model``)."""
+    """Train on every sentence of ``texts`` (the caller bounds the sample) and write
+    ``out_path`` (a ``tokenizer.model``). Deterministic for the same texts and seed."""
     import sentencepiece as spm
 
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"--model-type {model_type}: choose one of {', '.join(MODEL_TYPES)}.")
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_chunks(texts),
-        model_writer=proto,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        user_defined_symbols=["\n"],
-        input_sentence_size=sample_sentences,
-        shuffle_input_sentence=True,
-        max_sentence_length=16384,
-        unk_id=0,
-        eos_id=EOS_ID,
-        bos_id=-1,
-        pad_id=-1,
-        num_threads=num_threads,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_chunks(texts),
+            model_writer=proto,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            user_defined_symbols=["\n"],
+            input_sentence_size=0,  # use every sentence given: the sample is bounded upstream
+            max_sentence_length=16384,
+            unk_id=0,
+            eos_id=EOS_ID,
+            bos_id=-1,
+            pad_id=-1,
+            num_threads=num_threads,
+            minloglevel=2,
+            # unigram only: a vocabulary larger than the text supports is an error otherwise
+            hard_vocab_limit=model_type != "unigram",
+        )
+    except RuntimeError as e:
+        raise ValueError(
+            f"sentencepiece could not train a {model_type} vocabulary of {vocab_size} on the "
+            f"sample ({e}). A vocabulary needs at least 256 byte pieces plus the sample's "
+            f"characters and merges: choose a smaller --vocab-size or give more text."
+        ) from None
     out_path.write_bytes(proto.getvalue())
-
-
-def load(path: Path):
-    import sentencepiece as spm
-
-    return spm.SentencePieceProcessor(model_file=str(path))
 
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def token_byte_lengths(sp) -> np.ndarray:
+class Tokenizer:
+    """What prepare needs from any tokenizer: batch encoding, EOS, the vocabulary size and the
+    bytes per id. Built by :func:`load` from a prepared (or partial) directory, so that worker
+    processes load the very files that are shipped."""
+
+    def __init__(self, *, kind: str, vocab_size: int, eos_id: int, impl, split_lines: bool):
+        self.kind = kind
+        """``sentencepiece`` or ``huggingface``."""
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.split_lines = split_lines
+        """True when no piece crosses a newline, so lines can be encoded separately."""
+        self._impl = impl
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, without BOS/EOS."""
+        if not self.split_lines:
+            return self._encode(texts)
+        lines: list[str] = []
+        counts: list[int] = []
+        for text in texts:
+            parts = text.split("\n")
+            last = parts.pop()
+            for part in parts:
+                lines.append(part + "\n")
+            if last:
+                lines.append(last)
+            counts.append(len(parts) + (1 if last else 0))
+        encoded = self._encode(lines)
+        out, k = [], 0
+        for n in counts:
+            ids: list[int] = []
+            for line_ids in encoded[k : k + n]:
+                ids += line_ids
+            out.append(ids)
+            k += n
+        return out
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if self.kind == "sentencepiece":
+            return self._impl.encode(texts, num_threads=1)
+        return [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "sentencepiece":
+            return self._impl.decode(ids)
+        return self._impl.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes each id stands for (int32, one per id)."""
+        if self.kind == "sentencepiece":
+            return sentencepiece_token_bytes(self._impl)
+        return _hf_token_bytes(self._impl, self.vocab_size)
+
+
+def load(directory: Path) -> Tokenizer:
+    """The tokenizer saved in a prepared directory (``tokenizer.model`` if there is one, else
+    the Hugging Face ``tokenizer.json``)."""
+    directory = Path(directory)
+    model = directory / "tokenizer.model"
+    if model.is_file():
+        return load_sentencepiece(model)
+    return _load_hf_json(directory)
+
+
+def load_sentencepiece(path: Path) -> Tokenizer:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    proto = _proto(path)
+    if sp.eos_id() < 0:
+        raise ValueError(
+            f"--tokenizer {path}: this SentencePiece model has no EOS piece; Anneal separates "
+            f"documents with EOS. Retrain it with eos_id set, or let prepare train one."
+        )
+    user_defined = {p.piece for p in proto.pieces if p.type == _USER_DEFINED}
+    norm = proto.normalizer_spec
+    # Unigram breaks ties between equal-score segmentations differently for a line alone and
+    # within a document (runs of spaces), so only BPE is encoded line by line.
+    split_lines = (
+        proto.trainer_spec.model_type == 2  # BPE
+        and "\n" in user_defined
+        and not norm.add_dummy_prefix
+        and not norm.remove_extra_whitespaces
+        and norm.name == "identity"
+    )
+    return Tokenizer(
+        kind="sentencepiece",
+        vocab_size=sp.get_piece_size(),
+        eos_id=sp.eos_id(),
+        impl=sp,
+        split_lines=split_lines,
+    )
+
+
+def _load_hf_json(directory: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{directory}: no tokenizer.model or tokenizer.json. Pass --tokenizer a "
+            f"SentencePiece .model file or a Hugging Face tokenizer directory with "
+            f"tokenizer.json (a fast tokenizer)."
+        )
+    tk = HFTokenizer.from_file(str(path))
+    tk.encode_special_tokens = True  # text that spells "</s>" is text, not EOS
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_id = tk.token_to_id(eos) if eos else None
+    if eos_id is None:
+        raise ValueError(
+            f"{directory}: the tokenizer has no eos_token in tokenizer_config.json; Anneal "
+            f"separates documents with EOS. Set eos_token there."
+        )
+    vocab_size = max(
+        tk.get_vocab_size(with_added_tokens=True),
+        max(tk.get_vocab(with_added_tokens=True).values()) + 1,
+    )
+    return Tokenizer(
+        kind="huggingface", vocab_size=vocab_size, eos_id=eos_id, impl=tk, split_lines=False
+    )
+
+
+def _proto(path: Path):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto
+
+
+def sentencepiece_token_bytes(sp) -> np.ndarray:
     """UTF-8 bytes each token id stands for: 1 for a byte-fallback piece, 0 for control
     tokens (EOS, UNK), else the piece's text with '▁' read as a space."""
     lengths = np.zeros(sp.get_piece_size(), dtype=np.int32)
@@ -101,20 +257,197 @@ def token_byte_lengths(sp) -> np.ndarray:
     return lengths
 
 
-def save_hf_tokenizer(model_path: Path, out_dir: Path) -> None:
-    """Write Hugging Face tokenizer files beside ``tokenizer.model`` so that
-    ``AutoTokenizer.from_pretrained(out_dir)`` loads the same vocabulary."""
-    from transformers import LlamaTokenizer
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
-    tok = LlamaTokenizer(
-        vocab_file=str(model_path),
-        add_bos_token=False,
-        add_eos_token=False,
-        legacy=False,
-        add_prefix_space=False,
-        unk_token="<unk>",
-        eos_token="</s>",
-        bos_token=None,
-        pad_token=None,
-    )
+
+def _hf_token_bytes(tk, vocab_size: int) -> np.ndarray:
+    """Bytes per id of a Hugging Face tokenizer: exact for byte-level BPE (GPT-2 style) and
+    SentencePiece-style vocabularies ('▁', '<0xNN>'); otherwise the UTF-8 length of the
+    decoded token. Special tokens count 0."""
+    decoder = json.loads(tk.to_str()).get("decoder") or {}
+    kinds = json.dumps(decoder)
+    byte_level = '"ByteLevel"' in kinds
+    specials = {t.content for t in tk.get_added_tokens_decoder().values() if t.special}
+    byte_map = _bytes_to_unicode()
+    lengths = np.zeros(vocab_size, dtype=np.int32)
+    for i in range(vocab_size):
+        piece = tk.id_to_token(i)
+        if piece is None or piece in specials:
+            continue
+        if byte_level and all(c in byte_map for c in piece):
+            lengths[i] = len(piece)
+        elif _BYTE_PIECE.match(piece):
+            lengths[i] = 1
+        elif "\u2581" in piece or '"Metaspace"' in kinds or '"\\u2581"' in kinds:
+            lengths[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
+        else:
+            lengths[i] = len(tk.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return lengths
+
+
+def spm_to_hf(proto):
+    """A ``tokenizers.Tokenizer`` that encodes like SentencePiece ``proto`` (BPE or unigram).
+
+    Follows transformers' ``SpmConverter.build_tokenizer_from_spm_proto`` (normaliser spec,
+    BPE merges ranked by piece score, user-defined pieces isolated, byte fallback), needing only
+    the ``tokenizers`` library, with changes that make the ids equal where SentencePiece never
+    matches a piece in text: control, unknown and byte pieces (``</s>``, ``<0x41>``)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE, Unigram
+
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    user_defined = [p.piece for p in proto.pieces if p.type == _USER_DEFINED]
+    if spec.model_type == 1:  # UNIGRAM: unmatchable pieces score out of Viterbi's reach
+        vocab = [
+            (p.piece, -1e9 if p.type in (_UNKNOWN, _CONTROL, _BYTE) else p.score)
+            for p in proto.pieces
+        ]
+        tk = Tokenizer(Unigram(vocab, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    elif spec.model_type == 2:  # BPE: merges only between ordinary pieces, best score first
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+        normal = {p.piece: (p.score, i) for i, p in enumerate(proto.pieces) if p.type == 1}
+        ranked = []
+        for piece, (score, i) in normal.items():
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in normal and right in normal:
+                    ranked.append((-score, i, left, right))
+        merges = [(left, right) for _, _, left, right in sorted(ranked)]
+        tk = Tokenizer(
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                unk_token=spec.unk_piece,
+                fuse_unk=True,
+                byte_fallback=spec.byte_fallback,
+                # whole pre-tokens are looked up only if a user-defined piece needs it
+                ignore_merges=any(len(p) > 1 for p in user_defined),
+            )
+        )
+    else:
+        raise ValueError("only BPE and unigram SentencePiece models can be converted")
+    steps = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex(r"\A +| +\z"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    tk.normalizer = normalizers.Sequence(steps)
+    pre = []
+    if norm.add_dummy_prefix:  # SentencePiece prefixes the text once, not each piece of it
+        pre.append(
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        )
+    if user_defined:
+        pattern = "|".join(re.escape(p) for p in sorted(user_defined, key=len, reverse=True))
+        pre.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+    if pre:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    dec = [decoders.Replace("\u2581", " ")]
+    if spec.byte_fallback:
+        dec.append(decoders.ByteFallback())
+    dec.append(decoders.Fuse())
+    if norm.add_dummy_prefix:
+        dec.append(decoders.Strip(content=" ", left=1))
+    tk.decoder = decoders.Sequence(dec)
+    return tk
+
+
+def save_hf_files(model_path: Path, out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` beside ``tokenizer.model`` so that
+    ``AutoTokenizer.from_pretrained(out_dir)`` encodes the same ids as SentencePiece (with
+    ``add_special_tokens=False``; text that spells ``</s>`` stays text, as in SentencePiece:
+    ``split_special_tokens``). Needs only ``tokenizers``, not transformers."""
+    from tokenizers import AddedToken
+
+    proto = _proto(model_path)
+    tk = spm_to_hf(proto)
+    spec = proto.trainer_spec
+    special = {"unk_token": proto.pieces[spec.unk_id].piece}
+    if spec.eos_id >= 0:
+        special["eos_token"] = proto.pieces[spec.eos_id].piece
+    if spec.bos_id >= 0:
+        special["bos_token"] = proto.pieces[spec.bos_id].piece
+    if spec.pad_id >= 0:
+        special["pad_token"] = proto.pieces[spec.pad_id].piece
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
+    tk.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "pad_token": None,
+        **special,
+        "split_special_tokens": True,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000_000_000_000_019_884_624_838_656,  # transformers' "none"
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def install(source: Path | None, out_dir: Path) -> dict:
+    """Copy a user's tokenizer into ``out_dir`` (a SentencePiece ``.model`` file, a directory
+    holding one, or a Hugging Face tokenizer directory with ``tokenizer.json``) and write the
+    Hugging Face files. Returns its description for meta.json."""
+    source = Path(source)
+    if source.is_dir() and (source / "tokenizer.json").is_file():
+        return _install_hf(source, out_dir)
+    model = source / "tokenizer.model" if source.is_dir() else source
+    if not model.is_file():
+        raise ValueError(
+            f"--tokenizer {source}: not a SentencePiece model file, nor a directory with "
+            f"tokenizer.model or tokenizer.json. Pass the .model file or the directory that "
+            f"AutoTokenizer.from_pretrained loads."
+        )
+    try:
+        _proto(model)
+    except Exception:  # noqa: BLE001 - protobuf raises its own DecodeError
+        raise ValueError(
+            f"--tokenizer {model}: not a SentencePiece model (cannot parse)."
+        ) from None
+    shutil.copyfile(model, out_dir / "tokenizer.model")
+    save_hf_files(out_dir / "tokenizer.model", out_dir)
+    return {"kind": "sentencepiece", "trained": False, "from": str(source)}
+
+
+def _install_hf(source: Path, out_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ValueError(f"--tokenizer {source}: AutoTokenizer cannot load it ({e}).") from None
+    if tok.eos_token_id is None:
+        raise ValueError(
+            f"--tokenizer {source}: the tokenizer has no eos_token; Anneal separates documents "
+            f"with EOS. Set eos_token in its tokenizer_config.json."
+        )
+    tok.split_special_tokens = True
     tok.save_pretrained(str(out_dir))
+    # The prepared directory's ids are tokenizer.json's; a SentencePiece file saved beside it
+    # would make it look like a SentencePiece directory.
+    (out_dir / "tokenizer.model").unlink(missing_ok=True)
+    return {"kind": "huggingface", "trained": False, "from": str(source)}
+
+
+def tokenizer_sha256(directory: Path) -> str:
+    """Identity of the tokenizer in a prepared directory: the hash of the file that defines
+    the ids (``tokenizer.model``, else ``tokenizer.json``)."""
+    directory = Path(directory)
+    model = directory / "tokenizer.model"
+    return file_sha256(model if model.is_file() else directory / "tokenizer.json")

@@ -1,0 +1,190 @@
+"""Tokenize work units into packed ids (in worker processes) and append them to shards.
+
+A worker turns one unit into, per split, one array of ids with EOS after every document, the
+offsets where documents end, and byte and document counts. The writer appends these arrays in
+unit order to fixed-size shard files of the unit's (split, source), so the shards are the same
+for any number of workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from anneal.data import tokenizer as toklib
+from anneal.data.sources import Problems, ReadOptions, Unit, read_unit
+
+SPLITS = ("train", "val")
+ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
+
+_WORKER: dict = {}
+
+
+def is_validation(label: str, name: str, *, val_fraction: float) -> bool:
+    """Deterministic split by document: a hash of its source and name, not its position, so
+    the same document lands in the same split whatever else the input holds."""
+    digest = hashlib.sha256(f"{label}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+
+
+@dataclass(kw_only=True)
+class Part:
+    """One split's share of one unit."""
+
+    ids: np.ndarray
+    doc_ends: np.ndarray
+    """Offsets in ``ids`` just after each document's EOS (int64)."""
+    documents: int = 0
+    bytes: int = 0
+
+
+@dataclass(kw_only=True)
+class UnitResult:
+    source: int
+    parts: dict[str, Part]
+    nbytes: int
+    skipped: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+def init_worker(tokenizer_dir: str, opts: ReadOptions, val_fraction: float, dtype: str) -> None:
+    """Per process: load the tokenizer from the directory being prepared."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(
+        tok=toklib.load(Path(tokenizer_dir)),
+        opts=opts,
+        val_fraction=val_fraction,
+        dtype=np.dtype(dtype),
+    )
+
+
+def tokenize_unit(unit: Unit) -> UnitResult:
+    """Read, split, encode and pack one unit (in a worker, after :func:`init_worker`)."""
+    tok: toklib.Tokenizer = _WORKER["tok"]
+    opts: ReadOptions = _WORKER["opts"]
+    dtype = _WORKER["dtype"]
+    problems = Problems(opts.on_error)
+    pending: list = []  # records waiting to be encoded
+    pending_chars = 0
+    arrays: dict[str, list] = {s: [] for s in SPLITS}  # per split: (ids, doc_ends) arrays
+    counts = {s: [0, 0, 0] for s in SPLITS}  # documents, bytes, tokens
+    eos = (tok.eos_id,)
+
+    def flush():
+        encoded = tok.encode_batch([r.text for r in pending])
+        by_split: dict[str, list] = {s: [] for s in SPLITS}
+        for rec, ids in zip(pending, encoded, strict=True):
+            val = is_validation(unit.label, rec.name, val_fraction=_WORKER["val_fraction"])
+            split = "val" if val else "train"
+            by_split[split].append((ids, rec.last))
+            counts[split][0] += rec.first
+            counts[split][1] += len(rec.text.encode("utf-8"))
+        for split, pieces in by_split.items():
+            if not pieces:
+                continue
+            lengths = np.array([len(ids) + last for ids, last in pieces], dtype=np.int64)
+            flat = itertools.chain.from_iterable(
+                itertools.chain(ids, eos) if last else ids for ids, last in pieces
+            )
+            ids = np.fromiter(flat, dtype=dtype, count=int(lengths.sum()))
+            ends = np.cumsum(lengths)[np.array([last for _, last in pieces], dtype=bool)]
+            arrays[split].append((ids, ends + counts[split][2]))
+            counts[split][2] += len(ids)
+        pending.clear()
+
+    for rec in read_unit(unit, opts, problems):
+        pending.append(rec)
+        pending_chars += len(rec.text)
+        if pending_chars >= ENCODE_BATCH_CHARS:
+            flush()
+            pending_chars = 0
+    if pending:
+        flush()
+    parts = {}
+    for split in SPLITS:
+        ids = [a for a, _ in arrays[split]]
+        ends = [e for _, e in arrays[split]]
+        parts[split] = Part(
+            ids=np.concatenate(ids) if ids else np.zeros(0, dtype),
+            doc_ends=np.concatenate(ends) if ends else np.zeros(0, np.int64),
+            documents=counts[split][0],
+            bytes=counts[split][1],
+        )
+    return UnitResult(
+        source=unit.source,
+        parts=parts,
+        nbytes=unit.nbytes,
+        skipped=problems.skipped,
+        examples=problems.examples,
+    )
+
+
+class ShardWriter:
+    """Appends one (split, source)'s ids to shard files of at most ``shard_tokens`` ids, and
+    the end offset of each document to ``<source>_docs.bin`` (uint64, in the coordinates of
+    this source's shards concatenated)."""
+
+    def __init__(self, directory: Path, *, source: int, dtype: np.dtype, shard_tokens: int):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.source = source
+        self.dtype = np.dtype(dtype)
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict] = []
+        self.tokens = 0
+        self.bytes = 0
+        self.documents = 0
+        self._file = None
+        self._hash = None
+        self._in_shard = 0
+        self._docs_name = f"{source:02d}_docs.bin"
+        self._docs = None
+
+    def add(self, part: Part) -> None:
+        if self._docs is None:
+            self._docs = open(self.dir / self._docs_name, "wb")  # noqa: SIM115 - closed in close()
+        (part.doc_ends + self.tokens).astype("<u8").tofile(self._docs)
+        self.tokens += len(part.ids)
+        self.bytes += part.bytes
+        self.documents += part.documents
+        ids = part.ids.astype(self.dtype.newbyteorder("<"), copy=False)
+        while len(ids):
+            if self._file is None:
+                self._open()
+            take = ids[: self.shard_tokens - self._in_shard]
+            data = take.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._in_shard += len(take)
+            ids = ids[len(take) :]
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _open(self) -> None:
+        name = f"{self.source:02d}_{len(self.shards):05d}.bin"
+        self._file = open(self.dir / name, "wb")  # noqa: SIM115 - closed in _close_shard()
+        self._hash = hashlib.sha256()
+        self.shards.append({"file": name, "tokens": 0, "source": self.source})
+
+    def _close_shard(self) -> None:
+        self._file.close()
+        self.shards[-1].update(tokens=self._in_shard, sha256=self._hash.hexdigest())
+        self._file, self._in_shard = None, 0
+
+    def close(self) -> dict:
+        if self._file is not None:
+            self._close_shard()
+        if self._docs is not None:
+            self._docs.close()
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "documents": self.documents,
+            "shards": self.shards,
+            "doc_index": self._docs_name if self._docs is not None else None,
+        }
