@@ -1,6 +1,7 @@
 """Validation uses one fixed held-out set whatever the number of ranks (windows spread evenly
-over the val split): the windows are dealt so that each is evaluated exactly once, and 1 rank and 2 ranks that trained on the same global
-batches report the same val loss and bits per byte. bpb is nats / ln 2 / UTF-8 bytes."""
+over the val split): the windows are dealt so that each is evaluated exactly once, and 1 rank
+and 2 ranks that trained on the same global batches report the same val loss and bits per
+byte. bpb is nats / ln 2 / UTF-8 bytes."""
 
 import json
 import math
