@@ -30,6 +30,121 @@ def _data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# Planning: plan, fit (anneal/scaling.py; docs/planning.md).
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from anneal import scaling
+
+    mfu, mfu_source = args.mfu, None
+    if mfu is None and args.mfu_from:
+        mfu, mfu_source = scaling.mfu_from_run(args.mfu_from)
+    result = scaling.plan(
+        flops=args.flops,
+        params=args.params,
+        tokens=args.tokens,
+        target_loss=args.target_loss,
+        gpus=args.gpus,
+        hours=args.hours,
+        gpu=args.gpu,
+        mfu=mfu,
+        mfu_source=mfu_source,
+        fit=scaling.load_fit(args.fit),
+        tokens_per_param=scaling.parse_rule(args.rule) if args.rule else None,
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+    )
+    print(json.dumps(result.to_dict()) if args.json else scaling.format_plan(result))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    import json
+
+    from anneal import scaling
+
+    if bool(args.runs) == bool(args.csv):
+        raise ValueError("anneal fit: give run directories or --csv FILE (one of the two).")
+    points = scaling.read_csv(args.csv) if args.csv else [scaling.read_run(r) for r in args.runs]
+    result = scaling.fit_points(
+        points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed
+    )
+    out = scaling.write_fit(result, args.out)
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    try:
+        result.to_fit()
+        from anneal.plots import plot_fit
+
+        plot_fit(result, plot)
+    except ValueError as e:
+        plot = None
+        logging.warning("no plot: %s", e)
+    if args.json:
+        print(json.dumps({**result.to_json(), "fit_file": str(out), "plot": plot and str(plot)}))
+    else:
+        print(scaling.format_fit(result))
+        print(f"wrote {out}" + (f" and {plot}" if plot else ""))
+    return 0
+
+
+def _add_planning_commands(sub) -> None:
+    from anneal.scaling import DEFAULT_FIT, DEFAULT_GLOBAL_BATCH, DEFAULT_MFU, FITS
+
+    plan = sub.add_parser(
+        "plan",
+        help="what to train for a budget: compute-optimal N and D, loss, steps, GPU-hours",
+        description="Give exactly one budget: --flops, --gpus with --hours, --params, --tokens "
+        "or --target-loss. FLOPs are 6ND. See docs/planning.md.",
+    )
+    plan.add_argument("--flops", type=float, help="training compute C in FLOPs")
+    plan.add_argument("--gpus", type=int, help="GPUs (with --hours: the budget; else wall-clock)")
+    plan.add_argument("--hours", type=float, help="wall-clock hours on --gpus")
+    plan.add_argument("--gpu", default="h100", help="h100 | h200 | a100 (default h100)")
+    plan.add_argument(
+        "--mfu", type=float, help=f"model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU})"
+    )
+    plan.add_argument("--mfu-from", metavar="RUN_DIR", help="use the MFU measured in a run")
+    plan.add_argument("--params", type=float, help="model size N in parameters")
+    plan.add_argument("--tokens", type=float, help="training tokens D")
+    plan.add_argument("--target-loss", type=float, help="final loss in nats/token")
+    plan.add_argument(
+        "--fit",
+        default=DEFAULT_FIT,
+        help=f"{' | '.join(FITS)} | a file from `anneal fit` (default {DEFAULT_FIT})",
+    )
+    plan.add_argument("--rule", help="tokens-per-param=R instead of the fit's frontier")
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        default=DEFAULT_GLOBAL_BATCH,
+        help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})",
+    )
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_plan)
+
+    fit = sub.add_parser(
+        "fit",
+        help="fit L(N, D) = E + A/N^alpha + B/D^beta to finished runs",
+        description="Hoffmann et al. 2022 approach 3: Huber loss (delta 1e-3) on log-loss, "
+        "L-BFGS from a grid of starts, bootstrap 95%% intervals.",
+    )
+    fit.add_argument("runs", nargs="*", metavar="RUN_DIR", help="finished run directories")
+    fit.add_argument("--csv", help="CSV with columns params,tokens,loss instead of runs")
+    fit.add_argument("--out", default="scaling_fit.json", help="fit file to write")
+    fit.add_argument("--plot", help="PNG to write (default: --out with .png)")
+    fit.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples")
+    fit.add_argument(
+        "--starts", type=int, help="L-BFGS from this many best grid points (default all 4500)"
+    )
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--json", action="store_true", help="print one JSON object")
+    fit.set_defaults(func=_fit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="anneal",
@@ -58,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
     prep.set_defaults(func=_data_prepare)
+    _add_planning_commands(sub)
     return parser
 
 
