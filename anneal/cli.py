@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: plan, fit (anneal/scaling.py; docs/planning.md).
+# Planning: plan, fit, estimate (anneal/scaling.py, anneal/memory.py; docs/planning.md).
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -90,6 +91,66 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from anneal import memory
+    from anneal.config import find_ds_config, load_ds_config
+    from anneal.metrics import get_gpu
+
+    preset = memory.load_model(args.model)
+    if args.vocab_size:
+        preset = preset.with_vocab(args.vocab_size)
+    ds_name = args.ds_config or "zero3_bf16.json"
+    run_ds = memory.run_ds_config(args.model) if not args.ds_config else None
+    ds = run_ds if run_ds is not None else load_ds_config(find_ds_config(ds_name))
+    zero = memory.ZeroSetup.from_ds_config(ds)
+    if args.gpu_mem_gib is not None:
+        if not args.gpu_mem_gib > 0:
+            raise ValueError(f"--gpu-mem-gib {args.gpu_mem_gib}: must be positive.")
+        capacity, capacity_name = int(args.gpu_mem_gib * memory.GiB), f"{args.gpu_mem_gib:g} GiB"
+    else:
+        spec = get_gpu(args.gpu)
+        capacity, capacity_name = spec.memory_bytes, spec.name
+    work = memory.Workload(
+        micro_batch=ds["train_micro_batch_size_per_gpu"]
+        if args.micro_batch is None
+        else args.micro_batch,
+        seq_len=preset.seq_len if args.seq is None else args.seq,
+        n_gpus=args.nodes * args.gpus_per_node,
+        activation_checkpointing=args.activation_checkpointing,
+        eager_attention=args.eager_attention,
+    )
+    est = memory.estimate(preset, zero, work, capacity=capacity)
+    lever_list = []
+    if not est.fits:
+        lever_list = memory.levers(preset, zero, work, capacity=capacity, runtime_bytes=est.runtime)
+    if args.json:
+        doc = {
+            **est.to_dict(),
+            "model": preset.name,
+            "param_count": memory.count_params(preset),
+            "zero_stage": zero.stage,
+            "n_gpus": work.n_gpus,
+            "micro_batch": work.micro_batch,
+            "seq_len": work.seq_len,
+            "levers": [dataclasses.asdict(lever) for lever in lever_list],
+        }
+        print(json.dumps(doc))
+    else:
+        print(
+            memory.format_estimate(
+                est,
+                preset=preset,
+                zero=zero,
+                work=work,
+                capacity_name=capacity_name,
+                lever_list=lever_list,
+            )
+        )
+    return 0
+
+
 def _add_planning_commands(sub) -> None:
     from anneal.scaling import DEFAULT_FIT, DEFAULT_GLOBAL_BATCH, DEFAULT_MFU, FITS
 
@@ -143,6 +204,32 @@ def _add_planning_commands(sub) -> None:
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(func=_fit)
+
+    est = sub.add_parser(
+        "estimate",
+        help="per-GPU memory of a run: ZeRO model states, activations, buffers; levers",
+    )
+    est.add_argument("--model", required=True, help="preset name or a config.json")
+    est.add_argument(
+        "--ds-config",
+        help="DeepSpeed JSON (default: the run's when --model is a run's config.json, else "
+        "zero3_bf16.json)",
+    )
+    est.add_argument("--nodes", type=int, default=1)
+    est.add_argument("--gpus-per-node", type=int, default=8)
+    est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
+    est.add_argument("--micro-batch", type=int, help="default: the ds_config's")
+    est.add_argument("--activation-checkpointing", action="store_true")
+    est.add_argument(
+        "--eager-attention",
+        action="store_true",
+        help="count stored attention scores (Anneal's SDPA attention stores none)",
+    )
+    est.add_argument("--vocab-size", type=int, help="default: the model's (presets: 32000)")
+    est.add_argument("--gpu", default="h100", help="h100 | h200 | a100 (default h100)")
+    est.add_argument("--gpu-mem-gib", type=float, help="device memory instead of --gpu")
+    est.add_argument("--json", action="store_true", help="print one JSON object")
+    est.set_defaults(func=_estimate)
 
 
 def build_parser() -> argparse.ArgumentParser:
