@@ -559,7 +559,7 @@ def format_estimate(
         row("activations", est.activations),
         row("logits and loss", est.logits),
         *(row(f"{k} (fwd/bwd)", v) for k, v in est.buffers.items()),
-        *(row(f"{k} (optimizer step)", v) for k, v in est.step_buffers.items()),
+        *(row(f"{k} (step)", v) for k, v in est.step_buffers.items()),
         row("runtime", est.runtime),
         row("peak", est.total),
     ]
