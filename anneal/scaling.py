@@ -404,20 +404,25 @@ def plan(
             params = tokens / r
         elif target_loss is not None:
             fit.check_reachable(target_loss)
+            if fit.loss(1e30, r * 1e30) >= target_loss:
+                raise ValueError(
+                    f"--target-loss {target_loss}: so close to E = {fit.E:.4f} that even 1e30 "
+                    f"parameters at {r:g} tokens each do not reach it; ask for a higher loss."
+                )
             params = _solve_log(lambda n: target_loss - fit.loss(n, r * n), 1.0, 1e30)
         tokens = r * params
     else:
         basis = f"compute-optimal under the {fit.name} fit"
         if flops is not None:
             params, tokens = fit.optimal_params(flops), fit.optimal_tokens(flops)
-        elif params is not None:
-            # C such that N*(C) = N, inverting N* = G (C/6)**a.
-            tokens = 6 * (params / fit.G) ** (1 / fit.a) / (6 * params)
         elif tokens is not None:
-            params = 6 * (tokens * fit.G) ** (1 / fit.b) / (6 * tokens)
+            # C/6 = N D with D*(C) = (C/6)**b / G inverted: C/6 = (D G)**(1/b).
+            params = (tokens * fit.G) ** (1 / fit.b) / tokens
         else:
-            params = fit.frontier_params_for_loss(target_loss)
-            tokens = fit.optimal_tokens(6 * (params / fit.G) ** (1 / fit.a))
+            if target_loss is not None:
+                params = fit.frontier_params_for_loss(target_loss)
+            # C/6 = N D with N*(C) = G (C/6)**a inverted: C/6 = (N / G)**(1/a).
+            tokens = (params / fit.G) ** (1 / fit.a) / params
     flops = 6 * params * tokens
     preset, preset_params = nearest_preset(params)
     return ComputePlan(
