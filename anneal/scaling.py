@@ -461,6 +461,7 @@ def _duration(hours: float) -> str:
 
 def format_plan(p: ComputePlan) -> str:
     """The human-readable plan that ``anneal plan`` prints."""
+    gpu_hours = f"{p.gpu_hours:,.0f}" if p.gpu_hours >= 10 else f"{p.gpu_hours:.3g}"
     lines = [
         f"plan: {p.basis}",
         f"  fit            {p.fit.name}: E {p.fit.E:g}, A {p.fit.A:g}, B {p.fit.B:g}, "
@@ -473,7 +474,7 @@ def format_plan(p: ComputePlan) -> str:
         f"  nearest preset {p.preset} ({_si(p.preset_params)} parameters, "
         f"x{p.preset_params / p.params:.2g} of N)",
         f"  steps          {p.steps:,} at a global batch of {p.global_batch} x {p.seq_len} tokens",
-        f"  GPU-hours      {p.gpu_hours:,.0f} on {p.gpu.upper()} at MFU {100 * p.mfu:.1f}% "
+        f"  GPU-hours      {gpu_hours} on {p.gpu.upper()} at MFU {100 * p.mfu:.1f}% "
         f"({p.mfu_source}; peak {p.gpu_peak_flops / 1e12:g} TFLOP/s)",
     ]
     if p.wall_clock_hours is not None:
