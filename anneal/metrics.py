@@ -5,6 +5,7 @@ Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -19,12 +20,51 @@ from anneal.dist import is_main_process, print0
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a name fragment.
+# Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a fragment of the name
+# torch reports; the first fragment found in the name wins, so variants come before the family.
 GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is 756e12
+    "H200": 989e12,  # also matches GH200
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM (e.g. "NVIDIA H100 80GB HBM3")
     "A100": 312e12,
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """An accelerator the planner and the memory estimator know by a short name."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 tensor-core peak in FLOP/s (no sparsity)."""
+    memory_bytes: int
+    """Device memory in bytes, as nvidia-smi reports it (MiB x 2**20)."""
+
+
+GPUS = {
+    "h100": GpuSpec(
+        name="H100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["H100"], memory_bytes=81559 * 2**20
+    ),
+    "h200": GpuSpec(
+        name="H200 SXM 141GB", peak_flops=GPU_PEAK_FLOPS["H200"], memory_bytes=143771 * 2**20
+    ),
+    "a100": GpuSpec(
+        name="A100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["A100"], memory_bytes=81920 * 2**20
+    ),
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The GpuSpec for a short name (h100, h200, a100); ValueError naming the choices."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(
+            f"--gpu {name}: unknown GPU; choose one of {', '.join(GPUS)} (their dense bf16 "
+            f"peaks are in anneal/metrics.py). For another accelerator, pass --flops for the "
+            f"planner, or --gpu-mem-gib for the memory estimator."
+        )
+    return GPUS[key]
 
 
 def _cpu_peak_flops(cache_dir: Path) -> float:

@@ -1,0 +1,588 @@
+"""Per-GPU memory estimate of a training run: model states by ZeRO stage, activations, logits,
+working buffers; whether it fits; and the levers that make it fit.
+
+Model states with mixed-precision Adam take 2 + 2 + 12 bytes per parameter: 16-bit weights,
+16-bit gradients, and fp32 master weights with Adam's two moments (ZeRO paper, Rajbhandari et
+al. 2020, section 3.1). With P parameters over n data-parallel GPUs (section 5)::
+
+    stage 0:  16P            stage 2:  2P + 14P/n
+    stage 1:  4P + 12P/n     stage 3:  16P/n
+
+``offload_optimizer`` moves the 12 bytes of optimizer state to host memory; ``offload_param``
+(stage 3) moves the weights as well. Without bf16 (fp32 training, as on CPUs) weights and
+gradients take 4 bytes each and DeepSpeed still keeps a separate fp32 master copy: 4 + 4 + 12.
+
+Activations are counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4.1) count them: every tensor a layer keeps for backward.
+For their GPT-3 block that sums to the published ``s b h (34 + 5 a s / h)`` bytes per layer
+(``saved_tensors(block="gpt")``); Anneal's Llama block (RMSNorm, RoPE, SDPA, SwiGLU, no
+dropout) keeps ``s b h (22 + 8 f / h)`` bytes at bf16 with SDPA, which stores no attention
+scores. With full recomputation a layer keeps only its input, ``2 s b h``, and backward
+rebuilds one layer at a time.
+
+A peak happens in one of two phases: forward/backward (activations, logits, communication
+buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam). ``total``
+lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
+``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from anneal.model import ModelPreset, count_params, get_preset
+
+GiB = 2**30
+
+GPU_RUNTIME_BYTES = 1 * GiB
+"""CUDA context, cuBLAS/NCCL workspaces and allocator slack, an assumption (the context alone
+is 0.3-0.6 GiB on H100s); fragmentation beyond it is not modelled."""
+
+# DeepSpeed's defaults for the keys the estimate reads (deepspeed/runtime/zero/config.py).
+DS_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroSetup:
+    """The parts of a ds_config that decide memory."""
+
+    stage: int
+    bf16: bool = True
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int = DS_DEFAULTS["reduce_bucket_size"]
+    """Gradient elements reduced per bucket."""
+    allgather_bucket_size: int = DS_DEFAULTS["allgather_bucket_size"]
+    """Elements per all-gather of updated weights (stages 1-2)."""
+    prefetch_bucket_size: int = DS_DEFAULTS["stage3_prefetch_bucket_size"]
+    """Elements of weights gathered ahead of use (stage 3)."""
+    sub_group_size: int = DS_DEFAULTS["sub_group_size"]
+    """Elements per optimizer sub-group (stage 3): the fp32 gradient copy is made per group."""
+    torch_adam: bool = False
+    """``optimizer.params.torch_adam``: torch's AdamW instead of DeepSpeed's fused one."""
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> ZeroSetup:
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        offload_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+        offload_par = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+        return cls(
+            stage=stage,
+            bf16=bool(ds.get("bf16", {}).get("enabled", False))
+            or bool(ds.get("fp16", {}).get("enabled", False)),
+            offload_optimizer=offload_opt,
+            offload_param=offload_par and stage == 3,
+            overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+            torch_adam=bool(ds.get("optimizer", {}).get("params", {}).get("torch_adam", False)),
+            **{
+                field: int(zero.get(key, DS_DEFAULTS[key]))
+                for field, key in (
+                    ("reduce_bucket_size", "reduce_bucket_size"),
+                    ("allgather_bucket_size", "allgather_bucket_size"),
+                    ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+                    ("sub_group_size", "sub_group_size"),
+                )
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    micro_batch: int
+    """Sequences per GPU per forward pass (train_micro_batch_size_per_gpu)."""
+    seq_len: int
+    """Tokens per sequence."""
+    n_gpus: int
+    """Data-parallel GPUs that ZeRO partitions over (nodes x GPUs per node)."""
+    activation_checkpointing: bool = False
+    eager_attention: bool = False
+    """Attention that stores its a x s x s scores (Korthikanti's 5as/h term); Anneal's SDPA
+    attention does not."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on each GPU (``host_bytes``: on the host, per GPU, for offloaded state)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    buffers: dict[str, int]
+    """Working buffers of forward/backward by name (gradient buckets, gathered weights)."""
+    step_buffers: dict[str, int]
+    """Working buffers of the optimizer step by name (the fp32 gradient copy)."""
+    runtime: int
+    host_bytes: int
+    capacity: int | None = None
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def forward_backward(self) -> int:
+        return self.activations + self.logits + sum(self.buffers.values())
+
+    @property
+    def optimizer_step(self) -> int:
+        return sum(self.step_buffers.values())
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per GPU: the phases reuse each other's freed memory, as PyTorch's CUDA
+        caching allocator lets them."""
+        return self.model_states + self.runtime + max(self.forward_backward, self.optimizer_step)
+
+    @property
+    def total_stacked(self) -> int:
+        """Peak when freed memory is not reused across phases: both phases, plus the weights
+        as first built (ZeRO copies them into flat buffers). Host RSS behaves like this, since
+        glibc keeps small freed blocks mapped; an upper bound on GPUs."""
+        return (
+            self.model_states
+            + self.runtime
+            + self.forward_backward
+            + self.optimizer_step
+            + self.params
+        )
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.total <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "model_states": self.model_states,
+            "activations": self.activations,
+            "logits": self.logits,
+            "buffers": self.buffers,
+            "step_buffers": self.step_buffers,
+            "runtime": self.runtime,
+            "total": self.total,
+            "total_stacked": self.total_stacked,
+            "host_bytes_per_gpu": self.host_bytes,
+            "capacity": self.capacity,
+            "fits": self.fits,
+        }
+
+
+def largest_layer_params(preset: ModelPreset) -> int:
+    """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``): the
+    embedding or LM head (V x h) or an MLP projection (h x f)."""
+    return max(
+        preset.vocab_size * preset.hidden_size, preset.hidden_size * preset.intermediate_size
+    )
+
+
+def model_state_bytes(params: int, zero: ZeroSetup, n_gpus: int) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer state) bytes on each GPU, and bytes per GPU on the host."""
+    w_bytes, g_bytes = (2, 2) if zero.bf16 else (4, 4)
+    opt_bytes = 12  # fp32 master weights + Adam m and v
+    p, n = params, n_gpus
+    weights = w_bytes * p / n if zero.stage == 3 else w_bytes * p
+    grads = g_bytes * p / n if zero.stage >= 2 else g_bytes * p
+    optimizer = opt_bytes * p / n if zero.stage >= 1 else opt_bytes * p
+    host = 0.0
+    if zero.offload_optimizer:
+        host += optimizer + 4 * p / n  # with the fp32 gradient copy Adam steps on
+        optimizer = 0.0
+    if zero.offload_param:
+        host += weights
+        weights = 0.0
+    return int(weights), int(grads), int(optimizer), int(host)
+
+
+def saved_tensors(
+    *, s: int, b: int, h: int, f: int, a: int, kv: int, bf16: bool, eager: bool, block: str
+) -> list[tuple[str, float]]:
+    """Bytes each tensor that one decoder layer keeps for backward, Korthikanti et al.'s way.
+
+    ``block="gpt"`` is their GPT-3 block (16-bit, 4h GeLU MLP, LayerNorm, dropout masks of 1
+    byte), which sums to the paper's ``s b h (34 + 5 a s / h)``. ``block="llama"`` is Anneal's
+    model as Hugging Face runs it: RMSNorm that saves an fp32 copy of its input and its
+    normalised output, RoPE'd q and k, SDPA (no scores kept unless ``eager``), SwiGLU with
+    intermediate size f, no dropout; ``kv`` is the key/value width (h without GQA).
+    """
+    sbh, sbf, sbkv, scores = s * b * h, s * b * f, s * b * kv, a * s * s * b
+    if block == "gpt":
+        return [
+            ("attention: QKV input", 2 * sbh),
+            ("attention: Q and K", 4 * sbh),
+            ("attention: softmax output", 2 * scores),
+            ("attention: softmax dropout mask", scores),
+            ("attention: dropout output (for x V)", 2 * scores),
+            ("attention: V", 2 * sbh),
+            ("attention: output projection input", 2 * sbh),
+            ("attention: dropout mask", sbh),
+            ("MLP: first linear input", 2 * sbh),
+            ("MLP: GeLU input", 8 * sbh),
+            ("MLP: second linear input", 8 * sbh),
+            ("MLP: dropout mask", sbh),
+            ("two LayerNorm inputs", 4 * sbh),
+        ]
+    v = 2 if bf16 else 4  # bytes per activation value
+    norm = (4 + 2) if bf16 else (4 + 4)  # fp32 input copy (for the variance) + normalised output
+    items = [
+        ("attention: RMSNorm", norm * sbh),
+        ("attention: q after RoPE", v * sbh),
+        ("attention: k after RoPE and v", 2 * v * sbkv),
+        ("attention: output projection input", v * sbh),
+    ]
+    if eager:
+        # fp32 softmax probabilities (and their 16-bit cast) for the x V matmul.
+        items.append(("attention: softmax probabilities", (4 + (2 if bf16 else 0)) * scores))
+    else:
+        items.append(("attention: SDPA output", v * sbh))
+    items += [
+        ("MLP: RMSNorm", norm * sbh),
+        ("MLP: SiLU input (gate)", v * sbf),
+        ("MLP: SiLU output", v * sbf),
+        ("MLP: up projection output", v * sbf),
+        ("MLP: down projection input", v * sbf),
+    ]
+    return items
+
+
+def layer_activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> float:
+    """Bytes one decoder layer keeps for backward, without recomputation."""
+    return sum(
+        n
+        for _, n in saved_tensors(
+            s=work.seq_len,
+            b=work.micro_batch,
+            h=preset.hidden_size,
+            f=preset.intermediate_size,
+            a=preset.num_attention_heads,
+            kv=preset.num_key_value_heads * preset.head_dim,
+            bf16=bf16,
+            eager=work.eager_attention,
+            block="llama",
+        )
+    )
+
+
+def activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
+    """Activations kept for backward on one GPU. With full recomputation each layer keeps its
+    input (2 s b h bytes at 16 bits) and backward rebuilds one layer's activations at a time."""
+    per_layer = layer_activation_bytes(preset, work, bf16=bf16)
+    layers = preset.num_hidden_layers
+    if work.activation_checkpointing:
+        value = 2 if bf16 else 4
+        return int(
+            layers * value * work.seq_len * work.micro_batch * preset.hidden_size + per_layer
+        )
+    return int(layers * per_layer)
+
+
+def logits_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
+    """Peak bytes of the logits and the loss, at the start of backward: the fp32 log-softmax
+    that cross-entropy keeps, its incoming gradient, exp(log-softmax) and the logits' fp32
+    gradient (4 x 4 bytes per token and vocabulary entry), plus that gradient's 16-bit cast
+    under bf16. The forward logits (and their fp32 upcast) are freed by then."""
+    per = 4 * 4 + (2 if bf16 else 0)
+    return int(work.seq_len * work.micro_batch * preset.vocab_size * per)
+
+
+def estimate(
+    preset: ModelPreset,
+    zero: ZeroSetup,
+    work: Workload,
+    *,
+    capacity: int | None = None,
+    runtime_bytes: int = GPU_RUNTIME_BYTES,
+) -> MemoryEstimate:
+    """Peak bytes per GPU of training ``preset`` with ``zero`` on ``work``."""
+    if zero.stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage {zero.stage}: must be 0, 1, 2 or 3.")
+    for name, value in (
+        ("--micro-batch", work.micro_batch),
+        ("--seq", work.seq_len),
+        ("--nodes x --gpus-per-node", work.n_gpus),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} {value}: must be at least 1.")
+    p = count_params(preset)
+    n = work.n_gpus
+    weights, grads, optimizer, host = model_state_bytes(p, zero, n)
+    value_bytes = 2 if zero.bf16 else 4
+
+    buffers = {}
+    if zero.stage >= 2 or (zero.stage == 1 and n > 1):
+        copies = 2 if zero.overlap_comm else 1
+        buffers["reduce bucket"] = copies * min(zero.reduce_bucket_size, p) * value_bytes
+    if zero.stage == 3:
+        live = largest_layer_params(preset) + min(zero.prefetch_bucket_size, p)
+        buffers["gathered weights"] = live * value_bytes
+    step = {}
+    if not zero.offload_optimizer:
+        partition = p if zero.stage == 0 else math.ceil(p / n)
+        if zero.stage == 3:
+            partition = min(partition, zero.sub_group_size)
+        step["fp32 gradient partition"] = 4 * partition
+        if zero.torch_adam:
+            # torch.optim.AdamW (not DeepSpeed's fused kernel) builds sqrt(v) and its quotient.
+            step["torch AdamW temporaries"] = 8 * partition
+    if zero.stage in (1, 2) and n > 1:
+        step["all-gather bucket"] = min(zero.allgather_bucket_size, p) * value_bytes
+
+    return MemoryEstimate(
+        params=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activation_bytes(preset, work, bf16=zero.bf16),
+        logits=logits_bytes(preset, work, bf16=zero.bf16),
+        buffers={k: int(v) for k, v in buffers.items()},
+        step_buffers={k: int(v) for k, v in step.items()},
+        runtime=runtime_bytes,
+        host_bytes=host,
+        capacity=capacity,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Levers: what to change, in the seed's order, for a run that does not fit.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lever:
+    name: str
+    """micro-batch | context length | layers | width"""
+    setting: str | None
+    """The largest value that fits, as the flag or key to set; None when nothing does."""
+    total: int | None
+    """Peak bytes per GPU at that setting."""
+    note: str = ""
+
+
+def _largest(lo: int, hi: int, fits) -> int | None:
+    """Largest x in [lo, hi] with fits(x), for fits monotone (true up to some x)."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def levers(
+    preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
+) -> list[Lever]:
+    """Each lever alone, from the given setup: micro-batch, context length, layers, width."""
+
+    def total(p: ModelPreset, w: Workload) -> int:
+        return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
+
+    out = []
+    b = _largest(
+        1, work.micro_batch - 1, lambda x: total(preset, _w(work, micro_batch=x)) <= capacity
+    )
+    out.append(
+        Lever(
+            name="micro-batch",
+            setting=None
+            if b is None
+            else f"train_micro_batch_size_per_gpu {b} (raise "
+            f"gradient_accumulation_steps x{work.micro_batch / b:g} to keep the global batch)",
+            total=None if b is None else total(preset, _w(work, micro_batch=b)),
+            note="" if b else "even micro-batch 1 does not fit",
+        )
+    )
+    step = 128 if work.seq_len > 128 else 1
+    t = _largest(
+        1,
+        (work.seq_len - 1) // step,
+        lambda x: total(preset, _w(work, seq_len=x * step)) <= capacity,
+    )
+    out.append(
+        Lever(
+            name="context length",
+            setting=None if t is None else f"model.seq_len={t * step}",
+            total=None if t is None else total(preset, _w(work, seq_len=t * step)),
+            note="" if t else f"even {step} tokens do not fit",
+        )
+    )
+    n_layers = _largest(
+        1,
+        preset.num_hidden_layers - 1,
+        lambda x: total(dataclasses.replace(preset, num_hidden_layers=x), work) <= capacity,
+    )
+    out.append(
+        Lever(
+            name="layers",
+            setting=None if n_layers is None else f"model.num_hidden_layers={n_layers}",
+            total=None
+            if n_layers is None
+            else total(dataclasses.replace(preset, num_hidden_layers=n_layers), work),
+            note="" if n_layers else "even one layer does not fit",
+        )
+    )
+    unit = math.lcm(64, preset.num_attention_heads)
+
+    def narrower(k: int) -> ModelPreset:
+        h = k * unit
+        f = max(64, round(preset.intermediate_size * h / preset.hidden_size / 64) * 64)
+        return dataclasses.replace(preset, hidden_size=h, intermediate_size=f)
+
+    k = _largest(
+        1, (preset.hidden_size - 1) // unit, lambda x: total(narrower(x), work) <= capacity
+    )
+    out.append(
+        Lever(
+            name="width",
+            setting=None
+            if k is None
+            else f"model.hidden_size={narrower(k).hidden_size} "
+            f"model.intermediate_size={narrower(k).intermediate_size}",
+            total=None if k is None else total(narrower(k), work),
+            note="" if k else f"even hidden size {unit} does not fit",
+        )
+    )
+    return out
+
+
+def _w(work: Workload, **changes) -> Workload:
+    return dataclasses.replace(work, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: a preset name or a config file.
+
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def load_model(spec: str) -> ModelPreset:
+    """A preset name, or a JSON file: an Anneal run's ``config.json`` (its resolved ``model``),
+    a Hugging Face ``config.json``, or a flat object with the preset's fields."""
+    from anneal.model import PRESETS
+
+    if spec in PRESETS:
+        return get_preset(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"--model {spec}: neither a preset ({', '.join(PRESETS)}) nor a file. Give a preset "
+            f"name, a run's config.json or a Hugging Face config.json."
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {spec}: cannot read it as JSON ({e}).") from None
+    name = path.stem
+    if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
+        doc = doc["model"]  # an Anneal run's config.json
+        name = str(doc.get("name") or name)
+    missing = [
+        k for k in _SHAPE_KEYS if not isinstance(doc, dict) or not isinstance(doc.get(k), int)
+    ]
+    if missing:
+        raise ValueError(
+            f"--model {spec}: no integer {', '.join(missing)}; the file must describe a "
+            f"Llama-style model (an Anneal run's config.json or a Hugging Face config.json)."
+        )
+    heads = doc["num_attention_heads"]
+    return ModelPreset(
+        name=name,
+        hidden_size=doc["hidden_size"],
+        intermediate_size=doc["intermediate_size"],
+        num_hidden_layers=doc["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=int(doc.get("num_key_value_heads") or heads),
+        seq_len=int(doc.get("seq_len") or doc.get("max_position_embeddings") or 2048),
+        nominal_params=None,
+        vocab_size=int(doc.get("vocab_size") or 32000),
+    )
+
+
+def run_ds_config(spec: str) -> dict | None:
+    """The resolved ds_config inside an Anneal run's config.json, else None."""
+    path = Path(spec)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ds = doc.get("ds_config") if isinstance(doc, dict) else None
+    return ds if isinstance(ds, dict) else None
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def format_estimate(
+    est: MemoryEstimate,
+    *,
+    preset: ModelPreset,
+    zero: ZeroSetup,
+    work: Workload,
+    capacity_name: str,
+    lever_list: list[Lever] = (),
+) -> str:
+    """The table ``anneal estimate`` prints."""
+    p = count_params(preset)
+    n = work.n_gpus
+    precision = "bf16 mixed precision (2+2+12 bytes/param)" if zero.bf16 else "fp32 (4+4+12)"
+    offload = [
+        k for k, v in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if v
+    ]
+
+    def row(label: str, value: int, note: str = "") -> str:
+        return f"  {label:<36} {format_bytes(value):>12}{'   ' + note if note else ''}"
+
+    lines = [
+        f"model {preset.name}: {p:,} parameters; ZeRO stage {zero.stage} over {n} GPUs, "
+        f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
+        f"micro-batch {work.micro_batch} x {work.seq_len} tokens, activation checkpointing "
+        f"{'on' if work.activation_checkpointing else 'off'}",
+        "",
+        "per GPU:",
+        row("weights", est.params),
+        row("gradients", est.grads),
+        row("optimizer state", est.optimizer),
+        row("= model states", est.model_states, f"({est.model_states * n / p:.3g}P/n)"),
+        row("activations", est.activations),
+        row("logits and loss", est.logits),
+        *(row(f"{k} (fwd/bwd)", v) for k, v in est.buffers.items()),
+        *(row(f"{k} (step)", v) for k, v in est.step_buffers.items()),
+        row("runtime", est.runtime),
+        row("peak", est.total),
+    ]
+    if est.host_bytes:
+        lines.append(row("host memory per GPU (offloaded)", est.host_bytes))
+    if est.capacity is not None:
+        verdict = "fits" if est.fits else "does NOT fit"
+        lines.append(
+            f"\n{verdict} in {capacity_name} ({format_bytes(est.capacity)}): "
+            f"{100 * est.total / est.capacity:.0f}% used"
+        )
+    if lever_list:
+        lines.append("levers, each alone, in order of preference:")
+        for lever in lever_list:
+            if lever.setting:
+                lines.append(f"  {lever.name:<15} {lever.setting} -> {format_bytes(lever.total)}")
+            else:
+                lines.append(f"  {lever.name:<15} no: {lever.note}")
+        if est.model_states + est.runtime > est.capacity:
+            lines.append(
+                f"  model states and runtime alone need "
+                f"{format_bytes(est.model_states + est.runtime)}: more GPUs "
+                f"(ZeRO-3 divides them by n) or offload_optimizer help where micro-batch and "
+                f"context cannot."
+            )
+    return "\n".join(lines)

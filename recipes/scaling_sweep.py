@@ -1,0 +1,212 @@
+"""Train a grid of small models (sizes x token budgets) and fit the Chinchilla law to them.
+
+Every run goes through ``anneal.train.run`` (the same path as ``recipes/pretrain_*.py``) in this
+process, one after another, each with its own run directory under ``--out``; a finished run is
+skipped when the sweep is started again. Each run's cosine schedule ends at its own last step,
+as in Hoffmann et al. Then ``anneal.scaling.fit_points`` fits L(N, D) to the final validation
+losses and writes ``fit.json`` and ``fit.png`` (the same files as ``anneal fit``).
+
+    python recipes/scaling_sweep.py --out runs/scaling_sweep --data data/stdlib
+    python recipes/scaling_sweep.py --grid test ...   # the small grid the tests run
+
+The full grid (4 sizes x 3 budgets on the embedded corpus) takes about 25 minutes on 2 CPU
+cores; on GPUs launch it with ``deepspeed --num_gpus N recipes/scaling_sweep.py ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from anneal.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+    """A model size: overrides of the tiny preset (vocabulary from the data)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+
+    @property
+    def name(self) -> str:
+        return f"h{self.hidden_size}_l{self.num_hidden_layers}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Grid:
+    shapes: tuple[Shape, ...]
+    tokens: tuple[int, ...]
+    """Training tokens per run; rounded up to whole optimizer steps."""
+
+
+GRIDS = {
+    "full": Grid(
+        shapes=(
+            Shape(
+                hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=172
+            ),
+            Shape(
+                hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=344
+            ),
+            Shape(
+                hidden_size=192, num_hidden_layers=3, num_attention_heads=3, intermediate_size=512
+            ),
+            Shape(
+                hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688
+            ),
+        ),
+        tokens=(2**17, 2**18, 2**19),
+    ),
+    "test": Grid(
+        shapes=(
+            Shape(hidden_size=32, num_hidden_layers=1, num_attention_heads=1, intermediate_size=96),
+            Shape(
+                hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=172
+            ),
+            Shape(
+                hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=344
+            ),
+        ),
+        tokens=(2**13, 2**14),
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scaling_sweep.py", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/scaling_sweep", help="sweep directory")
+    p.add_argument("--data", default="data/stdlib", help="prepared data directory")
+    p.add_argument("--ds-config", default="cpu.json", help="DeepSpeed JSON for every run")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="full")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples of the fit")
+    p.add_argument("--starts", type=int, help="L-BFGS starts of the fit (default all 4500)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run"
+    )
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def _finished(run_dir: Path) -> bool:
+    """A run counts as done once it validated after its last step."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cfg = json.loads((run_dir / "config.json").read_text())
+    last = cfg["run"]["train"]["max_steps"]
+    return any(r.get("kind") == "val" and r.get("step") == last for r in rows)
+
+
+def _global_batch_tokens(ds_config: str, overrides: list[str], seq_len: int) -> int:
+    from anneal import config as cfglib
+    from anneal.dist import world_size
+
+    path = cfglib.find_ds_config(ds_config)
+    ds = cfglib.override_ds_config(
+        cfglib.load_ds_config(path), cfglib.ds_overrides(overrides), source=str(path)
+    )
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    return micro * accum * world_size() * seq_len
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from anneal.dist import is_main_process
+    from anneal.recipe import _single_process_env, print_once
+
+    args = build_parser().parse_args(argv)
+    grid = GRIDS[args.grid]
+    out = Path(args.out)
+    _single_process_env()
+    import deepspeed
+
+    deepspeed.init_distributed(verbose=False)
+    from anneal.train import run
+
+    seq_len = 256  # the tiny preset's context
+    rows = []
+    try:
+        batch_tokens = _global_batch_tokens(args.ds_config, args.set, seq_len)
+        for shape in grid.shapes:
+            for tokens in grid.tokens:
+                steps = max(1, -(-tokens // batch_tokens))
+                run_dir = out / f"{shape.name}_d{steps * batch_tokens}"
+                if run_dir.is_dir() and (run_dir / "config.json").is_file() and _finished(run_dir):
+                    print_once(f"sweep: {run_dir} is finished; skipping")
+                    continue
+                cfg = RunConfig(
+                    out=str(run_dir),
+                    ds_config=args.ds_config,
+                    model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
+                    data=DataConfig(path=args.data),
+                    train=TrainConfig(
+                        max_steps=steps,
+                        eval_every=0,
+                        save_every=0,
+                        log_every=max(1, steps // 4),
+                        seed=args.seed,
+                    ),
+                )
+                overrides = [
+                    f"ds.scheduler.params.warmup_num_steps={max(1, steps // 10)}",
+                    *args.set,
+                ]
+                cfg = apply_overrides(cfg, overrides)
+                start = time.perf_counter()
+                summary = run(cfg, overrides)
+                seconds = time.perf_counter() - start
+                rows.append({**summary, "seconds": round(seconds, 1)})
+                print_once(
+                    f"sweep: {run_dir.name}: {summary['params']:,} params, "
+                    f"{summary['tokens']:,} tokens, val loss {summary['val_loss']:.4f}, "
+                    f"{seconds:.0f} s"
+                )
+                if not args.keep_checkpoints and is_main_process():
+                    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+                if torch.distributed.is_initialized():
+                    torch.distributed.barrier()
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print_once(f"error: {e}", file=sys.stderr)
+        return 2
+    if not is_main_process():
+        return 0
+
+    from anneal import scaling
+    from anneal.plots import plot_fit
+
+    run_dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
+    points = [scaling.read_run(d) for d in run_dirs]
+    start = time.perf_counter()
+    result = scaling.fit_points(points, n_bootstrap=args.bootstrap, grid_starts=args.starts)
+    fit_path = scaling.write_fit(result, out / "fit.json")
+    print(scaling.format_fit(result))
+    try:
+        plot = plot_fit(result, out / "fit.png", title=f"scaling sweep ({args.grid} grid)")
+        print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")
+    except ValueError as e:
+        print(f"wrote {fit_path}; no plot: {e}")
+    (out / "sweep.json").write_text(json.dumps({"grid": args.grid, "runs": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
