@@ -672,16 +672,24 @@ def _read_parquet(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator
     for batch in pf.iter_batches(
         batch_size=1024, row_groups=[unit.start], columns=[opts.text_field]
     ):
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):
-                problems.bad(
-                    f"{unit.path}: row {row}",
-                    f"{opts.text_field!r} is {type(text).__name__}, not a string",
-                    "Pass --text-field with the text column",
-                )
-            elif text:
-                yield Record(f"{unit.rel}#{row}", text, True, True)
-            row += 1
+        texts = batch.column(0).to_pylist()
+        yield from _column_records(texts, first_row=row, unit=unit, opts=opts, problems=problems)
+        row += len(texts)
+
+
+def _column_records(
+    texts: list, *, first_row: int, unit: Unit, opts: ReadOptions, problems: Problems
+) -> Iterator[Record]:
+    """Records of one column's values; a value that is not a string is a bad record."""
+    for row, text in enumerate(texts, start=first_row):
+        if not isinstance(text, str):
+            problems.bad(
+                f"{unit.path}: row {row}",
+                f"{opts.text_field!r} is {type(text).__name__}, not a string",
+                "Pass --text-field with the text column",
+            )
+        elif text:
+            yield Record(f"{unit.rel}#{row}", text, True, True)
 
 
 def _read_arrow(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[Record]:
@@ -692,13 +700,8 @@ def _read_arrow(unit: Unit, opts: ReadOptions, problems: Problems) -> Iterator[R
         column = table.column(opts.text_field).slice(unit.start, unit.end - unit.start)
         row = unit.start
         for chunk in column.chunks:
-            for text in chunk.to_pylist():
-                if not isinstance(text, str):
-                    problems.bad(
-                        f"{unit.path}: row {row}",
-                        f"{opts.text_field!r} is {type(text).__name__}, not a string",
-                        "Pass --text-field with the text column",
-                    )
-                elif text:
-                    yield Record(f"{unit.rel}#{row}", text, True, True)
-                row += 1
+            texts = chunk.to_pylist()
+            yield from _column_records(
+                texts, first_row=row, unit=unit, opts=opts, problems=problems
+            )
+            row += len(texts)
