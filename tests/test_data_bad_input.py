@@ -104,6 +104,20 @@ def test_missing_field_names_the_fields_there_are(tmp_path, tokenizer_model):
     assert meta["splits"]["train"]["documents"] == 1
 
 
+def test_parquet_value_that_is_not_text_names_the_row(tmp_path, tokenizer_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    rows = [{"text": "first row"}, {"text": "second row"}, {"text": None}, {"text": "fourth"}]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
+    with pytest.raises(ValueError, match=r"rows\.parquet: row 2: 'text' is NoneType"):
+        _prepare(tmp_path, [path], tokenizer_model)
+    meta = _prepare(tmp_path, [path], tokenizer_model, on_error="skip")
+    assert meta["skipped"]["records"] == 1
+    assert meta["splits"]["train"]["documents"] == 3
+
+
 def test_unknown_input_and_bad_weight(tmp_path):
     with pytest.raises(ValueError, match="no such file or directory"):
         prepare(inputs=[str(tmp_path / "nope.jsonl")], out=tmp_path / "o", progress=False)
