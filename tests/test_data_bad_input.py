@@ -222,7 +222,9 @@ def test_damaged_directory_is_refused(prepared):
 
 
 def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
-    """stdlib with one worker: packing takes seconds, time enough to interrupt it."""
+    """stdlib with one worker and small shards: the first shard lands early in packing, which
+    then goes on for seconds, time enough to interrupt it (with one 16M-token shard the only
+    file appeared at the very end, and a quiet machine finished before the signal)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
@@ -238,6 +240,8 @@ def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
         str(workers),
         "--vocab-size",
         "2000",
+        "--shard-tokens",
+        "65536",
         "--quiet",
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -260,6 +264,7 @@ def test_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
     partial = _wait_for_packing(out, proc)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
+    assert proc.returncode != 0, "prepare finished before the interrupt: the test raced"
     assert not out.exists() and not partial.exists()
     # SIGKILL: nothing can clean up, but nothing looks complete either.
     proc = _start_prepare(out)
