@@ -4,6 +4,7 @@ exist, an unknown --set key, and an --out that holds a different run."""
 
 import hashlib
 import json
+import shutil
 
 import pytest
 
@@ -98,3 +99,21 @@ def test_out_with_a_different_run_is_refused(stdlib_data, tmp_path):
     # Asked explicitly, the same directory continues with the new settings.
     proc = run_recipe([*base, "--max-steps", "4", "--resume", "auto"])
     assert "resumed from" in proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
+    """Same vocabulary size, different tokenizer, original data gone: only the checkpoint's
+    record of the tokenizer can tell, and resume refuses."""
+    from anneal.data.prepare import prepare
+
+    first, second = tmp_path / "bpe", tmp_path / "unigram"
+    prepare(inputs=["stdlib"], out=first, vocab_size=2000, progress=False)
+    prepare(inputs=["stdlib"], out=second, vocab_size=2000, model_type="unigram", progress=False)
+    out = tmp_path / "run"
+    base = ["--out", str(out), "--max-steps", "4", "--eval-every", "2", "--save-every", "2",
+            *SMALL]  # fmt: skip
+    run_recipe([*base, "--data", str(first), "--set", "train.stop_at_step=2"])
+    shutil.rmtree(first)
+    err = fail([*base, "--data", str(second), "--resume", "auto"])
+    assert f"--data {second}: its tokenizer" in err and "step00000002" in err
