@@ -221,10 +221,24 @@ def test_damaged_directory_is_refused(prepared):
         check_prepared(prepared)
 
 
+def _big_input(directory: Path) -> Path:
+    """About 28 MB of JSON Lines (the top-level stdlib modules six times over): packing takes
+    seconds even on a quiet machine, time enough to interrupt it. (With the stdlib alone, a
+    quiet machine sometimes finished before the signal arrived.)"""
+    path = directory / "big.jsonl"
+    if not path.exists():
+        files = sorted(p for p in STDLIB.glob("*.py"))
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+        with path.open("w") as f:
+            for copy in range(6):
+                for text in texts:
+                    f.write(json.dumps({"text": f"# copy {copy}\n{text}"}) + "\n")
+    return path
+
+
 def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
-    """stdlib with one worker and small shards: the first shard lands early in packing, which
-    then goes on for seconds, time enough to interrupt it (with one 16M-token shard the only
-    file appeared at the very end, and a quiet machine finished before the signal)."""
+    """One worker and small shards: the first shard lands early in packing, which then goes
+    on for seconds."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
@@ -233,13 +247,15 @@ def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
         "data",
         "prepare",
         "--input",
-        "stdlib",
+        str(_big_input(out.parent)),
         "--out",
         str(out),
         "--workers",
         str(workers),
         "--vocab-size",
         "2000",
+        "--tokenizer-sample-mb",
+        "2",
         "--shard-tokens",
         "65536",
         "--quiet",
