@@ -81,6 +81,7 @@ def save(engine, ckpt_dir: Path, *, step: int, client_state: dict, keep_last: in
             "tag": tag,
             "step": step,
             "tokens": client_state.get("tokens"),
+            "tokenizer_sha256": client_state.get("data", {}).get("tokenizer_sha256"),
             "world_size": world_size(),
             "files": files,
         }
@@ -97,6 +98,18 @@ def read_manifest(tag_dir: Path) -> dict | None:
         return json.loads((tag_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | None) -> None:
+    """ValueError when the checkpoint was trained on ids of another tokenizer than the data's.
+    Read from the manifest, so resume refuses before any engine is built."""
+    saved = (read_manifest(tag_dir) or {}).get("tokenizer_sha256")
+    if saved and tokenizer_sha256 and saved != tokenizer_sha256:
+        raise ValueError(
+            f"--data {data_dir}: its tokenizer ({tokenizer_sha256[:12]}...) is not the one "
+            f"{tag_dir} was trained with ({saved[:12]}...). Resume with the original data "
+            f"directory, or start a new run in a new --out."
+        )
 
 
 def is_intact(tag_dir: Path) -> bool:

@@ -129,6 +129,9 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
         resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
         if resume_from is not None:
             check_matches_run(meta, data_dir=data_dir, run_dir=out)
+            checkpoint.check_tokenizer(
+                resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
+            )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     plan = Plan(
@@ -298,13 +301,6 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     state, position = TrainState(), 0
     if plan.resume_from is not None:
         client = checkpoint.load(engine, plan.resume_from)
-        saved_sha = client["data"].get("tokenizer_sha256")
-        if saved_sha and train_split.tokenizer_sha256 and saved_sha != train_split.tokenizer_sha256:
-            raise ConfigError(
-                f"--data {data_dir}: its tokenizer ({train_split.tokenizer_sha256[:12]}...) is not "
-                f"the one {plan.resume_from} was trained with ({saved_sha[:12]}...). Resume with "
-                f"the original data directory, or start a new run in a new --out."
-            )
         state = TrainState(step=client["step"], tokens=client["tokens"])
         position = client["data"]["position"]
         metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
