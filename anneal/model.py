@@ -12,7 +12,6 @@ therefore include two vocab x hidden matrices.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import nn
@@ -235,6 +234,3 @@ def init_weights_(model: nn.Module, *, std: float, seed: int, gather=None) -> No
     finally:
         torch.random.set_rng_state(gen_state)
 
-
-def nats_to_bits(x: float) -> float:
-    return x / math.log(2)
