@@ -233,4 +233,3 @@ def init_weights_(model: nn.Module, *, std: float, seed: int, gather=None) -> No
                     _init_module_(module, std)
     finally:
         torch.random.set_rng_state(gen_state)
-
