@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch.distributed as dist
+
+# DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op ("deepspeed_shm_comm") in
+# every process that initializes distributed, taking torch's extension lock file for the build
+# check each time. A process killed inside that window leaves the lock behind, and every later
+# process on the machine then waits on it forever (seen here: a whole CI run hung). Anneal's CPU
+# runs use gloo's collectives instead; ANNEAL_CPU_SHM_COMM=1 brings the op back.
+SHM_COMM_ENV = "ANNEAL_CPU_SHM_COMM"
+
+
+def init_distributed() -> None:
+    """Start (or join) the process group; the one place Anneal calls DeepSpeed's init."""
+    import deepspeed
+
+    if deepspeed.get_accelerator().device_name() == "cpu" and os.environ.get(SHM_COMM_ENV) != "1":
+        import deepspeed.ops
+
+        # DeepSpeed keeps this dict for the process and consults it before any op build.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(verbose=False)
 
 
 def rank() -> int:

@@ -29,7 +29,14 @@ from anneal import model as modellib
 from anneal.config import ConfigError, RunConfig
 from anneal.data.prepare import check_matches_run, check_prepared
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
-from anneal.dist import is_main_process, print0, rank, setup_logging, world_size
+from anneal.dist import (
+    init_distributed,
+    is_main_process,
+    print0,
+    rank,
+    setup_logging,
+    world_size,
+)
 from anneal.metrics import MetricsLogger, console_line, device_peak_flops
 from anneal.schedule import WarmupCosine
 
@@ -369,7 +376,7 @@ def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState,
 def _setup_process() -> None:
     import deepspeed
 
-    deepspeed.init_distributed(verbose=False)
+    init_distributed()
     setup_logging()
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() == "cpu":

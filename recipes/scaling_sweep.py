@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     grid = GRIDS[args.grid]
     out = Path(args.out)
     _single_process_env()
-    import deepspeed
+    from anneal.dist import init_distributed
 
-    deepspeed.init_distributed(verbose=False)
+    init_distributed()
     from anneal.train import run
 
     seq_len = 256  # the tiny preset's context

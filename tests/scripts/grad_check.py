@@ -16,7 +16,7 @@ import torch
 from anneal import model as modellib
 from anneal.config import ModelConfig, RunConfig, TrainConfig, apply_overrides
 from anneal.data.stream import PackedSplit, TokenStream
-from anneal.dist import rank, world_size
+from anneal.dist import init_distributed, rank, world_size
 from anneal.train import TrainState, build_engine, next_token_loss, plan_run, train_step
 
 
@@ -31,7 +31,7 @@ def gathered_state(module) -> dict[str, torch.Tensor]:
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out_json, data_dir, run_dir, *overrides = argv
-    deepspeed.init_distributed(verbose=False)
+    init_distributed()
     cfg = RunConfig(
         out=run_dir,
         ds_config="cpu.json",
