@@ -4,15 +4,75 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+
+# A hung collective or lock must cost one test, not the CI run: past this many seconds the
+# session stops before its next test and says so (the whole suite takes about 10 minutes here).
+SUITE_BUDGET_S = float(os.environ.get("ANNEAL_TEST_BUDGET_S", 3600))
+_SUITE_START = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    elapsed = time.monotonic() - _SUITE_START
+    if elapsed > SUITE_BUDGET_S:
+        pytest.exit(
+            f"the suite has run {elapsed:.0f} s, past its budget of {SUITE_BUDGET_S:.0f} s "
+            f"(ANNEAL_TEST_BUDGET_S); stopping before {item.nodeid}. Look for tests above "
+            "that failed on a timeout: something hangs.",
+            returncode=1,
+        )
+
+
+def run_process(
+    cmd: list[str], *, timeout_s: float, check: bool = False, **kwargs
+) -> subprocess.CompletedProcess:
+    """subprocess.run in its own session, whose whole process tree is killed on a timeout.
+
+    The deepspeed runner's ranks outlive a killed runner, so killing only ``cmd`` on a hang
+    would leave them holding ports and cores for the rest of the suite.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} did not finish in {timeout_s:.0f} s and was killed; "
+            f"its output ends:\n{out[-3000:]}\n{err[-3000:]}"
+        )
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}"
+        )
+    return done
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the session a process was started in (start_new_session=True)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def free_port() -> int:
@@ -43,8 +103,9 @@ def run_recipe(
     *,
     ranks: int = 1,
     recipe: str = "recipes/pretrain_tiny.py",
-    timeout_s: int = 600,
+    timeout_s: int = 300,
     check: bool = True,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Train through the recipe: plain python for one rank, the deepspeed runner otherwise."""
     if ranks == 1:
@@ -59,15 +120,8 @@ def run_recipe(
             recipe,
             *args,
         ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-    return proc
+    e = {**env(), **(extra_env or {})}
+    return run_process(cmd, timeout_s=timeout_s, check=check, cwd=ROOT, env=e)
 
 
 def read_metrics(run_dir: Path, kind: str) -> list[dict]:

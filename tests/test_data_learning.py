@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from anneal.cli import main
+from tests.conftest import run_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_tiny_model_approaches_the_entropy_rate_and_never_goes_below(tmp_path):
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, timeout_s=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_bpb"] for r in rows if r["kind"] == "val"]

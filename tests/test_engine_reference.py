@@ -10,11 +10,10 @@ against an unclipped (or decay-everything) reference must and does fail.
 """
 
 import json
-import subprocess
 
 import pytest
 
-from tests.conftest import BIN, ROOT, env, free_port
+from tests.conftest import BIN, ROOT, env, free_port, run_process
 
 OVERRIDES = [
     "model.hidden_size=64",
@@ -47,7 +46,7 @@ def result(stdlib_data, tmp_path_factory):
         str(tmp / "run"),
         *OVERRIDES,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_process(cmd, timeout_s=300, cwd=ROOT, env=env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -11,7 +11,7 @@ import pytest
 from launcher import hostfile
 from launcher.__main__ import deepspeed_args
 from launcher.__main__ import main as launcher_main
-from tests.conftest import ROOT, SMALL, env, free_port, read_metrics
+from tests.conftest import ROOT, SMALL, env, free_port, kill_tree, read_metrics
 
 HOSTFILES = sorted((ROOT / "hostfiles").iterdir())
 
@@ -134,10 +134,17 @@ def test_two_nodes_train_together(stdlib_data, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         for k in (0, 1)
     ]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            kill_tree(p)
+        logs = [p.communicate()[0] for p in procs]
+        pytest.fail("the two nodes did not finish in 300 s:\n" + "\n".join(x[-3000:] for x in logs))
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert "2 rank(s)" in logs[0]
     assert [r["step"] for r in read_metrics(out, "train")] == [1, 2]

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 from anneal import cli, memory
 from anneal.config import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
+from tests.conftest import kill_tree, run_process
 
 REPO = Path(__file__).resolve().parent.parent
 P7B = count_params(get_preset("7b"))
@@ -279,7 +281,7 @@ def data_dir(tmp_path_factory) -> Path:
     if (shared / "meta.json").is_file():
         return shared
     out = tmp_path_factory.mktemp("data") / "stdlib"
-    subprocess.run(
+    run_process(
         [
             sys.executable,
             "-m",
@@ -291,6 +293,7 @@ def data_dir(tmp_path_factory) -> Path:
             "--out",
             str(out),
         ],
+        timeout_s=300,
         check=True,
         cwd=REPO,
         env=_env(),
@@ -327,9 +330,20 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    _, status, usage = os.wait4(proc.pid, 0)
+    watchdog = threading.Timer(300, kill_tree, [proc])  # a hang fails the status check below
+    watchdog.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        watchdog.cancel()
     assert status == 0, proc.stderr.read()[-3000:]
     return usage.ru_maxrss * 1024  # KiB on Linux
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from anneal import scaling
 from anneal.model import count_params, flops_per_token, get_preset
+from tests.conftest import run_process
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
@@ -35,7 +35,9 @@ def data_dir(tmp_path_factory) -> Path:
         return shared
     out = tmp_path_factory.mktemp("data") / "stdlib"
     cmd = [sys.executable, "-m", "anneal.cli", "data", "prepare", "--input", "stdlib"]
-    subprocess.run([*cmd, "--out", str(out)], check=True, cwd=REPO, env=_env(out.parent))
+    run_process(
+        [*cmd, "--out", str(out)], timeout_s=300, check=True, cwd=REPO, env=_env(out.parent)
+    )
     return out
 
 
@@ -53,7 +55,7 @@ def _env(cache: Path) -> dict:
 def sweep(out: Path, data: Path, cache: Path, *extra: str) -> str:
     cmd = [sys.executable, "recipes/scaling_sweep.py", "--grid", "test", "--out", str(out)]
     cmd += ["--data", str(data), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True)
+    proc = run_process(cmd, timeout_s=900, cwd=REPO, env=_env(cache))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
