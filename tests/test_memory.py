@@ -329,22 +329,23 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
     ]
     for s in sets:
         cmd += ["--set", s]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    log = out.parent / f"{out.name}.log"  # a file, not a pipe: nobody reads during wait4
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     watchdog = threading.Timer(300, kill_tree, [proc])  # a hang fails the status check below
     watchdog.start()
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     finally:
         watchdog.cancel()
-    assert status == 0, proc.stderr.read()[-3000:]
+    assert status == 0, log.read_text()[-3000:]
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
