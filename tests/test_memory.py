@@ -24,7 +24,7 @@ import torch
 from anneal import cli, memory
 from anneal.config import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
-from tests.conftest import kill_tree, run_process
+from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 P7B = count_params(get_preset("7b"))
@@ -276,31 +276,6 @@ MEASURED = [
 ]
 
 
-def data_dir(tmp_path_factory) -> Path:
-    shared = REPO / "data" / "stdlib"
-    if (shared / "meta.json").is_file():
-        return shared
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    run_process(
-        [
-            sys.executable,
-            "-m",
-            "anneal.cli",
-            "data",
-            "prepare",
-            "--input",
-            "stdlib",
-            "--out",
-            str(out),
-        ],
-        timeout_s=300,
-        check=True,
-        cwd=REPO,
-        env=_env(),
-    )
-    return out
-
-
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -369,14 +344,13 @@ def estimate_for(sets: list[str]) -> memory.MemoryEstimate:
 
 
 @pytest.mark.slow
-def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, tmp_path_factory):
+def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     """fp32 ZeRO-3 on one CPU process (ds_configs/cpu.json). The runtime (Python, torch,
     DeepSpeed) is taken as the peak RSS of the smallest possible run and subtracted. Host
     memory comes from glibc, which keeps small freed blocks, so the comparison is with
     ``total_stacked``; measured/estimated was 0.97-1.12 over five shapes (docs/planning.md)."""
-    data = data_dir(tmp_path_factory)
-    base = peak_rss(tmp_path / "base", data, SMALLEST)
-    big = peak_rss(tmp_path / "big", data, MEASURED)
+    base = peak_rss(tmp_path / "base", stdlib_data, SMALLEST)
+    big = peak_rss(tmp_path / "big", stdlib_data, MEASURED)
     measured = big - base
     expected = estimate_for(MEASURED).total_stacked - estimate_for(SMALLEST).total_stacked
     print(f"measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")

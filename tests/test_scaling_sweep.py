@@ -28,19 +28,6 @@ import scaling_sweep  # noqa: E402
 BATCH_TOKENS = 4 * 2 * 256  # ds_configs/cpu.json: micro-batch 4 x accumulation 2 x 256 tokens
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    shared = REPO / "data" / "stdlib"
-    if (shared / "meta.json").is_file():
-        return shared
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    cmd = [sys.executable, "-m", "anneal.cli", "data", "prepare", "--input", "stdlib"]
-    run_process(
-        [*cmd, "--out", str(out)], timeout_s=300, check=True, cwd=REPO, env=_env(out.parent)
-    )
-    return out
-
-
 def preset_of(run_dir: Path):
     """The resolved model shape a run recorded in its config.json."""
     model = json.loads((run_dir / "config.json").read_text())["model"]
@@ -61,18 +48,18 @@ def sweep(out: Path, data: Path, cache: Path, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory, data_dir):
+def swept(tmp_path_factory, stdlib_data):
     root = tmp_path_factory.mktemp("sweep")
     out, cache = root / "sweep", root / "cache"
-    stdout = sweep(out, data_dir, cache, "--starts", "64", "--bootstrap", "10")
+    stdout = sweep(out, stdlib_data, cache, "--starts", "64", "--bootstrap", "10")
     return out, cache, stdout
 
 
 @pytest.mark.slow
-def test_every_run_of_the_grid_trained_its_budget(swept, data_dir):
+def test_every_run_of_the_grid_trained_its_budget(swept, stdlib_data):
     out, _, _ = swept
     grid = scaling_sweep.GRIDS["test"]
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    vocab = json.loads((stdlib_data / "meta.json").read_text())["vocab_size"]
     losses = {}
     for shape in grid.shapes:
         for tokens in grid.tokens:
@@ -115,12 +102,12 @@ def test_fit_file_and_plot_hold_exactly_the_runs(swept):
 
 
 @pytest.mark.slow
-def test_mfu_in_metrics_is_6n_plus_attention_over_the_cached_cpu_peak(swept, data_dir):
+def test_mfu_in_metrics_is_6n_plus_attention_over_the_cached_cpu_peak(swept, stdlib_data):
     out, cache, _ = swept
     peaks = json.loads((cache / "anneal" / "cpu_peak_flops.json").read_text())
     assert len(peaks) == 1  # measured once, by the first run; every later run read the cache
     (peak,) = peaks.values()
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    vocab = json.loads((stdlib_data / "meta.json").read_text())["vocab_size"]
     for run_dir in sorted(p.parent for p in out.glob("*/metrics.jsonl")):
         preset = preset_of(run_dir)
         assert preset.vocab_size == vocab
@@ -135,9 +122,9 @@ def test_mfu_in_metrics_is_6n_plus_attention_over_the_cached_cpu_peak(swept, dat
 
 
 @pytest.mark.slow
-def test_a_second_launch_skips_finished_runs(swept, data_dir):
+def test_a_second_launch_skips_finished_runs(swept, stdlib_data):
     out, cache, _ = swept
     before = {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")}
-    stdout = sweep(out, data_dir, cache, "--starts", "8", "--bootstrap", "0")
+    stdout = sweep(out, stdlib_data, cache, "--starts", "8", "--bootstrap", "0")
     assert stdout.count("is finished; skipping") == 6
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")} == before
