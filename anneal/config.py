@@ -5,8 +5,8 @@ Every DeepSpeed key has one home: the JSON file in ``ds_configs/``. Anneal reads
 depend on the run (``train_batch_size`` and the scheduler's ``total_num_steps``, written as
 ``"auto"``), and writes the resolved result into the run directory.
 
-User mistakes raise ``ConfigError`` (a ``ValueError``) with one paragraph naming the file and key
-and saying how to fix it.
+User mistakes raise ``anneal.errors.UserError`` with one paragraph naming the file and key and
+saying how to fix it.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from anneal.errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 AUTO = "auto"
-
-
-class ConfigError(ValueError):
-    """A user error in a config file, flag or override."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +64,7 @@ class ModelConfig:
             shape["seq_len"] = self.seq_len
         preset = dataclasses.replace(preset, **shape)
         if preset.hidden_size % preset.num_attention_heads:
-            raise ConfigError(
+            raise UserError(
                 f"model.hidden_size ({preset.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({preset.num_attention_heads})."
             )
@@ -132,11 +130,11 @@ def _coerce(text: str, typ: Any, where: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{where}: expected true or false, got {text!r}.")
+        raise UserError(f"{where}: expected true or false, got {text!r}.")
     try:
         return typ(text)
     except ValueError:
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {text!r}.") from None
+        raise UserError(f"{where}: expected {typ.__name__}, got {text!r}.") from None
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -151,21 +149,21 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         section, dot, field = key.partition(".")
         where = f"--set {item}"
         if not sep or not dot:
-            raise ConfigError(
+            raise UserError(
                 f"{where}: overrides look like section.key=value, e.g. "
                 f"train.max_steps=100 or ds.gradient_clipping=0.5."
             )
         if section == "ds":
             continue
         if section not in _SECTIONS:
-            raise ConfigError(
+            raise UserError(
                 f"{where}: unknown section {section!r}"
                 f"{_suggest(section, [*_SECTIONS, 'ds'])}; sections are "
                 f"{', '.join([*_SECTIONS, 'ds'])}."
             )
         fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
         if field not in fields:
-            raise ConfigError(
+            raise UserError(
                 f"{where}: {section} has no key {field!r}"
                 f"{_suggest(field, fields)}; keys are {', '.join(fields)}."
             )
@@ -173,7 +171,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         parsed = _coerce(value, typ, where)
         choices = _CHOICES.get((section, field))
         if choices and parsed not in choices:
-            raise ConfigError(f"{where}: must be one of {', '.join(choices)}.")
+            raise UserError(f"{where}: must be one of {', '.join(choices)}.")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
 
@@ -324,17 +322,17 @@ def _check_value(value: Any, spec: Any) -> bool:
 def validate_ds_config(
     cfg: dict, schema: dict = DS_SCHEMA, *, source: str, prefix: str = ""
 ) -> None:
-    """Unknown keys at any level and wrong types raise ConfigError naming source and key."""
+    """Unknown keys at any level and wrong types raise UserError naming source and key."""
     for key, value in cfg.items():
         dotted = f"{prefix}{key}"
         if key not in schema:
-            raise ConfigError(
+            raise UserError(
                 f"{source}: unknown key {dotted!r}{_suggest(key, schema)}. DeepSpeed would "
                 f"ignore it silently; Anneal refuses. Known keys here: {', '.join(schema)}."
             )
         spec = schema[key]
         if not _check_value(value, spec):
-            raise ConfigError(
+            raise UserError(
                 f"{source}: key {dotted!r} must be {_type_name(spec)}, got {json.dumps(value)}."
             )
         if isinstance(spec, dict):
@@ -346,7 +344,7 @@ def _no_duplicates(source: str):
         seen = {}
         for key, value in pairs:
             if key in seen:
-                raise ConfigError(f"{source}: key {key!r} is set twice; keep one.")
+                raise UserError(f"{source}: key {key!r} is set twice; keep one.")
             seen[key] = value
         return seen
 
@@ -361,7 +359,7 @@ def find_ds_config(name_or_path: str) -> Path:
     if (DS_CONFIG_DIR / name_or_path).is_file() and path.parent == Path("."):
         return DS_CONFIG_DIR / name_or_path
     shipped = ", ".join(sorted(p.name for p in DS_CONFIG_DIR.glob("*.json")))
-    raise ConfigError(
+    raise UserError(
         f"--ds-config {name_or_path}: no such file. Give a path to a DeepSpeed "
         f"JSON file or one of the shipped names in {DS_CONFIG_DIR}: {shipped}."
     )
@@ -374,29 +372,29 @@ def load_ds_config(path: str | Path) -> dict:
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read the DeepSpeed config ({e.strerror}).") from None
+        raise UserError(f"{source}: cannot read the DeepSpeed config ({e.strerror}).") from None
     try:
         cfg = json.loads(text, object_pairs_hook=_no_duplicates(source))
     except json.JSONDecodeError as e:
-        raise ConfigError(
+        raise UserError(
             f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: "
             f"{e.msg}. DeepSpeed configs are strict JSON (no comments, no "
             f"trailing commas)."
         ) from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{source}: the top level must be a JSON object.")
+        raise UserError(f"{source}: the top level must be a JSON object.")
     validate_ds_config(cfg, source=source)
     for key_path in REQUIRED:
         node = cfg
         for k in key_path:
             if not isinstance(node, dict) or k not in node:
-                raise ConfigError(f"{source}: missing required key {'.'.join(key_path)!r}.")
+                raise UserError(f"{source}: missing required key {'.'.join(key_path)!r}.")
             node = node[k]
     opt = cfg["optimizer"]["type"]
     if opt.lower() not in ("adamw", "adam"):
-        raise ConfigError(f"{source}: optimizer.type {opt!r} is not supported; use AdamW.")
+        raise UserError(f"{source}: optimizer.type {opt!r} is not supported; use AdamW.")
     if cfg["scheduler"]["type"] != "WarmupCosineLR":
-        raise ConfigError(
+        raise UserError(
             f"{source}: scheduler.type must be 'WarmupCosineLR', got {cfg['scheduler']['type']!r}."
         )
     return cfg
@@ -429,7 +427,7 @@ def train_batch_size(
         ("data-parallel size", data_parallel_size),
     ):
         if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}.")
+            raise UserError(f"{name} must be at least 1, got {value}.")
     return micro_batch_per_gpu * grad_accum_steps * data_parallel_size
 
 
@@ -443,7 +441,7 @@ def resolve_ds_config(cfg: dict, *, source: str, data_parallel_size: int, max_st
     )
     given = cfg.get("train_batch_size", AUTO)
     if given != AUTO and given != want:
-        raise ConfigError(
+        raise UserError(
             f"{source}: train_batch_size is {given} but train_micro_batch_size_per_gpu ({micro}) "
             f"x gradient_accumulation_steps ({accum}) x data-parallel size "
             f'({data_parallel_size}) = {want}. Set train_batch_size to {want} or to "auto".'
@@ -452,13 +450,13 @@ def resolve_ds_config(cfg: dict, *, source: str, data_parallel_size: int, max_st
     params = cfg["scheduler"]["params"]
     total = params.get("total_num_steps", AUTO)
     if total != AUTO and total != max_steps:
-        raise ConfigError(
+        raise UserError(
             f"{source}: scheduler.params.total_num_steps is {total} but the run has "
             f'--max-steps {max_steps}. Set it to "auto" (Anneal fills it in).'
         )
     params["total_num_steps"] = max_steps
     if params["warmup_num_steps"] > max_steps:
-        raise ConfigError(
+        raise UserError(
             f"{source}: scheduler.params.warmup_num_steps "
             f"({params['warmup_num_steps']}) exceeds --max-steps ({max_steps})."
         )

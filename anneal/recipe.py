@@ -13,13 +13,13 @@ import sys
 
 from anneal.config import (
     AUTO,
-    ConfigError,
     DataConfig,
     ModelConfig,
     RunConfig,
     TrainConfig,
     apply_overrides,
 )
+from anneal.errors import UserError
 
 
 def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
@@ -120,7 +120,7 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
 
         _single_process_env()
         summary = run(cfg, overrides)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         print_once(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print_once(format_summary(summary))

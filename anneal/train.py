@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from anneal import checkpoint
 from anneal import config as cfglib
 from anneal import model as modellib
-from anneal.config import ConfigError, RunConfig
+from anneal.config import RunConfig
 from anneal.data.prepare import check_matches_run, check_prepared
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import (
@@ -37,6 +37,7 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
+from anneal.errors import UserError
 from anneal.metrics import MetricsLogger, console_line, device_peak_flops
 from anneal.schedule import WarmupCosine
 
@@ -96,7 +97,7 @@ def device_has_fast_bf16(device: torch.device) -> bool:
 
 
 def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
-    """Resolve and check everything a run needs; raise ConfigError before anything is written."""
+    """Resolve and check everything a run needs; raise UserError before anything is written."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
@@ -118,7 +119,7 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
     elif cfg.train.precision == "bf16":
         ds = cfglib.set_bf16(ds, True)
     if cfg.train.max_steps < 1:
-        raise ConfigError(f"--max-steps must be at least 1, got {cfg.train.max_steps}.")
+        raise UserError(f"--max-steps must be at least 1, got {cfg.train.max_steps}.")
     ds = cfglib.resolve_ds_config(
         ds, source=str(ds_path), data_parallel_size=world_size(), max_steps=cfg.train.max_steps
     )
@@ -127,7 +128,7 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
     try:
         meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise UserError(str(e)) from None
     preset = cfg.model.resolve(meta["vocab_size"])
 
     out = Path(cfg.out)
@@ -140,7 +141,7 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
                 resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
             )
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise UserError(str(e)) from None
     plan = Plan(
         cfg=cfg,
         ds_config=ds,
@@ -154,7 +155,7 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
     if old_path.is_file():
         diffs = cfglib.config_differences(json.loads(old_path.read_text()), plan.config_document())
         if diffs and not cfg.resume_explicit:
-            raise ConfigError(
+            raise UserError(
                 f"--out {out} holds a different run (its config.json differs: "
                 f"{'; '.join(diffs[:5])}). Anneal will not mix two runs in one directory: "
                 f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 from anneal.config import (
-    ConfigError,
     DataConfig,
     ModelConfig,
     RunConfig,
     TrainConfig,
     apply_overrides,
 )
+from anneal.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         print_once(f"error: {e}", file=sys.stderr)
         return 2
     if not is_main_process():

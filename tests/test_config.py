@@ -7,7 +7,8 @@ import json
 import pytest
 
 from anneal import config as cfglib
-from anneal.config import ConfigError, RunConfig
+from anneal.config import RunConfig
+from anneal.errors import UserError
 
 
 def write(tmp_path, cfg, name="c.json"):
@@ -26,7 +27,7 @@ def test_batch_arithmetic():
         cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
         == 2048
     )
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+    with pytest.raises(UserError, match="gradient_accumulation_steps"):
         cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
 
 
@@ -40,7 +41,7 @@ def test_auto_batch_and_total_steps_are_filled(tmp_path, base):
 
 def test_top_level_typo_is_an_error_with_a_suggestion(tmp_path, base):
     base["gradient_clipp1ng"] = base.pop("gradient_clipping")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         cfglib.load_ds_config(write(tmp_path, base))
     msg = str(e.value)
     assert "c.json" in msg and "'gradient_clipp1ng'" in msg and "gradient_clipping" in msg
@@ -48,7 +49,7 @@ def test_top_level_typo_is_an_error_with_a_suggestion(tmp_path, base):
 
 def test_nested_typo_names_the_dotted_key(tmp_path, base):
     base["zero_optimization"]["stgae"] = 3
-    with pytest.raises(ConfigError, match=r"zero_optimization\.stgae.*did you mean 'stage'"):
+    with pytest.raises(UserError, match=r"zero_optimization\.stgae.*did you mean 'stage'"):
         cfglib.load_ds_config(write(tmp_path, base))
 
 
@@ -67,7 +68,7 @@ def test_wrong_types(tmp_path, base, path, value, expect):
     for k in path[:-1]:
         node = node[k]
     node[path[-1]] = value
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         cfglib.load_ds_config(write(tmp_path, base))
     assert f"'{'.'.join(path)}'" in str(e.value) and expect in str(e.value)
 
@@ -75,7 +76,7 @@ def test_wrong_types(tmp_path, base, path, value, expect):
 def test_mismatched_train_batch_size(tmp_path, base):
     base["train_batch_size"] = 100
     cfg = cfglib.load_ds_config(write(tmp_path, base))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         cfglib.resolve_ds_config(cfg, source="c.json", data_parallel_size=2, max_steps=10_000)
     assert "train_batch_size is 100" in str(e.value) and "= 64" in str(e.value)
 
@@ -94,24 +95,24 @@ def test_matching_train_batch_size_is_accepted(tmp_path, base):
 def test_not_json_gives_line_and_column(tmp_path):
     text = '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": tru}\n}'
     path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=r"c\.json: not valid JSON at line 3, column 23"):
+    with pytest.raises(UserError, match=r"c\.json: not valid JSON at line 3, column 23"):
         cfglib.load_ds_config(path)
 
 
 def test_duplicate_keys_are_errors(tmp_path):
     path = write(tmp_path, '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
-    with pytest.raises(ConfigError, match="'gradient_clipping' is set twice"):
+    with pytest.raises(UserError, match="'gradient_clipping' is set twice"):
         cfglib.load_ds_config(path)
 
 
 def test_missing_required_key(tmp_path, base):
     del base["optimizer"]["params"]["lr"]
-    with pytest.raises(ConfigError, match="missing required key 'optimizer.params.lr'"):
+    with pytest.raises(UserError, match="missing required key 'optimizer.params.lr'"):
         cfglib.load_ds_config(write(tmp_path, base))
 
 
 def test_unknown_file_lists_shipped_configs():
-    with pytest.raises(ConfigError, match="zero3_bf16.json"):
+    with pytest.raises(UserError, match="zero3_bf16.json"):
         cfglib.find_ds_config("zero9.json")
 
 
@@ -139,13 +140,13 @@ def test_overrides_are_typed_and_strict():
         ["train.max_steps=7", "model.activation_checkpointing=true", "ds.gradient_clipping=0.5"],
     )
     assert cfg.train.max_steps == 7 and cfg.model.activation_checkpointing is True
-    with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
+    with pytest.raises(UserError, match="did you mean 'max_steps'"):
         cfglib.apply_overrides(cfg, ["train.max_step=7"])
-    with pytest.raises(ConfigError, match="expected int"):
+    with pytest.raises(UserError, match="expected int"):
         cfglib.apply_overrides(cfg, ["train.max_steps=many"])
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(UserError, match="section.key=value"):
         cfglib.apply_overrides(cfg, ["max_steps"])
-    with pytest.raises(ConfigError, match="one of auto, bf16, fp32"):
+    with pytest.raises(UserError, match="one of auto, bf16, fp32"):
         cfglib.apply_overrides(cfg, ["train.precision=fp8"])
 
 
@@ -153,9 +154,9 @@ def test_ds_overrides_revalidate(tmp_path, base):
     cfg = cfglib.load_ds_config(write(tmp_path, base))
     over = cfglib.override_ds_config(cfg, [(["zero_optimization", "stage"], "2")], source="c")
     assert over["zero_optimization"]["stage"] == 2
-    with pytest.raises(ConfigError, match="unknown key 'gradient_clipp1ng'"):
+    with pytest.raises(UserError, match="unknown key 'gradient_clipp1ng'"):
         cfglib.override_ds_config(cfg, [(["gradient_clipp1ng"], "1")], source="c")
-    with pytest.raises(ConfigError, match="must be a number"):
+    with pytest.raises(UserError, match="must be a number"):
         cfglib.override_ds_config(cfg, [(["gradient_clipping"], "big")], source="c")
 
 

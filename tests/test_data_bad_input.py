@@ -179,7 +179,7 @@ def test_changed_tokenizer_is_refused_at_training_time(prepared, tmp_path):
     (prepared / "tokenizer.model").write_bytes(other.read_bytes())
     with pytest.raises(ValueError, match=r"tokenizer\.model: its sha256 .* differs from the tok"):
         check_prepared(prepared)
-    from anneal.config import ConfigError
+    from anneal.errors import UserError
     from anneal.recipe import config_from_args
     from anneal.train import plan_run
 
@@ -189,7 +189,7 @@ def test_changed_tokenizer_is_refused_at_training_time(prepared, tmp_path):
         preset="tiny",
         ds_config="cpu.json",
     )
-    with pytest.raises(ConfigError, match="differs from the tokenizer the shards were made with"):
+    with pytest.raises(UserError, match="differs from the tokenizer the shards were made with"):
         plan_run(cfg, overrides)
 
 
