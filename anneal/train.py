@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint
+from anneal import checkpoint, forecast
 from anneal import config as cfglib
 from anneal import model as modellib
 from anneal.config import RunConfig
@@ -39,6 +39,7 @@ from anneal.dist import (
 )
 from anneal.errors import UserError
 from anneal.metrics import MetricsLogger, console_line, device_peak_flops
+from anneal.preempt import Preemption
 from anneal.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -320,18 +321,28 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     peak = device_peak_flops(plan.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
+    preemption = Preemption(plan.out)  # SIGUSR1/SIGTERM: checkpoint after the step, exit 75
+    check = forecast.Check(plan.out, start_step=state.step)  # the launcher's forecast vs measured
     try:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             metrics.write(last_train)
+            check.after_step(last_train, tokens_per_step=plan.ds_config["train_batch_size"]
+                             * plan.seq_len, device=plan.device, metrics=metrics)  # fmt: skip
             if state.step % cfg.train.log_every == 0 or state.step == 1:
                 console_line(last_train, max_steps=cfg.train.max_steps)
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
             maybe_checkpoint(engine, stream, plan, state, metrics)
+            if preemption.requested(plan.device):  # collective: any rank signalled stops all
+                preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
+                                save=lambda: checkpoint.save(engine, plan.out / "checkpoints",
+                                step=state.step, keep_last=cfg.train.keep_last, client_state={
+                                    **state.state_dict(), "data": stream.state_dict()}))  # fmt: skip
     finally:
+        preemption.close()
         stream.close()
         metrics.close()
     return {
