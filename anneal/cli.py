@@ -234,7 +234,7 @@ def _estimate(args: argparse.Namespace) -> int:
     import json
 
     from anneal import memory
-    from anneal.config import find_ds_config, load_ds_config
+    from anneal.ds_config import find_ds_config, load_ds_config
     from anneal.metrics import get_gpu
 
     preset = memory.load_model(args.model)

@@ -16,6 +16,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from anneal.errors import UserError
+
 # Nominal vocabulary used to size the presets (Llama's). At training time the vocabulary comes
 # from the prepared data and the real count is printed at start.
 NOMINAL_VOCAB = 32000
@@ -107,7 +109,7 @@ PRESETS: dict[str, ModelPreset] = {
 
 def get_preset(name: str) -> ModelPreset:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise UserError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
 
 

@@ -27,9 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_STEPS = 50
+"""Optimizer steps of the demo: 50 x 16,384 tokens, a quarter of an epoch of the corpus."""
+
+
+def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) -> list[str]:
+    """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too)."""
+    return [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus", str(n_procs), "--master_port", str(port),
+        "recipes/pretrain_tiny.py",
+        "--out", out, "--data", data, "--max-steps", str(steps),
+        "--eval-every", str(max(1, steps // 4)), "--save-every", str(max(1, steps // 2)),
+    ]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--data", default="data/stdlib")
     parser.add_argument("--out", default=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
@@ -37,13 +52,9 @@ def main() -> int:
     import torch
 
     n_procs = torch.cuda.device_count() or 2
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus", str(n_procs), "--master_port", str(free_port()),
-        "recipes/pretrain_tiny.py",
-        "--out", args.out, "--data", args.data, "--max-steps", str(args.steps),
-        "--eval-every", str(max(1, args.steps // 4)), "--save-every", str(max(1, args.steps // 2)),
-    ]  # fmt: skip
+    cmd = demo_command(
+        n_procs=n_procs, steps=args.steps, out=args.out, data=args.data, port=free_port()
+    )
     print("$", " ".join(cmd), flush=True)
     start = time.time()
     rc = subprocess.call(cmd, cwd=ROOT)

@@ -146,5 +146,7 @@ SMALL = [
     "--set",
     "ds.scheduler.params.warmup_num_steps=2",
     "--set",
+    "ds.gradient_accumulation_steps=2",
+    "--set",
     "train.log_every=1",
 ]
