@@ -118,7 +118,7 @@ class Check:
         self.at_step = start_step + CHECK_AT_STEP
         self.step_s: list[float] = []
 
-    def after_step(self, row: dict, *, tokens_per_step: int, device, metrics) -> None:
+    def after_step(self, row: dict, tokens_per_step: int, device, metrics) -> None:
         if self.forecast is None or row["step"] > self.at_step:
             return
         self.step_s.append(tokens_per_step / row["tokens_per_s"])

@@ -60,7 +60,8 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            log.warning("got %s: stopping after this step to checkpoint", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            log.warning("got %s: stopping after this step to checkpoint", name)
 
     def requested(self, device: torch.device) -> bool:
         """Collective after each step: True on every rank when any rank got a signal."""

@@ -232,19 +232,17 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             last_train = train_step(engine, stream, state, plan)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             metrics.write(last_train)
-            check.after_step(last_train, tokens_per_step=plan.tokens_per_step,
-                             device=engine.device, metrics=metrics)  # fmt: skip
+            check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
             if state.step % cfg.train.log_every == 0 or state.step == 1:
                 console_line(last_train, max_steps=cfg.train.max_steps)
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
             maybe_checkpoint(engine, stream, plan, state, metrics)
-            if preemption.requested(engine.device):  # collective: any rank signalled stops all
+            if preemption.requested(engine.device):  # collective: a signal to any rank stops all
                 preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
-                                save=lambda: checkpoint.save(engine, plan.out / "checkpoints",
-                                step=state.step, keep_last=cfg.train.keep_last, client_state={
-                                    **state.state_dict(), "data": stream.state_dict()}))  # fmt: skip
+                                save=lambda: maybe_checkpoint(engine, stream, plan, state, metrics,
+                                                              force=True))  # fmt: skip
     finally:
         preemption.close()
         stream.close()
@@ -272,10 +270,11 @@ def maybe_validate(engine, val, token_bytes, plan: Plan, state: TrainState, metr
     return row
 
 
-def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState, metrics) -> None:
-    """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``."""
+def maybe_checkpoint(engine, stream, plan: Plan, state: TrainState, metrics, force=False) -> None:
+    """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``
+    (``force``: now, for a preemption)."""
     train = plan.cfg.train
-    if not (
+    if not force and not (
         _due(state.step, train.save_every, train.max_steps) or state.step == train.stop_at_step
     ):
         return

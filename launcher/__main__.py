@@ -84,7 +84,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipes/pretrain_*.py")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
     p.add_argument("--device", choices=("cuda", "cpu"),
-                   help="device kind of the ranks (default: cuda if this host has a GPU)")  # fmt: skip
+                   help="device of the ranks (default: cuda if this host has a GPU)")  # fmt: skip
     p.add_argument("--mfu", type=float, help="assumed MFU for the forecast (default: 0.40 GPU)")
     p.add_argument("--gpu", help="GPU for the forecast: h100, h200, a100 (default: this one)")
     p.add_argument("--env", action="append", default=[], metavar="NAME",

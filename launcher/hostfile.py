@@ -69,7 +69,7 @@ def write(path: str | Path, hosts: dict[str, int]) -> None:
     path.write_text(render(hosts))
 
 
-def from_slurm(environ: dict[str, str] | None = None, *, slots: int | None = None) -> dict[str, int]:
+def from_slurm(environ: dict | None = None, *, slots: int | None = None) -> dict[str, int]:
     """The hosts of the current Slurm allocation: ``SLURM_JOB_NODELIST`` expanded, with
     ``slots`` GPUs each, or ``SLURM_GPUS_ON_NODE`` when ``slots`` is None."""
     from launcher import slurm

@@ -273,8 +273,9 @@ def test_unreachable_hosts_are_listed_together(stdlib_data, tmp_path):
     hf = tmp_path / "hf"
     hf.write_text("127.0.0.3 slots=1\n127.0.0.4 slots=1\n")  # nothing listens there
     out = tmp_path / "run"
+    data = ["--data", str(stdlib_data)]
     done = _launch(["run", "recipes/pretrain_tiny.py", "--hostfile", str(hf), "--device", "cpu",
-                    "--", "--out", str(out), "--data", str(stdlib_data), "--max-steps", "10"])  # fmt: skip
+                    "--", "--out", str(out), *data, "--max-steps", "10"])  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "2 of 2 hosts do not answer ssh" in done.stderr
     assert "127.0.0.3:" in done.stderr and "127.0.0.4:" in done.stderr
@@ -290,14 +291,42 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
         port = str(free_port())
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "launcher", "run", "recipes/pretrain_tiny.py",
-                 "--hostfile", "hostfiles/loopback", "--no-ssh", "--node-rank", str(k),
-                 "--master-addr", "127.0.0.1", "--master-port", port, "--device", "cpu",
-                 "--", "--out", str(out), "--data", str(stdlib_data),
-                 "--max-steps", str(max_steps), "--eval-every", "2", "--save-every", "2",
-                 *SMALL],
-                cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "launcher",
+                    "run",
+                    "recipes/pretrain_tiny.py",
+                    "--hostfile",
+                    "hostfiles/loopback",
+                    "--no-ssh",
+                    "--node-rank",
+                    str(k),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    port,
+                    "--device",
+                    "cpu",
+                    "--",
+                    "--out",
+                    str(out),
+                    "--data",
+                    str(stdlib_data),
+                    "--max-steps",
+                    str(max_steps),
+                    "--eval-every",
+                    "2",
+                    "--save-every",
+                    "2",
+                    *SMALL,
+                ],
+                cwd=ROOT,
+                env=env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
             )  # fmt: skip
             for k in (0, 1)
         ]
