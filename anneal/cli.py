@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from anneal.errors import UserError
+
 # --- data ------------------------------------------------------------------------------------
 
 
@@ -235,7 +237,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from anneal import memory
     from anneal.config import find_ds_config, load_ds_config
-    from anneal.metrics import get_gpu
+    from anneal.hardware import get_gpu
 
     preset = memory.load_model(args.model)
     if args.vocab_size:
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"anneal {args.command}: error: {e}", file=sys.stderr)
         return 2
 

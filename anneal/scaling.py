@@ -345,7 +345,7 @@ def plan(
     Without ``tokens_per_param`` N and D sit on ``fit``'s compute-optimal frontier; with it,
     D = R N (Chinchilla's rule of thumb is R = 20) and ``fit`` only predicts the loss.
     """
-    from anneal.metrics import get_gpu
+    from anneal.hardware import get_gpu
     from anneal.model import get_preset
 
     fit = fit or FITS[DEFAULT_FIT]
