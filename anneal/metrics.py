@@ -1,7 +1,9 @@
-"""metrics.jsonl, TensorBoard and the console line.
+"""metrics.jsonl (written here, and read back by ``read_metrics``), TensorBoard and the
+console line.
 
-Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps its metrics.
-The device peaks that MFU divides by live in ``anneal.hardware``.
+Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps its metrics
+(all but, at worst, a torn last line, which ``read_metrics`` skips). The device peaks that MFU
+divides by live in ``anneal.hardware``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import math
 from pathlib import Path
 
 from anneal.dist import is_main_process, print0
+from anneal.errors import UserError
 from anneal.hardware import device_peak_flops  # noqa: F401 (anneal/train.py imports it here)
 
+METRICS_FILE = "metrics.jsonl"
+
 log = logging.getLogger(__name__)
+
 
 class MetricsLogger:
     """Appends rows to ``metrics.jsonl`` (and TensorBoard under ``tb/``) on rank 0."""
@@ -25,7 +31,7 @@ class MetricsLogger:
         self._tb = None
         if not self.enabled:
             return
-        self._file = open(Path(run_dir) / "metrics.jsonl", "a")  # noqa: SIM115
+        self._file = open(Path(run_dir) / METRICS_FILE, "a")  # noqa: SIM115
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -66,3 +72,41 @@ def console_line(row: dict, *, max_steps: int) -> None:
         f"gnorm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | "
         f"mfu {100 * row['mfu']:.2f}%"
     )
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` in order, only those of ``kind`` if given.
+
+    A killed run can leave its last line torn (no newline, not valid JSON); that line is
+    skipped with a warning. Any other line that is not a JSON object is a UserError naming the
+    file and line, as is a run directory without the file.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(
+            f"{path}: cannot read it ({e.strerror or e}). Every Anneal run writes "
+            f"{METRICS_FILE} into its run directory from its first step on; give the directory "
+            f"of a run that has trained (the --out of the recipe)."
+        ) from None
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number == len(lines):  # no newline after it: a write cut short by a kill
+            log.warning("%s: skipping the torn last line %d (the run was killed)", path, number)
+        else:
+            raise UserError(
+                f"{path}, line {number}: not a JSON object ({line[:80].decode(errors='replace')!r}). {METRICS_FILE} "
+                f"holds one JSON object per line, as Anneal writes it; the file was changed "
+                f"or damaged by something else. Remove that line or rerun."
+            )
+    return [r for r in rows if kind is None or r.get("kind") == kind]

@@ -225,17 +225,19 @@ def _positive(flag: str, value: float | None) -> None:
 
 def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
     """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    from anneal.errors import UserError
+    from anneal.metrics import read_metrics
+
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"--mfu-from {run_dir}: cannot read {path} ({e}). Give a run directory that "
-            f"`anneal` trained, or --mfu M."
-        ) from None
-    mfus = [r["mfu"] for r in rows if r.get("kind") == "train" and r.get("mfu") is not None]
+        train = read_metrics(run_dir, "train")
+    except UserError as e:
+        raise UserError(f"--mfu-from {run_dir}: {e} Or give --mfu M.") from None
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
     if not mfus:
-        raise ValueError(f"--mfu-from {run_dir}: {path} has no train rows with an mfu value.")
+        raise ValueError(
+            f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
+            f"a run that trained at least one step, or --mfu M."
+        )
     device = "?"
     cfg = Path(run_dir) / "config.json"
     if cfg.is_file():
@@ -510,6 +512,8 @@ class RunPoint:
 def read_run(run_dir: str | Path) -> RunPoint:
     """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
     the last validation loss of a run directory."""
+    from anneal.metrics import read_metrics
+
     run_dir = Path(run_dir)
     cfg_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
     if not cfg_path.is_file() or not metrics_path.is_file():
@@ -518,7 +522,7 @@ def read_run(run_dir: str | Path) -> RunPoint:
             f"every Anneal run writes). Give run directories, or --csv with params,tokens,loss."
         )
     params = json.loads(cfg_path.read_text()).get("model", {}).get("params")
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val" and r.get("val_loss") is not None]
     if not params or not train or not val:

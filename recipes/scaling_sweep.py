@@ -106,13 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(run_dir: Path) -> bool:
     """A run counts as done once it validated after its last step."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    from anneal.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").is_file():
         return False
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     cfg = json.loads((run_dir / "config.json").read_text())
     last = cfg["run"]["train"]["max_steps"]
-    return any(r.get("kind") == "val" and r.get("step") == last for r in rows)
+    return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 
 def _global_batch_tokens(ds_config: str, overrides: list[str], seq_len: int) -> int:
