@@ -173,7 +173,7 @@ def _add_data_commands(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: plan, fit, estimate (anneal/scaling.py, anneal/memory.py; docs/planning.md).
+# Planning: plan, fit, estimate (anneal/scaling/, anneal/memory.py; docs/planning.md).
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -221,7 +221,7 @@ def _fit(args: argparse.Namespace) -> int:
         from anneal.plots import plot_fit
 
         plot_fit(result, plot)
-    except ValueError as e:
+    except UserError as e:  # no compute-optimal frontier to draw
         plot = None
         logging.warning("no plot: %s", e)
     if args.json:

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot = plot_fit(result, out / "fit.png", title=f"scaling sweep ({args.grid} grid)")
         print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")
-    except ValueError as e:
+    except UserError as e:  # a fit without a compute-optimal frontier
         print(f"wrote {fit_path}; no plot: {e}")
     (out / "sweep.json").write_text(json.dumps({"grid": args.grid, "runs": rows}, indent=2))
     return 0
