@@ -104,8 +104,9 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
         elif number == len(lines):  # no newline after it: a write cut short by a kill
             log.warning("%s: skipping the torn last line %d (the run was killed)", path, number)
         else:
+            start = line[:80].decode(errors="replace")
             raise UserError(
-                f"{path}, line {number}: not a JSON object ({line[:80].decode(errors='replace')!r}). {METRICS_FILE} "
+                f"{path}, line {number}: not a JSON object ({start!r}). {METRICS_FILE} "
                 f"holds one JSON object per line, as Anneal writes it; the file was changed "
                 f"or damaged by something else. Remove that line or rerun."
             )
