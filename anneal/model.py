@@ -113,7 +113,7 @@ def get_preset(name: str) -> ModelPreset:
     return PRESETS[name]
 
 
-def llama_config(preset: ModelPreset, *, eos_token_id: int | None = None):
+def llama_config(preset: ModelPreset):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -129,16 +129,16 @@ def llama_config(preset: ModelPreset, *, eos_token_id: int | None = None):
         tie_word_embeddings=False,
         use_cache=False,
         bos_token_id=None,
-        eos_token_id=eos_token_id,
+        eos_token_id=None,
         pad_token_id=None,
     )
 
 
-def build_model(preset: ModelPreset, *, eos_token_id: int | None = None) -> nn.Module:
+def build_model(preset: ModelPreset) -> nn.Module:
     """A freshly constructed LlamaForCausalLM in fp32 with SDPA attention."""
     from transformers import LlamaForCausalLM
 
-    cfg = llama_config(preset, eos_token_id=eos_token_id)
+    cfg = llama_config(preset)
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 

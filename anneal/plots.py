@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.scaling import FitResult
+from anneal.scaling.fit import FitResult
 
 
 def plot_fit(result: FitResult, path: str | Path, *, title: str = "") -> Path:

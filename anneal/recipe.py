@@ -1,4 +1,4 @@
-"""The recipe command line (DESIGN.md), shared by every ``recipes/pretrain_*.py``.
+"""The recipe command line, shared by every ``recipes/pretrain_*.py`` (flags in README.md).
 
 Recipes are thin: a preset, a ds_config name and defaults. This module turns their argv into a
 RunConfig and calls ``anneal.train.run``; it is the only place that exits the process.

@@ -1,6 +1,6 @@
 """The training loop on the DeepSpeed engine.
 
-One optimizer step, as the seed documents describe it: zero grads (DeepSpeed sets them to None
+One optimizer step (docs/training.md, "One optimizer step"): zero grads (DeepSpeed sets them to None
 after each step) -> forward (bf16 when the ds_config enables it) -> cross-entropy on next tokens
 -> backward (DeepSpeed divides the loss by the accumulation steps and reduces gradients only at
 the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on 2-D+
@@ -35,7 +35,8 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
-from anneal.metrics import MetricsLogger, console_line, device_peak_flops
+from anneal.hardware import device_peak_flops
+from anneal.metrics import MetricsLogger, console_line
 from anneal.plan import Plan, resolve_plan
 from anneal.preempt import Preemption
 from anneal.schedule import WarmupCosine

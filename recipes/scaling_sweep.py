@@ -112,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(run_dir: Path) -> bool:
     """A run counts as done once it validated after its last step."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    from anneal.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").is_file():
         return False
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     cfg = json.loads((run_dir / "config.json").read_text())
     last = cfg["run"]["train"]["max_steps"]
-    return any(r.get("kind") == "val" and r.get("step") == last for r in rows)
+    return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 
 def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot = plot_fit(result, out / "fit.png", title=f"scaling sweep ({args.grid} grid)")
         print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")
-    except ValueError as e:
+    except UserError as e:  # a fit without a compute-optimal frontier
         print(f"wrote {fit_path}; no plot: {e}")
     (out / "sweep.json").write_text(json.dumps({"grid": args.grid, "runs": rows}, indent=2))
     return 0

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from anneal.data.prepare import unigram_entropy_bits_per_byte  # noqa: E402
+from anneal.metrics import read_metrics  # noqa: E402
 
 
 def free_port() -> int:
@@ -61,9 +62,8 @@ def main() -> int:
     if rc != 0:
         print(f"demo: training failed (exit {rc})", file=sys.stderr)
         return rc
-    rows = [json.loads(line) for line in (ROOT / args.out / "metrics.jsonl").open()]
-    train = [r for r in rows if r["kind"] == "train"]
-    val = [r for r in rows if r["kind"] == "val"]
+    train = read_metrics(ROOT / args.out, "train")
+    val = read_metrics(ROOT / args.out, "val")
     meta = json.loads((ROOT / args.data / "meta.json").read_text())
     split = meta["splits"]["val"]
     base_bpb = unigram_entropy_bits_per_byte(ROOT / args.data, "val")

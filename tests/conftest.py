@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from anneal.metrics import read_metrics  # noqa: F401 (the tests read runs through it)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -122,11 +123,6 @@ def run_recipe(
         ]
     e = {**env(), **(extra_env or {})}
     return run_process(cmd, timeout_s=timeout_s, check=check, cwd=ROOT, env=e)
-
-
-def read_metrics(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
-    return [r for r in rows if r["kind"] == kind]
 
 
 # Small shapes so that end-to-end runs take seconds of compute on CPU.
