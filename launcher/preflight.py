@@ -158,18 +158,18 @@ def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> flo
     """FLOP/s of one device for the forecast."""
     import torch
 
-    from anneal import metrics
+    from anneal import hardware
 
     if device_type == "cpu":
-        return metrics.device_peak_flops(torch.device("cpu")) / max(1, ranks_per_host)
+        return hardware.device_peak_flops(torch.device("cpu")) / max(1, ranks_per_host)
     if gpu:
         try:
-            return metrics.get_gpu(gpu).peak_flops
+            return hardware.get_gpu(gpu).peak_flops
         except ValueError as e:
             raise UserError(str(e)) from None
     if torch.cuda.is_available():
-        return metrics.device_peak_flops(torch.device("cuda", 0))
-    return metrics.get_gpu("h100").peak_flops
+        return hardware.device_peak_flops(torch.device("cuda", 0))
+    return hardware.get_gpu("h100").peak_flops
 
 
 def preflight(
