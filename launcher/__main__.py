@@ -256,7 +256,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         print(f"# {script} would hold:")
         print(text, end="", flush=True)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)  # slurmd opens --output before the script
     dsenv.write(out, dsenv.select(dict(os.environ), ns.env))
     (out / preflight.forecast.FILE).write_text(json.dumps(launch.forecast.to_dict(), indent=2))
     script.write_text(text)

@@ -20,11 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from anneal.errors import UserError
 from tests.conftest import BIN, ROOT, SMALL, env, read_metrics, run_process
 
 pytestmark = pytest.mark.slow
@@ -43,8 +45,8 @@ def ensure(binaries: dict[str, str]) -> None:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip(f"{', '.join(missing)} absent and not root with apt-get to install them")
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):  # fmt: skip
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
+    for cmd in (["apt-get", "update", "-qq"], install):
         done = subprocess.run(cmd, capture_output=True, text=True,
                               env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
         if done.returncode != 0:
@@ -176,7 +178,8 @@ def test_failing_rank_on_second_host_reaches_the_user(sshd, stdlib_data, tmp_pat
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "launcher", "run", "tests/scripts/fail_on_second_host.py",
            "--hostfile", str(hf), "--device", "cpu", "--master-port", "29731",
-           "--", "--out", str(out), "--data", str(stdlib_data), "--max-steps", "20", *SMALL]  # fmt: skip
+           "--", "--out", str(out), "--data", str(stdlib_data), "--max-steps", "20",
+           *SMALL]  # fmt: skip
     done = run_process(cmd, timeout_s=300, cwd=ROOT, env=env())
     log = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode not in (0, 2), log  # 2 would be a pre-flight refusal
@@ -210,8 +213,9 @@ def slurm(tmp_path_factory):
             "/usr/sbin/munged": "munge"})  # fmt: skip
     state = tmp_path_factory.mktemp("slurm")
     state.chmod(0o755)
-    munge_dir = state / "munge"
-    munge_dir.mkdir(mode=0o755)
+    # munged runs as the munge user, which cannot enter pytest's 0700 temporary directory.
+    munge_dir = Path(tempfile.mkdtemp(prefix="anneal-munge-"))
+    munge_dir.chmod(0o755)
     shutil.chown(munge_dir, "munge", "munge")
     sock = munge_dir / "munge.sock"
     ctld, node = free_ports(1), free_ports(2)
@@ -237,7 +241,8 @@ MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
 KillWait=5
-NodeName=node[1-2] NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port=[{node}-{node + 1}] CPUs=2 RealMemory=1000 State=UNKNOWN
+NodeName=node[1-2] NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 \
+Port=[{node}-{node + 1}] CPUs=2 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)  # fmt: skip
     (state / "ctld").mkdir()
@@ -254,7 +259,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         deadline = time.monotonic() + 60
         while "idle" not in s("sinfo", "-h", "-o", "%T", check=False):
             if time.monotonic() > deadline:
-                pytest.fail("slurm did not come up: " + (state / "slurmctld.log").read_text()[-2000:])
+                log = (state / "slurmctld.log").read_text()[-2000:]
+                pytest.fail(f"slurm did not come up: {log}")
             time.sleep(0.5)
         yield s
     finally:
@@ -264,6 +270,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         time.sleep(1)
         for pid_file in pid_files:
             stop_by_pid_file(pid_file)
+        shutil.rmtree(munge_dir, ignore_errors=True)
 
 
 def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) -> str:
@@ -288,7 +295,8 @@ def wait_for(predicate, *, timeout_s: float, what: str, on_timeout=lambda: ""):
 
 
 def logs(run: Path) -> str:
-    return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run / "logs").glob("*")))
+    files = sorted((run / "logs").glob("*"))
+    return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in files)
 
 
 def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_data, tmp_path):
@@ -300,18 +308,30 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
     def trained(run: Path) -> int:
         try:
             return len(read_metrics(run, "train"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, UserError):
             return 0
 
-    wait_for(lambda: trained(pre) >= 1, timeout_s=240, what="the first step of the second job",
-             on_timeout=lambda: logs(pre))  # fmt: skip
+    def started(run: Path, job: str) -> bool:
+        state = slurm.job(job).get("JobState")
+        assert state not in ("FAILED", "CANCELLED", "COMPLETED"), f"job {job}: {state}" + logs(run)
+        return trained(run) >= 1
+
+    wait_for(lambda: started(pre, pre_job), timeout_s=240, what="the first step of the second job",
+             on_timeout=lambda: logs(pre) + slurm("scontrol", "show", "job", pre_job, check=False)
+             + (slurm.state / "slurmctld.log").read_text()[-2000:])  # fmt: skip
     slurm("scancel", "--signal=USR1", "--batch", pre_job)
     wait_for(lambda: slurm.job(pre_job).get("Restarts") == "1", timeout_s=120,
              what="the requeue", on_timeout=lambda: logs(pre))  # fmt: skip
-    slurm("scontrol", "update", f"jobid={pre_job}", "StartTime=now")  # skip the 120 s BeginTime
+    wait_for(lambda: slurm.job(pre_job).get("JobState") == "PENDING", timeout_s=60,
+             what="the requeued job pending")  # fmt: skip
+    # Skip the requeue's 120 s BeginTime, a little after it: slurmd refuses a job credential
+    # made in the same second as the old one's revocation ("Job credential revoked").
+    time.sleep(2)
+    slurm("scontrol", "update", f"jobid={pre_job}", "StartTime=now")
     for job, run in ((ref_job, ref), (pre_job, pre)):
         wait_for(lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
-                 timeout_s=300, what=f"the end of job {job}", on_timeout=lambda run=run: logs(run))  # fmt: skip
+                 timeout_s=300, what=f"the end of job {job}",
+                 on_timeout=lambda run=run: logs(run))  # fmt: skip
         info = slurm.job(job)
         assert info["JobState"] == "COMPLETED", logs(run)
     assert slurm.job(ref_job)["Restarts"] == "0"  # completed jobs are not requeued
