@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +56,9 @@ class Preemption:
         self._pid_file = Path(run_dir) / "preempt" / f"{socket.gethostname()}.{os.getpid()}.pid"
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         self._pid_file.write_text(f"{os.getpid()}\n")
-        self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # else: signals stay as they are
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         if self.signum is None:

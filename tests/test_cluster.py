@@ -356,9 +356,13 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
     cfg = json.loads((pre / "config.json").read_text())
     batch = cfg["ds_config"]["train_batch_size"]
     tag = pre / "checkpoints" / f"step{k:08d}"
-    client = torch.load(next(tag.glob("mp_rank_00_model_states.pt")), weights_only=False)
+    states = sorted(tag.glob("*mp_rank_00_model_states.pt"))
+    client = torch.load(states[0], weights_only=False)
     assert client["data"]["position"] == k * batch
     assert client["step"] == k
+    # The forecast check after 20 steps, in the job that ran them without a restart.
+    (check,) = [e for e in read_metrics(ref, "event") if e["event"] == "forecast"]
+    assert check["step"] == 20 and check["step_s"] > 0 and check["peak_memory_bytes"] > 0
     log = (pre / "logs" / f"slurm-{pre_job}.out").read_text()
     assert "requeueing job" in log and "restart 1" in log
     print(f"preemption checkpoint: {preempt[0]['checkpoint_bytes']:,} bytes saved in "
