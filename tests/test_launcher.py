@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import launcher.__main__ as launcher_cli
 from anneal.errors import UserError
 from launcher import dsenv, hostfile, slurm
 from launcher.__main__ import deepspeed_args, split_argv
@@ -251,19 +252,25 @@ BAD_LAUNCHES = {
 
 
 @pytest.mark.parametrize("case", BAD_LAUNCHES, ids=list(BAD_LAUNCHES))
-def test_bad_launches(case, stdlib_data, tmp_path):
+def test_bad_launches(case, stdlib_data, tmp_path, capsys, monkeypatch):
     """One paragraph on stderr, exit 2, nothing written, nothing started (no --dry-run)."""
+
+    def start(*args, **kwargs):
+        raise AssertionError(f"pre-flight let a bad launch start: {args}")
+
+    monkeypatch.setattr(launcher_cli.subprocess, "run", start)
     extra, match = BAD_LAUNCHES[case]
     out = tmp_path / "run"
-    before, after = extra[: extra.index("--")] if "--" in extra else extra, []
+    before = extra[: extra.index("--")] if "--" in extra else extra
     after = extra[extra.index("--") + 1 :] if "--" in extra else []
     base = ["--out", str(out), "--data", str(stdlib_data), "--max-steps", "10"]
-    done = _launch(["run", "recipes/pretrain_tiny.py", "--device", "cpu", "--no-ssh-check",
-                    *before, "--", *base, *after])  # fmt: skip
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert match in done.stderr and done.stderr.startswith("launcher: error: ")
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one paragraph
-    assert "Traceback" not in done.stderr and "deepspeed" not in done.stdout
+    code = launcher_main(["run", "recipes/pretrain_tiny.py", "--device", "cpu", "--no-ssh-check",
+                          *before, "--", *base, *after])  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 2, printed.out + printed.err
+    assert match in printed.err and printed.err.startswith("launcher: error: ")
+    assert len(printed.err.strip().splitlines()) == 1, printed.err  # one paragraph
+    assert "deepspeed" not in printed.out
     assert not out.exists()
 
 
