@@ -77,6 +77,15 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
+def daemon_dir(name: str) -> Path:
+    """A directory for a daemon's state and PID file, outside pytest's basetemp (which other
+    pytest sessions of the same user prune while this one runs) and enterable by the munge user.
+    """
+    path = Path(tempfile.mkdtemp(prefix=f"anneal-test-{name}-"))
+    path.chmod(0o755)
+    return path
+
+
 def stop_by_pid_file(path: Path, timeout_s: float = 10) -> None:
     try:
         pid = int(path.read_text().split()[0])
@@ -98,9 +107,9 @@ def stop_by_pid_file(path: Path, timeout_s: float = 10) -> None:
 
 
 @pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
+def sshd():
     ensure({"/usr/sbin/sshd": "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh"})
-    state = tmp_path_factory.mktemp("sshd")
+    state = daemon_dir("sshd")
     dot = Path.home() / ".ssh"
     created: list[Path] = []
     if not dot.is_dir():
@@ -156,6 +165,7 @@ def sshd(tmp_path_factory):
             auth.write_text(auth_before)
         for path in reversed(created):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_users_exact_deepspeed_command_through_pdsh(sshd, stdlib_data, tmp_path):
@@ -208,14 +218,12 @@ class Slurm:
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm():
     ensure({"/usr/sbin/slurmctld": "slurm-wlm", "/usr/sbin/slurmd": "slurm-wlm",
             "/usr/sbin/munged": "munge"})  # fmt: skip
-    state = tmp_path_factory.mktemp("slurm")
-    state.chmod(0o755)
-    # munged runs as the munge user, which cannot enter pytest's 0700 temporary directory.
-    munge_dir = Path(tempfile.mkdtemp(prefix="anneal-munge-"))
-    munge_dir.chmod(0o755)
+    state = daemon_dir("slurm")
+    munge_dir = state / "munge"  # munged runs as the munge user
+    munge_dir.mkdir()
     shutil.chown(munge_dir, "munge", "munge")
     sock = munge_dir / "munge.sock"
     ctld, node = free_ports(1), free_ports(2)
@@ -270,7 +278,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         time.sleep(1)
         for pid_file in pid_files:
             stop_by_pid_file(pid_file)
-        shutil.rmtree(munge_dir, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) -> str:
