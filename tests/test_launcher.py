@@ -294,7 +294,7 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
     """Two "nodes" with --no-ssh --node-rank K: train 2 steps, then resume to 4."""
     out = tmp_path / "run"
 
-    def both_nodes(max_steps: int) -> list[str]:
+    def both_nodes(max_steps: int, *resume: str) -> list[str]:
         port = str(free_port())
         procs = [
             subprocess.Popen(
@@ -326,6 +326,7 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
                     "2",
                     "--save-every",
                     "2",
+                    *resume,
                     *SMALL,
                 ],
                 cwd=ROOT,
@@ -351,7 +352,7 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
     assert "2 rank(s)" in logs[0]
     manifest = out / "checkpoints" / "step00000002" / "manifest.json"
     assert '"world_size": 2' in manifest.read_text()
-    logs = both_nodes(4)
+    logs = both_nodes(4, "--resume", "auto")  # explicit: the run is now longer
     assert "resumed from" in logs[0]
     assert [r["step"] for r in read_metrics(out, "train")] == [1, 2, 3, 4]
     assert (out / "checkpoints" / "step00000004" / "manifest.json").is_file()
