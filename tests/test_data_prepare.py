@@ -24,6 +24,7 @@ from anneal.cli import main
 from anneal.data import tokenizer as toklib
 from anneal.data.pack import is_validation
 from anneal.data.prepare import prepare
+from anneal.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -261,7 +262,7 @@ def test_weights_are_recorded(corpus, tokenizer_model, tmp_path):
     ]
     per_source = meta["splits"]["train"]["sources"]
     assert sum(v["tokens"] for v in per_source.values()) == meta["splits"]["train"]["tokens"]
-    with pytest.raises(ValueError, match="Give every input a weight"):
+    with pytest.raises(UserError, match="Give every input a weight"):
         prepare(inputs=[f"{jsonl}:0.7", str(corpus)], out=tmp_path / "o2", progress=False)
 
 
@@ -311,5 +312,5 @@ def test_dataset_dict_split_and_streamed_local_dataset(tokenizer_model, tmp_path
     assert docs[names[0]] == texts[:5]
     assert docs[names[1]] == texts[5:9]
     assert docs[names[2]] == texts[9:]
-    with pytest.raises(ValueError, match="has splits train, test"):
+    with pytest.raises(UserError, match="has splits train, test"):
         prepare(inputs=[f"hf:{saved}?split=dev"], out=tmp_path / "o2", progress=False)

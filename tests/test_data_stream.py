@@ -29,6 +29,7 @@ from anneal.data.stream import (
     permute,
     validation_windows,
 )
+from anneal.errors import UserError
 
 SEQ = 16
 
@@ -189,7 +190,7 @@ def test_blend_quotas_are_exact_and_sum_to_the_block():
     assert q.tolist() == [2867, 1229] and q.sum() == BLEND_BLOCK
     q = blend_quotas([1, 1, 1])
     assert q.tolist() == [1366, 1365, 1365]
-    with pytest.raises(ValueError, match="below one sample"):
+    with pytest.raises(UserError, match="below one sample"):
         blend_quotas([1.0, 1e-6])
 
 
@@ -236,7 +237,7 @@ def test_validation_set_is_the_same_for_any_rank_count():
 
 def test_too_short_split_is_a_clear_error(tmp_path):
     root = write_split(tmp_path / "s", {"web": 10})
-    with pytest.raises(ValueError, match="fewer than 17 tokens"):
+    with pytest.raises(UserError, match="fewer than 17 tokens"):
         PackedSplit(root, "train", seq_len=SEQ)
 
 

@@ -17,6 +17,7 @@ import pytest
 from anneal.cli import main
 from anneal.data.prepare import prepare
 from anneal.data.synth import SYMBOLS, MarkovSource
+from anneal.errors import UserError
 
 
 def _h(p: float) -> float:
@@ -92,7 +93,7 @@ def test_prepared_copy_records_the_entropy_rate(tmp_path):
 
 
 def test_bad_parameters_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="--alphabet 60"):
+    with pytest.raises(UserError, match="--alphabet 60"):
         MarkovSource.random(order=1, alphabet=60, seed=0, concentration=1.0)
-    with pytest.raises(ValueError, match="contexts"):
+    with pytest.raises(UserError, match="contexts"):
         MarkovSource.random(order=9, alphabet=20, seed=0, concentration=1.0)

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qsl, urlparse
 
+from anneal.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("stop", "skip")
@@ -122,7 +124,7 @@ class Problems:
 
     def __init__(self, on_error: str, *, quiet: bool = False):
         if on_error not in ON_ERROR:
-            raise ValueError(f"--on-error {on_error}: choose one of {', '.join(ON_ERROR)}.")
+            raise UserError(f"--on-error {on_error}: choose one of {', '.join(ON_ERROR)}.")
         self.on_error = on_error
         self.quiet = quiet
         self.skipped = 0
@@ -138,7 +140,7 @@ class Problems:
 
     def bad(self, where: str, what: str, fix: str) -> None:
         if self.on_error == "stop":
-            raise ValueError(
+            raise UserError(
                 f"{where}: {what}. {fix} or pass --on-error skip to leave such records out."
             )
         self.skipped += 1
@@ -160,7 +162,7 @@ def parse_inputs(specs: list[str]) -> list[Source]:
     sources = [_parse(spec, i) for i, spec in enumerate(specs)]
     weighted = [s for s in sources if s.weight is not None]
     if weighted and len(weighted) != len(sources):
-        raise ValueError(
+        raise UserError(
             f"--input: {len(weighted)} of {len(sources)} inputs have a weight "
             f"({', '.join(s.spec for s in weighted)}). Give every input a weight "
             f"(--input a.jsonl:0.7 --input b/:0.3) or none (blend by size)."
@@ -168,7 +170,7 @@ def parse_inputs(specs: list[str]) -> list[Source]:
     names = [s.name for s in sources]
     for s in sources:
         if names.count(s.name) > 1:
-            raise ValueError(
+            raise UserError(
                 f"--input: two inputs are both named {s.name!r}; give each "
                 f"source once (a directory covers all its files)."
             )
@@ -181,7 +183,7 @@ def _parse(spec: str, index: int) -> Source:
     if m and not Path(spec).exists():
         spec, weight = m["src"], float(m["w"])
         if not weight > 0:
-            raise ValueError(f"--input {spec}:{m['w']}: a weight must be above 0.")
+            raise UserError(f"--input {spec}:{m['w']}: a weight must be above 0.")
     if spec == "stdlib":
         return Source(index=index, spec=spec, name="stdlib", kind="stdlib", weight=weight)
     if spec.startswith("hf:"):
@@ -189,13 +191,13 @@ def _parse(spec: str, index: int) -> Source:
         query = dict(parse_qsl(url.query))
         unknown = set(query) - {"config", "split", "revision", "streaming"}
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"--input {spec}: unknown option(s) {', '.join(sorted(unknown))}; "
                 f"use config=, split=, revision=, streaming=1."
             )
         name = url.path
         if not name:
-            raise ValueError(f"--input {spec}: give a dataset name or path after 'hf:'.")
+            raise UserError(f"--input {spec}: give a dataset name or path after 'hf:'.")
         if _is_saved_dataset(Path(name)):  # save_to_disk output: load_dataset cannot read it
             return Source(
                 index=index,
@@ -236,9 +238,9 @@ def _parse(spec: str, index: int) -> Source:
         )
     if glob.has_magic(spec):
         if not glob.glob(spec, recursive=True):
-            raise ValueError(f"--input {spec}: the glob matches no file.")
+            raise UserError(f"--input {spec}: the glob matches no file.")
         return Source(index=index, spec=spec, name=spec, kind="files", weight=weight, path=spec)
-    raise ValueError(
+    raise UserError(
         f"--input {spec}: no such file or directory. Give a file, a directory, a glob, "
         f"'stdlib', or hf:NAME for a Hugging Face dataset."
     )
@@ -331,7 +333,7 @@ def list_units(source: Source, opts: ReadOptions, problems: Problems) -> Iterato
         return
     files = source_files(source, opts)
     if not files:
-        raise ValueError(
+        raise UserError(
             f"--input {source.spec}: no files"
             + (f" match --include {' '.join(opts.include)}" if opts.include else "")
             + ". Check the path and the --include/--exclude globs."
@@ -352,7 +354,7 @@ def _file_units(source: Source, path: Path, rel: str, opts: ReadOptions, problem
 
         pf = pq.ParquetFile(path)
         if opts.text_field not in pf.schema_arrow.names:
-            raise ValueError(
+            raise UserError(
                 f"{path}: no column {opts.text_field!r} (columns: "
                 f"{', '.join(pf.schema_arrow.names)}). Pass --text-field with the text column."
             )
@@ -387,7 +389,7 @@ def _arrow_files(path: Path, source: Source) -> list[Path]:
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         split = source.query.get("split", "train")
         if split not in splits:
-            raise ValueError(
+            raise UserError(
                 f"--input {source.spec}: this DatasetDict has splits {', '.join(splits)}; "
                 f"choose one with --input 'hf:{path}?split=NAME'."
             )
@@ -403,7 +405,7 @@ def _arrow_units(source: Source, files: list[Path], opts: ReadOptions) -> Iterat
         with pa.memory_map(str(path)) as mm:
             table = pa.ipc.open_stream(mm).read_all()
         if opts.text_field not in table.column_names:
-            raise ValueError(
+            raise UserError(
                 f"{path}: no column {opts.text_field!r} (columns: "
                 f"{', '.join(table.column_names)}). Pass --text-field with the text column."
             )
@@ -456,7 +458,7 @@ def _probe_hub(spec: str, timeout_s: float = HUB_TIMEOUT_S) -> None:
     thread.join(timeout_s)
     if not outcome or outcome[0] is not None:
         why = f"{outcome[0]}" if outcome else f"no answer within {timeout_s:.0f} s"
-        raise ValueError(
+        raise UserError(
             f"--input {spec}: cannot reach the Hugging Face Hub at {endpoint} ({why}); this "
             f"machine looks offline. To use a copy in the local cache, set HF_HUB_OFFLINE=1; "
             f"otherwise save the dataset on a machine with network access "
@@ -488,7 +490,7 @@ def load_hub_dataset(source: Source, opts: ReadOptions):
             if offline and not local
             else " Check the name, config= and split=."
         )
-        raise ValueError(
+        raise UserError(
             f"--input {source.spec}: datasets.load_dataset failed ({type(e).__name__}: {e}).{hint}"
         ) from None
     return ds
@@ -503,7 +505,7 @@ def _hub_units(source: Source, opts: ReadOptions) -> Iterator[Unit]:
     for row, example in enumerate(ds):
         text = example.get(opts.text_field)
         if not isinstance(text, str):
-            raise ValueError(
+            raise UserError(
                 f"--input {source.spec}: row {row} has no text field {opts.text_field!r} "
                 f"(fields: {', '.join(example)}). Pass --text-field."
             )

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from anneal.errors import UserError
+
 BLEND_BLOCK = 4096  # samples per block in which weighted sources get exact quotas
 _M64 = (1 << 64) - 1
 
@@ -84,7 +86,7 @@ def blend_quotas(weights: list[float], block: int = BLEND_BLOCK) -> np.ndarray:
         quotas[s] += 1
     if (quotas == 0).any():
         s = int(np.argmin(quotas))
-        raise ValueError(
+        raise UserError(
             f"source {s} has weight {w[s]:g} of {w.sum():g}: below one sample in "
             f"{block}. Raise its weight or leave the source out."
         )
@@ -124,7 +126,7 @@ class PackedSplit:
         self.source_windows = [(int(f), int(n)) for f, n in zip(firsts, per_source, strict=True)]
         """(first window, number of windows) of each source."""
         if self.n_windows == 0:
-            raise ValueError(
+            raise UserError(
                 f"{data_dir}/{split}: fewer than {seq_len + 1} tokens in every shard; prepare "
                 f"more data or use a shorter sequence length (model.seq_len)."
             )
@@ -170,7 +172,7 @@ class TokenStream:
                 split.source_names[s] for s, (_, n) in enumerate(split.source_windows) if n == 0
             ]
             if empty:
-                raise ValueError(
+                raise UserError(
                     f"source(s) {', '.join(empty)} have weight but no window of "
                     f"{split.seq_len + 1} tokens in this split; prepare more of their data, "
                     f"or a shorter sequence length."
