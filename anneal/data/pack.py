@@ -18,7 +18,7 @@ import numpy as np
 
 from anneal.data import tokenizer as toklib
 from anneal.data.prepared import SPLITS
-from anneal.data.sources import Problems, ReadOptions, Unit, read_unit
+from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
 
 ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 

@@ -35,15 +35,8 @@ import numpy as np
 
 from anneal.data import pack
 from anneal.data import tokenizer as toklib
-from anneal.data.sources import (
-    Problems,
-    ReadOptions,
-    Source,
-    Unit,
-    list_units,
-    parse_inputs,
-    read_unit,
-)
+from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
+from anneal.data.sources import Source, list_units, parse_inputs
 from anneal.errors import UserError
 
 log = logging.getLogger(__name__)
