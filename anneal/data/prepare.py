@@ -35,6 +35,7 @@ import numpy as np
 
 from anneal.data import pack
 from anneal.data import tokenizer as toklib
+from anneal.data.prepared import has_validation
 from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
 from anneal.data.sources import Source, list_units, parse_inputs
 from anneal.errors import UserError
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 SHARD_TOKENS = 16 * 1024 * 1024  # ids per shard file (32 MiB at uint16)
 DTYPES = ("auto", "uint16", "uint32")
+SEQ_LEN = 256  # the smallest preset's context (tiny, anneal/model.py)
 _SAMPLE_UNITS = 256  # units a bounded tokenizer sample is spread over, per source
 
 
@@ -63,7 +65,9 @@ class PrepareConfig:
     tokenizer_sample_mb: float = 64.0
     """Training documents the tokenizer learns from, in MB, spread over the inputs."""
     val_fraction: float = 0.02
-    """Share of documents held out for validation (chosen by a hash of each name)."""
+    """Share of documents held out for validation (chosen by a hash of each name); 0: none."""
+    seq_len: int = SEQ_LEN
+    """Context the validation split must hold one window of (``seq_len + 1`` tokens)."""
     seed: int = 0
     workers: int = 0
     """Tokenizer processes; 0: every core this process may use."""
@@ -112,6 +116,8 @@ def _check_config(cfg: PrepareConfig) -> None:
             f"--vocab-size {cfg.vocab_size}: a trained vocabulary holds 256 byte "
             f"pieces plus control and merged pieces; give at least 260."
         )
+    if cfg.seq_len < 1:
+        raise UserError(f"--seq-len {cfg.seq_len}: give 1 or more (the model's context).")
     if cfg.shard_tokens < 1024:
         raise UserError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
     if cfg.tokenizer_sample_mb <= 0:
@@ -186,11 +192,8 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
             problems.empty_files,
             ", ".join(problems.empty_examples),
         )
-    if splits["val"]["documents"] == 0 and cfg.val_fraction > 0:
-        log.warning(
-            "the val split is empty: raise --val-fraction (documents are held out by "
-            "a hash of their name, so a small input may get none)"
-        )
+    if cfg.val_fraction > 0:
+        _check_validation(cfg, splits)
     seconds = time.time() - start
     meta = {
         "format_version": FORMAT_VERSION,
@@ -220,6 +223,23 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     }
     (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _check_validation(cfg: PrepareConfig, splits: dict) -> None:
+    """A validation split too small for one window would only fail training later."""
+    if has_validation({"splits": splits}, seq_len=cfg.seq_len):
+        return
+    val = splits["val"]
+    documents = val["documents"] + splits["train"]["documents"]
+    raise UserError(
+        f"--val-fraction {cfg.val_fraction}: the validation split holds {val['tokens']:,} "
+        f"tokens ({val['documents']} of {documents:,} documents), fewer than one window of "
+        f"{cfg.seq_len + 1} tokens (--seq-len {cfg.seq_len}), so training could not evaluate "
+        f"on it. Documents are held out by a hash of their name, so a small input may get "
+        f"none. Give more input (or more, smaller documents: a text file given alone is cut "
+        f"at blank lines), a larger --val-fraction (e.g. 0.1), or --val-fraction 0 for data "
+        f"without validation (training must then run with evaluation off). Nothing was written."
+    )
 
 
 def _source_meta(s: Source, per_source: dict) -> dict:

@@ -1,6 +1,6 @@
 """Synthetic corpora with a known entropy rate: the yardstick that proves the pipeline learns.
 
-``anneal data synth --kind markov --order K --alphabet N`` draws a random order-K Markov source
+``anneal data synth --order K --alphabet N`` draws a random order-K Markov source
 over N letters: every context (the previous K letters) gets a next-letter distribution from a
 symmetric Dirichlet(``concentration``). Its entropy rate
 
@@ -117,9 +117,9 @@ class MarkovSource:
 def write_markov(
     *,
     out: Path,
-    order: int,
-    alphabet: int,
-    seed: int,
+    order: int = 2,
+    alphabet: int = 8,
+    seed: int = 0,
     documents: int = 64,
     doc_chars: int = 32768,
     concentration: float = 0.5,
