@@ -146,6 +146,7 @@ def test_reruns_workers_and_unit_sizes_give_identical_shards(corpus, tmp_path):
             workers=workers,
             unit_bytes=unit_bytes,
             shard_tokens=20_000,
+            val_fraction=0.3,  # 25 files: a validation split of a few of them
             progress=False,
         )
         outs.append(out)
@@ -164,6 +165,7 @@ def test_shards_are_bounded_and_listed_with_hashes(corpus, tokenizer_model, tmp_
         tokenizer=tokenizer_model,
         shard_tokens=10_000,
         workers=2,
+        val_fraction=0.0,
         progress=False,
     )
     shards = meta["splits"]["train"]["shards"]
@@ -253,6 +255,7 @@ def test_weights_are_recorded(corpus, tokenizer_model, tmp_path):
         inputs=[f"{jsonl}:0.7", f"{corpus}:0.3"],
         out=out,
         tokenizer=tokenizer_model,
+        val_fraction=0.0,
         progress=False,
     )
     assert meta["blend"] == "weighted"

@@ -84,7 +84,14 @@ def test_cli_writes_deterministic_documents_and_meta(tmp_path, capsys):
 
 def test_prepared_copy_records_the_entropy_rate(tmp_path):
     main(["data", "synth", "--documents", "8", "--doc-chars", "4000", "--out", str(tmp_path / "s")])
-    meta = prepare(inputs=[str(tmp_path / "s")], out=tmp_path / "p", vocab_size=300, progress=False)
+    meta = prepare(
+        inputs=[str(tmp_path / "s")],
+        out=tmp_path / "p",
+        vocab_size=300,
+        val_fraction=0.5,
+        seq_len=64,
+        progress=False,
+    )
     synth = json.loads((tmp_path / "s" / "meta.json").read_text())["synth"]
     assert meta["sources"][0]["synth"] == synth
     docs = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]

@@ -1,4 +1,4 @@
-"""``anneal data prepare``: sources -> tokenizer -> packed train/val shards (DESIGN.md).
+"""``anneal data prepare``: sources -> tokenizer -> packed train/val shards (docs/data.md).
 
 Output layout::
 
