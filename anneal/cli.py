@@ -81,26 +81,6 @@ def _data_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reported(handler):
-    """``handler`` with a UserError printed as one paragraph and exit status 2.
-
-    A bridge: ``main`` catches ValueError, which the data package no longer raises for user
-    mistakes. Remove it once ``main`` catches UserError itself."""
-    import functools
-
-    from anneal.errors import UserError
-
-    @functools.wraps(handler)
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except UserError as e:
-            print(f"anneal {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return run
-
-
 def _add_data_commands(sub) -> None:
     """Defaults come from the library: PrepareConfig, ReadOptions and write_markov."""
     import inspect
@@ -193,7 +173,7 @@ def _add_data_commands(sub) -> None:
     )
     prep.add_argument("--quiet", action="store_true", help="no progress line")
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
-    prep.set_defaults(func=_reported(_data_prepare))
+    prep.set_defaults(func=_data_prepare)
 
     synth = data_sub.add_parser(
         "synth",
@@ -222,7 +202,7 @@ def _add_data_commands(sub) -> None:
     )
     synth.add_argument("--out", required=True)
     synth.add_argument("--force", action="store_true", help="replace an existing --out")
-    synth.set_defaults(func=_reported(_data_synth))
+    synth.set_defaults(func=_data_synth)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -498,11 +498,3 @@ def _pack_all(partial, cfg, sources, units, tok, dtype, problems):
             for s, g in groups
         }
     return splits, per_source, progress.done
-
-
-# Until anneal/train.py and scripts/demo.py import these from anneal.data.prepared.
-from anneal.data.prepared import (  # noqa: E402, F401
-    check_matches_run,
-    check_prepared,
-    unigram_entropy_bits_per_byte,
-)
