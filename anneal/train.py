@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from anneal import checkpoint
 from anneal import config as cfglib
 from anneal import model as modellib
+from anneal import progress as live
 from anneal.config import RunConfig
 from anneal.data.prepare import check_matches_run, check_prepared
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
@@ -38,7 +39,7 @@ from anneal.dist import (
     world_size,
 )
 from anneal.errors import UserError
-from anneal.metrics import MetricsLogger, console_line, device_peak_flops
+from anneal.metrics import MetricsLogger, device_peak_flops
 from anneal.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -313,6 +314,9 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         position = client["data"]["position"]
         metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
         print0(f"resumed from {plan.resume_from} at step {state.step}")
+    view = live.LiveView(
+        plan.out, cfg=cfg, config_doc=plan.config_document(), start_step=state.step
+    )
     stream = TokenStream(train_split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
                          micro_batch=plan.micro_batch, position=position,
                          prefetch=cfg.data.prefetch_batches)  # fmt: skip
@@ -324,16 +328,21 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
+            last_train.update(live.memory_fields(plan.device))  # collective: every rank
             metrics.write(last_train)
-            if state.step % cfg.train.log_every == 0 or state.step == 1:
-                console_line(last_train, max_steps=cfg.train.max_steps)
+            view.update(last_train)
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
+            if last_val is not None and last_val["step"] == state.step:
+                view.update(last_val)
             maybe_checkpoint(engine, stream, plan, state, metrics)
     finally:
+        view.close()
         stream.close()
         metrics.close()
+    if state.step >= cfg.train.max_steps:
+        live.finish_run(plan.out)  # rank 0: RUN/plots/*.png, the health report
     return {
         "run_dir": str(plan.out),
         "step": state.step,
@@ -372,6 +381,10 @@ def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState,
         keep_last=train.keep_last,
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
+    if getattr(train, "export_every_save", False) and is_main_process():
+        from anneal.export import export_at_save
+
+        export_at_save(plan.out, tag_dir)  # RUN/hf/<tag>, verified
 
 
 def _setup_process() -> None:

@@ -166,7 +166,8 @@ def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
               "--set", "model.intermediate_size=2816", "--set", "model.num_attention_heads=16",
               "--set", "model.seq_len=64", "--set", "train.eval_samples=4",
               "--set", "ds.train_micro_batch_size_per_gpu=1",
-              "--set", "ds.gradient_accumulation_steps=1"]  # fmt: skip
+              "--set", "ds.gradient_accumulation_steps=1",
+              "--set", "ds.scheduler.params.warmup_num_steps=1"]  # fmt: skip
     run_recipe(
         ["--out", str(run), "--data", str(stdlib_data), "--max-steps", "1", *shapes],
         timeout_s=600,
