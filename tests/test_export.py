@@ -159,8 +159,9 @@ def test_bad_input_messages(zero3_run, tmp_path):
 
 @pytest.mark.slow
 def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
-    """A 120M-parameter model (480 MB in fp32, largest tensor 34 MB), one ZeRO-3 step on one
-    rank: the conversion grows the process by well under a quarter of the model."""
+    """A 120M-parameter model (456 MiB in fp32, largest tensor 32 MiB), one ZeRO-3 step on one
+    rank: the conversion grows the process by well under a quarter of the model (measured here:
+    80 MiB, about 2.5 largest tensors)."""
     run = tmp_path / "big"
     shapes = ["--set", "model.hidden_size=1024", "--set", "model.num_hidden_layers=8",
               "--set", "model.intermediate_size=2816", "--set", "model.num_attention_heads=16",
@@ -183,3 +184,6 @@ def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
     )
     assert model > 400 * 2**20
     assert grew < 0.25 * model
+    # what it grows by is a few of the largest tensor (fp32 read + bf16 copy + allocator slack),
+    # independent of the model's size
+    assert grew < 4 * r["largest_tensor_bytes_fp32"] + 32 * 2**20
