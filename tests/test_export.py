@@ -187,3 +187,18 @@ def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
     # what it grows by is a few of the largest tensor (fp32 read + bf16 copy + allocator slack),
     # independent of the model's size
     assert grew < 4 * r["largest_tensor_bytes_fp32"] + 32 * 2**20
+
+
+def test_generate_samples_from_the_export(zero3_run, tmp_path):
+    out = tmp_path / "hf"
+    anneal("export", str(zero3_run), "--out", str(out))
+    greedy = [anneal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "8",
+                     "--temperature", "0").stdout for _ in range(2)]  # fmt: skip
+    assert greedy[0].startswith("def ") and greedy[0] == greedy[1]
+    sampled = anneal("generate", str(out), "--prompt", "import ", "--max-new-tokens", "8",
+                     "--top-k", "5", "--seed", "1")  # fmt: skip
+    assert sampled.stdout.startswith("import ")
+    bad = anneal("generate", str(out), "--prompt", "x", "--max-new-tokens", "0", check=False)
+    assert bad.returncode == 2 and "--max-new-tokens 0" in bad.stderr
+    missing = anneal("generate", str(tmp_path), "--prompt", "x", check=False)
+    assert missing.returncode == 2 and "not an exported model directory" in missing.stderr
