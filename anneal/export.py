@@ -650,9 +650,13 @@ def _reference_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Ten
         model_file = next(iter(sorted(tag_dir.glob("*model_states.pt"))))
         sd = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
         return {k: v.float() for k, v in sd.items()}
+    import contextlib
+    import io
+
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress to stdout
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
 
 
 def verify_batch(tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:

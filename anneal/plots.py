@@ -344,22 +344,24 @@ def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
 
 
 def _plot_throughput(plt, c, train, path, name) -> Path:
-    fig, ax = plt.subplots(figsize=SIZE)
+    """Two stacked panels: MFU is tokens/s times a constant, so one axis would hide a line."""
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(SIZE[0], SIZE[1] * 1.25), sharex=True)
     x, y = _series(train, "tokens_per_s")
-    ax.plot(x, y, color=c["main"], lw=1.2, label="tokens/s")
-    ax.set_xlabel("optimizer step")
+    ax.plot(x, y, color=c["main"], lw=1.2)
+    if len(y):
+        ax.axhline(float(np.median(y)), color=c["clip"], ls="--", lw=1,
+                   label=f"median {float(np.median(y)):,.0f}")  # fmt: skip
+        ax.legend(fontsize=8, loc="lower right")
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_ylim(bottom=0)
-    mx, my = _series(train, "mfu")
-    lines = ax.get_lines()
-    if len(my):
-        ax2 = ax.twinx()
-        lines += ax2.plot(mx, 100 * my, color=c["second"], lw=1, alpha=0.8, label="MFU %")
-        ax2.set_ylabel("MFU (%)")
-        ax2.set_ylim(bottom=0)
     ax.set_title(f"{name}: throughput")
     ax.grid(alpha=0.4)
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="lower right")
+    mx, my = _series(train, "mfu")
+    ax2.plot(mx, 100 * my, color=c["second"], lw=1.2)
+    ax2.set_ylabel("MFU (%)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("optimizer step")
+    ax2.grid(alpha=0.4)
     out = _save(fig, path)
     plt.close(fig)
     return out
