@@ -202,3 +202,41 @@ def test_generate_samples_from_the_export(zero3_run, tmp_path):
     assert bad.returncode == 2 and "--max-new-tokens 0" in bad.stderr
     missing = anneal("generate", str(tmp_path), "--prompt", "x", check=False)
     assert missing.returncode == 2 and "not an exported model directory" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16")])
+def test_zero1_and_zero2_checkpoints_export_exactly(stdlib_data, tmp_path, stage, precision):
+    from anneal.export import export
+
+    run = tmp_path / "run"
+    run_recipe(
+        ["--out", str(run), "--data", str(stdlib_data), "--max-steps", "2", *SMALL,
+         "--set", f"ds.zero_optimization.stage={stage}", "--set", f"train.precision={precision}"],
+        ranks=2,
+    )  # fmt: skip
+    report = export(run, out=tmp_path / "hf", dtype="fp32")
+    assert (report["zero_stage"], report["world_size"]) == (stage, 2)
+    assert report["verify"]["max_abs_logit_diff"] <= report["verify"]["tolerance"]
+
+
+def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
+    """The export's unpickler builds no tensors and calls nothing outside its allowlist: an
+    object whose pickle would run a command comes back as an inert placeholder."""
+    from anneal.export import LazyTensor, _Archive
+
+    class Evil:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(tmp_path / "pwned")],))
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.arange(10.0), "evil": Evil(), "n": 3}, path)
+    archive = _Archive(path)
+    index = archive.index()
+    assert not (tmp_path / "pwned").exists() and index["n"] == 3
+    assert isinstance(index["w"], LazyTensor) and index["w"].shape == (10,)
+    assert index["w"].load().tolist() == list(range(10))
+    out = torch.empty(3)
+    index["w"].read_into(out, start=4)
+    assert out.tolist() == [4.0, 5.0, 6.0]
+    archive.close()
