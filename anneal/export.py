@@ -524,18 +524,30 @@ def _tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | N
     return source
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise UserError(
-                f"--out {out}: exists and is not empty. Choose a new directory, or pass --force "
-                f"to replace it."
-            )
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(
+            f"--out {out}: exists and is not empty. Choose a new directory, or pass --force "
+            f"to replace it."
+        )
+
+
+def _partial_dir(out: Path) -> Path:
+    """Where an export is written and verified before it replaces ``out``: a failed or
+    interrupted export never leaves a half-written model under the name asked for."""
+    partial = out.parent / f".{out.name}.partial"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _replace(partial: Path, out: Path) -> None:
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    partial.rename(out)
 
 
 def export(
@@ -560,14 +572,34 @@ def export(
     manifest = checkpoint.read_manifest(tag_dir)
     tok_dir = _tokenizer_dir(run_dir, doc, manifest, tokenizer)
     preset = preset_from_config(doc)
-    _prepare_out(out, force)
+    _check_out(out, force)
+    partial = _partial_dir(out)
+    try:
+        report = _convert(tag_dir, partial, preset=preset, dtype=dtype, shard_bytes=shard_bytes,
+                          tok_dir=tok_dir)  # fmt: skip
+        report = {"run_dir": str(run_dir), **report, "out": str(out)}
+        if verify:
+            report["verify"] = verify_export(
+                partial, tag_dir=tag_dir, zero_stage=report["zero_stage"], preset=preset,
+                dtype=dtype, data_tokenizer=tok_dir,
+            )  # fmt: skip
+    except ExportMismatch as e:
+        raise ExportMismatch(f"{e} The failed export is kept in {partial} for inspection.") from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    (partial / "anneal_export.json").write_text(json.dumps(report, indent=2) + "\n")
+    _replace(partial, out)
+    return report
+
+
+def _convert(tag_dir: Path, out: Path, *, preset, dtype: str, shard_bytes: int, tok_dir: Path):
+    """Checkpoint -> safetensors + configs + tokenizer in ``out``, measuring peak memory."""
     torch_dtype = DTYPES[dtype]
     expected = _expected_shapes(preset)  # imports transformers before memory is measured
-
     start = time.perf_counter()
     rss_before = _proc_status("VmRSS")
     peak_tracked = _reset_peak_rss()
-    largest = 0
     with open_checkpoint(tag_dir) as ckpt:
         got = {s.name: s.shape for s in ckpt.sources}
         if got != expected:
@@ -584,14 +616,13 @@ def export(
     peak = _proc_status("VmHWM") if peak_tracked else None
     convert_s = time.perf_counter() - start
     eos_id = _write_configs(out, preset, tok_dir, torch_dtype)
-    report = {
-        "run_dir": str(run_dir),
+    manifest = checkpoint.read_manifest(tag_dir) or {}
+    return {
         "checkpoint": str(tag_dir),
         "step": manifest.get("step"),
         "tokens": manifest.get("tokens"),
         "zero_stage": stage,
         "world_size": world,
-        "out": str(out),
         "dtype": dtype,
         "files": files,
         "params": n_params,
@@ -602,13 +633,6 @@ def export(
         "convert_s": round(convert_s, 3),
         "eos_token_id": eos_id,
     }
-    if verify:
-        report["verify"] = verify_export(
-            out, tag_dir=tag_dir, zero_stage=stage, preset=preset, dtype=dtype,
-            data_tokenizer=tok_dir,
-        )  # fmt: skip
-    (out / "anneal_export.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
 
 
 def _expected_shapes(preset) -> dict[str, tuple[int, ...]]:
@@ -733,10 +757,16 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
     return reports
 
 
-def export_at_save(run_dir: Path, tag_dir: Path) -> dict:
+def export_at_save(run_dir: Path, tag_dir: Path) -> dict | None:
     """``train.export_every_save``: export the checkpoint just written to ``RUN/hf/<tag>``
-    (rank 0, after the save)."""
-    report = export(run_dir, out=Path(run_dir) / "hf" / tag_dir.name, tag=tag_dir.name, force=True)
+    (rank 0, after the save). A failure is logged, not raised: the run and its checkpoint are
+    fine, and raising on one rank would leave the others waiting in a collective."""
+    try:
+        report = export(run_dir, out=Path(run_dir) / "hf" / tag_dir.name, tag=tag_dir.name,
+                        force=True)  # fmt: skip
+    except Exception:  # noqa: BLE001 - training goes on; the failure is logged in full
+        log.exception("export of %s failed; training continues, the checkpoint is intact", tag_dir)
+        return None
     log.info("%s", format_report(report))
     return report
 

@@ -240,3 +240,27 @@ def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
     index["w"].read_into(out, start=4)
     assert out.tolist() == [4.0, 5.0, 6.0]
     archive.close()
+
+
+def test_failed_export_leaves_the_previous_one_and_export_at_save(zero3_run, tmp_path, monkeypatch):
+    from anneal import export as exportlib
+
+    out = tmp_path / "hf"
+    first = exportlib.export(zero3_run, out=out, tag="step00000001", verify=False)
+    assert json.loads((out / "anneal_export.json").read_text())["step"] == first["step"] == 1
+
+    def mismatch(*args, **kwargs):
+        raise exportlib.ExportMismatch("logits differ; do not ship it.")
+
+    monkeypatch.setattr(exportlib, "verify_export", mismatch)
+    with pytest.raises(exportlib.ExportMismatch, match="kept in .*hf.partial"):
+        exportlib.export(zero3_run, out=out, force=True)
+    assert json.loads((out / "anneal_export.json").read_text())["step"] == 1  # untouched
+    # during training a failed export is logged, never raised (other ranks wait on rank 0)
+    assert exportlib.export_at_save(zero3_run, zero3_run / "checkpoints" / "step00000002") is None
+    monkeypatch.undo()
+
+    report = exportlib.export_at_save(zero3_run, zero3_run / "checkpoints" / "step00000002")
+    assert report["out"] == str(zero3_run / "hf" / "step00000002")
+    assert (zero3_run / "hf" / "step00000002" / "model.safetensors").is_file()
+    assert not (zero3_run / "hf" / ".step00000002.partial").exists()
