@@ -217,13 +217,30 @@ class LiveView:
 
 def finish_run(run_dir: Path) -> None:
     """Rank 0, after the last step: plots to ``RUN/plots`` and the health report (printed and
-    written to ``RUN/report.txt``). Never fails the run: a problem here is logged."""
+    written to ``RUN/report.txt``). Drawn in a child process (``python -m anneal.report RUN``,
+    no torch in it) so that matplotlib's memory never adds to the training process's peak, and
+    never fails the run: a problem here is logged."""
     if not is_main_process():
         return
-    try:
-        from anneal import plots, report
+    import subprocess
 
-        plots.plot_run(Path(run_dir))
-        print(report.write_report(Path(run_dir)), flush=True)
-    except Exception:  # noqa: BLE001 - the run itself succeeded; say why the extras did not
-        log.exception("plots/health report at the end of the run failed")
+    import anneal
+
+    root = str(Path(anneal.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p
+    )}  # fmt: skip
+    sys.stdout.flush()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "anneal.report", str(run_dir), "--end-of-run"],
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            log.warning(
+                "plots/health report at the end of the run failed (exit %d)", done.returncode
+            )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("plots/health report at the end of the run failed: %s", e)

@@ -244,3 +244,20 @@ def write_report(run_dir: Path) -> str:
     text = format_table(health(run_dir), run_dir=run_dir)
     (Path(run_dir) / "report.txt").write_text(text + "\n")
     return text
+
+
+def end_of_run(run_dir: Path) -> None:
+    """What a run does after its last step (``anneal.progress.finish_run`` runs it in a child
+    process): its plots, then its health report, printed and saved."""
+    from anneal import plots
+
+    plots.plot_run(run_dir)
+    print(write_report(run_dir), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[2] != "--end-of-run":
+        sys.exit("usage: python -m anneal.report RUN --end-of-run (or: anneal report RUN)")
+    end_of_run(Path(sys.argv[1]))
