@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from anneal.dist import is_main_process, rank, world_size
+from anneal.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | No
     Read from the manifest, so resume refuses before any engine is built."""
     saved = (read_manifest(tag_dir) or {}).get("tokenizer_sha256")
     if saved and tokenizer_sha256 and saved != tokenizer_sha256:
-        raise ValueError(
+        raise UserError(
             f"--data {data_dir}: its tokenizer ({tokenizer_sha256[:12]}...) is not the one "
             f"{tag_dir} was trained with ({saved[:12]}...). Resume with the original data "
             f"directory, or start a new run in a new --out."
@@ -150,7 +151,7 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not path.exists():
-        raise ValueError(
+        raise UserError(
             f"--resume {resume}: no such file or directory. Give a checkpoint tag "
             f"directory (RUN/checkpoints/stepNNNNNNNN), 'auto' or 'none'."
         )
@@ -159,7 +160,7 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
     found = intact_checkpoints(path)
     if found:
         return found[-1]
-    raise ValueError(
+    raise UserError(
         f"--resume {resume}: not an intact checkpoint (no valid {MANIFEST}) and "
         f"holds none. A save that was interrupted leaves such a directory; resume "
         f"from an older tag or use 'auto'."
@@ -171,7 +172,7 @@ def load(engine, tag_dir: Path) -> dict:
     state (step, tokens, data position)."""
     manifest = read_manifest(tag_dir)
     if manifest["world_size"] != world_size():
-        raise ValueError(
+        raise UserError(
             f"{tag_dir} was saved by {manifest['world_size']} ranks and this job has "
             f"{world_size()}. ZeRO shards are per rank: resume with the same number of ranks."
         )
@@ -182,6 +183,6 @@ def load(engine, tag_dir: Path) -> dict:
         load_lr_scheduler_states=True,
     )
     if path is None:
-        raise ValueError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
     set_rng_state(client["rng"][rank()])
     return client

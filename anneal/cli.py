@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import sys
 from pathlib import Path
+
+from anneal.errors import UserError
 
 # --- data ------------------------------------------------------------------------------------
 
@@ -14,7 +17,8 @@ from pathlib import Path
 def _data_prepare(args: argparse.Namespace) -> int:
     import shlex
 
-    from anneal.data.prepare import prepare, unigram_entropy_bits_per_byte
+    from anneal.data.prepare import prepare
+    from anneal.data.prepared import unigram_entropy_bits_per_byte
 
     meta = prepare(
         inputs=args.input,
@@ -29,6 +33,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         streaming=args.streaming,
         val_fraction=args.val_fraction,
+        seq_len=args.seq_len,
         seed=args.seed,
         workers=args.workers,
         dtype=args.dtype,
@@ -77,6 +82,17 @@ def _data_synth(args: argparse.Namespace) -> int:
 
 
 def _add_data_commands(sub) -> None:
+    """Defaults come from the library: PrepareConfig, ReadOptions and write_markov."""
+    import inspect
+
+    from anneal.data import tokenizer as toklib
+    from anneal.data.prepare import DTYPES, PrepareConfig
+    from anneal.data.readers import ON_ERROR, ReadOptions
+    from anneal.data.synth import write_markov
+
+    cfg = PrepareConfig(inputs=(), out=Path())
+    read = ReadOptions()
+    markov = {k: p.default for k, p in inspect.signature(write_markov).parameters.items()}
     data = sub.add_parser("data", help="prepare token data, write synthetic corpora")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser(
@@ -94,8 +110,10 @@ def _add_data_commands(sub) -> None:
         "&split=S]; repeat to blend, with weights (web.jsonl:0.7 --input code/:0.3) or by size",
     )
     prep.add_argument("--out", required=True, help="output data directory")
-    prep.add_argument("--vocab-size", type=int, default=8192, help="trained tokenizer size")
-    prep.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    prep.add_argument(
+        "--vocab-size", type=int, default=cfg.vocab_size, help="trained tokenizer size"
+    )
+    prep.add_argument("--model-type", choices=toklib.MODEL_TYPES, default=cfg.model_type)
     prep.add_argument(
         "--tokenizer",
         help="reuse a SentencePiece .model or a Hugging Face tokenizer directory (no training)",
@@ -103,10 +121,12 @@ def _add_data_commands(sub) -> None:
     prep.add_argument(
         "--tokenizer-sample-mb",
         type=float,
-        default=64.0,
-        help="MB of training text the tokenizer learns from (default 64)",
+        default=cfg.tokenizer_sample_mb,
+        help=f"MB of training text the tokenizer learns from (default {cfg.tokenizer_sample_mb:g})",
     )
-    prep.add_argument("--text-field", default="text", help="JSONL key / column with the text")
+    prep.add_argument(
+        "--text-field", default=read.text_field, help="JSONL key / column with the text"
+    )
     prep.add_argument(
         "--include",
         action="append",
@@ -123,8 +143,8 @@ def _add_data_commands(sub) -> None:
     )
     prep.add_argument(
         "--on-error",
-        choices=("stop", "skip"),
-        default="stop",
+        choices=ON_ERROR,
+        default=read.on_error,
         help="a bad record (invalid JSON or UTF-8, missing field): stop with its file and line, "
         "or skip it and count it in meta.json",
     )
@@ -132,14 +152,24 @@ def _add_data_commands(sub) -> None:
     prep.add_argument(
         "--val-fraction",
         type=float,
-        default=0.02,
-        help="share of documents held out for validation",
+        default=cfg.val_fraction,
+        help=f"share of documents held out for validation (default {cfg.val_fraction:g}; 0: "
+        "no validation data)",
     )
-    prep.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
-    prep.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
     prep.add_argument(
-        "--shard-tokens", type=int, default=16 * 1024 * 1024, help="ids per shard file"
+        "--seq-len",
+        type=int,
+        default=cfg.seq_len,
+        help="the validation split must hold one window of this context plus one token, or "
+        f"prepare fails (default {cfg.seq_len}, the smallest preset's)",
+    )
+    prep.add_argument("--seed", type=int, default=cfg.seed)
+    prep.add_argument(
+        "--workers", type=int, default=cfg.workers, help="processes (default 0: all cores)"
+    )
+    prep.add_argument("--dtype", choices=DTYPES, default=cfg.dtype)
+    prep.add_argument(
+        "--shard-tokens", type=int, default=cfg.shard_tokens, help="ids per shard file"
     )
     prep.add_argument("--quiet", action="store_true", help="no progress line")
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -153,16 +183,21 @@ def _add_data_commands(sub) -> None:
         "`anneal data prepare --input DIR`; a model's val_bpb can approach that rate but never "
         "go below it.",
     )
-    synth.add_argument("--kind", choices=("markov",), default="markov")
-    synth.add_argument("--order", type=int, default=2, help="characters of context (K)")
-    synth.add_argument("--alphabet", type=int, default=8, help="symbols (N, at most 52)")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--documents", type=int, default=64)
-    synth.add_argument("--doc-chars", type=int, default=32768, help="characters per document")
+    synth.add_argument(
+        "--order", type=int, default=markov["order"], help="characters of context (K)"
+    )
+    synth.add_argument(
+        "--alphabet", type=int, default=markov["alphabet"], help="symbols (N, at most 52)"
+    )
+    synth.add_argument("--seed", type=int, default=markov["seed"])
+    synth.add_argument("--documents", type=int, default=markov["documents"])
+    synth.add_argument(
+        "--doc-chars", type=int, default=markov["doc_chars"], help="characters per document"
+    )
     synth.add_argument(
         "--concentration",
         type=float,
-        default=0.5,
+        default=markov["concentration"],
         help="Dirichlet concentration of each transition row: lower is more predictable",
     )
     synth.add_argument("--out", required=True)
@@ -171,7 +206,14 @@ def _add_data_commands(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: plan, fit, estimate (anneal/scaling.py, anneal/memory.py; docs/planning.md).
+# Planning: plan, fit, estimate (anneal/scaling/, anneal/memory.py; docs/planning.md).
+# Every default below is read from the library (a signature or a module constant), never typed
+# again here; tests/test_cli.py checks that.
+
+
+def _default(fn, name: str):
+    """The default of parameter ``name`` of ``fn``, for argparse."""
+    return inspect.signature(fn).parameters[name].default
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -207,7 +249,7 @@ def _fit(args: argparse.Namespace) -> int:
     from anneal import scaling
 
     if bool(args.runs) == bool(args.csv):
-        raise ValueError("anneal fit: give run directories or --csv FILE (one of the two).")
+        raise UserError("anneal fit: give run directories or --csv FILE (one of the two).")
     points = scaling.read_csv(args.csv) if args.csv else [scaling.read_run(r) for r in args.runs]
     result = scaling.fit_points(
         points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed
@@ -219,7 +261,7 @@ def _fit(args: argparse.Namespace) -> int:
         from anneal.plots import plot_fit
 
         plot_fit(result, plot)
-    except ValueError as e:
+    except UserError as e:  # no compute-optimal frontier to draw
         plot = None
         logging.warning("no plot: %s", e)
     if args.json:
@@ -234,19 +276,21 @@ def _estimate(args: argparse.Namespace) -> int:
     import json
 
     from anneal import memory
-    from anneal.config import find_ds_config, load_ds_config
-    from anneal.metrics import get_gpu
+    from anneal.ds_config import find_ds_config, load_ds_config
+    from anneal.hardware import get_gpu
 
     preset = memory.load_model(args.model)
     if args.vocab_size:
         preset = preset.with_vocab(args.vocab_size)
-    ds_name = args.ds_config or "zero3_bf16.json"
     run_ds = memory.run_ds_config(args.model) if not args.ds_config else None
-    ds = run_ds if run_ds is not None else load_ds_config(find_ds_config(ds_name))
+    if run_ds is not None:
+        ds = run_ds
+    else:
+        ds = load_ds_config(find_ds_config(args.ds_config or memory.DEFAULT_DS_CONFIG))
     zero = memory.ZeroSetup.from_ds_config(ds)
     if args.gpu_mem_gib is not None:
         if not args.gpu_mem_gib > 0:
-            raise ValueError(f"--gpu-mem-gib {args.gpu_mem_gib}: must be positive.")
+            raise UserError(f"--gpu-mem-gib {args.gpu_mem_gib}: must be positive.")
         capacity, capacity_name = int(args.gpu_mem_gib * memory.GiB), f"{args.gpu_mem_gib:g} GiB"
     else:
         spec = get_gpu(args.gpu)
@@ -291,8 +335,13 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _add_planning_commands(sub) -> None:
-    from anneal.scaling import DEFAULT_FIT, DEFAULT_GLOBAL_BATCH, DEFAULT_MFU, FITS
+    import math
 
+    from anneal import memory, scaling
+    from anneal.hardware import DEFAULT_GPU, GPUS
+    from anneal.model import NOMINAL_VOCAB
+
+    gpus = " | ".join(GPUS)
     plan = sub.add_parser(
         "plan",
         help="what to train for a budget: compute-optimal N and D, loss, steps, GPU-hours",
@@ -302,9 +351,13 @@ def _add_planning_commands(sub) -> None:
     plan.add_argument("--flops", type=float, help="training compute C in FLOPs")
     plan.add_argument("--gpus", type=int, help="GPUs (with --hours: the budget; else wall-clock)")
     plan.add_argument("--hours", type=float, help="wall-clock hours on --gpus")
-    plan.add_argument("--gpu", default="h100", help="h100 | h200 | a100 (default h100)")
     plan.add_argument(
-        "--mfu", type=float, help=f"model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU})"
+        "--gpu", default=_default(scaling.plan, "gpu"), help=f"{gpus} (default %(default)s)"
+    )
+    plan.add_argument(
+        "--mfu",
+        type=float,
+        help=f"model FLOPs utilisation in (0, 1] (default {scaling.DEFAULT_MFU})",
     )
     plan.add_argument("--mfu-from", metavar="RUN_DIR", help="use the MFU measured in a run")
     plan.add_argument("--params", type=float, help="model size N in parameters")
@@ -312,15 +365,15 @@ def _add_planning_commands(sub) -> None:
     plan.add_argument("--target-loss", type=float, help="final loss in nats/token")
     plan.add_argument(
         "--fit",
-        default=DEFAULT_FIT,
-        help=f"{' | '.join(FITS)} | a file from `anneal fit` (default {DEFAULT_FIT})",
+        default=scaling.DEFAULT_FIT,
+        help=f"{' | '.join(scaling.FITS)} | a file from `anneal fit` (default %(default)s)",
     )
     plan.add_argument("--rule", help="tokens-per-param=R instead of the fit's frontier")
     plan.add_argument(
         "--global-batch",
         type=int,
-        default=DEFAULT_GLOBAL_BATCH,
-        help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})",
+        default=_default(scaling.plan, "global_batch"),
+        help="sequences per optimizer step (default %(default)s)",
     )
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -329,33 +382,56 @@ def _add_planning_commands(sub) -> None:
     fit = sub.add_parser(
         "fit",
         help="fit L(N, D) = E + A/N^alpha + B/D^beta to finished runs",
-        description="Hoffmann et al. 2022 approach 3: Huber loss (delta 1e-3) on log-loss, "
-        "L-BFGS from a grid of starts, bootstrap 95%% intervals.",
+        description=f"Hoffmann et al. 2022 approach 3: Huber loss (delta {scaling.HUBER_DELTA:g}) "
+        "on log-loss, L-BFGS from a grid of starts, bootstrap 95% intervals. "
+        "See docs/planning.md.",
     )
     fit.add_argument("runs", nargs="*", metavar="RUN_DIR", help="finished run directories")
     fit.add_argument("--csv", help="CSV with columns params,tokens,loss instead of runs")
     fit.add_argument("--out", default="scaling_fit.json", help="fit file to write")
     fit.add_argument("--plot", help="PNG to write (default: --out with .png)")
-    fit.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples")
     fit.add_argument(
-        "--starts", type=int, help="L-BFGS from this many best grid points (default all 4500)"
+        "--bootstrap",
+        type=int,
+        default=_default(scaling.fit_points, "n_bootstrap"),
+        help="bootstrap resamples (default %(default)s)",
     )
-    fit.add_argument("--seed", type=int, default=0)
+    grid_size = math.prod(len(v) for v in scaling.INIT_GRID.values())
+    fit.add_argument(
+        "--starts",
+        type=int,
+        default=_default(scaling.fit_points, "grid_starts"),
+        help=f"L-BFGS from this many best grid points (default all {grid_size})",
+    )
+    fit.add_argument(
+        "--seed",
+        type=int,
+        default=_default(scaling.fit_points, "seed"),
+        help="seed of the bootstrap resamples (default %(default)s)",
+    )
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(func=_fit)
 
     est = sub.add_parser(
         "estimate",
         help="per-GPU memory of a run: ZeRO model states, activations, buffers; levers",
+        description="See docs/planning.md.",
     )
     est.add_argument("--model", required=True, help="preset name or a config.json")
     est.add_argument(
         "--ds-config",
         help="DeepSpeed JSON (default: the run's when --model is a run's config.json, else "
-        "zero3_bf16.json)",
+        f"{memory.DEFAULT_DS_CONFIG})",
     )
-    est.add_argument("--nodes", type=int, default=1)
-    est.add_argument("--gpus-per-node", type=int, default=8)
+    est.add_argument(
+        "--nodes", type=int, default=memory.DEFAULT_NODES, help="(default %(default)s)"
+    )
+    est.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=memory.DEFAULT_GPUS_PER_NODE,
+        help="(default %(default)s)",
+    )
     est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     est.add_argument("--micro-batch", type=int, help="default: the ds_config's")
     est.add_argument("--activation-checkpointing", action="store_true")
@@ -364,8 +440,10 @@ def _add_planning_commands(sub) -> None:
         action="store_true",
         help="count stored attention scores (Anneal's SDPA attention stores none)",
     )
-    est.add_argument("--vocab-size", type=int, help="default: the model's (presets: 32000)")
-    est.add_argument("--gpu", default="h100", help="h100 | h200 | a100 (default h100)")
+    est.add_argument(
+        "--vocab-size", type=int, help=f"default: the model's (presets: {NOMINAL_VOCAB})"
+    )
+    est.add_argument("--gpu", default=DEFAULT_GPU, help=f"{gpus} (default %(default)s)")
     est.add_argument("--gpu-mem-gib", type=float, help="device memory instead of --gpu")
     est.add_argument("--json", action="store_true", help="print one JSON object")
     est.set_defaults(func=_estimate)
@@ -375,24 +453,6 @@ def _add_planning_commands(sub) -> None:
 # A run, after (or while) it trains: export, plot, report, generate (docs/observability.md).
 
 
-def _user_errors(func):
-    """Print a UserError as one paragraph and exit 2 (until main() catches UserError itself)."""
-    import functools
-
-    @functools.wraps(func)
-    def wrapper(args: argparse.Namespace) -> int:
-        from anneal.errors import UserError
-
-        try:
-            return func(args)
-        except UserError as e:
-            print(f"anneal {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return wrapper
-
-
-@_user_errors
 def _export(args: argparse.Namespace) -> int:
     import json
 
@@ -403,7 +463,7 @@ def _export(args: argparse.Namespace) -> int:
                   tokenizer=Path(args.tokenizer) if args.tokenizer else None)  # fmt: skip
     if args.every_save:
         if args.tag:
-            raise ValueError("anneal export: --every-save exports every tag; drop --tag.")
+            raise UserError("anneal export: --every-save exports every tag; drop --tag.")
         reports = export.export_every_save(run, out=Path(args.out), **kwargs)
     else:
         reports = [export.export(run, out=Path(args.out), tag=args.tag, **kwargs)]
@@ -412,13 +472,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-@_user_errors
 def _plot(args: argparse.Namespace) -> int:
     from anneal import plots
 
     if args.schedule:
         if args.run:
-            raise ValueError("anneal plot: give a RUN directory or --schedule CONFIG, not both.")
+            raise UserError("anneal plot: give a RUN directory or --schedule CONFIG, not both.")
         path = plots.plot_schedule_file(
             Path(args.schedule),
             steps=args.steps,
@@ -430,14 +489,13 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     if not args.run:
-        raise ValueError("anneal plot: give a RUN directory, or --schedule CONFIG --steps N.")
+        raise UserError("anneal plot: give a RUN directory, or --schedule CONFIG --steps N.")
     for path in plots.plot_run(Path(args.run), out_dir=Path(args.out) if args.out else None,
                                dark=args.dark):  # fmt: skip
         print(f"wrote {path}")
     return 0
 
 
-@_user_errors
 def _report(args: argparse.Namespace) -> int:
     import json
 
@@ -451,7 +509,6 @@ def _report(args: argparse.Namespace) -> int:
     return 1 if args.strict and any(s.status == report.PROBLEM for s in signals) else 0
 
 
-@_user_errors
 def _generate(args: argparse.Namespace) -> int:
     from anneal import generate
 
@@ -545,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
+    except UserError as e:  # anything else is a bug or the environment: keep its traceback
         print(f"anneal {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,19 +1,15 @@
-"""Typed run config, strict DeepSpeed JSON loading and the batch arithmetic.
+"""The typed run config (one small frozen dataclass per concern) and the batch arithmetic.
 
-Every DeepSpeed key has one home: the JSON file in ``ds_configs/``. Anneal reads it strictly
-(DeepSpeed itself silently accepts a top-level ``gradient_clipp1ng``), fills the two values that
-depend on the run (``train_batch_size`` and the scheduler's ``total_num_steps``, written as
-``"auto"``), and writes the resolved result into the run directory.
-
-User mistakes raise ``anneal.errors.UserError`` with one paragraph naming the file and key and
-saying how to fix it.
+What a model size wants (preset, peak LR, warmup, global batch, run length) lives here, with
+the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.ds_config``).
+``--set section.key=value`` overrides go through these types. User mistakes raise
+``anneal.errors.UserError`` with one paragraph naming the flag or key and how to fix it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import typing
 from pathlib import Path
 from typing import Any
@@ -21,7 +17,6 @@ from typing import Any
 from anneal.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 AUTO = "auto"
 
 
@@ -80,6 +75,22 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """What a model size wants from the optimizer and schedule; recipes set these from
+    published tables. Each fills the matching ds_config value when the file says ``"auto"``."""
+
+    lr: float = 3e-4
+    """Peak learning rate (``optimizer.params.lr``); the schedule decays to 0.1 x this."""
+    global_batch_tokens: int = 524_288
+    """Tokens per optimizer step over all ranks (``train_batch_size`` x seq_len); the
+    accumulation steps follow from the ds_config's micro-batch and the data-parallel size."""
+    warmup_tokens: int = 375_000_000
+    """Linear warmup length in tokens (GPT-3 warmed up over 375M tokens at every size)."""
+    warmup_max_share: float = 0.1
+    """Cap of the ``"auto"`` warmup as a share of the run, so a short run always fits."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     max_steps: int = 300
     """Optimizer steps in the whole run; the LR schedule ends here."""
@@ -112,6 +123,7 @@ class RunConfig:
     """True when --resume was given: only then may a launch continue a run whose config
     differs from the one in out/config.json."""
     model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
@@ -119,7 +131,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
 _CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
 
 
@@ -176,301 +193,73 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return dataclasses.replace(cfg, **sections)
 
 
-def ds_overrides(overrides: list[str]) -> list[tuple[list[str], str]]:
-    """The ``ds.a.b=value`` overrides as (key path, raw JSON-or-text value)."""
-    out = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.startswith("ds."):
-            out.append((key[3:].split("."), value))
-    return out
+def optim_keys_set(overrides: list[str]) -> frozenset[str]:
+    """The ``optim.*`` fields given with ``--set`` (the ds_config resolution checks them)."""
+    return frozenset(
+        item.partition("=")[0].removeprefix("optim.")
+        for item in overrides
+        if item.startswith("optim.")
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    train_batch_size: int
+    """Samples per optimizer step over all ranks."""
+    grad_accum_steps: int
+    micro_batch_per_gpu: int
+    data_parallel_size: int
+
+
+def batch_arithmetic(
+    *,
+    micro_batch_per_gpu: int,
+    data_parallel_size: int,
+    grad_accum_steps: int | None = None,
+    train_batch_size: int | None = None,
+    source: str = "the ds_config",
+) -> Batch:
+    """``train_batch_size = micro x accumulation x data-parallel size``, the one place it is
+    computed. Give the accumulation, the global batch, or both (then they must agree)."""
+    for name, value in (
+        ("train_micro_batch_size_per_gpu", micro_batch_per_gpu),
+        ("data-parallel size", data_parallel_size),
+        ("gradient_accumulation_steps", grad_accum_steps),
+        ("train_batch_size", train_batch_size),
+    ):
+        if value is not None and value < 1:
+            raise UserError(f"{source}: {name} must be at least 1, got {value}.")
+    per_step = micro_batch_per_gpu * data_parallel_size
+    if grad_accum_steps is not None:
+        want = per_step * grad_accum_steps
+        if train_batch_size is not None and train_batch_size != want:
+            raise UserError(
+                f"{source}: train_batch_size is {train_batch_size} but "
+                f"train_micro_batch_size_per_gpu ({micro_batch_per_gpu}) x "
+                f"gradient_accumulation_steps ({grad_accum_steps}) x data-parallel size "
+                f'({data_parallel_size}) = {want}. Set train_batch_size to {want} or to "auto".'
+            )
+        return Batch(want, grad_accum_steps, micro_batch_per_gpu, data_parallel_size)
+    if train_batch_size is None:
+        raise ValueError("batch_arithmetic needs grad_accum_steps or train_batch_size")
+    if train_batch_size % per_step:
+        lower = max(per_step, train_batch_size // per_step * per_step)
+        raise UserError(
+            f"{source}: a global batch of {train_batch_size} samples does not divide across "
+            f"train_micro_batch_size_per_gpu ({micro_batch_per_gpu}) x data-parallel size "
+            f"({data_parallel_size}) = {per_step} samples per accumulation step. Use a global "
+            f"batch that is a multiple of {per_step} (e.g. {lower} or {lower + per_step}: --set "
+            f"optim.global_batch_tokens=SAMPLES*seq_len), or a micro-batch that divides "
+            f"{train_batch_size // data_parallel_size or 1}, or another number of ranks."
+        )
+    return Batch(
+        train_batch_size, train_batch_size // per_step, micro_batch_per_gpu, data_parallel_size
+    )
 
 
 def _suggest(word: str, candidates) -> str:
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# DeepSpeed JSON: the subset of keys Anneal supports, with their types.
-
-Num = (int, float)
-Auto = "auto-or-int"
-_OFFLOAD = {
-    "device": str,
-    "pin_memory": bool,
-    "buffer_count": int,
-    "fast_init": bool,
-    "ratio": Num,
-    "nvme_path": str,
-}
-
-DS_SCHEMA: dict[str, Any] = {
-    "train_batch_size": Auto,
-    "train_micro_batch_size_per_gpu": int,
-    "gradient_accumulation_steps": int,
-    "gradient_clipping": Num,
-    "steps_per_print": int,
-    "wall_clock_breakdown": bool,
-    "prescale_gradients": bool,
-    "gradient_predivide_factor": Num,
-    "communication_data_type": str,
-    "zero_allow_untested_optimizer": bool,
-    "zero_force_ds_cpu_optimizer": bool,
-    "memory_breakdown": bool,
-    "bf16": {"enabled": bool, "immediate_grad_update": bool},
-    "fp16": {
-        "enabled": bool,
-        "loss_scale": Num,
-        "initial_scale_power": int,
-        "loss_scale_window": int,
-        "hysteresis": int,
-        "min_loss_scale": Num,
-    },
-    "data_types": {"grad_accum_dtype": str},
-    "zero_optimization": {
-        "stage": int,
-        "overlap_comm": bool,
-        "contiguous_gradients": bool,
-        "reduce_scatter": bool,
-        "reduce_bucket_size": Num,
-        "allgather_partitions": bool,
-        "allgather_bucket_size": Num,
-        "round_robin_gradients": bool,
-        "sub_group_size": Num,
-        "stage3_prefetch_bucket_size": Num,
-        "stage3_param_persistence_threshold": Num,
-        "stage3_max_live_parameters": Num,
-        "stage3_max_reuse_distance": Num,
-        "stage3_gather_16bit_weights_on_model_save": bool,
-        "offload_optimizer": _OFFLOAD,
-        "offload_param": _OFFLOAD,
-    },
-    "optimizer": {
-        "type": str,
-        "params": {
-            "lr": Num,
-            "betas": list,
-            "eps": Num,
-            "weight_decay": Num,
-            "torch_adam": bool,
-            "adam_w_mode": bool,
-            "fused": bool,
-        },
-    },
-    "scheduler": {
-        "type": str,
-        "params": {
-            "total_num_steps": Auto,
-            "warmup_min_ratio": Num,
-            "warmup_num_steps": int,
-            "cos_min_ratio": Num,
-            "warmup_type": str,
-        },
-    },
-    "activation_checkpointing": {
-        "partition_activations": bool,
-        "cpu_checkpointing": bool,
-        "contiguous_memory_optimization": bool,
-        "number_checkpoints": int,
-        "synchronize_checkpoint_boundary": bool,
-        "profile": bool,
-    },
-    "flops_profiler": {
-        "enabled": bool,
-        "profile_step": int,
-        "module_depth": int,
-        "top_modules": int,
-        "detailed": bool,
-        "output_file": str,
-    },
-    "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
-}
-
-REQUIRED = [
-    ("train_micro_batch_size_per_gpu",),
-    ("gradient_accumulation_steps",),
-    ("gradient_clipping",),
-    ("optimizer", "type"),
-    ("optimizer", "params", "lr"),
-    ("scheduler", "type"),
-    ("scheduler", "params", "warmup_num_steps"),
-    ("scheduler", "params", "cos_min_ratio"),
-]
-
-
-def _type_name(spec: Any) -> str:
-    if spec is Num:
-        return "a number"
-    if spec == Auto:
-        return 'an integer or "auto"'
-    if isinstance(spec, dict):
-        return "an object"
-    return {int: "an integer", bool: "true or false", str: "a string", list: "a list"}[spec]
-
-
-def _check_value(value: Any, spec: Any) -> bool:
-    if spec == Auto:
-        return value == AUTO or (isinstance(value, int) and not isinstance(value, bool))
-    if spec is int or spec is Num:
-        return isinstance(value, spec) and not isinstance(value, bool)
-    if isinstance(spec, dict):
-        return isinstance(value, dict)
-    return isinstance(value, spec)
-
-
-def validate_ds_config(
-    cfg: dict, schema: dict = DS_SCHEMA, *, source: str, prefix: str = ""
-) -> None:
-    """Unknown keys at any level and wrong types raise UserError naming source and key."""
-    for key, value in cfg.items():
-        dotted = f"{prefix}{key}"
-        if key not in schema:
-            raise UserError(
-                f"{source}: unknown key {dotted!r}{_suggest(key, schema)}. DeepSpeed would "
-                f"ignore it silently; Anneal refuses. Known keys here: {', '.join(schema)}."
-            )
-        spec = schema[key]
-        if not _check_value(value, spec):
-            raise UserError(
-                f"{source}: key {dotted!r} must be {_type_name(spec)}, got {json.dumps(value)}."
-            )
-        if isinstance(spec, dict):
-            validate_ds_config(value, spec, source=source, prefix=f"{dotted}.")
-
-
-def _no_duplicates(source: str):
-    def hook(pairs):
-        seen = {}
-        for key, value in pairs:
-            if key in seen:
-                raise UserError(f"{source}: key {key!r} is set twice; keep one.")
-            seen[key] = value
-        return seen
-
-    return hook
-
-
-def find_ds_config(name_or_path: str) -> Path:
-    """A path as given, else a name inside ds_configs/."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    if (DS_CONFIG_DIR / name_or_path).is_file() and path.parent == Path("."):
-        return DS_CONFIG_DIR / name_or_path
-    shipped = ", ".join(sorted(p.name for p in DS_CONFIG_DIR.glob("*.json")))
-    raise UserError(
-        f"--ds-config {name_or_path}: no such file. Give a path to a DeepSpeed "
-        f"JSON file or one of the shipped names in {DS_CONFIG_DIR}: {shipped}."
-    )
-
-
-def load_ds_config(path: str | Path) -> dict:
-    """Read and strictly validate a DeepSpeed JSON config (not yet resolved)."""
-    path = Path(path)
-    source = str(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{source}: cannot read the DeepSpeed config ({e.strerror}).") from None
-    try:
-        cfg = json.loads(text, object_pairs_hook=_no_duplicates(source))
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: "
-            f"{e.msg}. DeepSpeed configs are strict JSON (no comments, no "
-            f"trailing commas)."
-        ) from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{source}: the top level must be a JSON object.")
-    validate_ds_config(cfg, source=source)
-    for key_path in REQUIRED:
-        node = cfg
-        for k in key_path:
-            if not isinstance(node, dict) or k not in node:
-                raise UserError(f"{source}: missing required key {'.'.join(key_path)!r}.")
-            node = node[k]
-    opt = cfg["optimizer"]["type"]
-    if opt.lower() not in ("adamw", "adam"):
-        raise UserError(f"{source}: optimizer.type {opt!r} is not supported; use AdamW.")
-    if cfg["scheduler"]["type"] != "WarmupCosineLR":
-        raise UserError(
-            f"{source}: scheduler.type must be 'WarmupCosineLR', got {cfg['scheduler']['type']!r}."
-        )
-    return cfg
-
-
-def override_ds_config(cfg: dict, overrides: list[tuple[list[str], str]], *, source: str) -> dict:
-    """Apply ``ds.a.b=value`` overrides (values parsed as JSON, else kept as text) and
-    re-validate, so an override can neither invent a key nor change a type."""
-    cfg = json.loads(json.dumps(cfg))
-    for keys, raw in overrides:
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        node = cfg
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    validate_ds_config(cfg, source=f"{source} (with --set ds.* overrides)")
-    return cfg
-
-
-def train_batch_size(
-    *, micro_batch_per_gpu: int, grad_accum_steps: int, data_parallel_size: int
-) -> int:
-    """Global batch in samples: micro x accumulation x data-parallel size."""
-    for name, value in (
-        ("train_micro_batch_size_per_gpu", micro_batch_per_gpu),
-        ("gradient_accumulation_steps", grad_accum_steps),
-        ("data-parallel size", data_parallel_size),
-    ):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}.")
-    return micro_batch_per_gpu * grad_accum_steps * data_parallel_size
-
-
-def resolve_ds_config(cfg: dict, *, source: str, data_parallel_size: int, max_steps: int) -> dict:
-    """Fill ``auto`` values and check the batch arithmetic. Returns a new dict."""
-    cfg = json.loads(json.dumps(cfg))
-    micro = cfg["train_micro_batch_size_per_gpu"]
-    accum = cfg["gradient_accumulation_steps"]
-    want = train_batch_size(
-        micro_batch_per_gpu=micro, grad_accum_steps=accum, data_parallel_size=data_parallel_size
-    )
-    given = cfg.get("train_batch_size", AUTO)
-    if given != AUTO and given != want:
-        raise UserError(
-            f"{source}: train_batch_size is {given} but train_micro_batch_size_per_gpu ({micro}) "
-            f"x gradient_accumulation_steps ({accum}) x data-parallel size "
-            f'({data_parallel_size}) = {want}. Set train_batch_size to {want} or to "auto".'
-        )
-    cfg["train_batch_size"] = want
-    params = cfg["scheduler"]["params"]
-    total = params.get("total_num_steps", AUTO)
-    if total != AUTO and total != max_steps:
-        raise UserError(
-            f"{source}: scheduler.params.total_num_steps is {total} but the run has "
-            f'--max-steps {max_steps}. Set it to "auto" (Anneal fills it in).'
-        )
-    params["total_num_steps"] = max_steps
-    if params["warmup_num_steps"] > max_steps:
-        raise UserError(
-            f"{source}: scheduler.params.warmup_num_steps "
-            f"({params['warmup_num_steps']}) exceeds --max-steps ({max_steps})."
-        )
-    return cfg
-
-
-def bf16_enabled(ds_cfg: dict) -> bool:
-    return bool(ds_cfg.get("bf16", {}).get("enabled", False))
-
-
-def set_bf16(ds_cfg: dict, enabled: bool) -> dict:
-    cfg = json.loads(json.dumps(ds_cfg))
-    cfg.setdefault("bf16", {})["enabled"] = enabled
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,9 +33,18 @@ import json
 import math
 from pathlib import Path
 
-from anneal.model import ModelPreset, count_params, get_preset
+from anneal.errors import UserError
+from anneal.model import NOMINAL_VOCAB, ModelPreset, count_params, get_preset
 
 GiB = 2**30
+
+DEFAULT_DS_CONFIG = "zero3_bf16.json"
+"""The ds_config ``anneal estimate`` assumes when neither ``--ds-config`` nor a run's
+config.json names one: ZeRO-3, the stage that lets the largest models fit."""
+
+DEFAULT_NODES = 1
+DEFAULT_GPUS_PER_NODE = 8
+"""Nodes and GPUs per node ``anneal estimate`` assumes: one HGX/DGX node of 8 GPUs."""
 
 GPU_RUNTIME_BYTES = 1 * GiB
 """CUDA context, cuBLAS/NCCL workspaces and allocator slack, an assumption (the context alone
@@ -308,14 +317,14 @@ def estimate(
 ) -> MemoryEstimate:
     """Peak bytes per GPU of training ``preset`` with ``zero`` on ``work``."""
     if zero.stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage {zero.stage}: must be 0, 1, 2 or 3.")
+        raise UserError(f"zero_optimization.stage {zero.stage}: must be 0, 1, 2 or 3.")
     for name, value in (
         ("--micro-batch", work.micro_batch),
         ("--seq", work.seq_len),
         ("--nodes x --gpus-per-node", work.n_gpus),
     ):
         if value < 1:
-            raise ValueError(f"{name} {value}: must be at least 1.")
+            raise UserError(f"{name} {value}: must be at least 1.")
     p = count_params(preset)
     n = work.n_gpus
     weights, grads, optimizer, host = model_state_bytes(p, zero, n)
@@ -355,7 +364,8 @@ def estimate(
 
 
 # ---------------------------------------------------------------------------------------------
-# Levers: what to change, in the seed's order, for a run that does not fit.
+# Levers: what to change for a run that does not fit, in order of preference: first what
+# costs no quality (micro-batch, with more accumulation), then context, then model shape.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -474,14 +484,14 @@ def load_model(spec: str) -> ModelPreset:
         return get_preset(spec)
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"--model {spec}: neither a preset ({', '.join(PRESETS)}) nor a file. Give a preset "
             f"name, a run's config.json or a Hugging Face config.json."
         )
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model {spec}: cannot read it as JSON ({e}).") from None
+        raise UserError(f"--model {spec}: cannot read it as JSON ({e}).") from None
     name = path.stem
     if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
         doc = doc["model"]  # an Anneal run's config.json
@@ -490,7 +500,7 @@ def load_model(spec: str) -> ModelPreset:
         k for k in _SHAPE_KEYS if not isinstance(doc, dict) or not isinstance(doc.get(k), int)
     ]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"--model {spec}: no integer {', '.join(missing)}; the file must describe a "
             f"Llama-style model (an Anneal run's config.json or a Hugging Face config.json)."
         )
@@ -504,7 +514,7 @@ def load_model(spec: str) -> ModelPreset:
         num_key_value_heads=int(doc.get("num_key_value_heads") or heads),
         seq_len=int(doc.get("seq_len") or doc.get("max_position_embeddings") or 2048),
         nominal_params=None,
-        vocab_size=int(doc.get("vocab_size") or 32000),
+        vocab_size=int(doc.get("vocab_size") or NOMINAL_VOCAB),
     )
 
 

@@ -1,112 +1,24 @@
-"""metrics.jsonl, TensorBoard, the console line and MFU.
+"""metrics.jsonl (written here, and read back by ``read_metrics``), TensorBoard and the
+console line.
 
-Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps its metrics.
+Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps its metrics
+(all but, at worst, a torn last line, which ``read_metrics`` skips). The device peaks that MFU
+divides by live in ``anneal.hardware``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
-import os
-import platform
-import time
 from pathlib import Path
 
-import torch
-
 from anneal.dist import is_main_process, print0
+from anneal.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
 
 log = logging.getLogger(__name__)
-
-# Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a fragment of the name
-# torch reports; the first fragment found in the name wins, so variants come before the family.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,  # also matches GH200
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,  # SXM (e.g. "NVIDIA H100 80GB HBM3")
-    "A100": 312e12,
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GpuSpec:
-    """An accelerator the planner and the memory estimator know by a short name."""
-
-    name: str
-    peak_flops: float
-    """Dense bf16 tensor-core peak in FLOP/s (no sparsity)."""
-    memory_bytes: int
-    """Device memory in bytes, as nvidia-smi reports it (MiB x 2**20)."""
-
-
-GPUS = {
-    "h100": GpuSpec(
-        name="H100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["H100"], memory_bytes=81559 * 2**20
-    ),
-    "h200": GpuSpec(
-        name="H200 SXM 141GB", peak_flops=GPU_PEAK_FLOPS["H200"], memory_bytes=143771 * 2**20
-    ),
-    "a100": GpuSpec(
-        name="A100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["A100"], memory_bytes=81920 * 2**20
-    ),
-}
-
-
-def get_gpu(name: str) -> GpuSpec:
-    """The GpuSpec for a short name (h100, h200, a100); ValueError naming the choices."""
-    key = name.lower()
-    if key not in GPUS:
-        raise ValueError(
-            f"--gpu {name}: unknown GPU; choose one of {', '.join(GPUS)} (their dense bf16 "
-            f"peaks are in anneal/metrics.py). For another accelerator, pass --flops for the "
-            f"planner, or --gpu-mem-gib for the memory estimator."
-        )
-    return GPUS[key]
-
-
-def _cpu_peak_flops(cache_dir: Path) -> float:
-    """FP32 matmul FLOP/s of this process's share of the CPU, measured once and cached."""
-    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
-    cache = cache_dir / "cpu_peak_flops.json"
-    try:
-        cached = json.loads(cache.read_text())
-        if key in cached:
-            return float(cached[key])
-    except (OSError, ValueError):
-        cached = {}
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.5:
-        a @ b
-        reps += 1
-    peak = 2 * n**3 * reps / (time.perf_counter() - start)
-    cached[key] = peak
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cached))
-        tmp.replace(cache)
-    except OSError:
-        pass
-    return peak
-
-
-def device_peak_flops(device: torch.device) -> float:
-    """Peak FLOP/s of one device, for MFU. CPUs: a measured fp32 matmul rate."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak in GPU_PEAK_FLOPS.items():
-            if fragment in name:
-                return peak
-        log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
-        return GPU_PEAK_FLOPS["H100"]
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return _cpu_peak_flops(cache_home / "anneal")
 
 
 class MetricsLogger:
@@ -118,7 +30,7 @@ class MetricsLogger:
         self._tb = None
         if not self.enabled:
             return
-        self._file = open(Path(run_dir) / "metrics.jsonl", "a")  # noqa: SIM115
+        self._file = open(Path(run_dir) / METRICS_FILE, "a")  # noqa: SIM115
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -162,3 +74,42 @@ def console_line(row: dict, *, max_steps: int) -> None:
         f"gnorm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | "
         f"mfu {100 * row['mfu']:.2f}%"
     )
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` in order, only those of ``kind`` if given.
+
+    A killed run can leave its last line torn (no newline, not valid JSON); that line is
+    skipped with a warning. Any other line that is not a JSON object is a UserError naming the
+    file and line, as is a run directory without the file.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(
+            f"{path}: cannot read it ({e.strerror or e}). Every Anneal run writes "
+            f"{METRICS_FILE} into its run directory from its first step on; give the directory "
+            f"of a run that has trained (the --out of the recipe)."
+        ) from None
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number == len(lines):  # no newline after it: a write cut short by a kill
+            log.warning("%s: skipping the torn last line %d (the run was killed)", path, number)
+        else:
+            start = line[:80].decode(errors="replace")
+            raise UserError(
+                f"{path}, line {number}: not a JSON object ({start!r}). {METRICS_FILE} "
+                f"holds one JSON object per line, as Anneal writes it; the file was changed "
+                f"or damaged by something else. Remove that line or rerun."
+            )
+    return [r for r in rows if kind is None or r.get("kind") == kind]

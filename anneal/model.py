@@ -16,6 +16,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from anneal.errors import UserError
+
 # Nominal vocabulary used to size the presets (Llama's). At training time the vocabulary comes
 # from the prepared data and the real count is printed at start.
 NOMINAL_VOCAB = 32000
@@ -107,11 +109,11 @@ PRESETS: dict[str, ModelPreset] = {
 
 def get_preset(name: str) -> ModelPreset:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise UserError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
 
 
-def llama_config(preset: ModelPreset, *, eos_token_id: int | None = None):
+def llama_config(preset: ModelPreset):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -127,16 +129,16 @@ def llama_config(preset: ModelPreset, *, eos_token_id: int | None = None):
         tie_word_embeddings=False,
         use_cache=False,
         bos_token_id=None,
-        eos_token_id=eos_token_id,
+        eos_token_id=None,
         pad_token_id=None,
     )
 
 
-def build_model(preset: ModelPreset, *, eos_token_id: int | None = None) -> nn.Module:
+def build_model(preset: ModelPreset) -> nn.Module:
     """A freshly constructed LlamaForCausalLM in fp32 with SDPA attention."""
     from transformers import LlamaForCausalLM
 
-    cfg = llama_config(preset, eos_token_id=eos_token_id)
+    cfg = llama_config(preset)
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.scaling import FitResult
+from anneal.scaling.fit import FitResult
 
 
 def plot_fit(result: FitResult, path: str | Path, *, title: str = "") -> Path:
@@ -183,7 +183,7 @@ def plot_schedule_file(
     ``"auto"`` values need ``--peak-lr`` / ``--warmup-steps``; flags override numbers."""
     import json
 
-    from anneal.config import find_ds_config
+    from anneal.ds_config import find_ds_config
     from anneal.errors import UserError
 
     path = find_ds_config(str(config))

@@ -48,6 +48,7 @@ def local_memory_bytes(device: torch.device) -> int:
 def memory_fields(device: torch.device) -> dict:
     """``mem_gib`` (one value per rank) and ``mem_max_gib`` for the train row. Collective:
     every rank calls it (one small all-gather)."""
+    device = torch.device(device)
     mine = local_memory_bytes(device)
     if world_size() > 1:
         import torch.distributed as dist

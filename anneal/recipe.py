@@ -1,4 +1,4 @@
-"""The recipe command line (DESIGN.md), shared by every ``recipes/pretrain_*.py``.
+"""The recipe command line, shared by every ``recipes/pretrain_*.py`` (flags in README.md).
 
 Recipes are thin: a preset, a ds_config name and defaults. This module turns their argv into a
 RunConfig and calls ``anneal.train.run``; it is the only place that exits the process.
@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import runpy
+import socket
 import sys
 
 from anneal.config import (
     AUTO,
     DataConfig,
     ModelConfig,
+    OptimConfig,
     RunConfig,
     TrainConfig,
     apply_overrides,
@@ -62,6 +65,7 @@ def config_from_args(
     on_cpu: bool = False,
     train: TrainConfig = TrainConfig(),
     model: ModelConfig | None = None,
+    optim: OptimConfig = OptimConfig(),
     data: DataConfig = DataConfig(),
 ) -> tuple[RunConfig, list[str]]:
     """RunConfig from recipe defaults + flags + ``--set`` overrides, and the raw overrides.
@@ -93,37 +97,61 @@ def config_from_args(
         resume=args.resume or AUTO,
         resume_explicit=args.resume is not None,
         model=model,
+        optim=optim,
         data=data,
         train=train,
     )
     return apply_overrides(cfg, args.set), args.set
 
 
+def load_recipe(path: str | os.PathLike) -> dict:
+    """The ``RECIPE`` dict of a recipe file (its defaults), without running its main."""
+    try:
+        namespace = runpy.run_path(str(path), run_name="anneal_recipe")
+    except FileNotFoundError:
+        raise UserError(f"recipe {path}: no such file (the recipes are in recipes/).") from None
+    if not isinstance(namespace.get("RECIPE"), dict):
+        raise UserError(
+            f"recipe {path}: defines no RECIPE dict, so it is not an Anneal recipe (see "
+            f"recipes/pretrain_tiny.py for the shape)."
+        )
+    return namespace["RECIPE"]
+
+
 def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaults) -> None:
-    """Entry point of a recipe: parse, train, print the summary; exit 2 on a user error."""
+    """Entry point of a recipe: parse, train, print the summary.
+
+    A UserError becomes one paragraph on stderr and exit 2: printed once when every rank saw
+    it (the launch resolution), else by the rank that saw it, with its rank and host. Any other
+    exception keeps its traceback.
+    """
     import torch
 
     argv = sys.argv[1:] if argv is None else argv
     prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "recipe"
+    on_cpu = not torch.cuda.is_available()
     try:
         cfg, overrides = config_from_args(
-            argv,
-            prog=prog,
-            preset=preset,
-            ds_config=ds_config,
-            on_cpu=not torch.cuda.is_available(),
-            **defaults,
+            argv, prog=prog, preset=preset, ds_config=ds_config, on_cpu=on_cpu, **defaults
         )
-        if not torch.cuda.is_available() and "--ds-config" not in " ".join(argv):
-            print_once(f"no GPU found: using ds_configs/{cfg.ds_config} (fp32 ZeRO-3 for CPUs)")
+        if on_cpu and cfg.ds_config != ds_config and not _flag_given(argv, "--ds-config"):
+            print_once(f"no GPU found: using ds_configs/{cfg.ds_config} (fp32 for CPUs)")
         from anneal.train import run
 
         _single_process_env()
         summary = run(cfg, overrides)
-    except (UserError, ValueError, FileNotFoundError) as e:
-        print_once(f"error: {e}", file=sys.stderr)
+    except UserError as e:
+        if e.every_rank:
+            print_once(f"error: {e}", file=sys.stderr)
+        else:
+            where = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
+            print(f"error ({where}): {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     print_once(format_summary(summary))
+
+
+def _flag_given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def _single_process_env() -> None:
@@ -131,8 +159,6 @@ def _single_process_env() -> None:
     otherwise look for MPI)."""
     if "RANK" in os.environ:
         return
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -41,22 +41,17 @@ DATA_STALL = 0.10
 
 
 def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    """Rows of ``RUN/metrics.jsonl`` (of one ``kind`` if given); UserError if there are none.
+    """``anneal.metrics.read_metrics``, with the two cases a plot or report of a run that has
+    not taken a step yet meets said plainly (no metrics.jsonl; no train row)."""
+    from anneal import metrics
 
-    A torn last line (a run killed mid-write) is skipped. Kept local so that it can be swapped
-    for ``anneal.metrics.read_metrics`` once that lands."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(
             f"{run_dir}: no metrics.jsonl yet. A run writes it from its first step; give the "
             f"run's --out directory, or wait for the first step to finish."
         )
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
+    rows = metrics.read_metrics(run_dir)
     if not any(r.get("kind") == "train" for r in rows):
         raise UserError(
             f"{path}: no train rows yet (the first is written after the first optimizer step). "

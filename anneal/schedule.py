@@ -1,4 +1,4 @@
-"""Linear warmup then cosine decay, exactly the seed formula, driven by the ds_config.
+"""Linear warmup then cosine decay to 0.1 x peak (docs/training.md), from the resolved ds_config.
 
 The values live in the ds_config's ``WarmupCosineLR`` block; Anneal builds this scheduler from
 them and hands it to ``deepspeed.initialize``. DeepSpeed's own ``WarmupCosineLR`` departs from

@@ -1,6 +1,6 @@
 """The training loop on the DeepSpeed engine.
 
-One optimizer step, as the seed documents describe it: zero grads (DeepSpeed sets them to None
+One optimizer step (docs/training.md, "One optimizer step"): zero grads (DeepSpeed sets them to None
 after each step) -> forward (bf16 when the ds_config enables it) -> cross-entropy on next tokens
 -> backward (DeepSpeed divides the loss by the accumulation steps and reduces gradients only at
 the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on 2-D+
@@ -24,11 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from anneal import checkpoint
-from anneal import config as cfglib
 from anneal import model as modellib
 from anneal import progress as live
 from anneal.config import RunConfig
-from anneal.data.prepare import check_matches_run, check_prepared
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import (
     init_distributed,
@@ -38,8 +36,9 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
-from anneal.errors import UserError
-from anneal.metrics import MetricsLogger, device_peak_flops
+from anneal.hardware import device_peak_flops
+from anneal.metrics import MetricsLogger
+from anneal.plan import Plan, resolve_plan
 from anneal.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -56,113 +55,18 @@ class TrainState:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """A launch, resolved and validated before anything is written."""
-
-    cfg: RunConfig
-    ds_config: dict
-    preset: modellib.ModelPreset
-    out: Path
-    resume_from: Path | None
-    device: torch.device
-    notes: list[str]
-
-    @property
-    def seq_len(self) -> int:
-        return self.preset.seq_len
-
-    @property
-    def micro_batch(self) -> int:
-        return self.ds_config["train_micro_batch_size_per_gpu"]
-
-    @property
-    def grad_accum(self) -> int:
-        return self.ds_config["gradient_accumulation_steps"]
-
-    def config_document(self) -> dict:
-        return {
-            "run": self.cfg.to_dict(),
-            "ds_config": self.ds_config,
-            "model": {
-                **dataclasses.asdict(self.preset),
-                "seq_len": self.seq_len,
-                "params": modellib.count_params(self.preset),
-            },
-            "launch": {"world_size": world_size(), "device": str(self.device)},
-        }
-
-
-def device_has_fast_bf16(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
 def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
-    """Resolve and check everything a run needs; raise UserError before anything is written."""
+    """Resolve this launch for the live world and device (see ``anneal.plan``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    notes = []
-    ds_path = cfglib.find_ds_config(cfg.ds_config)
-    ds = cfglib.load_ds_config(ds_path)
-    ds = cfglib.override_ds_config(ds, cfglib.ds_overrides(list(overrides)), source=str(ds_path))
-    if cfg.train.precision == "fp32" or (
-        cfg.train.precision == "auto"
-        and cfglib.bf16_enabled(ds)
-        and not device_has_fast_bf16(device)
-    ):
-        if cfglib.bf16_enabled(ds):
-            notes.append(
-                f"device {device.type} has no fast bf16: training in fp32 "
-                f"(bf16.enabled -> false; --set train.precision=bf16 forces bf16)"
-            )
-        ds = cfglib.set_bf16(ds, False)
-    elif cfg.train.precision == "bf16":
-        ds = cfglib.set_bf16(ds, True)
-    if cfg.train.max_steps < 1:
-        raise UserError(f"--max-steps must be at least 1, got {cfg.train.max_steps}.")
-    ds = cfglib.resolve_ds_config(
-        ds, source=str(ds_path), data_parallel_size=world_size(), max_steps=cfg.train.max_steps
+    return resolve_plan(
+        cfg,
+        overrides,
+        world_size=world_size(),
+        device_type="cuda" if device.type == "cuda" else "cpu",
+        fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
-
-    data_dir = Path(cfg.data.path)
-    try:
-        meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    preset = cfg.model.resolve(meta["vocab_size"])
-
-    out = Path(cfg.out)
-    resume_from = None
-    try:
-        resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
-        if resume_from is not None:
-            check_matches_run(meta, data_dir=data_dir, run_dir=out)
-            checkpoint.check_tokenizer(
-                resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
-            )
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    plan = Plan(
-        cfg=cfg,
-        ds_config=ds,
-        preset=preset,
-        out=out,
-        resume_from=resume_from,
-        device=device,
-        notes=notes,
-    )
-    old_path = out / "config.json"
-    if old_path.is_file():
-        diffs = cfglib.config_differences(json.loads(old_path.read_text()), plan.config_document())
-        if diffs and not cfg.resume_explicit:
-            raise UserError(
-                f"--out {out} holds a different run (its config.json differs: "
-                f"{'; '.join(diffs[:5])}). Anneal will not mix two runs in one directory: "
-                f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "
-                f"that run with the new settings."
-            )
-    return plan
 
 
 def build_engine(plan: Plan):
@@ -216,13 +120,14 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
 def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> dict:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
     start = time.perf_counter()
+    device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     losses, wait_s = [], 0.0
     for _ in range(plan.grad_accum):
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
-        x, y = x.to(plan.device), y.to(plan.device)
+        x, y = x.to(device), y.to(device)
         loss = next_token_loss(engine(input_ids=x).logits, y)
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
@@ -235,7 +140,7 @@ def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> di
         "kind": "train",
         "step": state.step,
         "tokens": state.tokens,
-        "loss": _mean_over_ranks(sum(losses) / len(losses), plan.device),
+        "loss": _mean_over_ranks(sum(losses) / len(losses), device),
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "tokens_per_s": plan.ds_config["train_batch_size"] * plan.seq_len / elapsed,
@@ -248,8 +153,9 @@ def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> di
 def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> dict:
     """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
     engine.eval()
-    byte_table = torch.from_numpy(token_bytes).to(plan.device, torch.float64)
-    sums = torch.zeros(3, dtype=torch.float64, device=plan.device)  # nats, tokens, bytes
+    device = engine.device
+    byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
     for windows in validation_windows(
         val.n_windows,
         n_samples=plan.cfg.train.eval_samples,
@@ -258,10 +164,8 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> d
         micro_batch=plan.micro_batch,
     ):
         x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
-        x, y = x.to(plan.device), y.to(plan.device)
-        weight = torch.tensor(
-            [float(j >= 0) for j in windows], dtype=torch.float64, device=plan.device
-        )
+        x, y = x.to(device), y.to(device)
+        weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         logits = engine(input_ids=x).logits.float()
         nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
         sums += torch.stack([
@@ -298,10 +202,11 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     np.random.seed(cfg.train.seed)
     data_dir = Path(cfg.data.path)
     train_split = PackedSplit(data_dir, "train", seq_len=plan.seq_len)
-    val_split = PackedSplit(data_dir, "val", seq_len=plan.seq_len)
+    evaluate = cfg.train.eval_samples > 0
+    val_split = PackedSplit(data_dir, "val", seq_len=plan.seq_len) if evaluate else None
     token_bytes = np.load(data_dir / "token_bytes.npy")
     n_params = modellib.count_params(plan.preset)
-    print0(_describe(plan, n_params))
+    print0(plan.describe())
 
     engine = build_engine(plan)
     recompute = getattr(engine.module, "is_gradient_checkpointing", False)
@@ -321,14 +226,14 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
                          micro_batch=plan.micro_batch, position=position,
                          prefetch=cfg.data.prefetch_batches)  # fmt: skip
     flops_per_token = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
-    peak = device_peak_flops(plan.device)
+    peak = device_peak_flops(engine.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
     try:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
-            last_train.update(live.memory_fields(plan.device))  # collective: every rank
+            last_train.update(live.memory_fields(engine.device))  # collective: every rank
             metrics.write(last_train)
             view.update(last_train)
             last_val = (
@@ -356,8 +261,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
 
 
 def maybe_validate(engine, val, token_bytes, plan: Plan, state: TrainState, metrics) -> dict | None:
-    """Validate every ``eval_every`` steps and after the last step."""
-    if not _due(state.step, plan.cfg.train.eval_every, plan.cfg.train.max_steps):
+    """Validate every ``eval_every`` steps and after the last step (never without val data)."""
+    if val is None or not _due(state.step, plan.cfg.train.eval_every, plan.cfg.train.max_steps):
         return None
     row = {**validate(engine, val, token_bytes, plan), "step": state.step}
     metrics.write(row)
@@ -406,17 +311,6 @@ def _write_run_config(plan: Plan) -> None:
         tmp = plan.out / f".config.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(plan.config_document(), indent=2) + "\n")
         tmp.replace(plan.out / "config.json")
-
-
-def _describe(plan: Plan, n_params: int) -> str:
-    ds = plan.ds_config
-    return (
-        f"model {plan.cfg.model.preset}: {n_params:,} parameters "
-        f"({modellib.human_count(n_params)}), vocab {plan.preset.vocab_size}, "
-        f"seq {plan.seq_len}; {world_size()} rank(s), global batch {ds['train_batch_size']} x "
-        f"{plan.seq_len} tokens; ZeRO stage {ds.get('zero_optimization', {}).get('stage', 0)}, "
-        f"{'bf16' if cfglib.bf16_enabled(ds) else 'fp32'}"
-    )
 
 
 def _share_cpu_threads() -> None:

@@ -61,7 +61,7 @@ def preflight(ns: argparse.Namespace) -> None:
             "too, and start the same command once on every node."
         )
     if "--ds-config" in ns.recipe_args:
-        from anneal.config import find_ds_config, load_ds_config
+        from anneal.ds_config import find_ds_config, load_ds_config
 
         load_ds_config(find_ds_config(ns.recipe_args[ns.recipe_args.index("--ds-config") + 1]))
 

@@ -1,15 +1,21 @@
 """Pretrain the 1b preset (Llama-style, untied embeddings) on GPUs with ZeRO and bf16.
 
+Peak LR and global batch are GPT-3's for the nearest size (Brown et al. 2020, "Language Models are
+Few-Shot Learners", Table 2.1: GPT-3 XL, 1.3B: batch 1M tokens, LR 2.0e-4); warmup over the first
+375M tokens and cosine decay to 0.1 x peak as in its appendix B. The ds_config (what the cluster
+wants) is chosen per machine; its "auto" values take these.
+
 deepspeed --num_gpus N recipes/pretrain_1b.py --out runs/1b --data data/stdlib
 """
 
-from anneal.config import ModelConfig, TrainConfig
+from anneal.config import ModelConfig, OptimConfig, TrainConfig
 from anneal.recipe import main
 
 RECIPE = dict(
     preset="1b",
     ds_config="zero2_bf16.json",
     model=ModelConfig(activation_checkpointing=True),
+    optim=OptimConfig(lr=2e-4, global_batch_tokens=2**20, warmup_tokens=375_000_000),
     train=TrainConfig(max_steps=60000, eval_every=1000, save_every=1000, log_every=10),
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import shutil
 import sys
@@ -26,11 +27,18 @@ from pathlib import Path
 from anneal.config import (
     DataConfig,
     ModelConfig,
+    OptimConfig,
     RunConfig,
     TrainConfig,
     apply_overrides,
 )
 from anneal.errors import UserError
+from anneal.scaling import fit_points
+
+# Every run of the sweep: 8 sequences of 256 tokens per step (divides across 1 or 2 CPU ranks at
+# cpu.json's micro-batch of 4; on GPUs pass --set optim.global_batch_tokens=...), the tiny
+# recipe's peak LR, warmup a tenth of each run.
+OPTIM = OptimConfig(lr=3e-3, global_batch_tokens=8 * 256, warmup_tokens=0, warmup_max_share=0.1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ds-config", default="cpu.json", help="DeepSpeed JSON for every run")
     p.add_argument("--grid", choices=sorted(GRIDS), default="full")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples of the fit")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=inspect.signature(fit_points).parameters["n_bootstrap"].default,
+        help="bootstrap resamples of the fit (default %(default)s)",
+    )
     p.add_argument("--starts", type=int, help="L-BFGS starts of the fit (default all 4500)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
     p.add_argument(
@@ -106,25 +119,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(run_dir: Path) -> bool:
     """A run counts as done once it validated after its last step."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    from anneal.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").is_file():
         return False
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     cfg = json.loads((run_dir / "config.json").read_text())
     last = cfg["run"]["train"]["max_steps"]
-    return any(r.get("kind") == "val" and r.get("step") == last for r in rows)
+    return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 
-def _global_batch_tokens(ds_config: str, overrides: list[str], seq_len: int) -> int:
-    from anneal import config as cfglib
+def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
+    """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution (the
+    launch plan), resolved for a long run in a directory that holds no run."""
+    import torch
+
     from anneal.dist import world_size
+    from anneal.plan import resolve_plan
 
-    path = cfglib.find_ds_config(ds_config)
-    ds = cfglib.override_ds_config(
-        cfglib.load_ds_config(path), cfglib.ds_overrides(overrides), source=str(path)
+    probe = dataclasses.replace(
+        cfg, out=str(probe_dir), train=dataclasses.replace(cfg.train, max_steps=10**9)
     )
-    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    return micro * accum * world_size() * seq_len
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_plan(
+        probe, overrides, world_size=world_size(), device_type=device_type
+    ).tokens_per_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,28 +160,32 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed()
     from anneal.train import run
 
-    seq_len = 256  # the tiny preset's context
     rows = []
     try:
-        batch_tokens = _global_batch_tokens(args.ds_config, args.set, seq_len)
         for shape in grid.shapes:
             for tokens in grid.tokens:
+                cfg = apply_overrides(
+                    RunConfig(
+                        out="",
+                        ds_config=args.ds_config,
+                        model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
+                        optim=OPTIM,
+                        data=DataConfig(path=args.data),
+                        train=TrainConfig(eval_every=0, save_every=0, seed=args.seed),
+                    ),
+                    args.set,
+                )
+                batch_tokens = _tokens_per_step(cfg, args.set, out / ".probe")
                 steps = max(1, -(-tokens // batch_tokens))
                 run_dir = out / f"{shape.name}_d{steps * batch_tokens}"
                 if run_dir.is_dir() and (run_dir / "config.json").is_file() and _finished(run_dir):
                     print_once(f"sweep: {run_dir} is finished; skipping")
                     continue
-                cfg = RunConfig(
+                cfg = dataclasses.replace(
+                    cfg,
                     out=str(run_dir),
-                    ds_config=args.ds_config,
-                    model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
-                    data=DataConfig(path=args.data),
-                    train=TrainConfig(
-                        max_steps=steps,
-                        eval_every=0,
-                        save_every=0,
-                        log_every=max(1, steps // 4),
-                        seed=args.seed,
+                    train=dataclasses.replace(
+                        cfg.train, max_steps=steps, log_every=max(1, steps // 4)
                     ),
                 )
                 overrides = [
@@ -184,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print_once(f"error: {e}", file=sys.stderr)
         return 2
     if not is_main_process():
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot = plot_fit(result, out / "fit.png", title=f"scaling sweep ({args.grid} grid)")
         print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")
-    except ValueError as e:
+    except UserError as e:  # a fit without a compute-optimal frontier
         print(f"wrote {fit_path}; no plot: {e}")
     (out / "sweep.json").write_text(json.dumps({"grid": args.grid, "runs": rows}, indent=2))
     return 0

@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anneal.data.prepare import unigram_entropy_bits_per_byte  # noqa: E402
+from anneal.data.prepared import unigram_entropy_bits_per_byte  # noqa: E402
+from anneal.metrics import read_metrics  # noqa: E402
 
 
 def free_port() -> int:
@@ -27,9 +28,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_STEPS = 50
+"""Optimizer steps of the demo: 50 x 16,384 tokens, a quarter of an epoch of the corpus."""
+
+
+def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) -> list[str]:
+    """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too)."""
+    return [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus", str(n_procs), "--master_port", str(port),
+        "recipes/pretrain_tiny.py",
+        "--out", out, "--data", data, "--max-steps", str(steps),
+        "--eval-every", str(max(1, steps // 4)), "--save-every", str(max(1, steps // 2)),
+    ]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--data", default="data/stdlib")
     parser.add_argument("--out", default=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
@@ -37,22 +53,17 @@ def main() -> int:
     import torch
 
     n_procs = torch.cuda.device_count() or 2
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus", str(n_procs), "--master_port", str(free_port()),
-        "recipes/pretrain_tiny.py",
-        "--out", args.out, "--data", args.data, "--max-steps", str(args.steps),
-        "--eval-every", str(max(1, args.steps // 4)), "--save-every", str(max(1, args.steps // 2)),
-    ]  # fmt: skip
+    cmd = demo_command(
+        n_procs=n_procs, steps=args.steps, out=args.out, data=args.data, port=free_port()
+    )
     print("$", " ".join(cmd), flush=True)
     start = time.time()
     rc = subprocess.call(cmd, cwd=ROOT)
     if rc != 0:
         print(f"demo: training failed (exit {rc})", file=sys.stderr)
         return rc
-    rows = [json.loads(line) for line in (ROOT / args.out / "metrics.jsonl").open()]
-    train = [r for r in rows if r["kind"] == "train"]
-    val = [r for r in rows if r["kind"] == "val"]
+    train = read_metrics(ROOT / args.out, "train")
+    val = read_metrics(ROOT / args.out, "val")
     meta = json.loads((ROOT / args.data / "meta.json").read_text())
     split = meta["splits"]["val"]
     base_bpb = unigram_entropy_bits_per_byte(ROOT / args.data, "val")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from anneal.metrics import read_metrics  # noqa: F401 (the tests read runs through it)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -124,11 +125,6 @@ def run_recipe(
     return run_process(cmd, timeout_s=timeout_s, check=check, cwd=ROOT, env=e)
 
 
-def read_metrics(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
-    return [r for r in rows if r["kind"] == kind]
-
-
 # Small shapes so that end-to-end runs take seconds of compute on CPU.
 SMALL = [
     "--set",
@@ -145,6 +141,8 @@ SMALL = [
     "train.eval_samples=16",
     "--set",
     "ds.scheduler.params.warmup_num_steps=2",
+    "--set",
+    "ds.gradient_accumulation_steps=2",
     "--set",
     "train.log_every=1",
 ]

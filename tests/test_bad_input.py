@@ -35,7 +35,7 @@ def test_ds_config_not_json(stdlib_data, tmp_path):
 
 
 def test_ds_config_typo(stdlib_data, tmp_path):
-    from anneal.config import DS_CONFIG_DIR
+    from anneal.ds_config import DS_CONFIG_DIR
 
     cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
     cfg["gradient_clipp1ng"] = cfg.pop("gradient_clipping")
@@ -117,3 +117,94 @@ def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
     shutil.rmtree(first)
     err = fail([*base, "--data", str(second), "--resume", "auto"])
     assert f"--data {second}: its tokenizer" in err and "step00000002" in err
+
+
+def test_warmup_longer_than_the_run(stdlib_data, tmp_path):
+    err = fail(
+        ["--out", str(tmp_path / "run"), "--data", str(stdlib_data), "--max-steps", "20",
+         "--set", "ds.scheduler.params.warmup_num_steps=30"]
+    )  # fmt: skip
+    assert "warmup_num_steps (30) exceeds --max-steps (20)" in err and '"auto"' in err
+    assert len(err.strip().splitlines()) == 1  # one paragraph, no traceback
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "item,expect",
+    [
+        ("ds.gradient_clipping.x=1", "'gradient_clipping' is a value"),
+        ("ds.=1", "empty key"),
+        ("train.max_steps", "section.key=value"),
+        ("optim.lr=fast", "expected float"),
+    ],
+)
+def test_malformed_set(stdlib_data, tmp_path, item, expect):
+    err = fail(["--out", str(tmp_path / "run"), "--data", str(stdlib_data), "--set", item])
+    assert expect in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+ENTRY = """
+import sys
+import anneal.train
+from anneal.errors import UserError
+from anneal.recipe import main
+
+def run(cfg, overrides):
+    kind = sys.argv[1]
+    if kind == "user":
+        raise UserError("the shard went away")
+    if kind == "every":
+        e = UserError("bad config")
+        e.every_rank = True
+        raise e
+    raise ValueError("a bug")
+
+anneal.train.run = run
+main(preset="tiny", ds_config="cpu.json", argv=["--data", "d"])
+"""
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_entry_point_prints_user_errors_by_rank(rank, tmp_path):
+    """A UserError becomes one paragraph and exit 2: once for an error every rank sees, by the
+    rank that saw it (with its rank) otherwise; anything else keeps its traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import env
+
+    def call(kind):
+        e = {**env(), "RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}
+        return subprocess.run([sys.executable, "-c", ENTRY, kind], env=e, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    local = call("user")
+    assert local.returncode == 2
+    assert f"error (rank {rank} on " in local.stderr and "the shard went away" in local.stderr
+    every = call("every")
+    assert every.returncode == 2
+    assert ("error: bad config" in every.stderr) is (rank == "0")
+    bug = call("bug")
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: a bug" in bug.stderr
+
+
+def test_data_without_validation_trains_only_with_evaluation_off(tmp_path):
+    """A data directory prepared with --val-fraction 0 is refused while validation is on (one
+    paragraph, nothing written) and trains with train.eval_samples=0."""
+    from anneal.data.prepare import prepare
+    from tests.conftest import read_metrics
+
+    data = tmp_path / "noval"
+    text = tmp_path / "corpus.txt"
+    text.write_text(
+        "".join(f"line {i} of a small corpus, number {i * 7 % 13}\n" for i in range(4000))
+    )
+    prepare(inputs=[str(text)], out=data, vocab_size=300, val_fraction=0.0, progress=False)
+    base = ["--out", str(tmp_path / "run"), "--data", str(data), "--max-steps", "2", *SMALL]
+    err = fail(base)
+    assert "no validation windows" in err and "train.eval_samples=0" in err
+    assert not (tmp_path / "run").exists()
+    run_recipe([*base, "--set", "train.eval_samples=0"])
+    assert len(read_metrics(tmp_path / "run", "train")) == 2
+    assert read_metrics(tmp_path / "run", "val") == []

@@ -1,8 +1,5 @@
-"""DeepSpeed JSON is read strictly: typos, wrong types, duplicate keys, broken JSON and a
-train_batch_size that disagrees with micro x accumulation x data-parallel size are errors that
-name the file and key. Also the batch arithmetic and the --set overrides."""
-
-import json
+"""The run config: typed, strict ``--set`` overrides (malformed ones are one-paragraph errors),
+the one batch-arithmetic function, and which config differences block a relaunch."""
 
 import pytest
 
@@ -11,126 +8,36 @@ from anneal.config import RunConfig
 from anneal.errors import UserError
 
 
-def write(tmp_path, cfg, name="c.json"):
-    path = tmp_path / name
-    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg, indent=2))
-    return path
+def test_batch_arithmetic_from_accumulation():
+    b = cfglib.batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
+    assert (b.train_batch_size, b.grad_accum_steps) == (2048, 8)
+    with pytest.raises(UserError, match="gradient_accumulation_steps must be at least 1"):
+        cfglib.batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
 
 
-@pytest.fixture
-def base():
-    return json.loads((cfglib.DS_CONFIG_DIR / "zero3_bf16.json").read_text())
+def test_batch_arithmetic_from_global_batch():
+    b = cfglib.batch_arithmetic(micro_batch_per_gpu=8, train_batch_size=256, data_parallel_size=16)
+    assert (b.train_batch_size, b.grad_accum_steps) == (256, 2)
+    b = cfglib.batch_arithmetic(micro_batch_per_gpu=4, train_batch_size=64, data_parallel_size=16)
+    assert b.grad_accum_steps == 1
 
 
-def test_batch_arithmetic():
-    assert (
-        cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
-        == 2048
-    )
-    with pytest.raises(UserError, match="gradient_accumulation_steps"):
-        cfglib.train_batch_size(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
-
-
-def test_auto_batch_and_total_steps_are_filled(tmp_path, base):
-    cfg = cfglib.load_ds_config(write(tmp_path, base))
-    resolved = cfglib.resolve_ds_config(cfg, source="c.json", data_parallel_size=16, max_steps=5000)
-    assert resolved["train_batch_size"] == 4 * 8 * 16
-    assert resolved["scheduler"]["params"]["total_num_steps"] == 5000
-    assert cfg["train_batch_size"] == "auto"  # the loaded dict is not modified
-
-
-def test_top_level_typo_is_an_error_with_a_suggestion(tmp_path, base):
-    base["gradient_clipp1ng"] = base.pop("gradient_clipping")
+@pytest.mark.parametrize("total,micro,world", [(64, 8, 16), (100, 4, 8), (256, 8, 24)])
+def test_a_batch_that_does_not_divide_is_an_error(total, micro, world):
     with pytest.raises(UserError) as e:
-        cfglib.load_ds_config(write(tmp_path, base))
+        cfglib.batch_arithmetic(
+            micro_batch_per_gpu=micro, train_batch_size=total, data_parallel_size=world
+        )
     msg = str(e.value)
-    assert "c.json" in msg and "'gradient_clipp1ng'" in msg and "gradient_clipping" in msg
+    assert f"{total} samples" in msg and f"= {micro * world} samples" in msg
+    assert "optim.global_batch_tokens" in msg
 
 
-def test_nested_typo_names_the_dotted_key(tmp_path, base):
-    base["zero_optimization"]["stgae"] = 3
-    with pytest.raises(UserError, match=r"zero_optimization\.stgae.*did you mean 'stage'"):
-        cfglib.load_ds_config(write(tmp_path, base))
-
-
-@pytest.mark.parametrize(
-    "path,value,expect",
-    [
-        (("train_micro_batch_size_per_gpu",), "4", "an integer"),
-        (("gradient_clipping",), True, "a number"),
-        (("bf16", "enabled"), "yes", "true or false"),
-        (("zero_optimization",), 3, "an object"),
-        (("train_batch_size",), 12.5, 'an integer or "auto"'),
-    ],
-)
-def test_wrong_types(tmp_path, base, path, value, expect):
-    node = base
-    for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
-    with pytest.raises(UserError) as e:
-        cfglib.load_ds_config(write(tmp_path, base))
-    assert f"'{'.'.join(path)}'" in str(e.value) and expect in str(e.value)
-
-
-def test_mismatched_train_batch_size(tmp_path, base):
-    base["train_batch_size"] = 100
-    cfg = cfglib.load_ds_config(write(tmp_path, base))
-    with pytest.raises(UserError) as e:
-        cfglib.resolve_ds_config(cfg, source="c.json", data_parallel_size=2, max_steps=10_000)
-    assert "train_batch_size is 100" in str(e.value) and "= 64" in str(e.value)
-
-
-def test_matching_train_batch_size_is_accepted(tmp_path, base):
-    base["train_batch_size"] = 64
-    cfg = cfglib.load_ds_config(write(tmp_path, base))
-    assert (
-        cfglib.resolve_ds_config(cfg, source="c", data_parallel_size=2, max_steps=10_000)[
-            "train_batch_size"
-        ]
-        == 64
-    )
-
-
-def test_not_json_gives_line_and_column(tmp_path):
-    text = '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": tru}\n}'
-    path = write(tmp_path, text)
-    with pytest.raises(UserError, match=r"c\.json: not valid JSON at line 3, column 23"):
-        cfglib.load_ds_config(path)
-
-
-def test_duplicate_keys_are_errors(tmp_path):
-    path = write(tmp_path, '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
-    with pytest.raises(UserError, match="'gradient_clipping' is set twice"):
-        cfglib.load_ds_config(path)
-
-
-def test_missing_required_key(tmp_path, base):
-    del base["optimizer"]["params"]["lr"]
-    with pytest.raises(UserError, match="missing required key 'optimizer.params.lr'"):
-        cfglib.load_ds_config(write(tmp_path, base))
-
-
-def test_unknown_file_lists_shipped_configs():
-    with pytest.raises(UserError, match="zero3_bf16.json"):
-        cfglib.find_ds_config("zero9.json")
-
-
-@pytest.mark.parametrize("path", sorted(cfglib.DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
-def test_every_shipped_ds_config_validates(path):
-    cfg = cfglib.load_ds_config(path)
-    resolved = cfglib.resolve_ds_config(
-        cfg, source=str(path), data_parallel_size=8, max_steps=100_000
-    )
-    assert resolved["gradient_clipping"] == 1.0
-    opt = resolved["optimizer"]["params"]
-    assert resolved["optimizer"]["type"] == "AdamW"
-    assert opt["betas"] == [0.9, 0.95] and opt["eps"] == 1e-8 and opt["weight_decay"] == 0.1
-    sched = resolved["scheduler"]["params"]
-    assert sched["warmup_type"] == "linear" and sched["cos_min_ratio"] == 0.1
-    assert "bf16" in resolved
-    if path.name != "cpu.json":
-        assert resolved["bf16"]["enabled"] is True
+def test_both_given_must_agree():
+    with pytest.raises(UserError, match="train_batch_size is 100 .* = 64"):
+        cfglib.batch_arithmetic(
+            micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=2, train_batch_size=100
+        )
 
 
 def test_overrides_are_typed_and_strict():
@@ -150,14 +57,29 @@ def test_overrides_are_typed_and_strict():
         cfglib.apply_overrides(cfg, ["train.precision=fp8"])
 
 
-def test_ds_overrides_revalidate(tmp_path, base):
-    cfg = cfglib.load_ds_config(write(tmp_path, base))
-    over = cfglib.override_ds_config(cfg, [(["zero_optimization", "stage"], "2")], source="c")
-    assert over["zero_optimization"]["stage"] == 2
-    with pytest.raises(UserError, match="unknown key 'gradient_clipp1ng'"):
-        cfglib.override_ds_config(cfg, [(["gradient_clipp1ng"], "1")], source="c")
-    with pytest.raises(UserError, match="must be a number"):
-        cfglib.override_ds_config(cfg, [(["gradient_clipping"], "big")], source="c")
+def test_optim_overrides_are_typed():
+    cfg = cfglib.apply_overrides(
+        RunConfig(out="o", ds_config="cpu.json"),
+        ["optim.lr=6e-4", "optim.global_batch_tokens=1048576"],
+    )
+    assert cfg.optim.lr == 6e-4 and cfg.optim.global_batch_tokens == 2**20
+    assert cfglib.optim_keys_set(["optim.lr=1", "train.seed=2", "ds.x=3"]) == {"lr"}
+
+
+@pytest.mark.parametrize(
+    "item,expect",
+    [
+        ("train.max_steps=", "expected int"),
+        ("=5", "section.key=value"),
+        ("train.=3", "train has no key ''"),
+        ("foo.bar=1", "unknown section 'foo'"),
+        ("optim.lr=fast", "expected float"),
+    ],
+)
+def test_malformed_set_is_one_paragraph(item, expect):
+    with pytest.raises(UserError) as e:
+        cfglib.apply_overrides(RunConfig(out="o", ds_config="cpu.json"), [item])
+    assert expect in str(e.value) and "\n" not in str(e.value)
 
 
 def test_config_differences_ignore_resume_keys():

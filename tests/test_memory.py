@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from anneal import cli, memory
-from anneal.config import find_ds_config, load_ds_config
+from anneal.ds_config import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
 from tests.conftest import kill_tree
 

@@ -152,22 +152,23 @@ def test_run_plots_are_valid_pngs_drawn_headless(tmp_path, dark):
 
 
 def test_schedule_plot_and_auto_values(tmp_path):
+    """The shipped ds_configs leave the peak LR and warmup to the recipe ("auto"): the plot asks
+    for them. A config with numbers needs only --steps."""
     out = tmp_path / "s.png"
-    anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", "--dark", "--out",
-           str(out))  # fmt: skip
+    refused = anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", check=False)
+    assert refused.returncode == 2 and '"auto"' in refused.stderr and "--peak-lr" in refused.stderr
+    anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", "--peak-lr", "6e-4",
+           "--warmup-steps", "2000", "--dark", "--out", str(out))  # fmt: skip
     assert_sensible_png(out)
 
     ds = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
-    ds["scheduler"]["params"]["warmup_num_steps"] = "auto"
-    ds["optimizer"]["params"]["lr"] = "auto"
-    auto = tmp_path / "auto.json"
-    auto.write_text(json.dumps(ds))
-    refused = anneal("plot", "--schedule", str(auto), "--steps", "1000", check=False)
-    assert refused.returncode == 2 and '"auto"' in refused.stderr and "--peak-lr" in refused.stderr
-    anneal("plot", "--schedule", str(auto), "--steps", "1000", "--peak-lr", "6e-4",
-           "--warmup-steps", "20", "--out", str(out))  # fmt: skip
+    ds["scheduler"]["params"]["warmup_num_steps"] = 20
+    ds["optimizer"]["params"]["lr"] = 3e-4
+    numeric = tmp_path / "numeric.json"
+    numeric.write_text(json.dumps(ds))
+    anneal("plot", "--schedule", str(numeric), "--steps", "1000", "--out", str(out))
     assert_sensible_png(out)
-    no_steps = anneal("plot", "--schedule", "zero3_bf16.json", check=False)
+    no_steps = anneal("plot", "--schedule", str(numeric), check=False)
     assert no_steps.returncode == 2 and "--steps N" in no_steps.stderr
 
 

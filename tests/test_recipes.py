@@ -1,21 +1,23 @@
-"""Every recipe loads and builds a valid run config through the real flag parser: its preset
-exists, its ds_config validates at several data-parallel sizes, and its flags parse."""
+"""Every recipe runs with its own defaults on both kinds of device: for each recipe, on the CPU
+path and on the GPU path (resolved here without a GPU, as the ranks will resolve it), at every
+data-parallel size the shipped hostfiles give, the whole launch resolves up to the engine:
+ds_config, batch arithmetic, schedule, preset and precision. Also `make demo`'s exact command on
+a GPU machine, and `python recipes/pretrain_tiny.py --max-steps 5` training on CPU."""
 
-import runpy
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from anneal import config as cfglib
-from anneal import model as modellib
-from anneal.recipe import config_from_args
+from anneal.plan import resolve_plan
+from anneal.recipe import config_from_args, load_recipe
+from launcher import hostfile
+from tests.conftest import ROOT, read_metrics, run_recipe
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("pretrain_*.py"))
-
-
-def recipe(path: Path) -> dict:
-    return runpy.run_path(str(path), run_name="recipe_under_test")["RECIPE"]
+HOSTFILES = sorted((ROOT / "hostfiles").iterdir())
+# One process, one 8-GPU node, and each shipped hostfile's total slots.
+WORLDS = sorted({1, 8, *(sum(hostfile.parse(p).values()) for p in HOSTFILES)})
 
 
 def test_recipes_exist():
@@ -29,71 +31,104 @@ def test_recipes_exist():
     } <= names
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-@pytest.mark.parametrize("world", [1, 8, 64])
-def test_recipe_config_validates(path, world):
-    spec = recipe(path)
-    assert path.stem == f"pretrain_{spec['preset']}"
-    cfg, overrides = config_from_args(
-        ["--out", "runs/x", "--max-steps", "5000", "--set", "train.log_every=5"],
-        prog=str(path),
-        **spec,
+def plan_for(path: Path, argv: list[str], *, device: str, world: int):
+    spec = load_recipe(path)
+    cfg, overrides = config_from_args(argv, prog=str(path), on_cpu=device == "cpu", **spec)
+    return spec, resolve_plan(cfg, overrides, world_size=world, device_type=device)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_resolves_with_its_defaults(path, device, world, stdlib_data, tmp_path):
+    spec, plan = plan_for(
+        path,
+        ["--data", str(stdlib_data), "--out", str(tmp_path / "run")],
+        device=device,
+        world=world,
     )
-    assert cfg.model.preset == spec["preset"] and cfg.train.max_steps == 5000
-    assert cfg.ds_config == spec["ds_config"]
-    ds = cfglib.load_ds_config(cfglib.find_ds_config(cfg.ds_config))
-    resolved = cfglib.resolve_ds_config(
-        ds, source=cfg.ds_config, data_parallel_size=world, max_steps=cfg.train.max_steps
+    ds, optim = plan.ds_config, spec["optim"]
+    assert plan.cfg.model.preset == spec["preset"] == path.stem.removeprefix("pretrain_")
+    assert plan.cfg.ds_config == (spec["ds_config"] if device == "cuda" else "cpu.json")
+    # The recipe's global batch, split exactly across the ranks.
+    assert ds["train_batch_size"] * plan.seq_len == optim.global_batch_tokens
+    assert ds["train_batch_size"] == (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
     )
-    assert resolved["train_batch_size"] == (
-        resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"] * world
+    # The recipe's schedule, fitting the recipe's run.
+    sched = ds["scheduler"]["params"]
+    assert ds["optimizer"]["params"]["lr"] == optim.lr
+    assert sched["total_num_steps"] == plan.cfg.train.max_steps
+    assert 0 < sched["warmup_num_steps"] <= plan.cfg.train.max_steps // 10
+    # Precision: bf16 on GPUs, fp32 on CPUs (no fast bf16 there).
+    assert plan.bf16 is (device == "cuda")
+    assert plan.describe().count("\n") >= 5
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_short_smoke_run_resolves(path, device, stdlib_data, tmp_path):
+    """The first thing anyone runs on a new cluster: a few steps with the shipped defaults."""
+    for steps in (1, 5, 20):
+        _, plan = plan_for(
+            path,
+            ["--data", str(stdlib_data), "--out", str(tmp_path), "--max-steps", str(steps)],
+            device=device,
+            world=16,
+        )
+        assert plan.ds_config["scheduler"]["params"]["warmup_num_steps"] <= steps
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
+@pytest.mark.parametrize("n_gpus", [1, 8])
+def test_make_demo_resolves_on_a_gpu_machine(n_gpus, stdlib_data, tmp_path):
+    demo = load_demo()
+    cmd = demo.demo_command(
+        n_procs=n_gpus, steps=demo.DEFAULT_STEPS, out=str(tmp_path), data=str(stdlib_data), port=1
     )
-    assert modellib.count_params(cfg.model.resolve(32000)) > 0
+    recipe = next(a for a in cmd if a.startswith("recipes/"))
+    assert cmd[cmd.index("--num_gpus") + 1] == str(n_gpus)
+    _, plan = plan_for(ROOT / recipe, cmd[cmd.index(recipe) + 1 :], device="cuda", world=n_gpus)
+    assert plan.cfg.ds_config == "zero3_bf16.json" and plan.bf16
+    assert plan.cfg.train.max_steps == demo.DEFAULT_STEPS
 
 
-@pytest.mark.parametrize("name", ["1b", "7b"])
-def test_big_recipes_checkpoint_activations(name):
-    assert recipe(ROOT / "recipes" / f"pretrain_{name}.py")["model"].activation_checkpointing
-
-
-def test_cpu_machines_get_the_cpu_config():
-    spec = recipe(ROOT / "recipes" / "pretrain_tiny.py")
-    cfg, _ = config_from_args([], prog="recipes/pretrain_tiny.py", on_cpu=True, **spec)
-    assert cfg.ds_config == "cpu.json" and cfg.out == "runs/pretrain_tiny"
-    cfg, _ = config_from_args(["--ds-config", "zero2_bf16.json"], prog="x.py", on_cpu=True, **spec)
-    assert cfg.ds_config == "zero2_bf16.json"
+def test_big_recipes_checkpoint_activations():
+    for name in ("1b", "7b"):
+        assert load_recipe(ROOT / "recipes" / f"pretrain_{name}.py")[
+            "model"
+        ].activation_checkpointing
 
 
 def test_recipe_flags():
-    spec = recipe(ROOT / "recipes" / "pretrain_tiny.py")
+    spec = load_recipe(ROOT / "recipes" / "pretrain_tiny.py")
     cfg, overrides = config_from_args(
-        [
-            "--out",
-            "o",
-            "--data",
-            "d",
-            "--ds-config",
-            "cpu.json",
-            "--max-steps",
-            "9",
-            "--resume",
-            "none",
-            "--eval-every",
-            "3",
-            "--save-every",
-            "4",
-            "--seed",
-            "5",
-            "--set",
-            "ds.gradient_clipping=0.5",
-            "--local_rank",
-            "0",
-        ],
+        ["--out", "o", "--data", "d", "--ds-config", "cpu.json", "--max-steps", "9",
+         "--resume", "none", "--eval-every", "3", "--save-every", "4", "--seed", "5",
+         "--set", "ds.gradient_clipping=0.5", "--set", "optim.lr=1e-3", "--local_rank", "0"],
         prog="x.py",
         **spec,
-    )
+    )  # fmt: skip
     assert (cfg.out, cfg.data.path, cfg.ds_config, cfg.resume) == ("o", "d", "cpu.json", "none")
-    assert cfg.resume_explicit
+    assert cfg.resume_explicit and cfg.optim.lr == 1e-3
     t = cfg.train
     assert (t.max_steps, t.eval_every, t.save_every, t.seed) == (9, 3, 4, 5)
-    assert overrides == ["ds.gradient_clipping=0.5"]
+    assert overrides == ["ds.gradient_clipping=0.5", "optim.lr=1e-3"]
+
+
+def test_tiny_trains_five_steps_on_cpu_with_its_defaults(stdlib_data, tmp_path):
+    done = run_recipe(
+        ["--max-steps", "5", "--data", str(stdlib_data), "--out", str(tmp_path / "run")]
+    )
+    assert "no GPU found: using ds_configs/cpu.json" in done.stdout
+    assert "warmup_num_steps = 0 (auto" in done.stdout
+    rows = read_metrics(tmp_path / "run", "train")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["tokens"] == 5 * 64 * 256
+    assert read_metrics(tmp_path / "run", "val")

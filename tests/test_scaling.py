@@ -1,4 +1,4 @@
-"""The Chinchilla planner and fitter (anneal/scaling.py, `anneal plan`, `anneal fit`).
+"""The Chinchilla planner and fitter (anneal/scaling/, `anneal plan`, `anneal fit`).
 
 Proves that the planner reproduces published numbers (the Epoch fit's ~72B and ~18 tokens per
 parameter at Chinchilla's 5.76e23 FLOPs; the 20-tokens rule's 70B / 1.4T; Hoffmann's closed
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from anneal import cli, scaling
+from anneal.errors import UserError
 from anneal.scaling import FITS, RunPoint, plan
 
 CHINCHILLA_FLOPS = 5.76e23  # Hoffmann et al. 2022, table 3: Chinchilla's training compute
@@ -159,7 +160,7 @@ def test_bad_plan_input_is_a_clear_error(capsys, argv, message):
 
 
 def test_target_loss_below_e_names_e():
-    with pytest.raises(ValueError, match=r"irreducible loss is E = 1\.8169"):
+    with pytest.raises(UserError, match=r"irreducible loss is E = 1\.8169"):
         plan(target_loss=1.8)
 
 
@@ -253,7 +254,7 @@ def test_fit_input_errors(tmp_path, capsys):
     code, _, err = run_cli(capsys, "fit", str(tmp_path))
     assert code == 2 and "not a run directory" in err
     few = [RunPoint(params=1e6 * i, tokens=1e8, loss=5.0) for i in range(1, 5)]
-    with pytest.raises(ValueError, match="at least 5 runs with at least 2 model sizes"):
+    with pytest.raises(UserError, match="at least 5 runs with at least 2 model sizes"):
         scaling.fit_points(few)
 
 
@@ -271,5 +272,12 @@ def test_read_run_takes_params_tokens_and_final_val_loss(tmp_path):
         params=7358720, tokens=4096, loss=7.5, source=str(tmp_path)
     )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
-    with pytest.raises(ValueError, match="last validation is at step 1 but training went"):
+    with pytest.raises(UserError, match="last validation is at step 1 but training went"):
         scaling.read_run(tmp_path)
+
+
+def test_mfu_from_a_run_without_metrics_is_a_clear_error(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "plan", "--flops", "1e21", "--mfu-from", str(tmp_path))
+    assert code == 2 and out == ""
+    assert f"--mfu-from {tmp_path}: {tmp_path / 'metrics.jsonl'}: cannot read it" in err
+    assert "--mfu M" in err

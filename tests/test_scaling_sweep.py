@@ -19,7 +19,7 @@ import pytest
 
 from anneal import scaling
 from anneal.model import count_params, flops_per_token, get_preset
-from tests.conftest import run_process
+from tests.conftest import read_metrics, run_process
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
@@ -71,8 +71,7 @@ def test_every_run_of_the_grid_trained_its_budget(swept, stdlib_data):
             assert cfg["model"]["num_hidden_layers"] == shape.num_hidden_layers
             assert cfg["model"]["params"] == count_params(preset)
             assert cfg["run"]["train"]["max_steps"] == tokens // BATCH_TOKENS
-            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            train = [r for r in rows if r["kind"] == "train"]
+            train = read_metrics(run_dir, "train")
             assert [r["tokens"] for r in train] == [
                 BATCH_TOKENS * i for i in range(1, tokens // BATCH_TOKENS + 1)
             ]
@@ -115,10 +114,10 @@ def test_mfu_in_metrics_is_6n_plus_attention_over_the_cached_cpu_peak(swept, std
             preset.num_attention_heads * preset.head_dim * 256
         )
         assert per_token == flops_per_token(preset)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            if row["kind"] == "train":
-                assert row["mfu"] == pytest.approx(per_token * row["tokens_per_s"] / peak)
+        train = read_metrics(run_dir, "train")
+        assert train
+        for row in train:
+            assert row["mfu"] == pytest.approx(per_token * row["tokens_per_s"] / peak)
 
 
 @pytest.mark.slow

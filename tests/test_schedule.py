@@ -53,7 +53,7 @@ def test_engine_applies_the_formula(stdlib_data, tmp_path):
         ]
     )
     rows = read_metrics(out, "train")
-    a_max = 3e-3  # ds_configs/cpu.json optimizer.params.lr
+    a_max = 3e-3  # the tiny recipe's optim.lr (cpu.json says "auto")
     assert [r["step"] for r in rows] == list(range(1, 13))
     for r in rows:
         assert r["lr"] == pytest.approx(

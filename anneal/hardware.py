@@ -1,0 +1,119 @@
+"""Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, and the measured CPU peak.
+
+MFU (``anneal.metrics``), the planner (``anneal.scaling``) and the memory estimator
+(``anneal.memory``) read their hardware numbers here and nowhere else. docs/planning.md lists
+the table and how the CPU peak is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from anneal.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a fragment of the name
+# torch reports; the first fragment found in the name wins, so variants come before the family.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,  # also matches GH200
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    "A100": 312e12,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """An accelerator the planner and the memory estimator know by a short name."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 tensor-core peak in FLOP/s (no sparsity)."""
+    memory_bytes: int
+    """Device memory in bytes, as nvidia-smi reports it (MiB x 2**20)."""
+
+
+GPUS = {
+    "h100": GpuSpec(
+        name="H100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["H100"], memory_bytes=81559 * 2**20
+    ),
+    "h200": GpuSpec(
+        name="H200 SXM 141GB", peak_flops=GPU_PEAK_FLOPS["H200"], memory_bytes=143771 * 2**20
+    ),
+    "a100": GpuSpec(
+        name="A100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["A100"], memory_bytes=81920 * 2**20
+    ),
+}
+
+DEFAULT_GPU = "h100"
+"""The short name the planner and the memory estimator assume when no ``--gpu`` is given."""
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The GpuSpec for a short name (h100, h200, a100); UserError naming the choices."""
+    key = name.lower()
+    if key not in GPUS:
+        raise UserError(
+            f"--gpu {name}: unknown GPU; choose one of {', '.join(GPUS)} (their dense bf16 "
+            f"peaks are in anneal/hardware.py). For another accelerator, pass --flops for the "
+            f"planner, or --gpu-mem-gib for the memory estimator."
+        )
+    return GPUS[key]
+
+
+def _cpu_peak_flops(cache_dir: Path) -> float:
+    """FP32 matmul FLOP/s of this process's share of the CPU, measured once and cached."""
+    import torch
+
+    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
+    cache = cache_dir / "cpu_peak_flops.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if key in cached:
+            return float(cached[key])
+    except (OSError, ValueError):
+        cached = {}
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        a @ b
+        reps += 1
+    peak = 2 * n**3 * reps / (time.perf_counter() - start)
+    cached[key] = peak
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached))
+        tmp.replace(cache)
+    except OSError:
+        pass
+    return peak
+
+
+def device_peak_flops(device: torch.device) -> float:
+    """Peak FLOP/s of one device, for MFU. CPUs: a measured fp32 matmul rate."""
+    import torch
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in GPU_PEAK_FLOPS.items():
+            if fragment in name:
+                return peak
+        log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
+        return GPU_PEAK_FLOPS["H100"]
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return _cpu_peak_flops(cache_home / "anneal")

@@ -1,0 +1,66 @@
+"""Chinchilla scaling laws: the law and its published fits (``law``), the compute-optimal
+planner behind ``anneal plan`` (``planner``), and fitting the law to a user's own runs
+(``runs`` reads them, ``fit`` fits them) behind ``anneal fit``.
+
+The names below are the public interface; ``from anneal import scaling`` and
+``scaling.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
+formulas, the fits and the checks.
+"""
+
+from anneal.scaling.fit import (
+    HUBER_DELTA,
+    INIT_GRID,
+    FitResult,
+    fit_points,
+    format_fit,
+    huber_objective,
+    write_fit,
+)
+from anneal.scaling.law import (
+    DEFAULT_FIT,
+    FIT_FORMAT,
+    FIT_VERSION,
+    FITS,
+    PARAM_NAMES,
+    ChinchillaFit,
+    load_fit,
+)
+from anneal.scaling.planner import (
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_MFU,
+    ComputePlan,
+    format_plan,
+    mfu_from_run,
+    nearest_preset,
+    parse_rule,
+    plan,
+)
+from anneal.scaling.runs import RunPoint, read_csv, read_run
+
+__all__ = [
+    "DEFAULT_FIT",
+    "DEFAULT_GLOBAL_BATCH",
+    "DEFAULT_MFU",
+    "FITS",
+    "FIT_FORMAT",
+    "FIT_VERSION",
+    "HUBER_DELTA",
+    "INIT_GRID",
+    "PARAM_NAMES",
+    "ChinchillaFit",
+    "ComputePlan",
+    "FitResult",
+    "RunPoint",
+    "fit_points",
+    "format_fit",
+    "format_plan",
+    "huber_objective",
+    "load_fit",
+    "mfu_from_run",
+    "nearest_preset",
+    "parse_rule",
+    "plan",
+    "read_csv",
+    "read_run",
+    "write_fit",
+]

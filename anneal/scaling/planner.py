@@ -1,0 +1,306 @@
+"""The compute-optimal planner behind ``anneal plan``: for one budget (FLOPs, GPU-hours,
+parameters, tokens or a target loss), N and D on a fit's frontier or by a tokens-per-parameter
+rule, the predicted loss, the nearest preset, optimizer steps and GPU-hours.
+
+The law and its fits are in ``anneal.scaling.law``; docs/planning.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+
+from anneal.errors import UserError
+from anneal.hardware import DEFAULT_GPU, get_gpu
+from anneal.scaling.law import DEFAULT_FIT, FITS, ChinchillaFit
+
+DEFAULT_MFU = 0.40
+"""MFU assumed when none is given or measured: dense bf16 pretraining on H100s at scale
+reaches 38-43% (Llama 3 paper, Dubey et al. 2024, table 4); 40% is the round middle."""
+
+DEFAULT_GLOBAL_BATCH = 512
+"""Sequences per optimizer step when planning steps (x the sequence length: 1M tokens at
+2048, between GPT-3's 0.5M for its small models and Chinchilla's 1.5-3M)."""
+
+
+def parse_rule(text: str) -> float:
+    """``tokens-per-param=R`` -> R (a positive number of training tokens per parameter)."""
+    key, sep, value = text.partition("=")
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = float("nan")
+    if key != "tokens-per-param" or not sep or not (math.isfinite(ratio) and ratio > 0):
+        raise UserError(
+            f"--rule {text}: rules look like tokens-per-param=R with R > 0, e.g. "
+            f"tokens-per-param=20 (Chinchilla's rule of thumb)."
+        )
+    return ratio
+
+
+def _positive(flag: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UserError(f"{flag} {value}: must be a positive, finite number.")
+
+
+def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
+    """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
+    from anneal.metrics import read_metrics
+
+    try:
+        train = read_metrics(run_dir, "train")
+    except UserError as e:
+        raise UserError(f"--mfu-from {run_dir}: {e} Or give --mfu M.") from None
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    if not mfus:
+        raise UserError(
+            f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
+            f"a run that trained at least one step, or --mfu M."
+        )
+    device = "?"
+    try:
+        device = json.loads((Path(run_dir) / "config.json").read_text())["launch"]["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # only a label for the printed source
+    kept = mfus[len(mfus) // 10 :] or mfus
+    return statistics.median(kept), f"median over {len(kept)} steps of {run_dir} ({device})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComputePlan:
+    """What to train for a budget, and what it costs. FLOPs are ``6 N D`` throughout."""
+
+    params: float
+    tokens: float
+    flops: float
+    loss: float
+    """Predicted final loss in nats per token under ``fit``."""
+    fit: ChinchillaFit
+    basis: str
+    """How N and D were chosen: the fit's compute-optimal frontier, or a tokens-per-param rule."""
+    preset: str
+    preset_params: int
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    gpu: str
+    gpu_peak_flops: float
+    mfu: float
+    mfu_source: str
+    gpus: int | None
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.params
+
+    @property
+    def steps(self) -> int:
+        return math.ceil(self.tokens / (self.global_batch * self.seq_len))
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.flops / (self.gpu_peak_flops * self.mfu) / 3600
+
+    @property
+    def wall_clock_hours(self) -> float | None:
+        return self.gpu_hours / self.gpus if self.gpus else None
+
+    def to_dict(self) -> dict:
+        return {
+            "params": self.params,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "loss": self.loss,
+            "tokens_per_param": self.tokens_per_param,
+            "basis": self.basis,
+            "fit": self.fit.to_dict(),
+            "preset": self.preset,
+            "preset_params": self.preset_params,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "steps": self.steps,
+            "gpu": self.gpu,
+            "gpu_peak_flops": self.gpu_peak_flops,
+            "mfu": self.mfu,
+            "mfu_source": self.mfu_source,
+            "gpus": self.gpus,
+            "gpu_hours": self.gpu_hours,
+            "wall_clock_hours": self.wall_clock_hours,
+        }
+
+
+def nearest_preset(params: float) -> tuple[str, int]:
+    """The preset whose parameter count (at its nominal vocabulary) is closest in log scale."""
+    from anneal.model import PRESETS, count_params
+
+    counts = {name: count_params(p) for name, p in PRESETS.items()}
+    name = min(counts, key=lambda k: abs(math.log(counts[k] / params)))
+    return name, counts[name]
+
+
+def _solve_log(f, lo: float, hi: float) -> float:
+    """x in [lo, hi] with f(x) = 0 for f increasing in x, by bisection on log x."""
+    from scipy.optimize import brentq
+
+    return math.exp(brentq(lambda u: f(math.exp(u)), math.log(lo), math.log(hi), xtol=1e-12))
+
+
+def plan(
+    *,
+    flops: float | None = None,
+    params: float | None = None,
+    tokens: float | None = None,
+    target_loss: float | None = None,
+    gpus: int | None = None,
+    hours: float | None = None,
+    gpu: str = DEFAULT_GPU,
+    mfu: float | None = None,
+    mfu_source: str | None = None,
+    fit: ChinchillaFit | None = None,
+    tokens_per_param: float | None = None,
+    global_batch: int = DEFAULT_GLOBAL_BATCH,
+    seq_len: int | None = None,
+) -> ComputePlan:
+    """N and D for exactly one budget: ``flops``, ``gpus`` x ``hours`` (at ``mfu`` of the
+    ``gpu``'s peak), ``params``, ``tokens`` or ``target_loss``.
+
+    Without ``tokens_per_param`` N and D sit on ``fit``'s compute-optimal frontier; with it,
+    D = R N (Chinchilla's rule of thumb is R = 20) and ``fit`` only predicts the loss.
+    """
+    from anneal.model import get_preset
+
+    fit = fit or FITS[DEFAULT_FIT]
+    spec = get_gpu(gpu)
+    for flag, value in (
+        ("--flops", flops),
+        ("--params", params),
+        ("--tokens", tokens),
+        ("--hours", hours),
+        ("--mfu", mfu),
+        ("--rule tokens-per-param", tokens_per_param),
+    ):
+        _positive(flag, value)
+    if gpus is not None and (isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1):
+        raise UserError(f"--gpus {gpus}: must be a whole number of GPUs, at least 1.")
+    if mfu is not None and mfu > 1:
+        raise UserError(f"--mfu {mfu}: MFU is a fraction of peak in (0, 1]; 40% is --mfu 0.4.")
+    if global_batch < 1 or (seq_len is not None and seq_len < 1):
+        raise UserError(
+            f"--global-batch {global_batch} / --seq-len {seq_len}: both must be at least 1."
+        )
+    if hours is not None and gpus is None:
+        raise UserError(f"--hours {hours}: give --gpus too (the budget is GPUs x hours).")
+    mfu_source = mfu_source or ("--mfu" if mfu is not None else "assumed (docs/planning.md)")
+    mfu = mfu if mfu is not None else DEFAULT_MFU
+    if hours is not None:
+        flops_budget = gpus * hours * 3600 * spec.peak_flops * mfu
+        if flops is not None:
+            raise UserError(
+                "--flops and --gpus/--hours both set a compute budget; give one of them."
+            )
+        flops = flops_budget
+    given = {
+        k: v
+        for k, v in (
+            ("--flops (or --gpus with --hours)", flops),
+            ("--params", params),
+            ("--tokens", tokens),
+            ("--target-loss", target_loss),
+        )
+        if v is not None
+    }
+    if len(given) != 1:
+        raise UserError(
+            f"anneal plan needs exactly one budget, got "
+            f"{', '.join(given) if given else 'none'}: give --flops C, or --gpus G --hours H, "
+            f"or --params N, or --tokens D, or --target-loss L."
+        )
+
+    r = tokens_per_param
+    if r is not None:
+        basis = f"rule: {r:g} tokens per parameter"
+        if flops is not None:
+            params = math.sqrt(flops / (6 * r))
+        elif tokens is not None:
+            params = tokens / r
+        elif target_loss is not None:
+            fit.check_reachable(target_loss)
+            if fit.loss(1e30, r * 1e30) >= target_loss:
+                raise UserError(
+                    f"--target-loss {target_loss}: so close to E = {fit.E:.4f} that even 1e30 "
+                    f"parameters at {r:g} tokens each do not reach it; ask for a higher loss."
+                )
+            params = _solve_log(lambda n: target_loss - fit.loss(n, r * n), 1.0, 1e30)
+        tokens = r * params
+    else:
+        basis = f"compute-optimal under the {fit.name} fit"
+        if flops is not None:
+            params, tokens = fit.optimal_params(flops), fit.optimal_tokens(flops)
+        elif tokens is not None:
+            # C/6 = N D with D*(C) = (C/6)**b / G inverted: C/6 = (D G)**(1/b).
+            params = (tokens * fit.G) ** (1 / fit.b) / tokens
+        else:
+            if target_loss is not None:
+                params = fit.frontier_params_for_loss(target_loss)
+            # C/6 = N D with N*(C) = G (C/6)**a inverted: C/6 = (N / G)**(1/a).
+            tokens = (params / fit.G) ** (1 / fit.a) / params
+    flops = 6 * params * tokens
+    preset, preset_params = nearest_preset(params)
+    return ComputePlan(
+        params=params,
+        tokens=tokens,
+        flops=flops,
+        loss=fit.loss(params, tokens),
+        fit=fit,
+        basis=basis,
+        preset=preset,
+        preset_params=preset_params,
+        seq_len=seq_len or get_preset(preset).seq_len,
+        global_batch=global_batch,
+        gpu=gpu.lower(),
+        gpu_peak_flops=spec.peak_flops,
+        mfu=mfu,
+        mfu_source=mfu_source,
+        gpus=gpus,
+    )
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _duration(hours: float) -> str:
+    if hours >= 48:
+        return f"{hours / 24:,.1f} days"
+    if hours >= 1:
+        return f"{hours:,.1f} hours"
+    return f"{hours * 60:,.1f} minutes"
+
+
+def format_plan(p: ComputePlan) -> str:
+    """The human-readable plan that ``anneal plan`` prints."""
+    gpu_hours = f"{p.gpu_hours:,.0f}" if p.gpu_hours >= 10 else f"{p.gpu_hours:.3g}"
+    lines = [
+        f"plan: {p.basis}",
+        f"  fit            {p.fit.name}: E {p.fit.E:g}, A {p.fit.A:g}, B {p.fit.B:g}, "
+        f"alpha {p.fit.alpha:g}, beta {p.fit.beta:g} ({p.fit.source})",
+        f"  compute        {p.flops:.3e} FLOPs (6 N D)",
+        f"  parameters     N = {_si(p.params)} ({p.params:.4g})",
+        f"  tokens         D = {_si(p.tokens)} ({p.tokens:.4g}), "
+        f"{p.tokens_per_param:.1f} tokens per parameter",
+        f"  predicted loss {p.loss:.4f} nats/token",
+        f"  nearest preset {p.preset} ({_si(p.preset_params)} parameters, "
+        f"x{p.preset_params / p.params:.2g} of N)",
+        f"  steps          {p.steps:,} at a global batch of {p.global_batch} x {p.seq_len} tokens",
+        f"  GPU-hours      {gpu_hours} on {p.gpu.upper()} at MFU {100 * p.mfu:.1f}% "
+        f"({p.mfu_source}; peak {p.gpu_peak_flops / 1e12:g} TFLOP/s)",
+    ]
+    if p.wall_clock_hours is not None:
+        lines.append(f"  wall-clock     {_duration(p.wall_clock_hours)} on {p.gpus} GPUs")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""The runs a scaling law is fitted to: N parameters, D tokens and final loss of each, read from
+Anneal run directories or from a CSV."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from anneal.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPoint:
+    """One finished run: N parameters, D training tokens, final loss in nats per token."""
+
+    params: float
+    tokens: float
+    loss: float
+    source: str = ""
+
+
+def read_run(run_dir: str | Path) -> RunPoint:
+    """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
+    the last validation loss of a run directory."""
+    from anneal.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    cfg_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
+    if not cfg_path.is_file() or not metrics_path.is_file():
+        raise UserError(
+            f"{run_dir}: not a run directory (it needs config.json and metrics.jsonl, which "
+            f"every Anneal run writes). Give run directories, or --csv with params,tokens,loss."
+        )
+    try:
+        params = json.loads(cfg_path.read_text()).get("model", {}).get("params")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise UserError(
+            f"{cfg_path}: not the config.json an Anneal run writes ({e}); give run "
+            f"directories, or --csv with params,tokens,loss."
+        ) from None
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("kind") == "train"]
+    val = [r for r in rows if r.get("kind") == "val" and r.get("val_loss") is not None]
+    if not params or not train or not val:
+        raise UserError(
+            f"{run_dir}: has no parameter count or no train and val rows in metrics.jsonl; "
+            f"the fit needs finished runs (a validation after the last step)."
+        )
+    last = train[-1]
+    if val[-1]["step"] != last["step"]:
+        raise UserError(
+            f"{run_dir}: the last validation is at step {val[-1]['step']} but training went "
+            f"to step {last['step']}; the fit needs the loss at the end of training. Finish "
+            f"the run (it validates after its last step) or drop it."
+        )
+    return RunPoint(
+        params=float(params),
+        tokens=float(last["tokens"]),
+        loss=float(val[-1]["val_loss"]),
+        source=str(run_dir),
+    )
+
+
+def read_csv(path: str | Path) -> list[RunPoint]:
+    """Rows of a CSV with a header naming ``params``, ``tokens`` and ``loss`` columns."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"--csv {path}: cannot read it ({e}).") from None
+    points = []
+    for i, row in enumerate(rows, start=2):
+        try:
+            p = RunPoint(
+                params=float(row["params"]),
+                tokens=float(row["tokens"]),
+                loss=float(row["loss"]),
+                source=f"{path}:{i}",
+            )
+        except (KeyError, TypeError, ValueError):
+            raise UserError(
+                f"--csv {path}, line {i}: needs numbers in columns params, tokens and loss "
+                f"(header: params,tokens,loss), got {dict(row)}."
+            ) from None
+        points.append(p)
+    return points

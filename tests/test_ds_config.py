@@ -1,0 +1,233 @@
+"""DeepSpeed JSON (anneal.ds_config) is read strictly: typos, wrong types, duplicate keys and
+broken JSON are errors that name the file and key; ``--set ds.*`` overrides go through the same
+schema. The run-dependent values written ``"auto"`` are filled from the run config by the
+documented rules (batch from the recipe's global batch, LR from the recipe, warmup capped at a
+share of the run), explicit values in the file are kept, and a warmup longer than the run is an
+error that says how to fix it."""
+
+import json
+import math
+
+import pytest
+
+from anneal import ds_config as dslib
+from anneal.config import OptimConfig
+from anneal.errors import UserError
+
+OPTIM = OptimConfig(lr=6e-4, global_batch_tokens=2**19, warmup_tokens=375_000_000)
+
+
+def write(tmp_path, cfg, name="c.json"):
+    path = tmp_path / name
+    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.fixture
+def base():
+    return json.loads((dslib.DS_CONFIG_DIR / "zero3_bf16.json").read_text())
+
+
+def resolve(cfg, *, world=16, max_steps=5000, seq_len=2048, optim=OPTIM, optim_set=()):
+    return dslib.resolve_ds_config(
+        cfg,
+        source="c.json",
+        data_parallel_size=world,
+        max_steps=max_steps,
+        seq_len=seq_len,
+        optim=optim,
+        optim_set=frozenset(optim_set),
+    )
+
+
+def test_auto_values_are_filled_from_the_run(tmp_path, base):
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    resolved, sources = resolve(cfg, world=16, max_steps=100_000)
+    # 2**19 tokens / 2048 = 256 samples = micro 4 x 16 ranks x 4 accumulation steps
+    assert resolved["train_batch_size"] == 256 and resolved["gradient_accumulation_steps"] == 4
+    assert resolved["optimizer"]["params"]["lr"] == 6e-4
+    sched = resolved["scheduler"]["params"]
+    assert sched["total_num_steps"] == 100_000
+    assert sched["warmup_num_steps"] == math.ceil(375_000_000 / 2**19) == 716  # GPT-3's tokens
+    assert cfg["train_batch_size"] == "auto"  # the loaded dict is not modified
+    assert "recipe" in sources["optimizer.params.lr"]
+    assert "auto" in sources["scheduler.params.warmup_num_steps"]
+
+
+@pytest.mark.parametrize(
+    "max_steps,expect", [(5, 0), (20, 2), (200, 20), (7159, 715), (10**6, 716)]
+)
+def test_auto_warmup_is_capped_at_a_share_of_the_run(tmp_path, base, max_steps, expect):
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    resolved, _ = resolve(cfg, max_steps=max_steps)
+    warm = resolved["scheduler"]["params"]["warmup_num_steps"]
+    assert warm == expect == min(math.ceil(375e6 / 2**19), math.floor(0.1 * max_steps))
+    assert warm <= max_steps
+
+
+def test_explicit_file_values_are_kept(tmp_path, base):
+    base["optimizer"]["params"]["lr"] = 1e-4
+    base["gradient_accumulation_steps"] = 2
+    base["scheduler"]["params"]["warmup_num_steps"] = 50
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    resolved, sources = resolve(cfg, world=8)
+    assert resolved["optimizer"]["params"]["lr"] == 1e-4
+    assert resolved["train_batch_size"] == 4 * 2 * 8
+    assert resolved["scheduler"]["params"]["warmup_num_steps"] == 50
+    assert "ds_config" in sources["optimizer.params.lr"]
+
+
+@pytest.mark.parametrize(
+    "key,field",
+    [
+        (("optimizer", "params", "lr"), "lr"),
+        (("gradient_accumulation_steps",), "global_batch_tokens"),
+        (("scheduler", "params", "warmup_num_steps"), "warmup_tokens"),
+    ],
+)
+def test_set_optim_beside_an_explicit_file_value_is_an_error(tmp_path, base, key, field):
+    node = base
+    for k in key[:-1]:
+        node = node[k]
+    node[key[-1]] = 2
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    with pytest.raises(UserError, match=f"--set optim.{field} would have no effect"):
+        resolve(cfg, optim_set=[field])
+
+
+def test_warmup_longer_than_the_run_is_an_error_with_the_fix(tmp_path, base):
+    base["scheduler"]["params"]["warmup_num_steps"] = 2000
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    with pytest.raises(UserError) as e:
+        resolve(cfg, max_steps=200)
+    msg = str(e.value)
+    assert "warmup_num_steps (2000) exceeds --max-steps (200)" in msg
+    assert '"auto"' in msg and "--set ds.scheduler.params.warmup_num_steps" in msg
+
+
+def test_recipe_global_batch_that_does_not_divide(tmp_path, base):
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    with pytest.raises(UserError, match=r"2,048 tokens / seq_len 256.*8 samples does not divide"):
+        resolve(cfg, world=16, seq_len=256, optim=OptimConfig(global_batch_tokens=2048))
+
+
+def test_mismatched_train_batch_size(tmp_path, base):
+    base["train_batch_size"] = 100
+    base["gradient_accumulation_steps"] = 8
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    with pytest.raises(UserError) as e:
+        resolve(cfg, world=2)
+    assert "train_batch_size is 100" in str(e.value) and "= 64" in str(e.value)
+
+
+def test_explicit_train_batch_size_sets_the_accumulation(tmp_path, base):
+    base["train_batch_size"] = 64
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    resolved, _ = resolve(cfg, world=2)
+    assert resolved["train_batch_size"] == 64 and resolved["gradient_accumulation_steps"] == 8
+
+
+def test_total_steps_must_match_the_run(tmp_path, base):
+    base["scheduler"]["params"]["total_num_steps"] = 10
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    with pytest.raises(UserError, match='total_num_steps is 10 .* Set it to "auto"'):
+        resolve(cfg, max_steps=20)
+
+
+def test_top_level_typo_is_an_error_with_a_suggestion(tmp_path, base):
+    base["gradient_clipp1ng"] = base.pop("gradient_clipping")
+    with pytest.raises(UserError) as e:
+        dslib.load_ds_config(write(tmp_path, base))
+    msg = str(e.value)
+    assert "c.json" in msg and "'gradient_clipp1ng'" in msg and "gradient_clipping" in msg
+
+
+def test_nested_typo_names_the_dotted_key(tmp_path, base):
+    base["zero_optimization"]["stgae"] = 3
+    with pytest.raises(UserError, match=r"zero_optimization\.stgae.*did you mean 'stage'"):
+        dslib.load_ds_config(write(tmp_path, base))
+
+
+@pytest.mark.parametrize(
+    "path,value,expect",
+    [
+        (("train_micro_batch_size_per_gpu",), "4", "an integer"),
+        (("gradient_clipping",), True, "a number"),
+        (("bf16", "enabled"), "yes", "true or false"),
+        (("zero_optimization",), 3, "an object"),
+        (("train_batch_size",), 12.5, 'an integer or "auto"'),
+        (("optimizer", "params", "lr"), "fast", 'a number or "auto"'),
+        (("scheduler", "params", "warmup_num_steps"), 1.5, 'an integer or "auto"'),
+    ],
+)
+def test_wrong_types(tmp_path, base, path, value, expect):
+    node = base
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    with pytest.raises(UserError) as e:
+        dslib.load_ds_config(write(tmp_path, base))
+    assert f"'{'.'.join(path)}'" in str(e.value) and expect in str(e.value)
+
+
+def test_not_json_gives_line_and_column(tmp_path):
+    text = '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": tru}\n}'
+    path = write(tmp_path, text)
+    with pytest.raises(UserError, match=r"c\.json: not valid JSON at line 3, column 23"):
+        dslib.load_ds_config(path)
+
+
+def test_duplicate_keys_are_errors(tmp_path):
+    path = write(tmp_path, '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
+    with pytest.raises(UserError, match="'gradient_clipping' is set twice"):
+        dslib.load_ds_config(path)
+
+
+def test_missing_required_key(tmp_path, base):
+    del base["train_micro_batch_size_per_gpu"]
+    with pytest.raises(UserError, match="missing required key 'train_micro_batch_size_per_gpu'"):
+        dslib.load_ds_config(write(tmp_path, base))
+
+
+def test_unknown_file_lists_shipped_configs():
+    with pytest.raises(UserError, match="zero3_bf16.json"):
+        dslib.find_ds_config("zero9.json")
+
+
+def test_ds_overrides_revalidate(tmp_path, base):
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    over = dslib.override_ds_config(cfg, [(["zero_optimization", "stage"], "2")], source="c")
+    assert over["zero_optimization"]["stage"] == 2
+    with pytest.raises(UserError, match="unknown key 'gradient_clipp1ng'"):
+        dslib.override_ds_config(cfg, [(["gradient_clipp1ng"], "1")], source="c")
+    with pytest.raises(UserError, match="must be a number"):
+        dslib.override_ds_config(cfg, [(["gradient_clipping"], "big")], source="c")
+    with pytest.raises(UserError, match="'gradient_clipping' is a value .* not an object"):
+        dslib.override_ds_config(cfg, [(["gradient_clipping", "x"], "1")], source="c")
+    with pytest.raises(UserError, match="empty key"):
+        dslib.override_ds_config(cfg, [(["optimizer", "", "lr"], "1")], source="c")
+
+
+@pytest.mark.parametrize("path", sorted(dslib.DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_ds_config_validates_and_leaves_the_run_to_the_recipe(path):
+    cfg = dslib.load_ds_config(path)
+    for key in ("train_batch_size", "gradient_accumulation_steps"):
+        assert cfg[key] == "auto", key
+    assert cfg["optimizer"]["params"]["lr"] == "auto"
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == "auto"
+    resolved, _ = resolve(
+        cfg,
+        world=8,
+        max_steps=100_000,
+        seq_len=256,
+        optim=OptimConfig(global_batch_tokens=64 * 256),
+    )
+    assert resolved["gradient_clipping"] == 1.0
+    opt = resolved["optimizer"]["params"]
+    assert resolved["optimizer"]["type"] == "AdamW"
+    assert opt["betas"] == [0.9, 0.95] and opt["eps"] == 1e-8 and opt["weight_decay"] == 0.1
+    sched = resolved["scheduler"]["params"]
+    assert sched["warmup_type"] == "linear" and sched["cos_min_ratio"] == 0.1
+    assert "bf16" in resolved
+    if path.name != "cpu.json":
+        assert resolved["bf16"]["enabled"] is True
