@@ -650,7 +650,8 @@ def _write_configs(out: Path, preset, tok_dir: Path, torch_dtype) -> int | None:
         if (tok_dir / name).is_file():
             shutil.copyfile(tok_dir / name, out / name)
     eos_id = toklib.load(tok_dir).eos_id
-    config = modellib.llama_config(preset, eos_token_id=eos_id)
+    config = modellib.llama_config(preset)
+    config.eos_token_id = eos_id  # generation stops at the documents' separator
     config.architectures = ["LlamaForCausalLM"]
     config.use_cache = True
     config.dtype = torch_dtype
