@@ -108,6 +108,10 @@ class TrainConfig:
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
     seed: int = 1234
+    export_every_save: bool = False
+    """Export a verified Hugging Face model to RUN/hf after every checkpoint (rank 0)."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases when wandb is installed (offline unless configured)."""
     precision: str = "auto"
     """auto | bf16 | fp32. auto keeps the ds_config's bf16 where the device has fast bf16 and
     turns it off (saying so) where it does not, as on CPUs."""

@@ -13,7 +13,7 @@ import logging
 import math
 from pathlib import Path
 
-from anneal.dist import is_main_process, print0
+from anneal.dist import is_main_process
 from anneal.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -54,6 +54,9 @@ class MetricsLogger:
             for key, value in row.items():
                 if key not in ("kind", "step") and isinstance(value, int | float):
                     self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+                elif isinstance(value, list):  # one value per rank, e.g. mem_gib
+                    for i, v in enumerate(value):
+                        self._tb.add_scalar(f"{row['kind']}/{key}/rank{i}", v, row["step"])
 
     def event(self, step: int, event: str, **fields) -> None:
         self.write({"kind": "event", "step": step, "event": event, **fields})
@@ -63,14 +66,6 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def console_line(row: dict, *, max_steps: int) -> None:
-    print0(
-        f"step {row['step']:>6}/{max_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-        f"gnorm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | "
-        f"mfu {100 * row['mfu']:.2f}%"
-    )
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:

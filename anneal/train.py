@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from anneal import checkpoint, forecast
 from anneal import model as modellib
+from anneal import progress as live
 from anneal.config import RunConfig
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import (
@@ -36,7 +37,7 @@ from anneal.dist import (
     world_size,
 )
 from anneal.hardware import device_peak_flops
-from anneal.metrics import MetricsLogger, console_line
+from anneal.metrics import MetricsLogger
 from anneal.plan import Plan, resolve_plan
 from anneal.preempt import Preemption
 from anneal.schedule import WarmupCosine
@@ -219,6 +220,9 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         position = client["data"]["position"]
         metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
         print0(f"resumed from {plan.resume_from} at step {state.step}")
+    view = live.LiveView(
+        plan.out, cfg=cfg, config_doc=plan.config_document(), start_step=state.step
+    )
     stream = TokenStream(train_split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
                          micro_batch=plan.micro_batch, position=position,
                          prefetch=cfg.data.prefetch_batches)  # fmt: skip
@@ -232,13 +236,15 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
+            last_train.update(live.memory_fields(engine.device))  # collective: every rank
             metrics.write(last_train)
             check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
-            if state.step % cfg.train.log_every == 0 or state.step == 1:
-                console_line(last_train, max_steps=cfg.train.max_steps)
+            view.update(last_train)
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
+            if last_val is not None and last_val["step"] == state.step:
+                view.update(last_val)
             maybe_checkpoint(engine, stream, plan, state, metrics)
             if preemption.requested(engine.device):  # collective: a signal to any rank stops all
                 preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
@@ -246,8 +252,11 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
                                                               force=True))  # fmt: skip
     finally:
         preemption.close()
+        view.close()
         stream.close()
         metrics.close()
+    if state.step >= cfg.train.max_steps:
+        live.finish_run(plan.out)  # rank 0: RUN/plots/*.png, the health report
     return {
         "run_dir": str(plan.out),
         "step": state.step,
@@ -287,6 +296,10 @@ def maybe_checkpoint(engine, stream, plan: Plan, state: TrainState, metrics, for
         keep_last=train.keep_last,
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
+    if train.export_every_save and is_main_process():
+        from anneal.export import export_at_save
+
+        export_at_save(plan.out, tag_dir)  # RUN/hf/<tag>, verified
 
 
 def _setup_process() -> None:

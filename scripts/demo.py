@@ -80,6 +80,12 @@ def main() -> int:
         f"median throughput {tok_s[len(tok_s) // 2]:,.0f} tokens/s\n"
         f"run directory {args.out}"
     )
+    cli = [sys.executable, "-m", "anneal.cli"]  # hand it on: a verified HF export, a sample
+    hf = str(Path(args.out) / "hf")
+    if subprocess.call([*cli, "export", args.out, "--out", hf, "--force"], cwd=ROOT) != 0:
+        return 1
+    print("\n== sample ==", flush=True)
+    subprocess.call([*cli, "generate", hf, "--prompt", "def ", "--max-new-tokens", "48"], cwd=ROOT)
     if val[-1]["val_bpb"] >= base_bpb:
         print("demo: the model did not beat the unigram baseline", file=sys.stderr)
         return 1

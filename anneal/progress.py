@@ -1,0 +1,247 @@
+"""The live view of a run: memory per rank, the rank-0 progress bar, optional Weights & Biases,
+and what a run writes when it ends (plots, health report).
+
+The progress bar redraws one line in place on a terminal. When stdout is not a terminal (CI,
+Slurm logs, a pipe) it prints a plain line every ``log_every`` steps instead, so logs stay
+readable and grep-able.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from anneal.dist import is_main_process, world_size
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, Linux KiB
+
+
+def local_memory_bytes(device: torch.device) -> int:
+    """GPU: peak allocated since the previous call (the peak is reset); CPU: resident set."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    return _rss_bytes()
+
+
+def memory_fields(device: torch.device) -> dict:
+    """``mem_gib`` (one value per rank) and ``mem_max_gib`` for the train row. Collective:
+    every rank calls it (one small all-gather)."""
+    device = torch.device(device)
+    mine = local_memory_bytes(device)
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+        out = [torch.zeros_like(t) for _ in range(world_size())]
+        dist.all_gather(out, t)
+        values = [o.item() for o in out]
+    else:
+        values = [float(mine)]
+    gib = [round(v / GiB, 4) for v in values]
+    return {"mem_gib": gib, "mem_max_gib": max(gib)}
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ProgressBar:
+    """Step, loss, tokens/s and ETA on rank 0.
+
+    ``interactive`` defaults to whether ``stream`` is a terminal. Interactive: one line redrawn
+    at every step (and kept every ``log_every`` steps so the history scrolls). Otherwise: a
+    plain line every ``log_every`` steps and at the first and last step.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        log_every: int = 10,
+        start_step: int = 0,
+        stream=None,
+        interactive: bool | None = None,
+        enabled: bool | None = None,
+    ):
+        self.max_steps = max_steps
+        self.log_every = max(1, log_every)
+        self.stream = stream or sys.stdout
+        self.enabled = is_main_process() if enabled is None else enabled
+        if interactive is None:
+            isatty = getattr(self.stream, "isatty", None)
+            interactive = bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
+        self.interactive = interactive
+        self._start_step = start_step
+        self._t0 = time.monotonic()
+        self._open = False
+
+    def eta_s(self, step: int) -> float:
+        done = step - self._start_step
+        if done <= 0:
+            return math.nan
+        return (time.monotonic() - self._t0) / done * (self.max_steps - step)
+
+    def line(self, row: dict) -> str:
+        step = row["step"]
+        width = len(str(self.max_steps))
+        loss = row.get("loss")
+        loss_s = f"{loss:.4f}" if isinstance(loss, int | float) else "nan"
+        parts = [f"step {step:>{width}}/{self.max_steps}"]
+        if self.interactive:
+            filled = int(20 * step / max(1, self.max_steps))
+            parts[0] += f" [{'#' * filled}{'.' * (20 - filled)}]"
+        parts += [f"loss {loss_s}"]
+        if isinstance(row.get("lr"), int | float):
+            parts.append(f"lr {row['lr']:.2e}")
+        if isinstance(row.get("grad_norm"), int | float):
+            parts.append(f"gnorm {row['grad_norm']:.3f}")
+        parts.append(f"{row.get('tokens_per_s') or 0:,.0f} tok/s")
+        if isinstance(row.get("mfu"), int | float):
+            parts.append(f"mfu {100 * row['mfu']:.2f}%")
+        if isinstance(row.get("mem_max_gib"), int | float):
+            parts.append(f"mem {row['mem_max_gib']:.2f} GiB")
+        parts.append(f"ETA {_duration(self.eta_s(step))}")
+        return " | ".join(parts)
+
+    def update(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        step = row["step"]
+        keep = step % self.log_every == 0 or step == 1 or step == self.max_steps
+        if self.interactive:
+            self.stream.write("\r" + self.line(row) + "\x1b[K" + ("\n" if keep else ""))
+            self._open = not keep
+        elif keep:
+            self.stream.write(self.line(row) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+# --- Weights & Biases (optional) ---------------------------------------------------------------
+
+
+class WandbSink:
+    """Mirror metrics rows to W&B when asked for (``train.wandb`` or ``ANNEAL_WANDB=1``) and
+    installed; offline unless ``WANDB_MODE`` says otherwise, so no network is needed."""
+
+    def __init__(self, run_dir: Path, *, config: dict, enabled: bool):
+        self._run = None
+        if not (enabled and is_main_process()):
+            return
+        try:
+            import wandb
+        except ImportError:
+            log.warning("W&B asked for but wandb is not installed (pip install wandb); skipped")
+            return
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "anneal"),
+            name=Path(run_dir).name,
+            dir=str(run_dir),
+            config=config,
+            resume="allow",
+        )
+
+    def log(self, row: dict) -> None:
+        if self._run is None or row.get("kind") not in ("train", "val"):
+            return
+        data = {}
+        for key, value in row.items():
+            if key in ("kind", "step"):
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                data[f"{row['kind']}/{key}"] = value
+            elif isinstance(value, list):
+                data |= {f"{row['kind']}/{key}/rank{i}": v for i, v in enumerate(value)}
+        self._run.log(data, step=row["step"])
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class LiveView:
+    """What train.py calls: ``update(row)`` for every metrics row, ``close()`` at the end."""
+
+    def __init__(self, run_dir: Path, *, cfg, config_doc: dict, start_step: int = 0):
+        wandb = cfg.train.wandb or os.environ.get("ANNEAL_WANDB") == "1"
+        self.bar = ProgressBar(
+            max_steps=cfg.train.max_steps, log_every=cfg.train.log_every, start_step=start_step
+        )
+        self.wandb = WandbSink(run_dir, config=config_doc, enabled=wandb)
+
+    def update(self, row: dict) -> None:
+        if row.get("kind") == "train":
+            self.bar.update(row)
+        self.wandb.log(row)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.wandb.close()
+
+
+def finish_run(run_dir: Path) -> None:
+    """Rank 0, after the last step: plots to ``RUN/plots`` and the health report (printed and
+    written to ``RUN/report.txt``). Drawn in a child process (``python -m anneal.report RUN``,
+    no torch in it) so that matplotlib's memory never adds to the training process's peak, and
+    never fails the run: a problem here is logged."""
+    if not is_main_process():
+        return
+    import subprocess
+
+    import anneal
+
+    root = str(Path(anneal.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p
+    )}  # fmt: skip
+    sys.stdout.flush()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "anneal.report", str(run_dir), "--end-of-run"],
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            log.warning(
+                "plots/health report at the end of the run failed (exit %d)", done.returncode
+            )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("plots/health report at the end of the run failed: %s", e)

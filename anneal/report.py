@@ -1,0 +1,258 @@
+"""Health report: the seed's "what to watch" table, each signal marked healthy or problem.
+
+=================  ========================  ===============================
+signal             healthy                   problem
+=================  ========================  ===============================
+train loss         falls steadily            flat near the random baseline
+dev loss           falls, then stabilizes    rises while train loss falls
+grad norm          finite, bounded           NaN or repeated huge spikes
+tokens/s           stable for a config       sudden drop or data stall
+=================  ========================  ===============================
+
+The random baseline is ``ln(V)`` nats per token: a model that has learned nothing spreads its
+probability evenly over the V ids. Thresholds are in the constants below, with their reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+
+from anneal.errors import UserError
+
+HEALTHY, PROBLEM, UNKNOWN = "healthy", "problem", "n/a"
+# Train loss counts as "near the baseline" above this share of ln(V): a model that has learned
+# only unigram frequencies is already well below it (stdlib corpus: ~0.6 ln V).
+NEAR_BASELINE = 0.9
+# Dev loss "rises" when its last value is this much (relative) above its best so far.
+DEV_RISE = 0.02
+# A grad-norm spike: this many times the median of the previous SPIKE_WINDOW steps; "repeated"
+# means at least SPIKES_REPEATED of them.
+SPIKE_FACTOR = 5.0
+SPIKE_WINDOW = 20
+SPIKES_REPEATED = 3
+# Throughput "drops" when the last tenth's median is below this share of the run's median;
+# the data loader "stalls" when it holds the step this share of the time (median).
+TPUT_DROP = 0.5
+DATA_STALL = 0.10
+
+
+def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """``anneal.metrics.read_metrics``, with the two cases a plot or report of a run that has
+    not taken a step yet meets said plainly (no metrics.jsonl; no train row)."""
+    from anneal import metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(
+            f"{run_dir}: no metrics.jsonl yet. A run writes it from its first step; give the "
+            f"run's --out directory, or wait for the first step to finish."
+        )
+    rows = metrics.read_metrics(run_dir)
+    if not any(r.get("kind") == "train" for r in rows):
+        raise UserError(
+            f"{path}: no train rows yet (the first is written after the first optimizer step). "
+            f"Wait for the run to take a step."
+        )
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def run_config(run_dir: Path) -> dict:
+    path = Path(run_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclasses.dataclass
+class Signal:
+    name: str
+    status: str
+    detail: str
+    healthy_means: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _window(values: list[float], share: float = 0.1) -> int:
+    return max(1, int(len(values) * share))
+
+
+def train_loss_signal(train: list[dict], vocab_size: int | None) -> Signal:
+    means = "falls steadily, away from ln(V)"
+    losses = [r["loss"] for r in train if _finite(r.get("loss"))]
+    if len(losses) < 2:
+        return Signal("train loss", UNKNOWN, f"{len(losses)} finite value(s)", means)
+    k = _window(losses)
+    first, last = statistics.fmean(losses[:k]), statistics.fmean(losses[-k:])
+    detail = f"first {first:.3f} -> last {last:.3f} nats"
+    problems = []
+    if vocab_size:
+        baseline = math.log(vocab_size)
+        detail += (
+            f"; ln(V) = {baseline:.3f} (V = {vocab_size}), last at {last / baseline:.0%} of it"
+        )
+        if last >= NEAR_BASELINE * baseline:
+            problems.append(f"flat near the random baseline (>= {NEAR_BASELINE:.0%} of ln V)")
+    if last >= first * 0.99:
+        problems.append("not falling")
+    if problems:
+        return Signal("train loss", PROBLEM, f"{'; '.join(problems)}: {detail}", means)
+    return Signal("train loss", HEALTHY, detail, means)
+
+
+def dev_loss_signal(val: list[dict], train: list[dict]) -> Signal:
+    means = "falls, then stabilizes"
+    points = [(r["step"], r["val_loss"]) for r in val if _finite(r.get("val_loss"))]
+    if len(points) < 2:
+        return Signal("dev loss", UNKNOWN, f"{len(points)} validation(s); need 2", means)
+    best_step, best = min(points, key=lambda p: p[1])
+    last_step, last = points[-1]
+    detail = f"best {best:.3f} at step {best_step}, last {last:.3f} at step {last_step}"
+    if last > best * (1 + DEV_RISE) and last_step > best_step:
+        span = [
+            r["loss"]
+            for r in train
+            if best_step <= r["step"] <= last_step and _finite(r.get("loss"))
+        ]
+        k = _window(span) if span else 0
+        falling = span and statistics.fmean(span[-k:]) < statistics.fmean(span[:k])
+        if falling:
+            return Signal(
+                "dev loss",
+                PROBLEM,
+                f"rises while train loss falls (overfitting or a data leak): {detail}",
+                means,
+            )
+        return Signal("dev loss", PROBLEM, f"rises (> {DEV_RISE:.0%} above best): {detail}", means)
+    return Signal("dev loss", HEALTHY, detail, means)
+
+
+def grad_norm_signal(train: list[dict], events: list[dict], clip: float | None) -> Signal:
+    means = "finite, bounded after clipping"
+    nonfinite = [
+        r["step"]
+        for r in train
+        if "grad_norm" in (r.get("nonfinite") or [])
+        or ("grad_norm" in r and not _finite(r["grad_norm"]))
+    ]
+    norms = [(r["step"], r["grad_norm"]) for r in train if _finite(r.get("grad_norm"))]
+    spikes = []
+    for i in range(1, len(norms)):
+        prev = [g for _, g in norms[max(0, i - SPIKE_WINDOW) : i]]
+        base = statistics.median(prev)
+        if base > 0 and norms[i][1] > SPIKE_FACTOR * base:
+            spikes.append(norms[i][0])
+    spike_events = [e["step"] for e in events if e.get("event") in ("spike", "rewind", "skip")]
+    detail = (
+        f"median {statistics.median([g for _, g in norms]):.3g}, max {max(g for _, g in norms):.3g}"
+        if norms
+        else "no finite values"
+    )
+    if clip:
+        detail += f" (clip at {clip:g})"
+    detail += f"; {len(spikes)} spike(s) > {SPIKE_FACTOR:g}x the running median"
+    if spike_events:
+        detail += f"; spike/rewind/skip events at steps {spike_events[:5]}"
+    if nonfinite:
+        return Signal(
+            "grad norm",
+            PROBLEM,
+            f"non-finite at steps {nonfinite[:5]} ({len(nonfinite)}); {detail}",
+            means,
+        )
+    if len(spikes) + len(spike_events) >= SPIKES_REPEATED:
+        return Signal(
+            "grad norm",
+            PROBLEM,
+            f"repeated spikes at {(spikes + spike_events)[:5]}; {detail}",
+            means,
+        )
+    if not norms:
+        return Signal("grad norm", UNKNOWN, detail, means)
+    return Signal("grad norm", HEALTHY, detail, means)
+
+
+def throughput_signal(train: list[dict]) -> Signal:
+    means = "stable for the same config; the data loader never waits"
+    rows = train[1:] if len(train) > 2 else train  # the first step compiles and warms caches
+    tput = [r["tokens_per_s"] for r in rows if _finite(r.get("tokens_per_s"))]
+    if len(tput) < 2:
+        return Signal("tokens/s", UNKNOWN, f"{len(tput)} value(s)", means)
+    overall = statistics.median(tput)
+    last = statistics.median(tput[-_window(tput) :])
+    waits = [r["data_wait_share"] for r in rows if _finite(r.get("data_wait_share"))]
+    wait = statistics.median(waits) if waits else 0.0
+    detail = (
+        f"median {overall:,.0f}, last tenth {last:,.0f} tokens/s; data wait {wait:.1%} of step time"
+    )
+    problems = []
+    if last < TPUT_DROP * overall:
+        problems.append(f"dropped below {TPUT_DROP:.0%} of the run's median")
+    if wait > DATA_STALL:
+        problems.append(f"data loader stalls (> {DATA_STALL:.0%} of step time)")
+    if problems:
+        return Signal("tokens/s", PROBLEM, f"{'; '.join(problems)}: {detail}", means)
+    return Signal("tokens/s", HEALTHY, detail, means)
+
+
+def health(run_dir: Path) -> list[Signal]:
+    """The four signals of a run directory (UserError if it has no train rows yet)."""
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("kind") == "train"]
+    val = [r for r in rows if r.get("kind") == "val"]
+    events = [r for r in rows if r.get("kind") == "event"]
+    cfg = run_config(run_dir)
+    vocab = (cfg.get("model") or {}).get("vocab_size")
+    clip = (cfg.get("ds_config") or {}).get("gradient_clipping")
+    return [
+        train_loss_signal(train, vocab),
+        dev_loss_signal(val, train),
+        grad_norm_signal(train, events, clip),
+        throughput_signal(train),
+    ]
+
+
+def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
+    marks = {HEALTHY: "healthy", PROBLEM: "PROBLEM", UNKNOWN: "n/a"}
+    width = max(len(s.name) for s in signals)
+    head = f"health of {run_dir}" if run_dir else "health"
+    lines = [head]
+    for s in signals:
+        lines.append(f"  {s.name:<{width}}  {marks[s.status]:<7}  {s.detail}")
+    n_bad = sum(s.status == PROBLEM for s in signals)
+    lines.append(f"  {n_bad} problem(s)" if n_bad else "  no problems")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path) -> str:
+    """The table, also written to ``RUN/report.txt``; returns it."""
+    text = format_table(health(run_dir), run_dir=run_dir)
+    (Path(run_dir) / "report.txt").write_text(text + "\n")
+    return text
+
+
+def end_of_run(run_dir: Path) -> None:
+    """What a run does after its last step (``anneal.progress.finish_run`` runs it in a child
+    process): its plots, then its health report, printed and saved."""
+    from anneal import plots
+
+    plots.plot_run(run_dir)
+    print(write_report(run_dir), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[2] != "--end-of-run":
+        sys.exit("usage: python -m anneal.report RUN --end-of-run (or: anneal report RUN)")
+    end_of_run(Path(sys.argv[1]))

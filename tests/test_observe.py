@@ -1,0 +1,246 @@
+"""Seeing a run: a real (1-rank, tiny) run's TensorBoard events hold the expected tags, memory
+per rank included, read by TensorBoard's own reader; its piped stdout gets plain progress lines;
+it writes its plots and health report at the end. Every plot is a valid PNG of a sensible size,
+drawn with no display; the schedule plot reads a ds_config and asks for "auto" values; the
+health report flags a synthetic bad run (flat loss near ln V, rising dev loss, NaN grad norm) and
+passes a good one; plots and reports of a run with no metrics yet say so clearly."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SMALL, env, run_process, run_recipe
+
+PLOTS = ["loss.png", "lr.png", "grad_norm.png", "throughput.png"]
+
+
+def anneal(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    e = env()
+    e.pop("DISPLAY", None)
+    e.pop("MPLBACKEND", None)
+    return run_process([sys.executable, "-m", "anneal.cli", *args], timeout_s=300, check=check,
+                       cwd=ROOT, env=e)  # fmt: skip
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    assert data[-8:-4] == b"IEND", f"{path}: truncated"
+    return struct.unpack(">II", data[16:24])
+
+
+def assert_sensible_png(path: Path) -> None:
+    w, h = png_size(path)
+    assert 400 <= w <= 2000 and 250 <= h <= 1500, (path, w, h)
+    assert 5_000 < path.stat().st_size < 1_000_000, (path, path.stat().st_size)
+
+
+def write_run(run: Path, train: list[dict], val=(), events=(), vocab=8192) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": {"vocab_size": vocab},
+        "ds_config": {
+            "gradient_clipping": 1.0,
+            "optimizer": {"params": {"lr": 3e-3}},
+            "scheduler": {
+                "params": {
+                    "total_num_steps": len(train),
+                    "warmup_num_steps": 10,
+                    "warmup_min_ratio": 0.0,
+                    "cos_min_ratio": 0.1,
+                }  # fmt: skip
+            },
+        },
+    }
+    (run / "config.json").write_text(json.dumps(config))
+    rows = [{"kind": "train", **r} for r in train]
+    rows += [{"kind": "val", **r} for r in val] + [{"kind": "event", **r} for r in events]
+    rows.sort(key=lambda r: r["step"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def good_run(run: Path) -> Path:
+    n = 100
+    train = [
+        {
+            "step": s,
+            "tokens": 1024 * s,
+            "loss": 9.0 * math.exp(-s / 40) + 3.0,
+            "lr": 1e-3,
+            "grad_norm": 0.8 + 0.1 * math.sin(s),
+            "tokens_per_s": 5000 + 10 * (s % 7),
+            "mfu": 0.3,
+            "data_wait_share": 0.001,
+        }  # fmt: skip
+        for s in range(1, n + 1)
+    ]
+    val = [{"step": s, "val_loss": 9.0 * math.exp(-s / 40) + 3.1} for s in (25, 50, 75, 100)]
+    return write_run(run, train, val, events=[{"step": 50, "event": "checkpoint"}])
+
+
+def bad_run(run: Path) -> Path:
+    n = 100
+    train = [
+        {
+            "step": s,
+            "tokens": 1024 * s,
+            "loss": math.log(8192) - 0.01 * (s / n),
+            "lr": 1e-3,
+            "grad_norm": None if s in (60, 61, 80) else 1.0,
+            "tokens_per_s": 5000,
+            "mfu": 0.3,
+            "data_wait_share": 0.001,
+        }  # fmt: skip
+        for s in range(1, n + 1)
+    ]
+    for r in train:
+        if r["grad_norm"] is None:
+            r["nonfinite"] = ["grad_norm"]
+    val = [{"step": s, "val_loss": v} for s, v in ((25, 8.9), (50, 9.0), (75, 9.2), (100, 9.4))]
+    events = [{"step": 61, "event": "spike"}, {"step": 62, "event": "rewind"}]
+    return write_run(run, train, val, events)
+
+
+def test_health_report_passes_a_good_run(tmp_path):
+    from anneal.report import HEALTHY, health
+
+    signals = {s.name: s for s in health(good_run(tmp_path / "good"))}
+    assert {n: s.status for n, s in signals.items()} == dict.fromkeys(signals, HEALTHY)
+    assert "ln(V) = 9.011" in signals["train loss"].detail
+
+
+def test_health_report_flags_a_bad_run(tmp_path):
+    from anneal.report import PROBLEM, TPUT_DROP, format_table, health, throughput_signal
+
+    run = bad_run(tmp_path / "bad")
+    signals = {s.name: s for s in health(run)}
+    assert signals["train loss"].status == PROBLEM
+    assert "flat near the random baseline" in signals["train loss"].detail
+    assert signals["dev loss"].status == PROBLEM
+    assert "rises while train loss falls" in signals["dev loss"].detail
+    assert signals["grad norm"].status == PROBLEM
+    assert "non-finite at steps [60, 61, 80]" in signals["grad norm"].detail
+    table = format_table(list(signals.values()), run_dir=run)
+    assert table.count("PROBLEM") == 3 and "3 problem(s)" in table
+
+    slow = [{"step": s, "tokens_per_s": 5000 if s < 90 else 5000 * TPUT_DROP / 2,
+             "data_wait_share": 0.0} for s in range(1, 101)]  # fmt: skip
+    assert throughput_signal(slow).status == PROBLEM
+    stall = [{"step": s, "tokens_per_s": 5000, "data_wait_share": 0.4} for s in range(1, 101)]
+    assert "stalls" in throughput_signal(stall).detail
+
+    done = anneal("report", str(run), "--strict", check=False)
+    assert done.returncode == 1 and "PROBLEM" in done.stdout
+
+
+@pytest.mark.parametrize("dark", [False, True])
+def test_run_plots_are_valid_pngs_drawn_headless(tmp_path, dark):
+    run = bad_run(tmp_path / "run")  # NaN grad norms and spike/rewind events must draw too
+    done = anneal("plot", str(run), *(["--dark"] if dark else []))
+    for name in PLOTS:
+        assert f"wrote {run / 'plots' / name}" in done.stdout
+        assert_sensible_png(run / "plots" / name)
+
+
+def test_schedule_plot_and_auto_values(tmp_path):
+    """The shipped ds_configs leave the peak LR and warmup to the recipe ("auto"): the plot asks
+    for them. A config with numbers needs only --steps."""
+    out = tmp_path / "s.png"
+    refused = anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", check=False)
+    assert refused.returncode == 2 and '"auto"' in refused.stderr and "--peak-lr" in refused.stderr
+    anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", "--peak-lr", "6e-4",
+           "--warmup-steps", "2000", "--dark", "--out", str(out))  # fmt: skip
+    assert_sensible_png(out)
+
+    ds = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
+    ds["scheduler"]["params"]["warmup_num_steps"] = 20
+    ds["optimizer"]["params"]["lr"] = 3e-4
+    numeric = tmp_path / "numeric.json"
+    numeric.write_text(json.dumps(ds))
+    anneal("plot", "--schedule", str(numeric), "--steps", "1000", "--out", str(out))
+    assert_sensible_png(out)
+    no_steps = anneal("plot", "--schedule", str(numeric), check=False)
+    assert no_steps.returncode == 2 and "--steps N" in no_steps.stderr
+
+
+def test_plot_and_report_of_a_run_without_metrics(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for cmd in ("plot", "report"):
+        done = anneal(cmd, str(empty), check=False)
+        assert done.returncode == 2 and "no metrics.jsonl yet" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    (empty / "metrics.jsonl").write_text('{"kind": "event", "step": 0, "event": "resume"}\n')
+    done = anneal("plot", str(empty), check=False)
+    assert done.returncode == 2 and "no train rows yet" in done.stderr
+
+
+def test_progress_bar_plain_lines_when_not_a_terminal():
+    from anneal.progress import ProgressBar
+
+    out = io.StringIO()  # not a tty
+    bar = ProgressBar(max_steps=25, log_every=10, stream=out, enabled=True)
+    assert not bar.interactive
+    for s in range(1, 26):
+        bar.update({"step": s, "loss": 5.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1e4,
+                    "mfu": 0.1, "mem_max_gib": 1.5})  # fmt: skip
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(" |")[0] for ln in lines] == [
+        "step  1/25", "step 10/25", "step 20/25", "step 25/25"]  # fmt: skip
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+    assert all("ETA " in ln and "tok/s" in ln and "loss 5.0000" in ln for ln in lines)
+
+    tty = io.StringIO()
+    bar = ProgressBar(max_steps=3, log_every=10, stream=tty, interactive=True, enabled=True)
+    for s in (1, 2):
+        bar.update({"step": s, "loss": 5.0, "tokens_per_s": 1.0})
+    bar.close()
+    assert tty.getvalue().count("\r") == 2 and tty.getvalue().endswith("\n")
+
+
+@pytest.fixture(scope="module")
+def real_run(stdlib_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("observe") / "run"
+    proc = run_recipe(["--out", str(out), "--data", str(stdlib_data), "--max-steps", "4",
+                       "--eval-every", "2", *SMALL, "--set", "train.log_every=2"])  # fmt: skip
+    return out, proc
+
+
+def test_tensorboard_reader_sees_the_expected_tags(real_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = real_run
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
+                "train/tokens", "train/mem_max_gib", "train/mem_gib/rank0", "val/val_loss",
+                "val/val_bpb"}  # fmt: skip
+    assert expected <= tags, expected - tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert all(e.value > 0.05 for e in acc.Scalars("train/mem_gib/rank0"))  # RSS, GiB
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["mem_gib"]) == 1 for r in rows if r["kind"] == "train")
+
+
+def test_run_prints_plain_progress_and_writes_plots_and_report(real_run):
+    run, proc = real_run
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    progress = [ln for ln in lines if "tok/s" in ln]
+    assert [ln.split(" |")[0] for ln in progress] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert all("ETA" in ln and "mem" in ln for ln in progress)
+    assert "\r" not in proc.stdout
+    for name in PLOTS:
+        assert_sensible_png(run / "plots" / name)
+    report = (run / "report.txt").read_text()
+    assert "train loss" in report and "grad norm" in report and report in proc.stdout + "\n"
