@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint
+from anneal import checkpoint, faults
 from anneal import model as modellib
 from anneal.config import RunConfig
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
@@ -35,6 +35,7 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
+from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger, console_line
 from anneal.plan import Plan, resolve_plan
@@ -116,21 +117,29 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
     return t.item() / world_size()
 
 
-def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> dict:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan, fault=None) -> dict:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches. ``fault``: the
+    injected faults (``anneal.faults``), None in a normal run."""
     start = time.perf_counter()
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     losses, wait_s = [], 0.0
+    if fault is not None:
+        fault.step_start(state.step + 1, engine.module)
     for _ in range(plan.grad_accum):
         t0 = time.perf_counter()
+        samples = stream.indices_at(stream.position) if fault is not None else None
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device), y.to(device)
         loss = next_token_loss(engine(input_ids=x).logits, y)
+        if fault is not None:
+            loss = fault.loss(loss, state.step + 1, samples)
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         losses.append(loss.item())
+    if fault is not None:
+        fault.step_end(state.step + 1, engine.module)
     state.step += 1
     state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
     grad_norm = engine.get_global_grad_norm()
@@ -212,30 +221,46 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     metrics = MetricsLogger(plan.out)
     state, position = TrainState(), 0
-    if plan.resume_from is not None:
-        client = checkpoint.load(engine, plan.resume_from)
+    resume_from = plan.resume_from and checkpoint.verified_resume(
+        plan.resume_from, fallback=cfg.resume == "auto"
+    )
+    guard = Guard(cfg.guard, run_dir=plan.out, resuming=resume_from is not None)
+    if resume_from is not None:
+        client = checkpoint.load(engine, resume_from)
         state = TrainState(step=client["step"], tokens=client["tokens"])
-        position = client["data"]["position"]
-        metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
-        print0(f"resumed from {plan.resume_from} at step {state.step}")
-    stream = TokenStream(train_split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
-                         micro_batch=plan.micro_batch, position=position,
-                         prefetch=cfg.data.prefetch_batches)  # fmt: skip
+        position = guard.restore(engine, client, client["data"]["position"])
+        metrics.event(state.step, "resume", checkpoint=str(resume_from), position=position)
+        print0(f"resumed from {resume_from} at step {state.step}")
+    stream = _open_stream(train_split, plan, position)
+    fault = faults.from_env(rank())
+    samples_per_step = plan.ds_config["train_batch_size"]
     flops_per_token = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
     peak = device_peak_flops(engine.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
     try:
         while state.step < end:
-            last_train = train_step(engine, stream, state, plan)
+            last_train = train_step(engine, stream, state, plan, fault)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             metrics.write(last_train)
             if state.step % cfg.train.log_every == 0 or state.step == 1:
                 console_line(last_train, max_steps=cfg.train.max_steps)
+            step_samples = (stream.position - samples_per_step, stream.position)
+            verdict = guard.check(last_train, step_applied=engine.was_step_applied(),
+                                  samples=step_samples, metrics=metrics)  # fmt: skip
+            if verdict == "rewind":
+                stream.close()
+                client, position = guard.rewind(
+                    engine, plan.out / "checkpoints", spike_step=state.step,
+                    spike_end=stream.position, samples_per_step=samples_per_step, metrics=metrics,
+                )  # fmt: skip
+                state = TrainState(step=client["step"], tokens=client["tokens"])
+                stream = _open_stream(train_split, plan, position)
+                continue
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
-            maybe_checkpoint(engine, stream, plan, state, metrics)
+            maybe_checkpoint(engine, stream, plan, state, metrics, guard)
     finally:
         stream.close()
         metrics.close()
@@ -262,7 +287,15 @@ def maybe_validate(engine, val, token_bytes, plan: Plan, state: TrainState, metr
     return row
 
 
-def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState, metrics) -> None:
+def _open_stream(split: PackedSplit, plan: Plan, position: int) -> TokenStream:
+    return TokenStream(split, seed=plan.cfg.train.seed, rank=rank(), world_size=world_size(),
+                       micro_batch=plan.micro_batch, position=position,
+                       prefetch=plan.cfg.data.prefetch_batches)  # fmt: skip
+
+
+def maybe_checkpoint(
+    engine, stream: TokenStream, plan: Plan, state: TrainState, metrics, guard: Guard
+) -> None:
     """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``."""
     train = plan.cfg.train
     if not (
@@ -273,8 +306,13 @@ def maybe_checkpoint(engine, stream: TokenStream, plan: Plan, state: TrainState,
         engine,
         plan.out / "checkpoints",
         step=state.step,
-        client_state={**state.state_dict(), "data": stream.state_dict()},
+        client_state={
+            **state.state_dict(),
+            "data": stream.state_dict(),
+            "guard": guard.state_dict(),
+        },
         keep_last=train.keep_last,
+        keep_every=train.keep_every,
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
 
