@@ -110,6 +110,12 @@ class TrainConfig:
     ``keep_last``; 0: none."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
+    heartbeat_timeout_s: float = 180.0
+    """A rank whose heartbeat stops for this long (or whose process is gone) is reported by
+    the others, which then exit non-zero (``anneal.heartbeat``); 0: no heartbeat."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of every collective (``deepspeed.init_distributed``): the backstop for a hang
+    the heartbeat does not see. Keep it above the longest checkpoint save or validation."""
     seed: int = 1234
     precision: str = "auto"
     """auto | bf16 | fp32. auto keeps the ds_config's bf16 where the device has fast bf16 and
@@ -133,7 +139,7 @@ class GuardConfig:
     noisily at the start)."""
     mad_k: float = 6.0
     """Spike threshold in robust standard deviations (1.4826 x MAD) above the median."""
-    min_jump: float = 0.2
+    min_jump: float = 0.25
     """A spike is also at least this share above the median (a floor when the loss is flat and
     its MAD tiny)."""
     skip_margin_steps: int = 1
@@ -308,6 +314,8 @@ _RESUMABLE_KEYS = {
     "resume_explicit",
     "train.stop_at_step",
     "train.log_every",
+    "train.heartbeat_timeout_s",
+    "train.collective_timeout_s",
     "data.prefetch_batches",
 }
 

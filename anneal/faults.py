@@ -4,7 +4,8 @@
 comma-separated faults, each ``kind@key=value[:key=value...]``.
 
 - ``nan_loss@step=N``: the loss of every micro-batch of step N is NaN (so are its gradients).
-  Each rank logs whether its weights changed over that step (they must not).
+  Each rank logs whether its weights changed over that step. ``nan_loss@sample=I``: the loss of
+  the micro-batch that holds global sample I.
 - ``spike@step=N:x=F``: the loss of step N is multiplied by F (default 50), gradients too. It
   recurs whenever step N runs again, e.g. after a rewind (a drill for ``guard.max_rewinds``).
 - ``spike@sample=I:x=F``: the loss of the micro-batch that holds global sample I is multiplied
@@ -33,7 +34,7 @@ ENV = "ANNEAL_FAULTS"
 log = logging.getLogger(__name__)
 
 _KEYS = {
-    "nan_loss": {"step", "rank"},
+    "nan_loss": {"step", "sample", "rank"},
     "spike": {"step", "sample", "rank", "x"},
     "kill": {"step", "rank"},
     "slow_rank": {"step", "rank", "s"},
@@ -72,9 +73,9 @@ def parse(text: str) -> list[Fault]:
             except ValueError:
                 msg = f"{ENV}: {item!r}: {key} must be a number, got {value!r}."
                 raise UserError(msg) from None
-        if kind in ("nan_loss", "kill") and "step" not in fields:
+        if kind == "kill" and "step" not in fields:
             raise UserError(f"{ENV}: {item!r} needs a step, e.g. {kind}@step=30.")
-        if kind == "spike" and ("step" in fields) == ("sample" in fields):
+        if kind in ("spike", "nan_loss") and ("step" in fields) == ("sample" in fields):
             raise UserError(f"{ENV}: {item!r} needs step=N or sample=I (one of them).")
         faults.append(Fault(kind, **fields))
     return faults
@@ -105,9 +106,15 @@ class Faults:
         self.faults = faults
         self.rank = rank
         self._before: tuple[float, float] | None = None
+        self._nan_step: int | None = None
 
     def _at(self, kind: str, step: int) -> list[Fault]:
         return [f for f in self.faults if f.kind == kind and f.step == step]
+
+    def _nan_at(self, step: int, samples: list[int]) -> bool:
+        return any(
+            f.kind == "nan_loss" and (f.step == step or f.sample in samples) for f in self.faults
+        )
 
     def step_start(self, step: int, module: torch.nn.Module) -> None:
         """Before the first micro-batch of optimizer step ``step``."""
@@ -118,11 +125,16 @@ class Faults:
         for f in self.faults:
             if f.kind == "slow_rank" and f.step in (None, step):
                 time.sleep(f.s)
-        self._before = fingerprint(module) if self._at("nan_loss", step) else None
+        # a drill with a NaN fault compares the weights around every step (sample-keyed NaNs
+        # are only known once the batch is read)
+        nan = any(f.kind == "nan_loss" for f in self.faults)
+        self._before = fingerprint(module) if nan else None
 
     def loss(self, loss: torch.Tensor, step: int, samples: list[int]) -> torch.Tensor:
         """The loss of one micro-batch (of global ``samples``), made faulty where asked."""
-        if self._at("nan_loss", step):
+        if self._nan_at(step, samples):
+            log.warning("fault: nan_loss at step %d (samples %s)", step, samples)
+            self._nan_step = step
             return loss * math.nan
         for f in self.faults:
             if f.kind == "spike" and (f.step == step or f.sample in samples):
@@ -131,7 +143,7 @@ class Faults:
         return loss
 
     def step_end(self, step: int, module: torch.nn.Module) -> None:
-        if self._before is not None:
+        if self._before is not None and self._nan_step == step:
             after = fingerprint(module)
             changed = after != self._before
             log.warning(

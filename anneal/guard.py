@@ -112,12 +112,19 @@ class Guard:
         mad = statistics.median(abs(x - median) for x in losses)
         return max(median + self.cfg.mad_k * MAD_TO_SIGMA * mad, median * (1 + self.cfg.min_jump))
 
-    def check(self, row: dict, *, step_applied: bool, samples: tuple[int, int], metrics) -> str:
-        """``ok``, ``skipped`` (non-finite, update skipped by the optimizer) or ``rewind``."""
+    def check(self, row: dict, engine, *, samples: tuple[int, int], metrics) -> str:
+        """``ok``, ``skipped`` (non-finite, update skipped by the optimizer) or ``rewind``.
+
+        ``row``: the step's train row (its loss is the mean over ranks); ``engine`` says whether
+        the update was applied and the global grad norm (None where the engine does not
+        compute one, as without ZeRO: then only the loss is checked)."""
         if not self.cfg.enabled:
             return "ok"
-        step, loss, grad_norm = row["step"], row["loss"], row["grad_norm"]
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        step, loss = row["step"], row["loss"]
+        step_applied = engine.was_step_applied()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
             reason = "nonfinite"
             verdict = "rewind" if step_applied else "skipped"
             threshold = None
@@ -134,7 +141,8 @@ class Guard:
         print0(
             f"guard: step {step} spike ({reason}): loss {loss:.4f}"
             + (f" > threshold {threshold:.4f}" if threshold is not None else "")
-            + f", grad norm {grad_norm:.4g}, samples [{samples[0]}, {samples[1]}) -> {verdict}"
+            + (f", grad norm {grad_norm:.4g}" if grad_norm is not None else "")
+            + f", samples [{samples[0]}, {samples[1]}) -> {verdict}"
         )
         self._record(step, reason, samples, verdict)
         if verdict == "skipped":  # consumed without an update; a replay consumes them again

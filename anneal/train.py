@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint, faults
+from anneal import checkpoint, faults, heartbeat
 from anneal import model as modellib
 from anneal.config import RunConfig
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
@@ -35,6 +35,7 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
+from anneal.errors import UserError
 from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger, console_line
@@ -201,7 +202,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory)."""
-    _setup_process()
+    _setup_process(cfg.train.collective_timeout_s)
     plan = plan_run(cfg, overrides)
     for note in plan.notes:
         log.warning(note)
@@ -238,6 +239,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     peak = device_peak_flops(engine.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
+    beat = heartbeat.start(plan.out, rank=rank(), world_size=world_size(),
+                           timeout_s=cfg.train.heartbeat_timeout_s)  # fmt: skip
     try:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan, fault)
@@ -246,8 +249,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             if state.step % cfg.train.log_every == 0 or state.step == 1:
                 console_line(last_train, max_steps=cfg.train.max_steps)
             step_samples = (stream.position - samples_per_step, stream.position)
-            verdict = guard.check(last_train, step_applied=engine.was_step_applied(),
-                                  samples=step_samples, metrics=metrics)  # fmt: skip
+            verdict = guard.check(last_train, engine, samples=step_samples, metrics=metrics)
             if verdict == "rewind":
                 stream.close()
                 client, position = guard.rewind(
@@ -261,7 +263,14 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
             maybe_checkpoint(engine, stream, plan, state, metrics, guard)
+            beat.completed(state.step)
+    except UserError:
+        raise
+    except Exception:
+        beat.failed()  # names a rank that went silent, if one did
+        raise
     finally:
+        beat.close()
         stream.close()
         metrics.close()
     return {
@@ -317,10 +326,10 @@ def maybe_checkpoint(
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
 
 
-def _setup_process() -> None:
+def _setup_process(collective_timeout_s: float = 1800.0) -> None:
     import deepspeed
 
-    init_distributed()
+    init_distributed(collective_timeout_s)
     setup_logging()
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() == "cpu":
