@@ -17,7 +17,8 @@ from anneal.errors import UserError
 def _data_prepare(args: argparse.Namespace) -> int:
     import shlex
 
-    from anneal.data.prepare import prepare, unigram_entropy_bits_per_byte
+    from anneal.data.prepare import prepare
+    from anneal.data.prepared import unigram_entropy_bits_per_byte
 
     meta = prepare(
         inputs=args.input,
@@ -32,6 +33,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         streaming=args.streaming,
         val_fraction=args.val_fraction,
+        seq_len=args.seq_len,
         seed=args.seed,
         workers=args.workers,
         dtype=args.dtype,
@@ -80,6 +82,17 @@ def _data_synth(args: argparse.Namespace) -> int:
 
 
 def _add_data_commands(sub) -> None:
+    """Defaults come from the library: PrepareConfig, ReadOptions and write_markov."""
+    import inspect
+
+    from anneal.data import tokenizer as toklib
+    from anneal.data.prepare import DTYPES, PrepareConfig
+    from anneal.data.readers import ON_ERROR, ReadOptions
+    from anneal.data.synth import write_markov
+
+    cfg = PrepareConfig(inputs=(), out=Path())
+    read = ReadOptions()
+    markov = {k: p.default for k, p in inspect.signature(write_markov).parameters.items()}
     data = sub.add_parser("data", help="prepare token data, write synthetic corpora")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser(
@@ -97,8 +110,10 @@ def _add_data_commands(sub) -> None:
         "&split=S]; repeat to blend, with weights (web.jsonl:0.7 --input code/:0.3) or by size",
     )
     prep.add_argument("--out", required=True, help="output data directory")
-    prep.add_argument("--vocab-size", type=int, default=8192, help="trained tokenizer size")
-    prep.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    prep.add_argument(
+        "--vocab-size", type=int, default=cfg.vocab_size, help="trained tokenizer size"
+    )
+    prep.add_argument("--model-type", choices=toklib.MODEL_TYPES, default=cfg.model_type)
     prep.add_argument(
         "--tokenizer",
         help="reuse a SentencePiece .model or a Hugging Face tokenizer directory (no training)",
@@ -106,10 +121,12 @@ def _add_data_commands(sub) -> None:
     prep.add_argument(
         "--tokenizer-sample-mb",
         type=float,
-        default=64.0,
-        help="MB of training text the tokenizer learns from (default 64)",
+        default=cfg.tokenizer_sample_mb,
+        help=f"MB of training text the tokenizer learns from (default {cfg.tokenizer_sample_mb:g})",
     )
-    prep.add_argument("--text-field", default="text", help="JSONL key / column with the text")
+    prep.add_argument(
+        "--text-field", default=read.text_field, help="JSONL key / column with the text"
+    )
     prep.add_argument(
         "--include",
         action="append",
@@ -126,8 +143,8 @@ def _add_data_commands(sub) -> None:
     )
     prep.add_argument(
         "--on-error",
-        choices=("stop", "skip"),
-        default="stop",
+        choices=ON_ERROR,
+        default=read.on_error,
         help="a bad record (invalid JSON or UTF-8, missing field): stop with its file and line, "
         "or skip it and count it in meta.json",
     )
@@ -135,14 +152,24 @@ def _add_data_commands(sub) -> None:
     prep.add_argument(
         "--val-fraction",
         type=float,
-        default=0.02,
-        help="share of documents held out for validation",
+        default=cfg.val_fraction,
+        help=f"share of documents held out for validation (default {cfg.val_fraction:g}; 0: "
+        "no validation data)",
     )
-    prep.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
-    prep.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
     prep.add_argument(
-        "--shard-tokens", type=int, default=16 * 1024 * 1024, help="ids per shard file"
+        "--seq-len",
+        type=int,
+        default=cfg.seq_len,
+        help="the validation split must hold one window of this context plus one token, or "
+        f"prepare fails (default {cfg.seq_len}, the smallest preset's)",
+    )
+    prep.add_argument("--seed", type=int, default=cfg.seed)
+    prep.add_argument(
+        "--workers", type=int, default=cfg.workers, help="processes (default 0: all cores)"
+    )
+    prep.add_argument("--dtype", choices=DTYPES, default=cfg.dtype)
+    prep.add_argument(
+        "--shard-tokens", type=int, default=cfg.shard_tokens, help="ids per shard file"
     )
     prep.add_argument("--quiet", action="store_true", help="no progress line")
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -156,16 +183,21 @@ def _add_data_commands(sub) -> None:
         "`anneal data prepare --input DIR`; a model's val_bpb can approach that rate but never "
         "go below it.",
     )
-    synth.add_argument("--kind", choices=("markov",), default="markov")
-    synth.add_argument("--order", type=int, default=2, help="characters of context (K)")
-    synth.add_argument("--alphabet", type=int, default=8, help="symbols (N, at most 52)")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--documents", type=int, default=64)
-    synth.add_argument("--doc-chars", type=int, default=32768, help="characters per document")
+    synth.add_argument(
+        "--order", type=int, default=markov["order"], help="characters of context (K)"
+    )
+    synth.add_argument(
+        "--alphabet", type=int, default=markov["alphabet"], help="symbols (N, at most 52)"
+    )
+    synth.add_argument("--seed", type=int, default=markov["seed"])
+    synth.add_argument("--documents", type=int, default=markov["documents"])
+    synth.add_argument(
+        "--doc-chars", type=int, default=markov["doc_chars"], help="characters per document"
+    )
     synth.add_argument(
         "--concentration",
         type=float,
-        default=0.5,
+        default=markov["concentration"],
         help="Dirichlet concentration of each transition row: lower is more predictable",
     )
     synth.add_argument("--out", required=True)

@@ -60,10 +60,10 @@ class Plan:
 
     @property
     def has_validation(self) -> bool:
-        """Whether the val split holds at least one window of seq_len + 1 tokens (windows
-        overlap by one token and do not cross shards, as in ``PackedSplit``)."""
-        shards = self.meta["splits"].get("val", {}).get("shards", [])
-        return any(s["tokens"] > self.seq_len for s in shards)
+        """Whether the val split holds at least one window of seq_len + 1 tokens."""
+        from anneal.data.prepared import has_validation
+
+        return has_validation(self.meta, seq_len=self.seq_len)
 
     def config_document(self) -> dict:
         """What ``config.json`` holds: the run config, the resolved ds_config and where its
@@ -140,7 +140,7 @@ def resolve_plan(
 
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
-    from anneal.data.prepare import check_matches_run, check_prepared
+    from anneal.data.prepared import check_matches_run, check_prepared
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
@@ -153,10 +153,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
     notes = [note] if note else []
 
     data_dir = Path(cfg.data.path)
-    try:
-        meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
     preset = cfg.model.resolve(meta["vocab_size"])
     ds, resolved_from = ds_config.resolve_ds_config(
         ds,
@@ -169,15 +166,12 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
     )
 
     out = Path(cfg.out)
-    try:
-        resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
-        if resume_from is not None:
-            check_matches_run(meta, data_dir=data_dir, run_dir=out)
-            checkpoint.check_tokenizer(
-                resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
-            )
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
+    if resume_from is not None:
+        check_matches_run(meta, data_dir=data_dir, run_dir=out)
+        checkpoint.check_tokenizer(
+            resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
+        )
     plan = Plan(
         cfg=cfg,
         ds_config=ds,

@@ -1,7 +1,7 @@
 """Time the main job (`make demo`): wall clock of scripts/demo.py end to end, and the training
 throughput it logged. Prints one JSON line for docs/benchmarks.md.
 
-    .venv/bin/python bench/bench_demo.py [--steps 200]
+    .venv/bin/python bench/bench_demo.py [--steps N]   (default: the demo's)
 """
 
 import argparse
@@ -14,21 +14,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from anneal.metrics import read_metrics  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--steps", type=int, help="optimizer steps (default: the demo's)")
 args = parser.parse_args()
 out = Path(tempfile.mkdtemp(prefix="anneal-bench-")) / "demo"
 start = time.time()
 subprocess.run(
-    [sys.executable, "scripts/demo.py", "--steps", str(args.steps), "--out", str(out)],
+    [sys.executable, "scripts/demo.py", "--out", str(out)]
+    + (["--steps", str(args.steps)] if args.steps else []),
     cwd=ROOT,
     check=True,
     capture_output=True,
 )
 wall_s = time.time() - start
-rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-train = [r for r in rows if r["kind"] == "train"]
+train = read_metrics(out, "train")
 steady = sorted(r["tokens_per_s"] for r in train[len(train) // 10 :])
 step_s = sum(train[-1]["tokens"] / len(train) / r["tokens_per_s"] for r in train)
 wait_s = sum(r["data_wait_s"] for r in train)
@@ -36,13 +39,13 @@ print(
     json.dumps(
         {
             "bench": "demo",
-            "steps": args.steps,
+            "steps": len(train),
             "wall_s": round(wall_s, 1),
             "train_s": round(step_s, 1),
             "startup_and_other_s": round(wall_s - step_s, 1),
             "median_tokens_per_s": round(steady[len(steady) // 2]),
             "data_wait_share": round(wait_s / step_s, 5),
-            "final_val_bpb": [r for r in rows if r["kind"] == "val"][-1]["val_bpb"],
+            "final_val_bpb": read_metrics(out, "val")[-1]["val_bpb"],
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
             f"{__import__('os').cpu_count()} cores",
         }

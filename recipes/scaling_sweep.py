@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import shutil
 import sys
@@ -32,6 +33,7 @@ from anneal.config import (
     apply_overrides,
 )
 from anneal.errors import UserError
+from anneal.scaling import fit_points
 
 # Every run of the sweep: 8 sequences of 256 tokens per step (divides across 1 or 2 CPU ranks at
 # cpu.json's micro-batch of 4; on GPUs pass --set optim.global_batch_tokens=...), the tiny
@@ -100,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ds-config", default="cpu.json", help="DeepSpeed JSON for every run")
     p.add_argument("--grid", choices=sorted(GRIDS), default="full")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples of the fit")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=inspect.signature(fit_points).parameters["n_bootstrap"].default,
+        help="bootstrap resamples of the fit (default %(default)s)",
+    )
     p.add_argument("--starts", type=int, help="L-BFGS starts of the fit (default all 4500)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
     p.add_argument(

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anneal.data.prepare import unigram_entropy_bits_per_byte  # noqa: E402
+from anneal.data.prepared import unigram_entropy_bits_per_byte  # noqa: E402
 from anneal.metrics import read_metrics  # noqa: E402
 
 

@@ -26,7 +26,9 @@ import pytest
 
 from anneal.cli import main
 from anneal.data import tokenizer as toklib
-from anneal.data.prepare import check_matches_run, check_prepared, prepare
+from anneal.data.prepare import prepare
+from anneal.data.prepared import check_matches_run, check_prepared
+from anneal.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -56,7 +58,7 @@ def test_empty_files_are_skipped_and_counted(tmp_path, tokenizer_model):
     meta = _prepare(tmp_path, [src], tokenizer_model)
     assert meta["skipped"]["empty_files"] == 1
     assert meta["splits"]["train"]["documents"] == 1
-    with pytest.raises(ValueError, match=r"a\.txt: no documents"):
+    with pytest.raises(UserError, match=r"a\.txt: no documents"):
         _prepare(tmp_path, [src / "a.txt"], tokenizer_model, force=True)
 
 
@@ -65,7 +67,7 @@ def test_non_utf8_bytes_stop_with_file_and_offset_or_are_skipped(tmp_path, token
     src.mkdir()
     (src / "good.txt").write_text("fine text\n")
     (src / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
-    with pytest.raises(ValueError, match=r"latin1\.txt: byte 3: not valid UTF-8.*--on-error skip"):
+    with pytest.raises(UserError, match=r"latin1\.txt: byte 3: not valid UTF-8.*--on-error skip"):
         _prepare(tmp_path, [src], tokenizer_model)
     assert not (tmp_path / "out").exists()
     meta = _prepare(tmp_path, [src], tokenizer_model, on_error="skip")
@@ -77,7 +79,7 @@ def test_non_utf8_bytes_stop_with_file_and_offset_or_are_skipped(tmp_path, token
 def test_jsonl_line_that_is_not_json_names_file_and_line(tmp_path, tokenizer_model):
     path = tmp_path / "web.jsonl"
     path.write_text('{"text": "one"}\n{"text": "two"}\n{"text": broken\n{"text": "four"}\n')
-    with pytest.raises(ValueError, match=r"web\.jsonl:3: not JSON"):
+    with pytest.raises(UserError, match=r"web\.jsonl:3: not JSON"):
         _prepare(tmp_path, [path], tokenizer_model)
     meta = _prepare(tmp_path, [path], tokenizer_model, on_error="skip")
     assert meta["skipped"]["records"] == 1
@@ -89,16 +91,16 @@ def test_jsonl_line_number_is_right_in_a_later_unit(tmp_path, tokenizer_model):
     lines[1500] = "not json"
     path = tmp_path / "big.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"big\.jsonl:1501: not JSON"):
+    with pytest.raises(UserError, match=r"big\.jsonl:1501: not JSON"):
         _prepare(tmp_path, [path], tokenizer_model, unit_bytes=4096, workers=2)
 
 
 def test_missing_field_names_the_fields_there_are(tmp_path, tokenizer_model):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"id": 1, "content": "x"}\n')
-    with pytest.raises(ValueError, match=r"rows\.jsonl:1: no field 'text' \(fields: id, content\)"):
+    with pytest.raises(UserError, match=r"rows\.jsonl:1: no field 'text' \(fields: id, content\)"):
         _prepare(tmp_path, [path], tokenizer_model)
-    with pytest.raises(ValueError, match="--text-field"):
+    with pytest.raises(UserError, match="--text-field"):
         _prepare(tmp_path, [path], tokenizer_model)
     meta = _prepare(tmp_path, [path], tokenizer_model, text_field="content")
     assert meta["splits"]["train"]["documents"] == 1
@@ -111,7 +113,7 @@ def test_parquet_value_that_is_not_text_names_the_row(tmp_path, tokenizer_model)
     path = tmp_path / "rows.parquet"
     rows = [{"text": "first row"}, {"text": "second row"}, {"text": None}, {"text": "fourth"}]
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
-    with pytest.raises(ValueError, match=r"rows\.parquet: row 2: 'text' is NoneType"):
+    with pytest.raises(UserError, match=r"rows\.parquet: row 2: 'text' is NoneType"):
         _prepare(tmp_path, [path], tokenizer_model)
     meta = _prepare(tmp_path, [path], tokenizer_model, on_error="skip")
     assert meta["skipped"]["records"] == 1
@@ -119,9 +121,9 @@ def test_parquet_value_that_is_not_text_names_the_row(tmp_path, tokenizer_model)
 
 
 def test_unknown_input_and_bad_weight(tmp_path):
-    with pytest.raises(ValueError, match="no such file or directory"):
+    with pytest.raises(UserError, match="no such file or directory"):
         prepare(inputs=[str(tmp_path / "nope.jsonl")], out=tmp_path / "o", progress=False)
-    with pytest.raises(ValueError, match="above 0"):
+    with pytest.raises(UserError, match="above 0"):
         prepare(inputs=["stdlib:0"], out=tmp_path / "o", progress=False)
 
 
@@ -151,7 +153,7 @@ def test_vocabulary_too_large_for_uint16(tmp_path):
         tmp_path / "out" / "train" / meta["splits"]["train"]["shards"][0]["file"], dtype="<u4"
     )
     assert ids.tolist() == [3, 70_001, 65_538, 4, 1]
-    with pytest.raises(ValueError, match=r"--dtype uint16 holds ids below 65536.*70,002"):
+    with pytest.raises(UserError, match=r"--dtype uint16 holds ids below 65536.*70,002"):
         prepare(
             inputs=[str(text)],
             out=tmp_path / "o16",
@@ -177,9 +179,8 @@ def test_changed_tokenizer_is_refused_at_training_time(prepared, tmp_path):
     other = tmp_path / "other.model"
     toklib.train_sentencepiece(_texts()[::-1], vocab_size=401, out_path=other)
     (prepared / "tokenizer.model").write_bytes(other.read_bytes())
-    with pytest.raises(ValueError, match=r"tokenizer\.model: its sha256 .* differs from the tok"):
+    with pytest.raises(UserError, match=r"tokenizer\.model: its sha256 .* differs from the tok"):
         check_prepared(prepared)
-    from anneal.errors import UserError
     from anneal.recipe import config_from_args
     from anneal.train import plan_run
 
@@ -199,7 +200,7 @@ def test_resuming_with_another_vocabulary_is_refused(prepared, tmp_path):
     config = {"model": {"vocab_size": 8192}, "run": {"data": {"path": "data/stdlib"}}}
     (run / "config.json").write_text(json.dumps(config))
     meta = check_prepared(prepared)
-    with pytest.raises(ValueError, match=r"400 ids, but the model in .* was built for 8,192"):
+    with pytest.raises(UserError, match=r"400 ids, but the model in .* was built for 8,192"):
         check_matches_run(meta, data_dir=prepared, run_dir=run)
     # Same size, but the data it was started with has another tokenizer.
     (run / "config.json").write_text(
@@ -207,7 +208,7 @@ def test_resuming_with_another_vocabulary_is_refused(prepared, tmp_path):
     )
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "meta.json").write_text(json.dumps({"tokenizer_sha256": "f" * 64}))
-    with pytest.raises(ValueError, match="differs from the one of"):
+    with pytest.raises(UserError, match="differs from the one of"):
         check_matches_run(meta, data_dir=prepared, run_dir=run)
     (tmp_path / "old" / "meta.json").write_text(json.dumps(meta))
     check_matches_run(meta, data_dir=prepared, run_dir=run)  # the same tokenizer: fine
@@ -217,7 +218,7 @@ def test_damaged_directory_is_refused(prepared):
     meta = check_prepared(prepared)
     shard = prepared / "train" / meta["splits"]["train"]["shards"][0]["file"]
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ValueError, match="damaged"):
+    with pytest.raises(UserError, match="damaged"):
         check_prepared(prepared)
 
 
@@ -295,7 +296,7 @@ def test_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
     proc.kill()
     proc.communicate(timeout=60)
     assert not out.exists() and partial.exists() and not (partial / "meta.json").exists()
-    with pytest.raises(ValueError, match="interrupted prepare"):
+    with pytest.raises(UserError, match="interrupted prepare"):
         check_prepared(out)
     # The next prepare removes the dead one's leftovers.
     proc = _start_prepare(out, workers=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from anneal.cli import main
-from tests.conftest import run_process
+from tests.conftest import read_metrics, run_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,12 +97,11 @@ def test_tiny_model_approaches_the_entropy_rate_and_never_goes_below(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = run_process(cmd, timeout_s=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    val = [r["val_bpb"] for r in rows if r["kind"] == "val"]
+    val = [r["val_bpb"] for r in read_metrics(run_dir, "val")]
     assert len(val) == 4
     assert all(v > rate for v in val), (val, rate)
     assert val[-1] <= 1.15 * rate, (val, rate)
     assert val[-1] < unigram
-    train = [r for r in rows if r["kind"] == "train"]
+    train = read_metrics(run_dir, "train")
     mean_share = sum(r["data_wait_share"] for r in train) / len(train)
     assert mean_share < 0.01

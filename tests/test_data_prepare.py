@@ -24,6 +24,7 @@ from anneal.cli import main
 from anneal.data import tokenizer as toklib
 from anneal.data.pack import is_validation
 from anneal.data.prepare import prepare
+from anneal.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -145,6 +146,7 @@ def test_reruns_workers_and_unit_sizes_give_identical_shards(corpus, tmp_path):
             workers=workers,
             unit_bytes=unit_bytes,
             shard_tokens=20_000,
+            val_fraction=0.3,  # 25 files: a validation split of a few of them
             progress=False,
         )
         outs.append(out)
@@ -163,6 +165,7 @@ def test_shards_are_bounded_and_listed_with_hashes(corpus, tokenizer_model, tmp_
         tokenizer=tokenizer_model,
         shard_tokens=10_000,
         workers=2,
+        val_fraction=0.0,
         progress=False,
     )
     shards = meta["splits"]["train"]["shards"]
@@ -252,6 +255,7 @@ def test_weights_are_recorded(corpus, tokenizer_model, tmp_path):
         inputs=[f"{jsonl}:0.7", f"{corpus}:0.3"],
         out=out,
         tokenizer=tokenizer_model,
+        val_fraction=0.0,
         progress=False,
     )
     assert meta["blend"] == "weighted"
@@ -261,7 +265,7 @@ def test_weights_are_recorded(corpus, tokenizer_model, tmp_path):
     ]
     per_source = meta["splits"]["train"]["sources"]
     assert sum(v["tokens"] for v in per_source.values()) == meta["splits"]["train"]["tokens"]
-    with pytest.raises(ValueError, match="Give every input a weight"):
+    with pytest.raises(UserError, match="Give every input a weight"):
         prepare(inputs=[f"{jsonl}:0.7", str(corpus)], out=tmp_path / "o2", progress=False)
 
 
@@ -311,5 +315,5 @@ def test_dataset_dict_split_and_streamed_local_dataset(tokenizer_model, tmp_path
     assert docs[names[0]] == texts[:5]
     assert docs[names[1]] == texts[5:9]
     assert docs[names[2]] == texts[9:]
-    with pytest.raises(ValueError, match="has splits train, test"):
+    with pytest.raises(UserError, match="has splits train, test"):
         prepare(inputs=[f"hf:{saved}?split=dev"], out=tmp_path / "o2", progress=False)

@@ -6,12 +6,15 @@ per epoch and epochs are reshuffled; 1, 2 and 3 ranks read the same global seque
 saved state reads exactly the samples of the uninterrupted run (no replay, no skip); weighted
 sources get their exact quota in every block and are each read without repetition within
 their own epoch; prefetching changes nothing; the validation set is the same for any rank
-count; and the public names the trainer uses keep their shape.
+count; the public names the trainer uses keep their shape; and an error while reading a batch
+in the prefetch thread (a shard shorter than meta.json says) is raised by ``next_batch`` within
+seconds, chained to the original, instead of leaving the caller waiting forever.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from anneal.data.stream import (
     permute,
     validation_windows,
 )
+from anneal.errors import UserError
 
 SEQ = 16
 
@@ -186,7 +190,7 @@ def test_blend_quotas_are_exact_and_sum_to_the_block():
     assert q.tolist() == [2867, 1229] and q.sum() == BLEND_BLOCK
     q = blend_quotas([1, 1, 1])
     assert q.tolist() == [1366, 1365, 1365]
-    with pytest.raises(ValueError, match="below one sample"):
+    with pytest.raises(UserError, match="below one sample"):
         blend_quotas([1.0, 1e-6])
 
 
@@ -233,5 +237,45 @@ def test_validation_set_is_the_same_for_any_rank_count():
 
 def test_too_short_split_is_a_clear_error(tmp_path):
     root = write_split(tmp_path / "s", {"web": 10})
-    with pytest.raises(ValueError, match="fewer than 17 tokens"):
+    with pytest.raises(UserError, match="fewer than 17 tokens"):
         PackedSplit(root, "train", seq_len=SEQ)
+
+
+def _drain(stream: TokenStream, batches: int, timeout_s: float) -> BaseException | None:
+    """Call ``next_batch`` up to ``batches`` times in a helper thread; the error it raised, or
+    None. Fails the test (instead of hanging it) when the calls do not end in ``timeout_s``."""
+    outcome: list = []
+
+    def consume():
+        try:
+            for _ in range(batches):
+                stream.next_batch()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert outcome, f"next_batch still waiting after {timeout_s} s: the stream hangs"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_shard_shorter_than_its_meta_raises_in_next_batch_instead_of_hanging(tmp_path, prefetch):
+    """A shard cut short on disk (meta.json still lists its full length): the windows past its
+    end come out short, and stacking them fails in the prefetch thread. That error reaches the
+    caller of next_batch, chained to the original, within seconds."""
+    root = write_split(tmp_path / "d", {"web": 3337})
+    shard = root / "train" / "00_00000.bin"
+    shard.write_bytes(shard.read_bytes()[: 400 * 4])  # 400 of its 1000 uint32 ids
+    split = PackedSplit(root, "train", seq_len=SEQ)
+    stream = TokenStream(split, seed=0, rank=0, world_size=1, micro_batch=8, prefetch=prefetch)
+    error = _drain(stream, batches=10 * split.n_windows // 8, timeout_s=60)
+    stream.close()
+    assert isinstance(error, RuntimeError if prefetch else ValueError), error
+    if prefetch:
+        assert "prefetch thread" in str(error) and isinstance(error.__cause__, ValueError)
+        assert error.__cause__.__traceback__ is not None
+        # The stream stays failed: a second call raises too, and does not wait.
+        assert isinstance(_drain(stream, batches=1, timeout_s=10), RuntimeError)

@@ -17,6 +17,7 @@ import pytest
 from anneal.cli import main
 from anneal.data.prepare import prepare
 from anneal.data.synth import SYMBOLS, MarkovSource
+from anneal.errors import UserError
 
 
 def _h(p: float) -> float:
@@ -83,7 +84,14 @@ def test_cli_writes_deterministic_documents_and_meta(tmp_path, capsys):
 
 def test_prepared_copy_records_the_entropy_rate(tmp_path):
     main(["data", "synth", "--documents", "8", "--doc-chars", "4000", "--out", str(tmp_path / "s")])
-    meta = prepare(inputs=[str(tmp_path / "s")], out=tmp_path / "p", vocab_size=300, progress=False)
+    meta = prepare(
+        inputs=[str(tmp_path / "s")],
+        out=tmp_path / "p",
+        vocab_size=300,
+        val_fraction=0.5,
+        seq_len=64,
+        progress=False,
+    )
     synth = json.loads((tmp_path / "s" / "meta.json").read_text())["synth"]
     assert meta["sources"][0]["synth"] == synth
     docs = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
@@ -92,7 +100,7 @@ def test_prepared_copy_records_the_entropy_rate(tmp_path):
 
 
 def test_bad_parameters_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="--alphabet 60"):
+    with pytest.raises(UserError, match="--alphabet 60"):
         MarkovSource.random(order=1, alphabet=60, seed=0, concentration=1.0)
-    with pytest.raises(ValueError, match="contexts"):
+    with pytest.raises(UserError, match="contexts"):
         MarkovSource.random(order=9, alphabet=20, seed=0, concentration=1.0)

@@ -20,6 +20,7 @@ import pytest
 
 from anneal.data import tokenizer as toklib
 from anneal.data.prepare import prepare
+from anneal.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Text the tokenizer never saw in training: other scripts, emoji, controls, odd whitespace,
@@ -194,7 +195,7 @@ def test_reused_hf_tokenizer_gives_its_ids(tmp_path):
 
 def test_tokenizer_path_that_is_not_one_is_a_clear_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match="not a SentencePiece model"):
+    with pytest.raises(UserError, match="not a SentencePiece model"):
         toklib.install(tmp_path / "notes.txt", tmp_path)
-    with pytest.raises(ValueError, match="nor a directory with"):
+    with pytest.raises(UserError, match="nor a directory with"):
         toklib.install(tmp_path / "missing", tmp_path)

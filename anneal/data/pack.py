@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from anneal.data import tokenizer as toklib
-from anneal.data.sources import Problems, ReadOptions, Unit, read_unit
+from anneal.data.prepared import SPLITS
+from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
 
-SPLITS = ("train", "val")
 ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 
 _WORKER: dict = {}

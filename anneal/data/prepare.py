@@ -1,4 +1,4 @@
-"""``anneal data prepare``: sources -> tokenizer -> packed train/val shards (DESIGN.md).
+"""``anneal data prepare``: sources -> tokenizer -> packed train/val shards (docs/data.md).
 
 Output layout::
 
@@ -35,21 +35,17 @@ import numpy as np
 
 from anneal.data import pack
 from anneal.data import tokenizer as toklib
-from anneal.data.sources import (
-    Problems,
-    ReadOptions,
-    Source,
-    Unit,
-    list_units,
-    parse_inputs,
-    read_unit,
-)
+from anneal.data.prepared import has_validation
+from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
+from anneal.data.sources import Source, list_units, parse_inputs
+from anneal.errors import UserError
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 SHARD_TOKENS = 16 * 1024 * 1024  # ids per shard file (32 MiB at uint16)
 DTYPES = ("auto", "uint16", "uint32")
+SEQ_LEN = 256  # the smallest preset's context (tiny, anneal/model.py)
 _SAMPLE_UNITS = 256  # units a bounded tokenizer sample is spread over, per source
 
 
@@ -69,7 +65,9 @@ class PrepareConfig:
     tokenizer_sample_mb: float = 64.0
     """Training documents the tokenizer learns from, in MB, spread over the inputs."""
     val_fraction: float = 0.02
-    """Share of documents held out for validation (chosen by a hash of each name)."""
+    """Share of documents held out for validation (chosen by a hash of each name); 0: none."""
+    seq_len: int = SEQ_LEN
+    """Context the validation split must hold one window of (``seq_len + 1`` tokens)."""
     seed: int = 0
     workers: int = 0
     """Tokenizer processes; 0: every core this process may use."""
@@ -108,22 +106,24 @@ def prepare(*, inputs: list[str], out: Path, **options) -> dict:
 
 def _check_config(cfg: PrepareConfig) -> None:
     if not 0 <= cfg.val_fraction < 1:
-        raise ValueError(f"--val-fraction {cfg.val_fraction}: give a share in [0, 1), e.g. 0.02.")
+        raise UserError(f"--val-fraction {cfg.val_fraction}: give a share in [0, 1), e.g. 0.02.")
     if cfg.dtype not in DTYPES:
-        raise ValueError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
+        raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
     if cfg.workers < 0:
-        raise ValueError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
+        raise UserError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
     if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= 2**31 - 1:
-        raise ValueError(
+        raise UserError(
             f"--vocab-size {cfg.vocab_size}: a trained vocabulary holds 256 byte "
             f"pieces plus control and merged pieces; give at least 260."
         )
+    if cfg.seq_len < 1:
+        raise UserError(f"--seq-len {cfg.seq_len}: give 1 or more (the model's context).")
     if cfg.shard_tokens < 1024:
-        raise ValueError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
+        raise UserError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
     if cfg.tokenizer_sample_mb <= 0:
-        raise ValueError(f"--tokenizer-sample-mb {cfg.tokenizer_sample_mb}: give a size above 0.")
+        raise UserError(f"--tokenizer-sample-mb {cfg.tokenizer_sample_mb}: give a size above 0.")
     if not cfg.inputs:
-        raise ValueError("give at least one --input (e.g. --input stdlib).")
+        raise UserError("give at least one --input (e.g. --input stdlib).")
 
 
 def run(cfg: PrepareConfig) -> dict:
@@ -131,7 +131,7 @@ def run(cfg: PrepareConfig) -> dict:
     _check_config(cfg)
     out = cfg.out
     if out.exists() and not cfg.force:
-        raise FileExistsError(
+        raise UserError(
             f"{out} already exists. Pass --force to replace it, or choose another --out."
         )
     sources = parse_inputs(list(cfg.inputs))
@@ -182,7 +182,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     for s in sources:
         docs = sum(per_source[split][s.name]["documents"] for split in pack.SPLITS)
         if docs == 0:
-            raise ValueError(
+            raise UserError(
                 f"--input {s.spec}: no documents (every file empty or every record skipped). "
                 f"Check the input and --text-field."
             )
@@ -192,11 +192,8 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
             problems.empty_files,
             ", ".join(problems.empty_examples),
         )
-    if splits["val"]["documents"] == 0 and cfg.val_fraction > 0:
-        log.warning(
-            "the val split is empty: raise --val-fraction (documents are held out by "
-            "a hash of their name, so a small input may get none)"
-        )
+    if cfg.val_fraction > 0:
+        _check_validation(cfg, splits)
     seconds = time.time() - start
     meta = {
         "format_version": FORMAT_VERSION,
@@ -226,6 +223,23 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     }
     (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _check_validation(cfg: PrepareConfig, splits: dict) -> None:
+    """A validation split too small for one window would only fail training later."""
+    if has_validation({"splits": splits}, seq_len=cfg.seq_len):
+        return
+    val = splits["val"]
+    documents = val["documents"] + splits["train"]["documents"]
+    raise UserError(
+        f"--val-fraction {cfg.val_fraction}: the validation split holds {val['tokens']:,} "
+        f"tokens ({val['documents']} of {documents:,} documents), fewer than one window of "
+        f"{cfg.seq_len + 1} tokens (--seq-len {cfg.seq_len}), so training could not evaluate "
+        f"on it. Documents are held out by a hash of their name, so a small input may get "
+        f"none. Give more input (or more, smaller documents: a text file given alone is cut "
+        f"at blank lines), a larger --val-fraction (e.g. 0.1), or --val-fraction 0 for data "
+        f"without validation (training must then run with evaluation off). Nothing was written."
+    )
 
 
 def _source_meta(s: Source, per_source: dict) -> dict:
@@ -305,7 +319,7 @@ def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
     if dtype == "auto":
         return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     if dtype == "uint16" and vocab_size > 2**16:
-        raise ValueError(
+        raise UserError(
             f"--dtype uint16 holds ids below 65536, but the tokenizer has {vocab_size:,} ids. "
             f"Use --dtype uint32 (or auto), or a smaller vocabulary."
         )
@@ -484,118 +498,3 @@ def _pack_all(partial, cfg, sources, units, tok, dtype, problems):
             for s, g in groups
         }
     return splits, per_source, progress.done
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a prepared directory
-
-
-def check_prepared(data_dir: Path) -> dict:
-    """meta.json of a complete prepared directory, or a ValueError saying what is wrong and
-    how to fix it: missing, interrupted, truncated shards, a tokenizer replaced after the
-    shards were made, ids that do not fit the dtype."""
-    data_dir = Path(data_dir)
-    redo = f"Prepare it again with `anneal data prepare --input ... --out {data_dir} --force`."
-    meta_path = data_dir / "meta.json"
-    if not meta_path.is_file():
-        partials = sorted(data_dir.parent.glob(f"{data_dir.name}.partial-*"))
-        hint = "it does not exist" if not data_dir.exists() else "it has no meta.json"
-        if partials:
-            hint += f"; {partials[0].name} is an interrupted prepare"
-        raise ValueError(
-            f"--data {data_dir}: not a prepared data directory ({hint}). Prepare one with "
-            f"`anneal data prepare --input stdlib --out {data_dir}`."
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-        vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
-        splits = {s: meta["splits"][s] for s in pack.SPLITS}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{meta_path}: unreadable or incomplete ({e!r}). {redo}") from None
-    if vocab > np.iinfo(dtype).max + 1:
-        raise ValueError(f"{meta_path}: vocab_size {vocab} does not fit dtype {dtype}. {redo}")
-    for split, info in splits.items():
-        for shard in info["shards"]:
-            path = data_dir / split / shard["file"]
-            want = shard["tokens"] * dtype.itemsize
-            size = path.stat().st_size if path.is_file() else None
-            if size != want:
-                raise ValueError(
-                    f"{path}: {'missing' if size is None else f'{size} bytes'}, meta.json says "
-                    f"{want} ({shard['tokens']} tokens). The directory is damaged. {redo}"
-                )
-    token_bytes = data_dir / "token_bytes.npy"
-    if not token_bytes.is_file() or len(np.load(token_bytes, mmap_mode="r")) != vocab:
-        raise ValueError(f"{token_bytes}: missing or not one entry per id ({vocab}). {redo}")
-    if "tokenizer_sha256" in meta:
-        model = data_dir / "tokenizer.model"
-        hf = data_dir / "tokenizer.json"
-        if model.is_file() or hf.is_file():
-            actual = toklib.tokenizer_sha256(data_dir)
-            if actual != meta["tokenizer_sha256"]:
-                name = "tokenizer.model" if model.is_file() else "tokenizer.json"
-                raise ValueError(
-                    f"{data_dir / name}: its sha256 {actual[:12]}... differs from the tokenizer "
-                    f"the shards were made with ({meta['tokenizer_sha256'][:12]}... in "
-                    f"meta.json): the ids in the shards would be read with another "
-                    f"vocabulary. Put the original tokenizer back, or {redo[0].lower()}{redo[1:]}"
-                )
-    return meta
-
-
-def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float:
-    """Baseline a model must beat: entropy of the unigram token distribution of ``split``,
-    in bits per UTF-8 byte."""
-    data_dir = Path(data_dir)
-    meta = json.loads((data_dir / "meta.json").read_text())
-    counts = np.zeros(meta["vocab_size"], dtype=np.int64)
-    dtype = np.dtype(meta["dtype"])
-    chunk = 1 << 20  # ids read at a time: bounded memory for any split size
-    for shard in meta["splits"][split]["shards"]:
-        for k in range(0, shard["tokens"], chunk):
-            ids = np.fromfile(
-                data_dir / split / shard["file"],
-                dtype=dtype,
-                count=min(chunk, shard["tokens"] - k),
-                offset=k * dtype.itemsize,
-            )
-            counts += np.bincount(ids, minlength=meta["vocab_size"])
-    p = counts[counts > 0] / counts.sum()
-    bits_per_token = float(-(p * np.log2(p)).sum())
-    split_meta = meta["splits"][split]
-    return bits_per_token * split_meta["tokens"] / split_meta["bytes"]
-
-
-def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
-    """Resuming: the data's tokenizer must be the one the run's model was built for. Compares
-    with the run's ``config.json`` (the vocabulary size, and the tokenizer hash of the data
-    directory it was started with, when that still exists); ValueError on a mismatch."""
-    config_path = Path(run_dir) / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-        old_vocab = config["model"]["vocab_size"]
-        old_data = Path(config["run"]["data"]["path"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    fix = (
-        f"Resume with the data the run was started with (--data {old_data}), or start a "
-        f"new run with another --out."
-    )
-    if old_vocab != meta["vocab_size"]:
-        raise ValueError(
-            f"--data {data_dir}: its tokenizer has {meta['vocab_size']:,} ids, but the model in "
-            f"{run_dir} was built for {old_vocab:,} ({config_path}): the checkpoint cannot read "
-            f"these ids. {fix}"
-        )
-    try:
-        same_dir = old_data.resolve() == Path(data_dir).resolve()
-        old_meta = json.loads((old_data / "meta.json").read_text()) if not same_dir else None
-    except (OSError, ValueError):
-        old_meta = None
-    old_sha = (old_meta or {}).get("tokenizer_sha256")
-    if old_sha and old_sha != meta.get("tokenizer_sha256"):
-        raise ValueError(
-            f"--data {data_dir}: its tokenizer ({meta.get('tokenizer_sha256', '?')[:12]}...) "
-            f"differs from the one of {old_data} ({old_sha[:12]}...) that the run in {run_dir} "
-            f"was trained on; the same ids would mean other text. {fix}"
-        )

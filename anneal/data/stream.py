@@ -24,9 +24,12 @@ import json
 import queue
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from anneal.errors import UserError
 
 BLEND_BLOCK = 4096  # samples per block in which weighted sources get exact quotas
 _M64 = (1 << 64) - 1
@@ -83,7 +86,7 @@ def blend_quotas(weights: list[float], block: int = BLEND_BLOCK) -> np.ndarray:
         quotas[s] += 1
     if (quotas == 0).any():
         s = int(np.argmin(quotas))
-        raise ValueError(
+        raise UserError(
             f"source {s} has weight {w[s]:g} of {w.sum():g}: below one sample in "
             f"{block}. Raise its weight or leave the source out."
         )
@@ -123,7 +126,7 @@ class PackedSplit:
         self.source_windows = [(int(f), int(n)) for f, n in zip(firsts, per_source, strict=True)]
         """(first window, number of windows) of each source."""
         if self.n_windows == 0:
-            raise ValueError(
+            raise UserError(
                 f"{data_dir}/{split}: fewer than {seq_len + 1} tokens in every shard; prepare "
                 f"more data or use a shorter sequence length (model.seq_len)."
             )
@@ -169,7 +172,7 @@ class TokenStream:
                 split.source_names[s] for s, (_, n) in enumerate(split.source_windows) if n == 0
             ]
             if empty:
-                raise ValueError(
+                raise UserError(
                     f"source(s) {', '.join(empty)} have weight but no window of "
                     f"{split.seq_len + 1} tokens in this split; prepare more of their data, "
                     f"or a shorter sequence length."
@@ -194,10 +197,6 @@ class TokenStream:
         for n, idx in enumerate(i.ravel()):
             out.flat[n] = self._blended_window(int(idx))
         return out
-
-    def window_of(self, i: int) -> int:
-        """Window index of global sample ``i``."""
-        return int(self.windows_of([i])[0])
 
     def _block_layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Source of each slot of block ``b`` and the slot's rank among its source's slots."""
@@ -228,18 +227,27 @@ class TokenStream:
         return self.split.batch(self.windows_of(self.indices_at(position)).tolist())
 
     def _worker(self, position: int) -> None:
+        """Fills the queue until stopped. An exception ends the thread after handing itself to
+        the consumer (as a :class:`_Failed` item), which raises it from :meth:`next_batch`."""
         stride = self.micro_batch * self.world_size
         while not self._stop.is_set():
-            item = self._make(position)
+            try:
+                item = self._make(position)
+            except BaseException as e:  # noqa: BLE001 - raised again in the consumer thread
+                item = _Failed(e, position)
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
+            if isinstance(item, _Failed):
+                return
             position += stride
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch (x, y). An error while reading it, here or in the prefetch
+        thread, is raised here (chained to the original, with its traceback)."""
         if self._prefetch <= 0:
             item = self._make(self.position)
         else:
@@ -249,8 +257,25 @@ class TokenStream:
                     target=self._worker, args=(self.position,), daemon=True, name="anneal-prefetch"
                 )
                 self._thread.start()
-            item = self._queue.get()
+            item = self._next_prefetched()
         self.position += self.micro_batch * self.world_size
+        return item
+
+    def _next_prefetched(self):
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    # Only reachable if the thread ended without handing over a _Failed item.
+                    raise RuntimeError("the prefetch thread of the token stream ended") from None
+        if isinstance(item, _Failed):
+            self._queue.put(item)  # every later call fails the same way
+            raise RuntimeError(
+                f"reading the micro-batch at global sample {item.position} failed in the "
+                f"prefetch thread: {type(item.error).__name__}: {item.error}"
+            ) from item.error
         return item
 
     def close(self) -> None:
@@ -266,6 +291,13 @@ class TokenStream:
             "n_windows": self.split.n_windows,
             "tokenizer_sha256": self.split.tokenizer_sha256,
         }
+
+
+class _Failed(NamedTuple):
+    """What the prefetch thread queues instead of a batch when reading it raised."""
+
+    error: BaseException
+    position: int
 
 
 def validation_windows(

@@ -1,6 +1,6 @@
 """Synthetic corpora with a known entropy rate: the yardstick that proves the pipeline learns.
 
-``anneal data synth --kind markov --order K --alphabet N`` draws a random order-K Markov source
+``anneal data synth --order K --alphabet N`` draws a random order-K Markov source
 over N letters: every context (the previous K letters) gets a next-letter distribution from a
 symmetric Dirichlet(``concentration``). Its entropy rate
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.errors import UserError
+
 SYMBOLS = string.ascii_lowercase + string.ascii_uppercase
 MAX_CONTEXTS = 1 << 20
 
@@ -43,16 +45,16 @@ class MarkovSource:
     @classmethod
     def random(cls, *, order: int, alphabet: int, seed: int, concentration: float):
         if not 1 <= alphabet <= len(SYMBOLS):
-            raise ValueError(f"--alphabet {alphabet}: give 2 to {len(SYMBOLS)} symbols.")
+            raise UserError(f"--alphabet {alphabet}: give 2 to {len(SYMBOLS)} symbols.")
         if alphabet < 2:
-            raise ValueError("--alphabet 1: a source of one symbol has no entropy; give 2+.")
+            raise UserError("--alphabet 1: a source of one symbol has no entropy; give 2+.")
         if order < 0 or alphabet**order > MAX_CONTEXTS:
-            raise ValueError(
+            raise UserError(
                 f"--order {order} with --alphabet {alphabet}: {alphabet}**{order} contexts; "
                 f"keep it at most {MAX_CONTEXTS:,} (and the order at least 0)."
             )
         if not concentration > 0:
-            raise ValueError(f"--concentration {concentration}: give a value above 0.")
+            raise UserError(f"--concentration {concentration}: give a value above 0.")
         rng = np.random.default_rng([seed, order, alphabet])
         p = rng.dirichlet(np.full(alphabet, concentration), size=alphabet**order)
         p = np.maximum(p, 1e-12)  # every transition possible: irreducible and aperiodic
@@ -115,9 +117,9 @@ class MarkovSource:
 def write_markov(
     *,
     out: Path,
-    order: int,
-    alphabet: int,
-    seed: int,
+    order: int = 2,
+    alphabet: int = 8,
+    seed: int = 0,
     documents: int = 64,
     doc_chars: int = 32768,
     concentration: float = 0.5,
@@ -127,11 +129,11 @@ def write_markov(
     with the source's exact entropy rate. Returns meta.json."""
     out = Path(out)
     if out.exists() and not force:
-        raise FileExistsError(
+        raise UserError(
             f"{out} already exists. Pass --force to replace it, or choose another --out."
         )
     if documents < 1 or doc_chars < 1:
-        raise ValueError(f"--documents {documents} --doc-chars {doc_chars}: give 1 or more.")
+        raise UserError(f"--documents {documents} --doc-chars {doc_chars}: give 1 or more.")
     src = MarkovSource.random(
         order=order, alphabet=alphabet, seed=seed, concentration=concentration
     )

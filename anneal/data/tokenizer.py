@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.errors import UserError
+
 EOS_ID = 1  # trained models: id 0 is <unk>, 1 is </s>; no BOS and no PAD.
 MODEL_TYPES = ("bpe", "unigram")
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
@@ -68,7 +70,7 @@ def train_sentencepiece(
     import sentencepiece as spm
 
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"--model-type {model_type}: choose one of {', '.join(MODEL_TYPES)}.")
+        raise UserError(f"--model-type {model_type}: choose one of {', '.join(MODEL_TYPES)}.")
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)
     try:
@@ -96,7 +98,7 @@ def train_sentencepiece(
             hard_vocab_limit=model_type != "unigram",
         )
     except RuntimeError as e:
-        raise ValueError(
+        raise UserError(
             f"sentencepiece could not train a {model_type} vocabulary of {vocab_size} on the "
             f"sample ({e}). A vocabulary needs at least 256 byte pieces plus the sample's "
             f"characters and merges: choose a smaller --vocab-size or give more text."
@@ -179,7 +181,7 @@ def load_sentencepiece(path: Path) -> Tokenizer:
     sp = spm.SentencePieceProcessor(model_file=str(path))
     proto = _proto(path)
     if sp.eos_id() < 0:
-        raise ValueError(
+        raise UserError(
             f"--tokenizer {path}: this SentencePiece model has no EOS piece; Anneal separates "
             f"documents with EOS. Retrain it with eos_id set, or let prepare train one."
         )
@@ -208,7 +210,7 @@ def _load_hf_json(directory: Path) -> Tokenizer:
 
     path = directory / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"{directory}: no tokenizer.model or tokenizer.json. Pass --tokenizer a "
             f"SentencePiece .model file or a Hugging Face tokenizer directory with "
             f"tokenizer.json (a fast tokenizer)."
@@ -221,7 +223,7 @@ def _load_hf_json(directory: Path) -> Tokenizer:
     eos = eos.get("content") if isinstance(eos, dict) else eos
     eos_id = tk.token_to_id(eos) if eos else None
     if eos_id is None:
-        raise ValueError(
+        raise UserError(
             f"{directory}: the tokenizer has no eos_token in tokenizer_config.json; Anneal "
             f"separates documents with EOS. Set eos_token there."
         )
@@ -335,7 +337,11 @@ def spm_to_hf(proto):
             )
         )
     else:
-        raise ValueError("only BPE and unigram SentencePiece models can be converted")
+        raise UserError(
+            f"--tokenizer: this SentencePiece model's type ({spec.model_type}) cannot be "
+            f"converted for Hugging Face; only BPE and unigram models can. Reuse a BPE or "
+            f"unigram model, or let prepare train one."
+        )
     steps = []
     if norm.precompiled_charsmap:
         steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
@@ -408,7 +414,7 @@ def install(source: Path | None, out_dir: Path) -> dict:
         return _install_hf(source, out_dir)
     model = source / "tokenizer.model" if source.is_dir() else source
     if not model.is_file():
-        raise ValueError(
+        raise UserError(
             f"--tokenizer {source}: not a SentencePiece model file, nor a directory with "
             f"tokenizer.model or tokenizer.json. Pass the .model file or the directory that "
             f"AutoTokenizer.from_pretrained loads."
@@ -416,9 +422,7 @@ def install(source: Path | None, out_dir: Path) -> dict:
     try:
         _proto(model)
     except Exception:  # noqa: BLE001 - protobuf raises its own DecodeError
-        raise ValueError(
-            f"--tokenizer {model}: not a SentencePiece model (cannot parse)."
-        ) from None
+        raise UserError(f"--tokenizer {model}: not a SentencePiece model (cannot parse).") from None
     shutil.copyfile(model, out_dir / "tokenizer.model")
     save_hf_files(out_dir / "tokenizer.model", out_dir)
     return {"kind": "sentencepiece", "trained": False, "from": str(source)}
@@ -431,9 +435,9 @@ def _install_hf(source: Path, out_dir: Path) -> dict:
     try:
         tok = AutoTokenizer.from_pretrained(str(source))
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        raise ValueError(f"--tokenizer {source}: AutoTokenizer cannot load it ({e}).") from None
+        raise UserError(f"--tokenizer {source}: AutoTokenizer cannot load it ({e}).") from None
     if tok.eos_token_id is None:
-        raise ValueError(
+        raise UserError(
             f"--tokenizer {source}: the tokenizer has no eos_token; Anneal separates documents "
             f"with EOS. Set eos_token in its tokenizer_config.json."
         )
