@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import random
 import re
@@ -89,11 +90,14 @@ def file_hash(path: Path) -> str:
     import xxhash
 
     h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:  # no copy
+            view = memoryview(m)
+            for off in range(0, len(m), _CHUNK):
+                h.update(view[off : off + _CHUNK])
+            view.release()
     return h.hexdigest()
 
 
