@@ -132,14 +132,17 @@ class Heartbeat:
         print(self.report(gone), file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
 
-    def failed(self) -> None:
-        """The loop raised: mark this rank failed and, when a peer is gone (the usual cause of
-        a collective error), wait up to the timeout for the evidence and print which; the
-        caller re-raises, so this rank's own traceback follows."""
+    def failed(self, error: BaseException) -> None:
+        """The loop raised: mark this rank failed (the others stop at once, naming it) and, for
+        a communication error (the usual sign of a peer gone), wait up to the timeout for the
+        evidence and print which peer; the caller re-raises, so this rank's own traceback
+        follows."""
         self._stop.set()
         self._thread.join(timeout=5)
         self.status = "failed"
         self._write()
+        if not _is_comm_error(error):
+            return
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
         while time.monotonic() < deadline:
             gone = self.silent()
@@ -163,7 +166,7 @@ class NoHeartbeat:
     def completed(self, step: int) -> None:
         pass
 
-    def failed(self) -> None:
+    def failed(self, error: BaseException) -> None:
         pass
 
     def close(self) -> None:
@@ -183,6 +186,15 @@ def _launch_id() -> str:
     ident = [f"{socket.gethostname()}:{os.getpid()}:{time.time()}"]
     dist.broadcast_object_list(ident, src=0)
     return ident[0]
+
+
+def _is_comm_error(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout"))
 
 
 def _alive(pid: int) -> bool:

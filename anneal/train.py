@@ -266,8 +266,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             beat.completed(state.step)
     except UserError:
         raise
-    except Exception:
-        beat.failed()  # names a rank that went silent, if one did
+    except Exception as e:
+        beat.failed(e)  # names a rank that went silent, if one did
         raise
     finally:
         beat.close()
