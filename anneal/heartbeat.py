@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-EXIT_CODE = 75  # EX_TEMPFAIL: a peer is gone; resume with --resume auto
+EXIT_CODE = 1  # a peer is gone (75 is taken by preemption: "requeue me")
 
 
 class Heartbeat:

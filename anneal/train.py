@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint, faults, heartbeat
+from anneal import checkpoint, faults, forecast, heartbeat
 from anneal import model as modellib
 from anneal.config import RunConfig
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
@@ -40,6 +40,7 @@ from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger, console_line
 from anneal.plan import Plan, resolve_plan
+from anneal.preempt import Preemption
 from anneal.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     peak = device_peak_flops(engine.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
+    preemption = Preemption(plan.out)  # SIGUSR1/SIGTERM: checkpoint after the step, exit 75
+    check = forecast.Check(plan.out, start_step=state.step)  # the launcher's forecast vs measured
     beat = heartbeat.start(plan.out, rank=rank(), world_size=world_size(),
                            timeout_s=cfg.train.heartbeat_timeout_s)  # fmt: skip
     try:
@@ -246,6 +249,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             last_train = train_step(engine, stream, state, plan, fault)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             metrics.write(last_train)
+            check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
             if state.step % cfg.train.log_every == 0 or state.step == 1:
                 console_line(last_train, max_steps=cfg.train.max_steps)
             step_samples = (stream.position - samples_per_step, stream.position)
@@ -264,6 +268,11 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             )
             maybe_checkpoint(engine, stream, plan, state, metrics, guard)
             beat.completed(state.step)
+            if preemption.requested(engine.device):  # collective: a signal to any rank stops all
+                preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
+                                save=lambda stream=stream, state=state: maybe_checkpoint(
+                                    engine, stream, plan, state, metrics, guard, force=True
+                                ))  # fmt: skip
     except UserError:
         raise
     except Exception as e:
@@ -271,6 +280,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         raise
     finally:
         beat.close()
+        preemption.close()
         stream.close()
         metrics.close()
     return {
@@ -303,11 +313,12 @@ def _open_stream(split: PackedSplit, plan: Plan, position: int) -> TokenStream:
 
 
 def maybe_checkpoint(
-    engine, stream: TokenStream, plan: Plan, state: TrainState, metrics, guard: Guard
+    engine, stream: TokenStream, plan: Plan, state: TrainState, metrics, guard: Guard, force=False
 ) -> None:
-    """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``."""
+    """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``
+    (``force``: now, for a preemption)."""
     train = plan.cfg.train
-    if not (
+    if not force and not (
         _due(state.step, train.save_every, train.max_steps) or state.step == train.stop_at_step
     ):
         return

@@ -1,17 +1,46 @@
-"""``python -m launcher {hostfile,run}``: runs on the launch host.
+"""``python -m launcher {hostfile,run,submit}``: runs on the launch host.
 
-``run`` pre-flights what can be checked here (the hostfile, the recipe, the ds_config) and then
-hands the exact argument list to DeepSpeed's own runner (``deepspeed.launcher.runner.main``), so
-multi-node behaviour is DeepSpeed's, not a re-implementation.
+One command line for every subcommand::
+
+    python -m launcher SUBCOMMAND [launcher options] RECIPE [launcher options] [-- recipe flags]
+
+Launcher options may come before or after RECIPE; everything after ``--`` goes to the recipe
+unchanged (and is checked here with the recipe's own parser). ``--dry-run`` anywhere before
+``--`` prints what would run and starts nothing.
+
+``run`` pre-flights the launch (``launcher.preflight``), writes ``.deepspeed_env`` and the
+forecast into the run directory, and runs DeepSpeed's own ``deepspeed`` runner, exiting with
+its exit code. ``submit`` renders ``launcher/templates/multinode.sbatch`` into the run directory
+and calls ``sbatch``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-from launcher import hostfile
+from anneal.errors import UserError
+from launcher import dsenv, hostfile, preflight, slurm
+
+DEFAULT_GRACE_S = 120
+WRITE_BYTES_PER_S = 200e6
+"""Checkpoint write rate assumed for the grace time (docs/cluster.md has the measured one)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        hint = ""
+        if "unrecognized arguments" in message:
+            hint = (
+                " Recipe flags go after '--', e.g. `python -m launcher run --num-gpus 2 "
+                "recipes/pretrain_tiny.py -- --max-steps 20`."
+            )
+        raise UserError(f"{self.prog}: {message}.{hint}")
 
 
 def deepspeed_args(
@@ -45,60 +74,128 @@ def deepspeed_args(
     return [*args, recipe, *recipe_args]
 
 
-def preflight(ns: argparse.Namespace) -> None:
-    if not Path(ns.recipe).is_file():
-        raise ValueError(f"recipe {ns.recipe}: no such file (see recipes/).")
-    if ns.hostfile:
-        hosts = hostfile.parse(ns.hostfile)
-        if ns.node_rank is not None and not 0 <= ns.node_rank < len(hosts):
-            raise ValueError(
-                f"--node-rank {ns.node_rank}: {ns.hostfile} has {len(hosts)} "
-                f"hosts, so it must be 0..{len(hosts) - 1}."
-            )
-    if ns.no_ssh and (ns.node_rank is None or not ns.master_addr):
-        raise ValueError(
-            "--no-ssh starts this node only: give --node-rank and --master-addr "
-            "too, and start the same command once on every node."
-        )
-    if "--ds-config" in ns.recipe_args:
-        from anneal.ds_config import find_ds_config, load_ds_config
-
-        load_ds_config(find_ds_config(ns.recipe_args[ns.recipe_args.index("--ds-config") + 1]))
+def deepspeed_program() -> str:
+    """The ``deepspeed`` runner next to this Python (the venv's), else the one on PATH."""
+    here = Path(sys.executable).parent / "deepspeed"
+    return str(here) if here.is_file() else "deepspeed"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__)
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipes/pretrain_*.py")
+    p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="device of the ranks (default: cuda if this host has a GPU)")  # fmt: skip
+    p.add_argument("--mfu", type=float, help="assumed MFU for the forecast (default: 0.40 GPU)")
+    p.add_argument("--gpu", help="GPU for the forecast: h100, h200, a100 (default: this one)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME",
+                   help="also pass this variable through .deepspeed_env")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m launcher", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    hf = sub.add_parser("hostfile", help="write a hostfile")
-    hf.add_argument("--hosts", required=True, help="comma-separated host names")
-    hf.add_argument("--slots", type=int, default=8, help="GPUs per host")
+    hf = sub.add_parser("hostfile", help="write a hostfile", allow_abbrev=False)
+    src = hf.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hosts", help="comma-separated host names")
+    src.add_argument("--from-slurm", action="store_true",
+                     help="the hosts of this Slurm allocation (SLURM_JOB_NODELIST)")  # fmt: skip
+    hf.add_argument("--slots", type=int, help="GPUs per host (default: SLURM_GPUS_ON_NODE, or 8)")
+    hf.add_argument("--nodes", type=int, help="only the first N hosts")
     hf.add_argument("--out", required=True)
-    run = sub.add_parser("run", help="pre-flight, then start the recipe with deepspeed")
+    hf.add_argument("--dry-run", action="store_true", help="print the hostfile; write nothing")
+
+    run = sub.add_parser("run", help="pre-flight, then start the recipe with deepspeed",
+                         allow_abbrev=False)  # fmt: skip
+    _common(run)
     run.add_argument("--hostfile")
     run.add_argument("--num-gpus", type=int)
     run.add_argument("--num-nodes", type=int)
-    run.add_argument("--no-ssh", action="store_true")
+    run.add_argument("--no-ssh", action="store_true", help="start this node only (see docs)")
     run.add_argument("--node-rank", type=int)
     run.add_argument("--master-addr")
     run.add_argument("--master-port", type=int)
-    run.add_argument("--dry-run", action="store_true", help="print the deepspeed command only")
-    run.add_argument("recipe")
-    run.add_argument("recipe_args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
-    try:
-        if ns.command == "hostfile":
-            hosts = {h: ns.slots for h in ns.hosts.split(",") if h}
-            hostfile.write(ns.out, hosts)
-            hostfile.parse(ns.out)
-            print(f"wrote {ns.out}: {len(hosts)} hosts x {ns.slots} slots")
-            return 0
-        preflight(ns)
-    except ValueError as e:
-        print(f"launcher: error: {e}", file=sys.stderr)
-        return 2
+    run.add_argument("--no-ssh-check", action="store_true", help="skip the ssh reachability check")
+
+    sb = sub.add_parser("submit", help="render the sbatch script and submit it", allow_abbrev=False)
+    _common(sb)
+    sb.add_argument("--nodes", type=int, required=True)
+    sb.add_argument("--gpus-per-node", type=int, required=True)
+    sb.add_argument("--partition", required=True)
+    sb.add_argument("--time", required=True, help="HH:MM:SS")
+    sb.add_argument("--account")
+    sb.add_argument("--grace-s", type=int,
+                    help="seconds between the preemption signal and the end (default: from the "
+                    "checkpoint size, at least 120)")  # fmt: skip
+    sb.add_argument("--master-port", type=int, default=29500)
+    return parser
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher part, recipe flags): the recipe flags are everything after the first ``--``."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def _device(ns) -> str:
+    if ns.device:
+        return ns.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_hostfile(ns) -> int:
+    if ns.from_slurm:
+        hosts = hostfile.from_slurm(slots=ns.slots)
+    else:
+        names = [h.strip() for h in ns.hosts.split(",") if h.strip()]
+        hosts = {hostfile.check_host(h, where="--hosts"): ns.slots or 8 for h in names}
+        if not hosts:
+            raise UserError("--hosts: no host names given (e.g. --hosts gpu001,gpu002).")
+    if ns.nodes is not None:
+        if not 1 <= ns.nodes <= len(hosts):
+            raise UserError(
+                f"--nodes {ns.nodes}: the allocation has {len(hosts)} hosts, so it must be "
+                f"1..{len(hosts)}."
+            )
+        hosts = dict(list(hosts.items())[: ns.nodes])
+    if ns.dry_run:
+        print(hostfile.render(hosts), end="")
+        return 0
+    hostfile.write(ns.out, hosts)
+    hostfile.parse(ns.out)
+    slots = sorted(set(hosts.values()))
+    print(f"wrote {ns.out}: {len(hosts)} hosts x {'/'.join(map(str, slots))} slots")
+    return 0
+
+
+def cmd_run(ns, recipe_args: list[str]) -> int:
+    hosts = hostfile.parse(ns.hostfile) if ns.hostfile else None
+    if ns.no_ssh and (ns.node_rank is None or not ns.master_addr or not hosts):
+        raise UserError(
+            "--no-ssh starts this node only: give --hostfile, --node-rank and --master-addr "
+            "too, and start the same command once on every node."
+        )
+    if ns.node_rank is not None and hosts and not 0 <= ns.node_rank < len(hosts):
+        raise UserError(
+            f"--node-rank {ns.node_rank}: {ns.hostfile} has {len(hosts)} hosts, so it must be "
+            f"0..{len(hosts) - 1}."
+        )
+    world = preflight.world_size(hosts, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes,
+                                 source=ns.hostfile or "")  # fmt: skip
+    local = max(hosts.values()) if hosts else world
+    launch = preflight.preflight(recipe=ns.recipe, recipe_args=recipe_args, world_size=world,
+                                 device_type=_device(ns), mfu=ns.mfu, gpu=ns.gpu,
+                                 ranks_per_host=min(local, ns.num_gpus or local))  # fmt: skip
+    active = list(hosts)[: ns.num_nodes or len(hosts)] if hosts else []
+    if len(active) > 1 and not ns.no_ssh and not ns.no_ssh_check:
+        preflight.check_ssh(active)
     args = deepspeed_args(
         recipe=ns.recipe,
-        recipe_args=ns.recipe_args,
+        recipe_args=recipe_args,
         hostfile_path=ns.hostfile,
         num_gpus=ns.num_gpus,
         num_nodes=ns.num_nodes,
@@ -107,13 +204,82 @@ def main(argv: list[str] | None = None) -> int:
         master_addr=ns.master_addr,
         master_port=ns.master_port,
     )
-    print("deepspeed " + " ".join(args), flush=True)
+    out = Path(launch.plan.out)
+    env_values = dsenv.select(dict(os.environ), ns.env)
+    print(preflight.forecast.describe(launch.forecast))
+    command = [deepspeed_program(), *args]
+    ds_env_file = (out / dsenv.RUNNER_FILE).resolve()
+    print(f"DS_ENV_FILE={shlex.quote(str(ds_env_file))} {shlex.join(command)}", flush=True)
     if ns.dry_run:
+        print(f"# {out / dsenv.FILE} would hold (mode 0600):")
+        print(dsenv.contents(out, env_values), end="", flush=True)
         return 0
-    from deepspeed.launcher.runner import main as deepspeed_main
+    dsenv.write(out, env_values)
+    (out / preflight.forecast.FILE).write_text(json.dumps(launch.forecast.to_dict(), indent=2))
+    env = {**os.environ, "DS_ENV_FILE": str(ds_env_file)}
+    done = subprocess.run(command, env=env)
+    return done.returncode if done.returncode >= 0 else 128 - done.returncode
 
-    deepspeed_main(args)
+
+def cmd_submit(ns, recipe_args: list[str]) -> int:
+    device = _device(ns)
+    world = ns.nodes * ns.gpus_per_node
+    if ns.nodes < 1 or ns.gpus_per_node < 1:
+        raise UserError("--nodes and --gpus-per-node must be at least 1.")
+    launch = preflight.preflight(recipe=ns.recipe, recipe_args=recipe_args, world_size=world,
+                                 device_type=device, mfu=ns.mfu, gpu=ns.gpu,
+                                 ranks_per_host=ns.gpus_per_node)  # fmt: skip
+    out = Path(launch.plan.out).resolve()
+    grace = ns.grace_s or max(
+        DEFAULT_GRACE_S,
+        int(2 * launch.forecast.step_s + launch.checkpoint_bytes / WRITE_BYTES_PER_S) + 30,
+    )
+    text = slurm.render_sbatch(
+        job_name=f"anneal-{out.name}",
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        gpus=device == "cuda",
+        partition=ns.partition,
+        time=ns.time,
+        account=ns.account,
+        grace_s=grace,
+        run_dir=out,
+        workdir=Path.cwd().resolve(),
+        python=sys.executable,
+        recipe=ns.recipe,
+        recipe_args=recipe_args,
+        master_port=ns.master_port,
+    )
+    print(preflight.forecast.describe(launch.forecast))
+    script = out / "submit.sbatch"
+    if ns.dry_run:
+        print(f"# {script} would hold:")
+        print(text, end="", flush=True)
+        return 0
+    (out / "logs").mkdir(parents=True, exist_ok=True)  # slurmd opens --output before the script
+    dsenv.write(out, dsenv.select(dict(os.environ), ns.env))
+    (out / preflight.forecast.FILE).write_text(json.dumps(launch.forecast.to_dict(), indent=2))
+    script.write_text(text)
+    print(f"wrote {script}")
+    print(slurm.sbatch(script), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    launcher_argv, recipe_args = split_argv(argv)
+    try:
+        ns = build_parser().parse_args(launcher_argv)
+        if ns.command == "hostfile":
+            if recipe_args:
+                raise UserError("hostfile takes no recipe flags ('--' and what follows it).")
+            return cmd_hostfile(ns)
+        if ns.command == "run":
+            return cmd_run(ns, recipe_args)
+        return cmd_submit(ns, recipe_args)
+    except UserError as e:
+        print(f"launcher: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

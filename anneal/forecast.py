@@ -1,0 +1,145 @@
+"""The forecast printed before a launch, and the check of it after ``CHECK_AT_STEP`` steps.
+
+Before: per-GPU memory by ``anneal.memory.estimate``, and time per optimizer step and to the end
+of the run at an assumed MFU (``--mfu``)::
+
+    step_s = flops_per_token x train_batch_size x seq_len / (mfu x peak_flops x world_size)
+
+Time to the end is ``step_s x`` the steps left; validation and checkpoints are not counted.
+The launcher writes it to ``RUN/forecast.json``. After ``CHECK_AT_STEP`` steps rank 0 logs an
+``event`` (``"event": "forecast"``) with the measured median step time and peak memory next to
+the forecast, so a job that will not fit its time or memory shows it in the first minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import resource
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from anneal import memory
+from anneal import model as modellib
+
+log = logging.getLogger(__name__)
+
+CHECK_AT_STEP = 20
+FILE = "forecast.json"
+
+DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.45}
+"""Assumed MFU. GPUs: 40%, the figure docs/planning.md uses (Llama 3 paper, table 4). CPUs: the
+demo of docs/benchmarks.md ran at 45-55% of the measured fp32 matmul peak."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Forecast:
+    memory_bytes_per_gpu: int
+    step_s: float
+    remaining_steps: int
+    mfu: float
+    peak_flops: float
+    """FLOP/s of one device that the MFU is a fraction of."""
+    world_size: int
+
+    @property
+    def remaining_s(self) -> float:
+        return self.step_s * self.remaining_steps
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "remaining_s": self.remaining_s}
+
+
+def make(
+    *,
+    preset: modellib.ModelPreset,
+    ds_config: dict,
+    world_size: int,
+    max_steps: int,
+    start_step: int,
+    mfu: float,
+    peak_flops: float,
+    activation_checkpointing: bool = False,
+) -> Forecast:
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    est = memory.estimate(
+        preset,
+        memory.ZeroSetup.from_ds_config(ds_config),
+        memory.Workload(micro_batch=micro, seq_len=preset.seq_len, n_gpus=world_size,
+                        activation_checkpointing=activation_checkpointing),
+    )  # fmt: skip
+    flops = modellib.flops_per_token(preset, seq_len=preset.seq_len)
+    tokens = ds_config["train_batch_size"] * preset.seq_len
+    return Forecast(
+        memory_bytes_per_gpu=est.total,
+        step_s=flops * tokens / (mfu * peak_flops * world_size),
+        remaining_steps=max(0, max_steps - start_step),
+        mfu=mfu,
+        peak_flops=peak_flops,
+        world_size=world_size,
+    )
+
+
+def format_duration(s: float) -> str:
+    h, rest = divmod(int(round(s)), 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def describe(f: Forecast) -> str:
+    return (
+        f"forecast: {memory.format_bytes(f.memory_bytes_per_gpu)} per GPU (anneal/memory.py); "
+        f"{f.step_s:.3g} s per step and {format_duration(f.remaining_s)} for the "
+        f"{f.remaining_steps} steps left at MFU {f.mfu:.0%} of {f.peak_flops / 1e12:.3g} TFLOP/s "
+        f"x {f.world_size} devices (validation and checkpoints not counted)"
+    )
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """This process's peak: CUDA allocator peak on GPUs, max resident set size on CPUs."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "ru_maxrss"
+
+
+class Check:
+    """Rank 0: collects step times, logs the forecast event at ``CHECK_AT_STEP``."""
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        path = Path(run_dir) / FILE
+        try:
+            self.forecast = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.forecast = None  # started without the launcher: nothing to compare with
+        self.at_step = start_step + CHECK_AT_STEP
+        self.step_s: list[float] = []
+
+    def after_step(self, row: dict, tokens_per_step: int, device, metrics) -> None:
+        if self.forecast is None or row["step"] > self.at_step:
+            return
+        self.step_s.append(tokens_per_step / row["tokens_per_s"])
+        if row["step"] < self.at_step:
+            return
+        measured_s = statistics.median(self.step_s[1:] or self.step_s)  # the first step warms up
+        peak, how = peak_memory_bytes(device)
+        fields = {
+            "step_s": round(measured_s, 6),
+            "forecast_step_s": self.forecast["step_s"],
+            "step_time_ratio": round(measured_s / self.forecast["step_s"], 3),
+            "peak_memory_bytes": peak,
+            "peak_memory_source": how,
+            "forecast_memory_bytes": self.forecast["memory_bytes_per_gpu"],
+            "memory_ratio": round(peak / self.forecast["memory_bytes_per_gpu"], 3),
+            "assumed_mfu": self.forecast["mfu"],
+        }
+        metrics.event(row["step"], "forecast", **fields)
+        log.info(
+            "forecast check at step %d: %.3g s per step (forecast %.3g, x%.2f); peak memory "
+            "%s (forecast %s, x%.2f)", row["step"], measured_s, self.forecast["step_s"],
+            fields["step_time_ratio"], memory.format_bytes(peak),
+            memory.format_bytes(self.forecast["memory_bytes_per_gpu"]), fields["memory_ratio"],
+        )  # fmt: skip

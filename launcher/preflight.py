@@ -1,0 +1,209 @@
+"""Pre-flight: everything that can be checked on the launch host, before anything starts.
+
+The recipe's flags go through the recipe's own parser and the whole launch is resolved for the
+world size the hostfile or ``--num-gpus`` gives (ds_config strictly, batch arithmetic, data
+directory, resume target and its tokenizer) by the same code the ranks run. Then: free disk in
+the run directory for two checkpoints of this model, and ssh to every host, all failures listed
+together. Every problem is a ``UserError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from anneal import forecast, memory
+from anneal import model as modellib
+from anneal.errors import UserError
+
+SSH_TIMEOUT_S = 10
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What pre-flight resolved: the plan the ranks will make, and the forecast."""
+
+    plan: object  # anneal.plan.Plan
+    world_size: int
+    device_type: str
+    checkpoint_bytes: int
+    forecast: forecast.Forecast
+
+
+def load_recipe(path: str) -> dict:
+    """The recipe file's ``RECIPE`` dict (the arguments it passes to ``anneal.recipe.main``)."""
+    if not Path(path).is_file():
+        raise UserError(f"recipe {path}: no such file (see recipes/).")
+    from anneal.recipe import load_recipe as load
+
+    return load(path)
+
+
+def recipe_config(recipe: str, recipe_args: list[str], *, device_type: str):
+    """(RunConfig, overrides) exactly as the recipe will build them from ``recipe_args``."""
+    from anneal.recipe import config_from_args
+
+    spec = load_recipe(recipe)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+            return config_from_args(
+                list(recipe_args), prog=recipe, on_cpu=device_type == "cpu", **spec
+            )
+    except SystemExit as e:
+        text = err.getvalue().strip()
+        if e.code == 0:  # --help among the recipe flags
+            raise UserError(f"recipe flags of {recipe}:\n{text}") from None
+        why = text.splitlines()[-1].split("error: ", 1)[-1] if text else f"exit {e.code}"
+        raise UserError(
+            f"{recipe}: the recipe flags after '--' do not parse: {why}. "
+            f"`python {recipe} --help` lists them (e.g. -- --ds-config zero2_bf16.json)."
+        ) from None
+
+
+def world_size(hosts: dict[str, int] | None, *, num_gpus: int | None, num_nodes: int | None,
+               source: str = "") -> int:  # fmt: skip
+    """Ranks DeepSpeed's runner starts for this hostfile and flags."""
+    if hosts is None:
+        if num_nodes not in (None, 1):
+            raise UserError(f"--num-nodes {num_nodes}: without --hostfile there is one node.")
+        if num_gpus is not None:
+            return num_gpus
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    if num_nodes is not None:
+        if not 1 <= num_nodes <= len(hosts):
+            raise UserError(
+                f"--num-nodes {num_nodes}: {source} lists {len(hosts)} hosts, so it must be "
+                f"1..{len(hosts)}. Add hosts to the hostfile or ask for fewer nodes."
+            )
+        hosts = dict(list(hosts.items())[:num_nodes])
+    if num_gpus is not None and num_gpus < 1:
+        raise UserError(f"--num-gpus {num_gpus}: must be at least 1.")
+    return sum(min(s, num_gpus) if num_gpus else s for s in hosts.values())
+
+
+def resolve(cfg, overrides, *, world_size: int, device_type: str):
+    """``anneal.plan.resolve_plan``: the ranks' own resolution, for this world size."""
+    from anneal.plan import resolve_plan
+
+    return resolve_plan(cfg, overrides, world_size=world_size, device_type=device_type)
+
+
+def checkpoint_bytes(plan) -> int:
+    """Bytes of one checkpoint: 16-bit (or fp32) weights plus fp32 master weights and Adam's
+    two moments, over all ranks (anneal/memory.py's model states without gradients)."""
+    zero = memory.ZeroSetup.from_ds_config(plan.ds_config)
+    weights, _, optimizer, _ = memory.model_state_bytes(
+        modellib.count_params(plan.preset), dataclasses.replace(zero, stage=0), 1
+    )
+    return int(weights + optimizer)
+
+
+def check_disk(out: Path, *, need_bytes: int) -> None:
+    probe = Path(out).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        raise UserError(
+            f"--out {out}: {memory.format_bytes(free)} free on its file system ({probe}), but "
+            f"two checkpoints of this model need {memory.format_bytes(need_bytes)} (weights and "
+            f"optimizer state, anneal/memory.py). Free space, or choose an --out on a larger "
+            f"file system."
+        )
+
+
+def check_ssh(hosts: list[str], *, timeout_s: int = SSH_TIMEOUT_S) -> None:
+    """Every host must run ``true`` over ssh without a prompt; all failures are listed."""
+    if shutil.which("ssh") is None:
+        raise UserError(
+            "ssh is not installed on this host, and DeepSpeed's runner (pdsh) needs it to start "
+            "the other nodes. Install openssh-client, or start each node with --no-ssh "
+            "(or skip this check with --no-ssh-check)."
+        )
+
+    def probe(host: str) -> str | None:
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 5,
+                                  stdin=subprocess.DEVNULL)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return f"{host}: no answer in {timeout_s + 5} s"
+        if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            return f"{host}: {why}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(64, len(hosts))) as pool:
+        failures = [f for f in pool.map(probe, hosts) if f]
+    if failures:
+        raise UserError(
+            f"{len(failures)} of {len(hosts)} hosts do not answer ssh "
+            f"(`ssh -o BatchMode=yes HOST true`, {timeout_s} s timeout): "
+            + "; ".join(failures)
+            + ". DeepSpeed's runner starts every node through ssh without a password: set up "
+            "keys and known_hosts for these hosts, remove them from the hostfile, or pass "
+            "--no-ssh-check if they are reachable another way."
+        )
+
+
+def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> float:
+    """FLOP/s of one device for the forecast."""
+    import torch
+
+    from anneal import hardware
+
+    if device_type == "cpu":
+        return hardware.device_peak_flops(torch.device("cpu")) / max(1, ranks_per_host)
+    if gpu:
+        try:
+            return hardware.get_gpu(gpu).peak_flops
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if torch.cuda.is_available():
+        return hardware.device_peak_flops(torch.device("cuda", 0))
+    return hardware.get_gpu("h100").peak_flops
+
+
+def preflight(
+    *,
+    recipe: str,
+    recipe_args: list[str],
+    world_size: int,
+    device_type: str,
+    mfu: float | None,
+    gpu: str | None = None,
+    ranks_per_host: int = 1,
+) -> Launch:
+    """Resolve and check the launch; UserError before anything is written or started."""
+    cfg, overrides = recipe_config(recipe, recipe_args, device_type=device_type)
+    plan = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
+    ckpt = checkpoint_bytes(plan)
+    check_disk(Path(plan.out), need_bytes=2 * ckpt)
+    mfu = forecast.DEFAULT_MFU[device_type] if mfu is None else mfu
+    if not 0 < mfu <= 1:
+        raise UserError(f"--mfu {mfu}: a fraction of peak in (0, 1]; 40% is --mfu 0.4.")
+    start = 0
+    if plan.resume_from is not None:
+        from anneal import checkpoint
+
+        start = (checkpoint.read_manifest(Path(plan.resume_from)) or {}).get("step", 0)
+    fc = forecast.make(
+        preset=plan.preset,
+        ds_config=plan.ds_config,
+        world_size=world_size,
+        max_steps=plan.cfg.train.max_steps,
+        start_step=start,
+        mfu=mfu,
+        peak_flops=peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host),
+        activation_checkpointing=plan.cfg.model.activation_checkpointing,
+    )
+    return Launch(plan=plan, world_size=world_size, device_type=device_type,
+                  checkpoint_bytes=ckpt, forecast=fc)  # fmt: skip

@@ -1,0 +1,179 @@
+"""Slurm: compressed node lists, and the sbatch script that ``python -m launcher submit``
+renders from ``launcher/templates/`` and hands to ``sbatch``.
+
+Node lists are Slurm's compressed form, e.g. ``gpu[001-003,007],cpu-a[1-2]-ib``: names
+separated by commas outside brackets; each name is literal text and bracket groups of ranges
+(``001-003``, zero padding kept from the first bound) and single values, expanded left to right
+with the last group varying fastest (as ``scontrol show hostnames`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from anneal.errors import UserError
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_TEXT = re.compile(r"^[A-Za-z0-9_.\-]*$")
+
+
+def _bad(nodelist: str, why: str) -> UserError:
+    return UserError(
+        f"node list {nodelist!r} does not parse: {why}. Expected Slurm's form, e.g. "
+        f"'gpu[001-003,007],cpu-a[1-2]-ib' (what SLURM_JOB_NODELIST holds)."
+    )
+
+
+def _split_top(nodelist: str) -> list[str]:
+    """Split at commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise _bad(nodelist, "a '[' inside brackets")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise _bad(nodelist, "a ']' without its '['")
+        elif ch == "," and depth == 0:
+            parts.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise _bad(nodelist, "a '[' without its ']'")
+    parts.append(nodelist[start:])
+    return [p for p in parts if p.strip()]
+
+
+def _group(nodelist: str, body: str) -> list[str]:
+    values = []
+    for item in body.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise _bad(nodelist, f"[{body}] holds {item!r}, not a number or a range 'A-B'")
+        lo, hi = m[1], m[2] if m[2] is not None else m[1]
+        if int(hi) < int(lo):
+            raise _bad(nodelist, f"the range {item} runs backwards")
+        if int(hi) - int(lo) >= 100_000:
+            raise _bad(nodelist, f"the range {item} has more than 100,000 values")
+        width = len(lo) if lo.startswith("0") else 0
+        values += [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+    return values
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a compressed node list, in order; UserError when it does not parse."""
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise _bad(nodelist, "it is empty")
+    hosts: list[str] = []
+    for name in _split_top(nodelist):
+        pieces: list[list[str]] = []
+        for m in re.finditer(r"([^\[\]]*)(?:\[([^\]]*)\])?", name.strip()):
+            text, body = m[1], m[2]
+            if not _TEXT.match(text):
+                raise _bad(nodelist, f"{text!r} has characters other than letters, digits, .-_")
+            if text:
+                pieces.append([text])
+            if body is not None:
+                pieces.append(_group(nodelist, body))
+        hosts += ["".join(p) for p in itertools.product(*pieces)]
+    seen = set()
+    for h in hosts:
+        if h in seen:
+            raise _bad(nodelist, f"host {h} appears twice")
+        seen.add(h)
+    return hosts
+
+
+def scontrol_hostnames(nodelist: str) -> list[str] | None:
+    """``scontrol show hostnames``' expansion (the reference), or None where scontrol is absent
+    or refuses the list."""
+    if not shutil.which("scontrol"):
+        return None
+    try:
+        done = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or "Invalid hostlist" in done.stdout + done.stderr:
+        return None
+    return done.stdout.split()
+
+
+# ---------------------------------------------------------------------------------------------
+# sbatch
+
+
+def render_sbatch(
+    *,
+    template: str = "multinode.sbatch",
+    job_name: str,
+    nodes: int,
+    gpus_per_node: int,
+    gpus: bool = True,
+    partition: str,
+    time: str,
+    account: str | None,
+    grace_s: int,
+    run_dir: Path,
+    workdir: Path,
+    python: str,
+    recipe: str,
+    recipe_args: list[str],
+    master_port: int = 29500,
+) -> str:
+    """The batch script: the template with its ``{{NAME}}`` fields filled in."""
+    if not re.fullmatch(r"\d+:\d\d:\d\d|\d+-\d+(:\d\d(:\d\d)?)?|\d+", time):
+        raise UserError(f"--time {time!r}: give HH:MM:SS (e.g. 04:00:00) or D-HH[:MM[:SS]].")
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1.")
+    for flag, value in (("--partition", partition), ("--account", account or "x")):
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+            raise UserError(f"{flag} {value!r}: letters, digits, '.', '-' and '_' only.")
+    fields = {
+        "JOB_NAME": re.sub(r"[^A-Za-z0-9_.\-]", "_", job_name),
+        "NODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus_per_node),
+        "GPU_LINE": f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus else "",
+        "PARTITION": partition,
+        "TIME": time,
+        "ACCOUNT_LINE": f"#SBATCH --account={account}\n" if account else "",
+        "GRACE_S": str(grace_s),
+        "RUN_DIR": shlex.quote(str(run_dir)),
+        "RUN_DIR_RAW": str(run_dir),
+        "WORKDIR": shlex.quote(str(workdir)),
+        "PYTHON": shlex.quote(python),
+        "DEEPSPEED": shlex.quote(str(Path(python).parent / "deepspeed")),
+        "MASTER_PORT": str(master_port),
+        "RECIPE_CMD": shlex.join([recipe, *recipe_args]),
+    }
+    text = (TEMPLATES / template).read_text()
+    for key, value in fields.items():
+        text = text.replace("{{" + key + "}}", value)
+    left = re.findall(r"\{\{[A-Z_]+\}\}", text)
+    assert not left, f"template {template} has unfilled fields {left}"
+    return text
+
+
+def sbatch(script: Path) -> str:
+    """Submit; returns sbatch's output (``Submitted batch job N``)."""
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise UserError(
+            "sbatch is not on PATH: run `python -m launcher submit` on a Slurm login node, or "
+            "use --dry-run to write the script only."
+        )
+    done = subprocess.run([exe, str(script)], capture_output=True, text=True, env=os.environ)
+    if done.returncode != 0:
+        raise UserError(f"sbatch {script} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout.strip()
