@@ -1,17 +1,25 @@
 """Checkpoints: DeepSpeed ZeRO shards + client state + a manifest that marks them intact.
 
-A tag directory counts as a checkpoint only once ``manifest.json`` is in it; the manifest is
-written by rank 0 after every rank has finished ``engine.save_checkpoint``, and ``latest`` is
-rewritten (atomically) after that. A save killed midway therefore leaves a directory that resume
-ignores, and the previous checkpoint stays the newest.
+A tag directory counts as a checkpoint only once ``manifest.json`` is in it. The manifest holds
+each file's size and an xxh3-128 hash; every rank hashes the files it wrote itself, right after
+writing them (still in its page cache), and rank 0 writes the manifest after every rank has
+finished, then rewrites ``latest`` (atomically), then prunes old checkpoints. A save killed
+midway, or one that fails on a full disk, therefore leaves a directory that resume ignores, and
+the previous checkpoint stays the newest; nothing older is deleted before the new one is whole.
+
+On resume, ``verify`` re-hashes the chosen checkpoint (the files spread over the ranks): a
+checkpoint whose bytes changed after the save (a torn copy, a bad disk, a same-size truncation)
+is reported and, with ``--resume auto``, the newest intact older one is used instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +33,9 @@ from anneal.errors import UserError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+HASH = "xxh3_128"
+_CHUNK = 8 << 20
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
 
 def tag_for(step: int) -> str:
@@ -52,11 +63,20 @@ def set_rng_state(state: dict) -> None:
 
 def gather_rng_states() -> list[dict]:
     """RNG states of every rank (client state is written by rank 0 only)."""
+    return _all_gather(rng_state())
+
+
+def _all_gather(obj) -> list:
     if world_size() == 1:
-        return [rng_state()]
-    states: list = [None] * world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -65,33 +85,95 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def save(engine, ckpt_dir: Path, *, step: int, client_state: dict, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the tag directory."""
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes, hex (about 10 GB/s from the page cache)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:  # no copy
+            view = memoryview(m)
+            for off in range(0, len(m), _CHUNK):
+                h.update(view[off : off + _CHUNK])
+            view.release()
+    return h.hexdigest()
+
+
+def owner_of(name: str, n_ranks: int) -> int:
+    """The rank that hashes a file: the rank that wrote it (``zero_pp_rank_R_``), else rank 0."""
+    m = _RANK_FILE.search(name)
+    return int(m.group(1)) % n_ranks if m else 0
+
+
+def _hash_share(tag_dir: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {size, hash}} for this rank's share of ``names``."""
+    mine = [n for n in names if owner_of(n, world_size()) == rank()]
+    return {n: {"size": (tag_dir / n).stat().st_size, HASH: file_hash(tag_dir / n)} for n in mine}
+
+
+def _list_files(tag_dir: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(tag_dir))
+        for p in tag_dir.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    )
+
+
+def save(
+    engine,
+    ckpt_dir: Path,
+    *,
+    step: int,
+    client_state: dict,
+    keep_last: int,
+    keep_every: int = 0,
+) -> Path:
+    """Collective: every rank calls it. Returns the tag directory.
+
+    Keeps the newest ``keep_last`` intact checkpoints plus, as permanent milestones, those whose
+    step is a multiple of ``keep_every`` (0: none).
+    """
     tag = tag_for(step)
-    client_state = {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier() if dist.is_initialized() else None
     tag_dir = ckpt_dir / tag
+    if is_main_process() and tag_dir.exists():
+        # A leftover of an interrupted save, or a step saved before a rewind: its files would
+        # mix with the new ones. It is not the newest intact checkpoint of this timeline.
+        shutil.rmtree(tag_dir)
+    client_state = {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
+    _barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    _barrier()  # every rank's files are complete before any rank lists them
+    shares = _all_gather(_hash_share(tag_dir, _list_files(tag_dir)))
     if is_main_process():
-        files = {
-            str(p.relative_to(tag_dir)): p.stat().st_size
-            for p in sorted(tag_dir.rglob("*"))
-            if p.is_file()
-        }
+        files = {name: entry for share in shares for name, entry in share.items()}
         manifest = {
             "tag": tag,
             "step": step,
             "tokens": client_state.get("tokens"),
             "tokenizer_sha256": client_state.get("data", {}).get("tokenizer_sha256"),
             "world_size": world_size(),
-            "files": files,
+            "files": dict(sorted(files.items())),
         }
         _atomic_write(tag_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         _atomic_write(ckpt_dir / "latest", tag)
-        for old in intact_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
+        for old in to_prune(intact_checkpoints(ckpt_dir), keep_last, keep_every):
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier() if dist.is_initialized() else None
+    _barrier()
     return tag_dir
+
+
+def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
+    """Of the intact checkpoints (oldest first), those neither among the newest ``keep_last``
+    nor a milestone (step a multiple of ``keep_every``)."""
+    if keep_last <= 0:
+        return []
+    return [
+        p
+        for p in intact[:-keep_last]
+        if not (keep_every > 0 and read_manifest(p)["step"] % keep_every == 0)
+    ]
 
 
 def read_manifest(tag_dir: Path) -> dict | None:
@@ -99,6 +181,11 @@ def read_manifest(tag_dir: Path) -> dict | None:
         return json.loads((tag_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _entries(manifest: dict) -> dict[str, dict]:
+    """name -> {size[, hash]}; manifests written before hashes held name -> size."""
+    return {n: e if isinstance(e, dict) else {"size": e} for n, e in manifest["files"].items()}
 
 
 def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | None) -> None:
@@ -114,21 +201,79 @@ def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | No
 
 
 def is_intact(tag_dir: Path) -> bool:
+    """Cheap check: a manifest, and every file in it present with its size (no hashing)."""
     manifest = read_manifest(tag_dir)
     if manifest is None:
         return False
     return all(
-        (tag_dir / name).is_file() and (tag_dir / name).stat().st_size == size
-        for name, size in manifest["files"].items()
+        (tag_dir / name).is_file() and (tag_dir / name).stat().st_size == e["size"]
+        for name, e in _entries(manifest).items()
     )
 
 
+def damaged_files(tag_dir: Path, *, share_of: tuple[int, int] | None = None) -> list[str]:
+    """Files of an intact-looking checkpoint whose bytes no longer match the manifest's hash.
+
+    ``share_of=(rank, n)``: check only the files ``owner_of`` gives that rank of ``n``."""
+    entries = _entries(read_manifest(tag_dir))
+    bad = []
+    for name, e in entries.items():
+        if share_of and owner_of(name, share_of[1]) != share_of[0]:
+            continue
+        path = tag_dir / name
+        if not path.is_file() or path.stat().st_size != e["size"]:
+            bad.append(name)
+        elif HASH in e and file_hash(path) != e[HASH]:
+            bad.append(name)
+    return bad
+
+
+def verify(tag_dir: Path) -> list[str]:
+    """Collective: re-hash a checkpoint, each rank its share; the damaged files (all ranks get
+    the same list)."""
+    mine = damaged_files(tag_dir, share_of=(rank(), world_size()))
+    return sorted(n for share in _all_gather(mine) for n in share)
+
+
+def verified_resume(chosen: Path, *, fallback: bool) -> Path | None:
+    """Collective. ``chosen`` if its hashes hold; else, with ``fallback`` (``--resume auto``),
+    the newest older checkpoint that verifies, saying so (None when none does)."""
+    candidates = [chosen]
+    if fallback:
+        older = [p for p in intact_checkpoints(chosen.parent) if _step(p) < _step(chosen)]
+        candidates += older[::-1]
+    for tag_dir in candidates:
+        bad = verify(tag_dir)
+        if not bad:
+            if tag_dir != chosen:
+                log.warning("resuming from %s, the newest checkpoint that verifies", tag_dir)
+            return tag_dir
+        msg = (
+            f"checkpoint {tag_dir} is corrupt: {len(bad)} file(s) differ from its manifest "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        )
+        if not fallback:
+            err = UserError(
+                f"--resume {chosen}: {msg}. Resume from an older tag in {chosen.parent}, or "
+                f"use --resume auto to take the newest intact one."
+            )
+            err.every_rank = True
+            raise err
+        log.warning("%s; falling back to an older checkpoint", msg)
+    log.warning("no checkpoint in %s verifies: starting from scratch", chosen.parent)
+    return None
+
+
+def _step(tag_dir: Path) -> int:
+    return read_manifest(tag_dir)["step"]
+
+
 def intact_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Intact tag directories, oldest first (by step)."""
+    """Intact tag directories (by ``is_intact``), oldest first (by step)."""
     if not ckpt_dir.is_dir():
         return []
     tags = [p for p in ckpt_dir.iterdir() if p.is_dir() and is_intact(p)]
-    return sorted(tags, key=lambda p: read_manifest(p)["step"])
+    return sorted(tags, key=_step)
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
@@ -169,20 +314,96 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
 
 def load(engine, tag_dir: Path) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
-    state (step, tokens, data position)."""
+    state (step, tokens, data position, guard state).
+
+    A ZeRO-3 checkpoint written by another number of ranks is converted once to DeepSpeed's
+    universal format (cached in ``<tag>/universal``) and loaded from there."""
     manifest = read_manifest(tag_dir)
-    if manifest["world_size"] != world_size():
-        raise UserError(
-            f"{tag_dir} was saved by {manifest['world_size']} ranks and this job has "
-            f"{world_size()}. ZeRO shards are per rank: resume with the same number of ranks."
+    saved_ranks = manifest["world_size"]
+    if saved_ranks == world_size():
+        path, client = engine.load_checkpoint(
+            str(tag_dir.parent),
+            tag=tag_dir.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
         )
-    path, client = engine.load_checkpoint(
-        str(tag_dir.parent),
-        tag=tag_dir.name,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
+    else:
+        path, client = _load_universal(engine, tag_dir, saved_ranks)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
-    set_rng_state(client["rng"][rank()])
+    rngs = client["rng"]
+    set_rng_state(rngs[rank() % len(rngs)])
     return client
+
+
+UNIVERSAL = "universal"
+
+
+def _load_universal(engine, tag_dir: Path, saved_ranks: int):
+    stage = engine.zero_optimization_stage()
+    if stage != 3:
+        err = UserError(
+            f"{tag_dir} was saved by {saved_ranks} ranks and this job has {world_size()}. "
+            f"Resuming on another number of ranks is supported for ZeRO-3 (this run uses ZeRO "
+            f"stage {stage}): resume with {saved_ranks} ranks."
+        )
+        err.every_rank = True
+        raise err
+    universal = to_universal(tag_dir)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    log.warning(
+        "%s was saved by %d ranks, this job has %d: loading its universal form %s",
+        tag_dir, saved_ranks, world_size(), universal,
+    )  # fmt: skip
+    engine._config.load_universal_checkpoint = True  # for this one load
+    try:
+        loaded = engine.load_checkpoint(
+            str(tag_dir), tag=UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    finally:
+        engine._config.load_universal_checkpoint = False
+    repair_universal_load(engine, hyper)
+    return loaded
+
+
+def to_universal(tag_dir: Path) -> Path:
+    """Collective. ``<tag>/universal``: the checkpoint in DeepSpeed's universal format, made by
+    rank 0 with ``python -m deepspeed.checkpoint.ds_to_universal`` the first time (into a
+    temporary directory, renamed when complete)."""
+    import subprocess
+    import sys
+
+    out = tag_dir / UNIVERSAL
+    if is_main_process() and not out.is_dir():
+        tmp = tag_dir / f".{UNIVERSAL}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(tag_dir), "--output_folder", str(tmp),
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"converting {tag_dir} to a universal checkpoint failed ({done.returncode}):\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
+        tmp.rename(out)
+    _barrier()
+    return out
+
+
+def repair_universal_load(engine, hyper: list[dict]) -> None:
+    """Undo two things DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong: it copies the first
+    param group's hyperparameters into every group (the no-decay group would get weight decay)
+    and gives every sub-group one shared Adam ``step`` tensor (stepped once per sub-group per
+    optimizer step). ``hyper``: each group's hyperparameters before the load."""
+    for group, before in zip(engine.optimizer.param_groups, hyper, strict=True):
+        group.update({k: v for k, v in before.items() if k != "lr"})
+    inner = engine.optimizer.optimizer
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    engine.lr_scheduler.scale_peak(1.0)  # the LR of every group from the restored schedule
+    log.info(
+        "param groups after the universal load: weight_decay %s",
+        [g["weight_decay"] for g in engine.optimizer.param_groups],
+    )

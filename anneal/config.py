@@ -105,8 +105,17 @@ class TrainConfig:
     """Checkpoint every N optimizer steps (and after the last); 0: only after the last."""
     keep_last: int = 3
     """Intact checkpoints kept; older ones are deleted after a new one is complete."""
+    keep_every: int = 0
+    """Checkpoints whose step is a multiple of this are milestones, never deleted by
+    ``keep_last``; 0: none."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
+    heartbeat_timeout_s: float = 180.0
+    """A rank whose heartbeat stops for this long (or whose process is gone) is reported by
+    the others, which then exit non-zero (``anneal.heartbeat``); 0: no heartbeat."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of every collective (``deepspeed.init_distributed``): the backstop for a hang
+    the heartbeat does not see. Keep it above the longest checkpoint save or validation."""
     seed: int = 1234
     export_every_save: bool = False
     """Export a verified Hugging Face model to RUN/hf after every checkpoint (rank 0)."""
@@ -115,6 +124,37 @@ class TrainConfig:
     precision: str = "auto"
     """auto | bf16 | fp32. auto keeps the ds_config's bf16 where the device has fast bf16 and
     turns it off (saying so) where it does not, as on CPUs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """The loss-spike guard (``anneal.guard``; docs/resilience.md). A step is a spike when its
+    loss or global grad norm is not finite, or when its loss (mean over ranks) exceeds both
+    ``median + mad_k * 1.4826 * MAD`` and ``median * (1 + min_jump)`` of the last ``window``
+    good steps. A non-finite step whose update DeepSpeed skipped is logged and passed over; any
+    other spike rewinds to the newest checkpoint before it and skips the samples in between."""
+
+    enabled: bool = True
+    """Watch every step; false: log nothing, rewind nothing."""
+    window: int = 100
+    """Good steps of loss history behind the running median and MAD."""
+    min_history: int = 20
+    """Good steps seen before a finite loss can count as a spike (the loss falls fast and
+    noisily at the start)."""
+    mad_k: float = 6.0
+    """Spike threshold in robust standard deviations (1.4826 x MAD) above the median."""
+    min_jump: float = 0.25
+    """A spike is also at least this share above the median (a floor when the loss is flat and
+    its MAD tiny)."""
+    skip_margin_steps: int = 1
+    """Steps' worth of samples after the spiking step that the rewind skips as well."""
+    max_rewinds: int = 3
+    """Incidents (rewinds and skipped non-finite steps) allowed within ``span_steps`` before
+    the run stops with a message naming the steps and samples."""
+    span_steps: int = 1000
+    """The window, in steps, in which ``max_rewinds`` is counted."""
+    lr_scale: float = 1.0
+    """Multiply the peak LR by this on each rewind (e.g. 0.8); 1 keeps it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +170,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    guard: GuardConfig = GuardConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,6 +181,7 @@ _SECTIONS = {
     "optim": OptimConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "guard": GuardConfig,
 }
 _CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
 
@@ -269,12 +311,15 @@ def _suggest(word: str, candidates) -> str:
 # ---------------------------------------------------------------------------------------------
 # Comparing a run directory's config with a new launch.
 
-# Keys that may change between launches of the same run.
+# Keys that may change between launches of the same run (and every guard.* key: tuning the guard
+# after a spike is what a resume is for).
 _RESUMABLE_KEYS = {
     "resume",
     "resume_explicit",
     "train.stop_at_step",
     "train.log_every",
+    "train.heartbeat_timeout_s",
+    "train.collective_timeout_s",
     "data.prefetch_batches",
 }
 
@@ -295,7 +340,7 @@ def config_differences(old: dict, new: dict) -> list[str]:
     diffs = []
     for key in sorted(set(a) | set(b)):
         short = key.removeprefix("run.")
-        if short in _RESUMABLE_KEYS or key.startswith("launch."):
+        if short in _RESUMABLE_KEYS or key.startswith("launch.") or short.startswith("guard."):
             continue
         if a.get(key, "<unset>") != b.get(key, "<unset>"):
             diffs.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")

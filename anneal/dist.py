@@ -15,8 +15,11 @@ import torch.distributed as dist
 SHM_COMM_ENV = "ANNEAL_CPU_SHM_COMM"
 
 
-def init_distributed() -> None:
-    """Start (or join) the process group; the one place Anneal calls DeepSpeed's init."""
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """Start (or join) the process group; the one place Anneal calls DeepSpeed's init.
+    ``timeout_s``: how long any collective may wait for a peer before it fails."""
+    from datetime import timedelta
+
     import deepspeed
 
     if deepspeed.get_accelerator().device_name() == "cpu" and os.environ.get(SHM_COMM_ENV) != "1":
@@ -24,7 +27,7 @@ def init_distributed() -> None:
 
         # DeepSpeed keeps this dict for the process and consults it before any op build.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(verbose=False)
+    deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
 
 
 def rank() -> int:

@@ -126,6 +126,8 @@ DS_SCHEMA: dict[str, Any] = {
         "output_file": str,
     },
     "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
+    # Anneal turns load_universal on by itself for the one load that changes the world size.
+    "checkpoint": {"load_universal": bool, "tag_validation": str, "use_node_local_storage": bool},
 }
 
 

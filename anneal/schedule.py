@@ -70,6 +70,11 @@ class WarmupCosine:
         self.steps_done += 1
         self._apply()
 
+    def scale_peak(self, factor: float) -> None:
+        """Multiply the peak LRs by ``factor`` from the current step on (a guard rewind)."""
+        self.peak_lrs = [lr * factor for lr in self.peak_lrs]
+        self._apply()
+
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 

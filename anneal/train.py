@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint, forecast
+from anneal import checkpoint, faults, forecast, heartbeat
 from anneal import model as modellib
 from anneal import progress as live
 from anneal.config import RunConfig
@@ -36,6 +36,8 @@ from anneal.dist import (
     setup_logging,
     world_size,
 )
+from anneal.errors import UserError
+from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger
 from anneal.plan import Plan, resolve_plan
@@ -118,21 +120,29 @@ def _mean_over_ranks(value: float, device: torch.device) -> float:
     return t.item() / world_size()
 
 
-def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan) -> dict:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan, fault=None) -> dict:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches. ``fault``: the
+    injected faults (``anneal.faults``), None in a normal run."""
     start = time.perf_counter()
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     losses, wait_s = [], 0.0
+    if fault is not None:
+        fault.step_start(state.step + 1, engine.module)
     for _ in range(plan.grad_accum):
         t0 = time.perf_counter()
+        samples = stream.indices_at(stream.position) if fault is not None else None
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device), y.to(device)
         loss = next_token_loss(engine(input_ids=x).logits, y)
+        if fault is not None:
+            loss = fault.loss(loss, state.step + 1, samples)
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         losses.append(loss.item())
+    if fault is not None:
+        fault.step_end(state.step + 1, engine.module)
     state.step += 1
     state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
     grad_norm = engine.get_global_grad_norm()
@@ -194,7 +204,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory)."""
-    _setup_process()
+    _setup_process(cfg.train.collective_timeout_s)
     plan = plan_run(cfg, overrides)
     for note in plan.notes:
         log.warning(note)
@@ -214,43 +224,68 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     metrics = MetricsLogger(plan.out)
     state, position = TrainState(), 0
-    if plan.resume_from is not None:
-        client = checkpoint.load(engine, plan.resume_from)
+    resume_from = plan.resume_from and checkpoint.verified_resume(
+        plan.resume_from, fallback=cfg.resume == "auto"
+    )
+    guard = Guard(cfg.guard, run_dir=plan.out, resuming=resume_from is not None)
+    if resume_from is not None:
+        client = checkpoint.load(engine, resume_from)
         state = TrainState(step=client["step"], tokens=client["tokens"])
-        position = client["data"]["position"]
-        metrics.event(state.step, "resume", checkpoint=str(plan.resume_from))
-        print0(f"resumed from {plan.resume_from} at step {state.step}")
+        position = guard.restore(engine, client, client["data"]["position"])
+        metrics.event(state.step, "resume", checkpoint=str(resume_from), position=position)
+        print0(f"resumed from {resume_from} at step {state.step}")
     view = live.LiveView(
         plan.out, cfg=cfg, config_doc=plan.config_document(), start_step=state.step
     )
-    stream = TokenStream(train_split, seed=cfg.train.seed, rank=rank(), world_size=world_size(),
-                         micro_batch=plan.micro_batch, position=position,
-                         prefetch=cfg.data.prefetch_batches)  # fmt: skip
+    stream = _open_stream(train_split, plan, position)
+    fault = faults.from_env(rank())
+    samples_per_step = plan.ds_config["train_batch_size"]
     flops_per_token = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
     peak = device_peak_flops(engine.device)
     last_train, last_val = None, None
     end = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
     preemption = Preemption(plan.out)  # SIGUSR1/SIGTERM: checkpoint after the step, exit 75
     check = forecast.Check(plan.out, start_step=state.step)  # the launcher's forecast vs measured
+    beat = heartbeat.start(plan.out, rank=rank(), world_size=world_size(),
+                           timeout_s=cfg.train.heartbeat_timeout_s)  # fmt: skip
     try:
         while state.step < end:
-            last_train = train_step(engine, stream, state, plan)
+            last_train = train_step(engine, stream, state, plan, fault)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             last_train.update(live.memory_fields(engine.device))  # collective: every rank
             metrics.write(last_train)
             check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
             view.update(last_train)
+            step_samples = (stream.position - samples_per_step, stream.position)
+            verdict = guard.check(last_train, engine, samples=step_samples, metrics=metrics)
+            if verdict == "rewind":
+                stream.close()
+                client, position = guard.rewind(
+                    engine, plan.out / "checkpoints", spike_step=state.step,
+                    spike_end=stream.position, samples_per_step=samples_per_step, metrics=metrics,
+                )  # fmt: skip
+                state = TrainState(step=client["step"], tokens=client["tokens"])
+                stream = _open_stream(train_split, plan, position)
+                continue
             last_val = (
                 maybe_validate(engine, val_split, token_bytes, plan, state, metrics) or last_val
             )
             if last_val is not None and last_val["step"] == state.step:
                 view.update(last_val)
-            maybe_checkpoint(engine, stream, plan, state, metrics)
+            maybe_checkpoint(engine, stream, plan, state, metrics, guard)
+            beat.completed(state.step)
             if preemption.requested(engine.device):  # collective: a signal to any rank stops all
                 preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
-                                save=lambda: maybe_checkpoint(engine, stream, plan, state, metrics,
-                                                              force=True))  # fmt: skip
+                                save=lambda stream=stream, state=state: maybe_checkpoint(
+                                    engine, stream, plan, state, metrics, guard, force=True
+                                ))  # fmt: skip
+    except UserError:
+        raise
+    except Exception as e:
+        beat.failed(e)  # names a rank that went silent, if one did
+        raise
     finally:
+        beat.close()
         preemption.close()
         view.close()
         stream.close()
@@ -280,7 +315,15 @@ def maybe_validate(engine, val, token_bytes, plan: Plan, state: TrainState, metr
     return row
 
 
-def maybe_checkpoint(engine, stream, plan: Plan, state: TrainState, metrics, force=False) -> None:
+def _open_stream(split: PackedSplit, plan: Plan, position: int) -> TokenStream:
+    return TokenStream(split, seed=plan.cfg.train.seed, rank=rank(), world_size=world_size(),
+                       micro_batch=plan.micro_batch, position=position,
+                       prefetch=plan.cfg.data.prefetch_batches)  # fmt: skip
+
+
+def maybe_checkpoint(
+    engine, stream: TokenStream, plan: Plan, state: TrainState, metrics, guard: Guard, force=False
+) -> None:
     """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``
     (``force``: now, for a preemption)."""
     train = plan.cfg.train
@@ -292,8 +335,13 @@ def maybe_checkpoint(engine, stream, plan: Plan, state: TrainState, metrics, for
         engine,
         plan.out / "checkpoints",
         step=state.step,
-        client_state={**state.state_dict(), "data": stream.state_dict()},
+        client_state={
+            **state.state_dict(),
+            "data": stream.state_dict(),
+            "guard": guard.state_dict(),
+        },
         keep_last=train.keep_last,
+        keep_every=train.keep_every,
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
     if train.export_every_save and is_main_process():
@@ -302,10 +350,10 @@ def maybe_checkpoint(engine, stream, plan: Plan, state: TrainState, metrics, for
         export_at_save(plan.out, tag_dir)  # RUN/hf/<tag>, verified
 
 
-def _setup_process() -> None:
+def _setup_process(collective_timeout_s: float = 1800.0) -> None:
     import deepspeed
 
-    init_distributed()
+    init_distributed(collective_timeout_s)
     setup_logging()
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() == "cpu":

@@ -1,0 +1,155 @@
+"""Fault injection for tests and drills: ``ANNEAL_FAULTS`` makes a run misbehave on purpose.
+
+``ANNEAL_FAULTS="nan_loss@step=30,spike@step=40:x=50,kill@step=55,slow_rank@rank=1:s=5"``:
+comma-separated faults, each ``kind@key=value[:key=value...]``.
+
+- ``nan_loss@step=N``: the loss of every micro-batch of step N is NaN (so are its gradients).
+  Each rank logs whether its weights changed over that step. ``nan_loss@sample=I``: the loss of
+  the micro-batch that holds global sample I.
+- ``spike@step=N:x=F``: the loss of step N is multiplied by F (default 50), gradients too. It
+  recurs whenever step N runs again, e.g. after a rewind (a drill for ``guard.max_rewinds``).
+- ``spike@sample=I:x=F``: the loss of the micro-batch that holds global sample I is multiplied
+  by F: a bad sample in the data, which a rewind that skips it leaves behind.
+- ``kill@step=N``: SIGKILL at the start of step N (a crash: no cleanup, no save).
+- ``slow_rank@s=S``: sleep S seconds at the start of every step (``step=N``: only step N).
+
+Every fault takes ``rank=R`` to act on that rank only. Unset, ``from_env`` returns None and
+the loop pays one ``is None`` test per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+
+import torch
+
+from anneal.errors import UserError
+
+ENV = "ANNEAL_FAULTS"
+log = logging.getLogger(__name__)
+
+_KEYS = {
+    "nan_loss": {"step", "sample", "rank"},
+    "spike": {"step", "sample", "rank", "x"},
+    "kill": {"step", "rank"},
+    "slow_rank": {"step", "rank", "s"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int | None = None
+    sample: int | None = None
+    rank: int | None = None
+    x: float = 50.0
+    s: float = 1.0
+
+
+def parse(text: str) -> list[Fault]:
+    """The faults in an ``ANNEAL_FAULTS`` value; UserError on a malformed one."""
+    faults = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kind, _, rest = item.partition("@")
+        if kind not in _KEYS:
+            raise UserError(
+                f"{ENV}: unknown fault {kind!r} in {item!r}; faults are {', '.join(_KEYS)}."
+            )
+        fields = {}
+        for pair in filter(None, rest.split(":")):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in _KEYS[kind]:
+                raise UserError(
+                    f"{ENV}: {item!r}: expected key=value with keys "
+                    f"{', '.join(sorted(_KEYS[kind]))}, got {pair!r}."
+                )
+            try:
+                fields[key] = float(value) if key in ("x", "s") else int(value)
+            except ValueError:
+                msg = f"{ENV}: {item!r}: {key} must be a number, got {value!r}."
+                raise UserError(msg) from None
+        if kind == "kill" and "step" not in fields:
+            raise UserError(f"{ENV}: {item!r} needs a step, e.g. {kind}@step=30.")
+        if kind in ("spike", "nan_loss") and ("step" in fields) == ("sample" in fields):
+            raise UserError(f"{ENV}: {item!r} needs step=N or sample=I (one of them).")
+        faults.append(Fault(kind, **fields))
+    return faults
+
+
+def from_env(rank: int) -> Faults | None:
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    faults = [f for f in parse(text) if f.rank is None or f.rank == rank]
+    log.warning("%s=%s: injecting %d fault(s) on this rank", ENV, text, len(faults))
+    return Faults(faults, rank=rank)
+
+
+def fingerprint(module: torch.nn.Module) -> tuple[float, float]:
+    """(sum, sum of |.|) of this rank's parameters (its ZeRO-3 partition where partitioned)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for p in module.parameters():
+        t = getattr(p, "ds_tensor", p.data).detach().double().cpu()
+        total += torch.stack([t.sum(), t.abs().sum()])
+    return tuple(total.tolist())
+
+
+class Faults:
+    """The faults that act on this rank, hooked into the loop by ``anneal.train``."""
+
+    def __init__(self, faults: list[Fault], *, rank: int):
+        self.faults = faults
+        self.rank = rank
+        self._before: tuple[float, float] | None = None
+        self._nan_step: int | None = None
+
+    def _at(self, kind: str, step: int) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind and f.step == step]
+
+    def _nan_at(self, step: int, samples: list[int]) -> bool:
+        return any(
+            f.kind == "nan_loss" and (f.step == step or f.sample in samples) for f in self.faults
+        )
+
+    def step_start(self, step: int, module: torch.nn.Module) -> None:
+        """Before the first micro-batch of optimizer step ``step``."""
+        if self._at("kill", step):
+            log.warning("fault: kill at step %d", step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        for f in self.faults:
+            if f.kind == "slow_rank" and f.step in (None, step):
+                time.sleep(f.s)
+        # a drill with a NaN fault compares the weights around every step (sample-keyed NaNs
+        # are only known once the batch is read)
+        nan = any(f.kind == "nan_loss" for f in self.faults)
+        self._before = fingerprint(module) if nan else None
+
+    def loss(self, loss: torch.Tensor, step: int, samples: list[int]) -> torch.Tensor:
+        """The loss of one micro-batch (of global ``samples``), made faulty where asked."""
+        if self._nan_at(step, samples):
+            log.warning("fault: nan_loss at step %d (samples %s)", step, samples)
+            self._nan_step = step
+            return loss * math.nan
+        for f in self.faults:
+            if f.kind == "spike" and (f.step == step or f.sample in samples):
+                log.warning("fault: spike x%g at step %d (samples %s)", f.x, step, samples)
+                loss = loss * f.x
+        return loss
+
+    def step_end(self, step: int, module: torch.nn.Module) -> None:
+        if self._before is not None and self._nan_step == step:
+            after = fingerprint(module)
+            changed = after != self._before
+            log.warning(
+                "fault: nan_loss at step %d: weights %s on rank %d",
+                step,
+                "CHANGED" if changed else "unchanged",
+                self.rank,
+            )
+            self._before = None

@@ -1,0 +1,217 @@
+"""The loss-spike guard: detect a bad step, then pass over it or rewind and skip its samples.
+
+After every optimizer step the loop hands the guard the step's loss (mean over ranks, the same
+number on every rank) and global grad norm, so every rank takes the same decision:
+
+- non-finite loss or grad norm, update skipped: DeepSpeed's ZeRO optimizers skip a step whose
+  global grad norm is inf/NaN (``engine.was_step_applied()`` is then False, and the LR schedule
+  does not advance). The guard logs it and training goes on; the step's samples are consumed.
+- non-finite and the update was applied anyway (an optimizer without that check): rewind, so
+  that a non-finite step never stays in the weights.
+- a finite loss above ``median + mad_k * 1.4826 * MAD`` and above ``median * (1 + min_jump)``
+  of the last ``window`` good steps (once ``min_history`` are known): rewind.
+
+A rewind reloads the newest intact checkpoint older than the spike, skips the global samples
+from that checkpoint's data position to the end of the spiking step plus
+``skip_margin_steps`` steps, optionally scales the peak LR by ``lr_scale``, and continues.
+More than ``max_rewinds`` incidents within ``span_steps`` steps stop the run with a message
+naming the steps and samples. Every decision is an ``event`` row in metrics.jsonl and a console
+line. The skipped ranges and the LR scale are kept in each checkpoint's client state and in
+``<run>/guard.json`` (written at once), so a resume from a checkpoint older than the rewind
+skips them too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+from pathlib import Path
+
+from anneal import checkpoint
+from anneal.config import GuardConfig
+from anneal.dist import is_main_process, print0
+from anneal.errors import UserError
+
+log = logging.getLogger(__name__)
+
+GUARD_FILE = "guard.json"
+MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
+
+
+class Guard:
+    """Loss history and the record of incidents, skipped samples and LR scale of one run."""
+
+    def __init__(self, cfg: GuardConfig, *, run_dir: Path, resuming: bool):
+        self.cfg = cfg
+        self.path = Path(run_dir) / GUARD_FILE
+        self.history: list[tuple[int, float]] = []
+        """(step, loss) of the last ``window`` good steps."""
+        self.incidents: list[dict] = []
+        self.skipped: list[tuple[int, int]] = []
+        """Global sample ranges [start, end) never to be trained on."""
+        self.lr_scale = 1.0
+        if resuming and self.path.is_file():
+            self._merge_log(json.loads(self.path.read_text()))
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "history": self.history,
+            "incidents": self.incidents,
+            "skipped": self.skipped,
+            "lr_scale": self.lr_scale,
+        }
+
+    def _merge_log(self, state: dict) -> None:
+        """Take the incidents, skips and LR scale of ``state`` where they are newer."""
+        seen = {(i["step"], i["reason"], tuple(i["samples"])) for i in self.incidents}
+        for i in state.get("incidents", []):
+            if (i["step"], i["reason"], tuple(i["samples"])) not in seen:
+                self.incidents.append(i)
+        for a, b in state.get("skipped", []):
+            if (a, b) not in self.skipped:
+                self.skipped.append((a, b))
+        self.skipped.sort()
+        self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))
+
+    def restore(self, engine, client: dict, position: int) -> int:
+        """After a checkpoint load: its loss history, the union of the incident logs, the LR
+        scale re-applied, and the data position moved past any skipped range."""
+        saved = client.get("guard", {})
+        self.history = [tuple(h) for h in saved.get("history", [])]
+        self._merge_log(saved)
+        if self.lr_scale != saved.get("lr_scale", 1.0):
+            _scale_peak_lr(engine, self.lr_scale / saved.get("lr_scale", 1.0))
+        return self.skip_past(position)
+
+    def skip_past(self, position: int) -> int:
+        """``position``, moved to the end of every skipped range it falls in."""
+        for a, b in sorted(self.skipped):
+            if a <= position < b:
+                position = b
+        return position
+
+    def _save_log(self) -> None:
+        if is_main_process():
+            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.state_dict(), indent=1) + "\n")
+            tmp.replace(self.path)
+
+    # -- detection ---------------------------------------------------------------------------
+
+    def threshold(self) -> float | None:
+        """The loss above which a step is a spike; None until ``min_history`` good steps."""
+        if len(self.history) < max(self.cfg.min_history, 2):
+            return None
+        losses = [loss for _, loss in self.history]
+        median = statistics.median(losses)
+        mad = statistics.median(abs(x - median) for x in losses)
+        return max(median + self.cfg.mad_k * MAD_TO_SIGMA * mad, median * (1 + self.cfg.min_jump))
+
+    def check(self, row: dict, engine, *, samples: tuple[int, int], metrics) -> str:
+        """``ok``, ``skipped`` (non-finite, update skipped by the optimizer) or ``rewind``.
+
+        ``row``: the step's train row (its loss is the mean over ranks); ``engine`` says whether
+        the update was applied and the global grad norm (None where the engine does not
+        compute one, as without ZeRO: then only the loss is checked)."""
+        if not self.cfg.enabled:
+            return "ok"
+        step, loss = row["step"], row["loss"]
+        step_applied = engine.was_step_applied()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+            reason = "nonfinite"
+            verdict = "rewind" if step_applied else "skipped"
+            threshold = None
+        else:
+            threshold = self.threshold()
+            if threshold is None or loss <= threshold:
+                self.history = [*self.history, (step, loss)][-self.cfg.window :]
+                return "ok"
+            reason, verdict = "loss", "rewind"
+        metrics.event(
+            step, "spike", reason=reason, loss=loss, grad_norm=grad_norm, threshold=threshold,
+            samples=list(samples), update_applied=step_applied, action=verdict,
+        )  # fmt: skip
+        print0(
+            f"guard: step {step} spike ({reason}): loss {loss:.4f}"
+            + (f" > threshold {threshold:.4f}" if threshold is not None else "")
+            + (f", grad norm {grad_norm:.4g}" if grad_norm is not None else "")
+            + f", samples [{samples[0]}, {samples[1]}) -> {verdict}"
+        )
+        self._record(step, reason, samples, verdict)
+        if verdict == "skipped":  # consumed without an update; a replay consumes them again
+            self._save_log()
+            metrics.event(step, "skip", samples=list(samples), reason="update skipped")
+        return verdict
+
+    def _record(self, step: int, reason: str, samples: tuple[int, int], action: str) -> None:
+        self.incidents.append(
+            {"step": step, "reason": reason, "samples": list(samples), "action": action}
+        )
+        recent = [i for i in self.incidents if i["step"] > step - self.cfg.span_steps]
+        if len(recent) > self.cfg.max_rewinds:
+            self._save_log()
+            lines = "; ".join(
+                f"step {i['step']} ({i['reason']}, samples [{i['samples'][0]}, "
+                f"{i['samples'][1]}), {i['action']})"
+                for i in recent
+            )
+            err = UserError(
+                f"guard: {len(recent)} loss spikes within {self.cfg.span_steps} steps, more "
+                f"than guard.max_rewinds={self.cfg.max_rewinds}: {lines}. Stopping; the "
+                f"checkpoints before them are intact. Lower the peak LR (--set optim.lr=... or "
+                f"guard.lr_scale=0.5), inspect those samples, or raise guard.max_rewinds; "
+                f"docs/resilience.md says how to rewind by hand."
+            )
+            err.every_rank = True
+            raise err
+
+    # -- rewind ------------------------------------------------------------------------------
+
+    def rewind(
+        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int,
+        metrics,
+    ) -> tuple[dict, int]:  # fmt: skip
+        """Collective. Reload the newest intact checkpoint older than ``spike_step`` and skip
+        the samples from its position to ``spike_end`` plus the margin. Returns the client state
+        and the data position to continue from."""
+        older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
+        tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
+        if tag_dir is None:
+            err = UserError(
+                f"guard: loss spike at step {spike_step} and no intact checkpoint before it in "
+                f"{ckpt_dir} to rewind to. Save more often (--save-every), or turn the guard "
+                f"off for the first steps (guard.min_history)."
+            )
+            err.every_rank = True
+            raise err
+        client = checkpoint.load(engine, tag_dir)
+        start = client["data"]["position"]
+        end = spike_end + self.cfg.skip_margin_steps * samples_per_step
+        self.skipped.append((start, end))
+        self.lr_scale *= self.cfg.lr_scale
+        position = self.restore(engine, client, start)
+        self._save_log()
+        metrics.event(spike_step, "rewind", to_step=client["step"], checkpoint=str(tag_dir),
+                      lr_scale=self.lr_scale)  # fmt: skip
+        metrics.event(spike_step, "skip", samples=[start, end], reason="rewind")
+        print0(
+            f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "
+            f"[{start}, {end}); peak LR x{self.lr_scale:g}"
+        )
+        return client, position
+
+
+def _step(tag_dir: Path) -> int:
+    return checkpoint.read_manifest(tag_dir)["step"]
+
+
+def _scale_peak_lr(engine, factor: float) -> None:
+    """Multiply the schedule's peak LRs (``anneal.schedule.WarmupCosine``) by ``factor``."""
+    engine.lr_scheduler.scale_peak(factor)
