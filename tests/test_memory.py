@@ -354,4 +354,4 @@ def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     measured = big - base
     expected = estimate_for(MEASURED).total_stacked - estimate_for(SMALLEST).total_stacked
     print(f"measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
-    assert 0.90 <= measured / expected <= 1.20
+    assert 0.85 <= measured / expected <= 1.20

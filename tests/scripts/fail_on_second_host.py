@@ -13,10 +13,10 @@ from anneal.recipe import load_recipe, main  # noqa: E402
 RECIPE = load_recipe(os.path.join(os.getcwd(), "recipes", "pretrain_tiny.py"))
 
 
-def failing_step(engine, stream, state, plan):
+def failing_step(engine, stream, state, plan, *args):
     if state.step >= 1:
         raise RuntimeError("the injected failure of a rank on the second host")
-    return train_step(engine, stream, state, plan)
+    return train_step(engine, stream, state, plan, *args)
 
 
 if __name__ == "__main__":
