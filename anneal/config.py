@@ -221,14 +221,14 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if section not in _SECTIONS:
             raise UserError(
                 f"{where}: unknown section {section!r}"
-                f"{_suggest(section, [*_SECTIONS, 'ds'])}; sections are "
+                f"{suggest(section, [*_SECTIONS, 'ds'])}; sections are "
                 f"{', '.join([*_SECTIONS, 'ds'])}."
             )
         fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
         if field not in fields:
             raise UserError(
                 f"{where}: {section} has no key {field!r}"
-                f"{_suggest(field, fields)}; keys are {', '.join(fields)}."
+                f"{suggest(field, fields)}; keys are {', '.join(fields)}."
             )
         typ = typing.get_type_hints(_SECTIONS[section])[field]
         parsed = _coerce(value, typ, where)
@@ -303,7 +303,8 @@ def batch_arithmetic(
     )
 
 
-def _suggest(word: str, candidates) -> str:
+def suggest(word: str, candidates) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, else an empty string."""
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

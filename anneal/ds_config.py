@@ -22,17 +22,15 @@ which the run prints at start and writes to ``config.json``.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from anneal.config import REPO_ROOT, OptimConfig, batch_arithmetic
+from anneal.config import AUTO, REPO_ROOT, OptimConfig, batch_arithmetic, suggest
 from anneal.errors import UserError
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
-AUTO = "auto"
 
 Num = (int, float)
 Auto = "auto-or-int"
@@ -140,11 +138,6 @@ REQUIRED = [
 ]
 
 
-def _suggest(word: str, candidates) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _type_name(spec: Any) -> str:
     if spec is Num:
         return "a number"
@@ -177,7 +170,7 @@ def validate_ds_config(
         dotted = f"{prefix}{key}"
         if key not in schema:
             raise UserError(
-                f"{source}: unknown key {dotted!r}{_suggest(key, schema)}. DeepSpeed would "
+                f"{source}: unknown key {dotted!r}{suggest(key, schema)}. DeepSpeed would "
                 f"ignore it silently; Anneal refuses. Known keys here: {', '.join(schema)}."
             )
         spec = schema[key]

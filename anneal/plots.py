@@ -112,10 +112,14 @@ def _pyplot(dark: bool):
 
 
 def _save(fig, path: Path) -> Path:
+    """Write the figure as a PNG and close it (pyplot keeps every open figure alive)."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+    plt.close(fig)
     return path
 
 
@@ -162,7 +166,6 @@ def plot_schedule(
         ax.grid(alpha=0.4)
         ax.legend(loc="upper right", fontsize=8)
         out = _save(fig, path)
-        plt.close(fig)
     return out
 
 
@@ -279,9 +282,7 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
     ax.set_title(f"{name}: loss")
     ax.grid(alpha=0.4, which="both")
     ax.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def _plot_lr(plt, c, train, cfg, path, name) -> Path:
@@ -307,9 +308,7 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     ax.set_title(f"{name}: learning rate")
     ax.grid(alpha=0.4)
     ax.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
@@ -338,9 +337,7 @@ def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
     ax.set_title(f"{name}: gradient norm")
     ax.grid(alpha=0.4)
     ax.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def _plot_throughput(plt, c, train, path, name) -> Path:
@@ -362,6 +359,4 @@ def _plot_throughput(plt, c, train, path, name) -> Path:
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("optimizer step")
     ax2.grid(alpha=0.4)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
