@@ -53,6 +53,8 @@ class Preemption:
 
     def __init__(self, run_dir: Path) -> None:
         self.signum: int | None = None
+        self.requested_by_any = False
+        """Set on every rank by ``train_step``'s collective: some rank got a signal."""
         self._pid_file = Path(run_dir) / "preempt" / f"{socket.gethostname()}.{os.getpid()}.pid"
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         self._pid_file.write_text(f"{os.getpid()}\n")
@@ -66,9 +68,15 @@ class Preemption:
             name = signal.Signals(signum).name
             log.warning("got %s: stopping after this step to checkpoint", name)
 
+    @property
+    def signalled(self) -> bool:
+        """Whether this rank got a signal (local; no collective)."""
+        return self.signum is not None
+
     def requested(self, device: torch.device) -> bool:
-        """Collective after each step: True on every rank when any rank got a signal."""
-        flag = self.signum is not None
+        """Collective: True on every rank when any rank got a signal. The training loop gets
+        the same answer from its per-step collective (``requested_by_any``) instead."""
+        flag = self.signalled
         if world_size() > 1:
             t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from anneal.dist import is_main_process, world_size
+from anneal.dist import is_main_process
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -43,24 +43,6 @@ def local_memory_bytes(device: torch.device) -> int:
         torch.cuda.reset_peak_memory_stats(device)
         return int(peak)
     return _rss_bytes()
-
-
-def memory_fields(device: torch.device) -> dict:
-    """``mem_gib`` (one value per rank) and ``mem_max_gib`` for the train row. Collective:
-    every rank calls it (one small all-gather)."""
-    device = torch.device(device)
-    mine = local_memory_bytes(device)
-    if world_size() > 1:
-        import torch.distributed as dist
-
-        t = torch.tensor([float(mine)], dtype=torch.float64, device=device)
-        out = [torch.zeros_like(t) for _ in range(world_size())]
-        dist.all_gather(out, t)
-        values = [o.item() for o in out]
-    else:
-        values = [float(mine)]
-    gib = [round(v / GiB, 4) for v in values]
-    return {"mem_gib": gib, "mem_max_gib": max(gib)}
 
 
 # --- progress ----------------------------------------------------------------------------------

@@ -104,7 +104,24 @@ def build_engine(plan: Plan):
         config=engine_config,
         lr_scheduler=lambda opt: WarmupCosine(opt, **sched),
     )
+    if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not plan.bf16:
+        _keep_fp32_clip_norm(engine)
     return engine
+
+
+def _keep_fp32_clip_norm(engine) -> None:
+    """Without ZeRO in fp32, DeepSpeed clips through ``clip_fp32_gradients`` and drops the norm
+    it computed (``get_global_grad_norm()`` stays None); keep it, as its other paths do."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(),
+            max_norm=engine.gradient_clipping(),
+            mpu=engine.mpu,
+        )
+
+    engine.clip_fp32_gradients = clip
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -112,21 +129,43 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-def _mean_over_ranks(value: float, device: torch.device) -> float:
-    if world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / world_size()
+def _step_collective(
+    loss: torch.Tensor, device: torch.device, preemption: Preemption | None
+) -> tuple[float, dict, bool]:
+    """The one collective (and the one host sync) of a step, on every rank: this rank's mean
+    loss, its memory and whether it got a preemption signal, gathered from all ranks. Returns
+    the mean loss over ranks, the memory fields of the row, and whether any rank was signalled.
+    """
+    flag = float(preemption is not None and preemption.signalled)
+    mem = float(live.local_memory_bytes(device))
+    mine = torch.stack([
+        loss.to(torch.float64),
+        torch.tensor(mem, dtype=torch.float64, device=device),
+        torch.tensor(flag, dtype=torch.float64, device=device),
+    ])  # fmt: skip
+    if world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(world_size())]
+        dist.all_gather(parts, mine)
+        mine = torch.stack(parts)
+    rows = mine.view(-1, 3).tolist()
+    gib = [round(r[1] / live.GiB, 4) for r in rows]
+    loss_mean = sum(r[0] for r in rows) / len(rows)
+    return loss_mean, {"mem_gib": gib, "mem_max_gib": max(gib)}, any(r[2] > 0 for r in rows)
 
 
-def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan, fault=None) -> dict:
+def train_step(
+    engine, stream: TokenStream, state: TrainState, plan: Plan, fault=None, preemption=None
+) -> dict:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches. ``fault``: the
-    injected faults (``anneal.faults``), None in a normal run."""
+    injected faults (``anneal.faults``), None in a normal run. ``preemption``: the run's
+    ``Preemption``; this step's collective sets its ``requested_by_any`` on every rank.
+
+    The micro-batch losses stay on the device and are read once, at the end of the step, in
+    the step's one collective (``_step_collective``)."""
     start = time.perf_counter()
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
-    losses, wait_s = [], 0.0
+    loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
     if fault is not None:
         fault.step_start(state.step + 1, engine.module)
     for _ in range(plan.grad_accum):
@@ -134,15 +173,18 @@ def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan, fault
         samples = stream.indices_at(stream.position) if fault is not None else None
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = next_token_loss(engine(input_ids=x).logits, y)
         if fault is not None:
             loss = fault.loss(loss, state.step + 1, samples)
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
-        losses.append(loss.item())
+        loss_sum += loss.detach()
     if fault is not None:
         fault.step_end(state.step + 1, engine.module)
+    loss_mean, memory, preempt = _step_collective(loss_sum / plan.grad_accum, device, preemption)
+    if preemption is not None:
+        preemption.requested_by_any = preempt
     state.step += 1
     state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
     grad_norm = engine.get_global_grad_norm()
@@ -151,12 +193,14 @@ def train_step(engine, stream: TokenStream, state: TrainState, plan: Plan, fault
         "kind": "train",
         "step": state.step,
         "tokens": state.tokens,
-        "loss": _mean_over_ranks(sum(losses) / len(losses), device),
+        "loss": loss_mean,
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "tokens_per_s": plan.ds_config["train_batch_size"] * plan.seq_len / elapsed,
         "data_wait_s": round(wait_s, 6),
         "data_wait_share": round(wait_s / elapsed, 6),  # of step time; prefetch keeps it < 1%
+        **memory,
+        "time": round(time.time(), 3),  # wall clock at the end of the step
     }
 
 
@@ -250,9 +294,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
                            timeout_s=cfg.train.heartbeat_timeout_s)  # fmt: skip
     try:
         while state.step < end:
-            last_train = train_step(engine, stream, state, plan, fault)
+            last_train = train_step(engine, stream, state, plan, fault, preemption)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
-            last_train.update(live.memory_fields(engine.device))  # collective: every rank
             metrics.write(last_train)
             check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
             view.update(last_train)
@@ -274,7 +317,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
                 view.update(last_val)
             maybe_checkpoint(engine, stream, plan, state, metrics, guard)
             beat.completed(state.step)
-            if preemption.requested(engine.device):  # collective: a signal to any rank stops all
+            if preemption.requested_by_any:  # any rank signalled (train_step's collective)
                 preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
                                 save=lambda stream=stream, state=state: maybe_checkpoint(
                                     engine, stream, plan, state, metrics, guard, force=True
