@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The GPU benchmark (docs/benchmarks.md, "GPU"): 1b and 125m on one GPU, bf16, ZeRO-1 and ZeRO-3,
+# sequence 2048, activation checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory. Fits
+# 8 minutes on one H100 or H200 (a deadline stops starting rows that no longer fit).
+#
+#   bash bench/gpu.sh LOGDIR [bench_gpu.py options]        the benchmark, logs into LOGDIR
+#   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, fp32)
+#   bash bench/gpu.sh --fetch-wheels [DIR]                 here, with PyPI: wheels for a GPU
+#                                                           machine that lacks DeepSpeed
+#
+# Set-up, in order: the python (ANNEAL_PYTHON, else the first of .venv/bin/python,
+# /opt/torch/.venv/bin/python3, python3 whose torch sees a GPU, or any torch on --cpu-smoke);
+# if it cannot import Anneal's training stack (DeepSpeed, transformers, ...), the wheels in
+# ANNEAL_WHEELS (default: .whl/ in the repo) are installed with pip --no-index into
+# WORK/site, which goes first on PYTHONPATH. Nothing is downloaded on the GPU machine.
+# Exit: 0 all rows measured or skipped for time, 1 a row failed or nothing measured, 2 set-up.
+set -uo pipefail
+export ANNEAL_BENCH_T0=${ANNEAL_BENCH_T0:-$(date +%s.%N)}
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+work=${ANNEAL_BENCH_WORK:-/tmp/anneal-gpu-bench}
+export ANNEAL_BENCH_WORK=$work
+
+fetch_wheels() {
+  local dir=${1:-$repo/.whl}
+  local py=${ANNEAL_PYTHON:-$repo/.venv/bin/python}
+  local pyver=${ANNEAL_WHEELS_PYTHON:-3.12}  # the GPU machine's python (docs/benchmarks.md)
+  local ds_version
+  ds_version=$(sed -n 's/^deepspeed==//p' "$repo/requirements.txt")
+  mkdir -p "$dir" || return 2
+  # DeepSpeed is an sdist on PyPI: build its pure-Python wheel here, with no ops (they JIT-build).
+  DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dir" \
+    "deepspeed==$ds_version" || return 2
+  # Its requirements that the GPU image lacks, at the versions tested here (pydantic wants a
+  # newer typing-extensions than an image may have; the newer one serves torch as well).
+  local pins
+  pins=$("$py" - <<'EOF'
+from importlib.metadata import version
+print(" ".join(f"{n}=={version(n)}" for n in
+               ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                "typing-extensions")))
+EOF
+  ) || return 2
+  # shellcheck disable=SC2086
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$dir" $pins || return 2
+  ls -l "$dir"
+  echo "carry $dir to the GPU machine (the run tool's carry: [\"${dir#"$repo"/}\"])"
+}
+
+pick_python() {  # $1: cpu|gpu
+  local want=$1 py
+  if [[ -n ${ANNEAL_PYTHON:-} ]]; then
+    echo "$ANNEAL_PYTHON"
+    return
+  fi
+  for py in "$repo/.venv/bin/python" /opt/torch/.venv/bin/python3 python3 python; do
+    command -v "$py" >/dev/null 2>&1 || continue
+    if [[ $want == cpu ]]; then
+      "$py" -c "import torch" >/dev/null 2>&1 && { echo "$py"; return; }
+    else
+      "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" \
+        >/dev/null 2>&1 && { echo "$py"; return; }
+    fi
+  done
+}
+
+stack_ok() {  # what a recipe imports, without starting anything
+  PYTHONPATH=$1 "$py" -c "import deepspeed, transformers, sentencepiece, anneal.train, anneal.data.prepare" 2>&1
+}
+
+main() {
+  local mode=gpu
+  if [[ ${1:-} == --cpu-smoke ]]; then
+    mode=cpu
+    shift
+  fi
+  local logdir=$1
+  shift
+  echo "== bench/gpu.sh ($mode) $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $repo"
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  py=$(pick_python $mode)
+  if [[ -z $py ]]; then
+    echo "set-up: no python with torch$([[ $mode == gpu ]] && echo ' that sees a CUDA GPU') found (set ANNEAL_PYTHON)"
+    return 2
+  fi
+  echo "set-up: python $py ($("$py" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))"
+  local path=$repo${PYTHONPATH:+:$PYTHONPATH} err
+  if ! err=$(stack_ok "$path"); then
+    echo "set-up: $py cannot import the training stack: ${err##*$'\n'}"
+    local wheels=${ANNEAL_WHEELS:-$repo/.whl}
+    if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+      echo "set-up: no wheels in $wheels to install (make them where PyPI is reachable: bash bench/gpu.sh --fetch-wheels, then carry .whl)"
+      return 2
+    fi
+    echo "set-up: installing $(cd "$wheels" && echo *.whl) into $work/site (pip --no-index)"
+    mkdir -p "$work/site"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$work/site" "$wheels"/*.whl || return 2
+    path=$repo:$work/site${PYTHONPATH:+:$PYTHONPATH}
+    if ! err=$(stack_ok "$path"); then
+      echo "set-up: still cannot import the training stack after installing the wheels:"
+      echo "$err"
+      return 2
+    fi
+  fi
+  echo "set-up: training stack imports (PYTHONPATH=$path)"
+  export PYTHONPATH=$path
+  local args=("$logdir")
+  [[ $mode == cpu ]] && args+=(--cpu-smoke)
+  "$py" "$repo/bench/bench_gpu.py" "${args[@]}" "$@"
+}
+
+if [[ ${1:-} == --fetch-wheels ]]; then
+  shift
+  fetch_wheels "$@"
+  exit $?
+fi
+if [[ $# -lt 1 || ${1:-} == -h || ${1:-} == --help || (${1:-} == --cpu-smoke && $# -lt 2) ]]; then
+  sed -n '2,17p' "$0"
+  exit 2
+fi
+logdir=$1
+[[ $1 == --cpu-smoke ]] && logdir=$2
+mkdir -p "$logdir" || exit 2
+main "$@" 2>&1 | tee "$logdir/gpu_bench.log"
+exit "${PIPESTATUS[0]}"
