@@ -81,6 +81,7 @@ DS_SCHEMA: dict[str, Any] = {
         "stage3_param_persistence_threshold": Num,
         "stage3_max_live_parameters": Num,
         "stage3_max_reuse_distance": Num,
+        "memory_efficient_linear": bool,
         "stage3_gather_16bit_weights_on_model_save": bool,
         "offload_optimizer": _OFFLOAD,
         "offload_param": _OFFLOAD,

@@ -1,11 +1,13 @@
 """Time the main job (`make demo`): wall clock of scripts/demo.py end to end, and the training
 throughput it logged. Prints one JSON line for docs/benchmarks.md.
 
-    .venv/bin/python bench/bench_demo.py [--steps N]   (default: the demo's)
+    .venv/bin/python bench/bench_demo.py [--steps N] [--report F]   (default: the demo's steps)
+    .venv/bin/python bench/bench_demo.py --smoke                    (CI: 2 steps)
 """
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -20,7 +22,11 @@ from anneal.metrics import read_metrics  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, help="optimizer steps (default: the demo's)")
+parser.add_argument("--smoke", action="store_true", help="2 steps, to check the script works")
+parser.add_argument("--report", help="write a markdown fragment of the figures here")
 args = parser.parse_args()
+if args.smoke:
+    args.steps = 2
 out = Path(tempfile.mkdtemp(prefix="anneal-bench-")) / "demo"
 start = time.time()
 subprocess.run(
@@ -35,19 +41,25 @@ train = read_metrics(out, "train")
 steady = sorted(r["tokens_per_s"] for r in train[len(train) // 10 :])
 step_s = sum(train[-1]["tokens"] / len(train) / r["tokens_per_s"] for r in train)
 wait_s = sum(r["data_wait_s"] for r in train)
-print(
-    json.dumps(
-        {
-            "bench": "demo",
-            "steps": len(train),
-            "wall_s": round(wall_s, 1),
-            "train_s": round(step_s, 1),
-            "startup_and_other_s": round(wall_s - step_s, 1),
-            "median_tokens_per_s": round(steady[len(steady) // 2]),
-            "data_wait_share": round(wait_s / step_s, 5),
-            "final_val_bpb": read_metrics(out, "val")[-1]["val_bpb"],
-            "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
-            f"{__import__('os').cpu_count()} cores",
-        }
+result = {
+    "bench": "demo",
+    "steps": len(train),
+    "wall_s": round(wall_s, 1),
+    "train_s": round(step_s, 1),
+    "startup_and_other_s": round(wall_s - step_s, 1),
+    "median_tokens_per_s": round(steady[len(steady) // 2]),
+    "data_wait_share": round(wait_s / step_s, 5),
+    "final_val_bpb": read_metrics(out, "val")[-1]["val_bpb"],
+    "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores",
+}
+print(json.dumps(result))
+if args.report:
+    Path(args.report).write_text(
+        "### The main job, `make demo` (`bench/bench_demo.py`)\n\n"
+        f"`.venv/bin/python bench/bench_demo.py{f' --steps {args.steps}' if args.steps else ''}`"
+        "\n\n| wall clock | training | startup, validation, checkpoints, export | median "
+        "tokens/s | data wait | final val bpb |\n|---:|---:|---:|---:|---:|---:|\n"
+        f"| {result['wall_s']:.0f} s | {result['train_s']:.0f} s | "
+        f"{result['startup_and_other_s']:.0f} s | {result['median_tokens_per_s']:,} | "
+        f"{result['data_wait_share']:.2%} of step time | {result['final_val_bpb']:.3f} |\n"
     )
-)

@@ -104,8 +104,8 @@ def command(kind: str, ranks: int, stage: int | None, *, data, steps, out: Path,
         return launch + ["bench/reference.py", RECIPE, *common, "--rows", str(out / "steps.jsonl")]
     launch = [py] if ranks == 1 else [str(Path(py).parent / "deepspeed"), "--num_gpus",
                                       str(ranks), "--master_port", str(free_port())]  # fmt: skip
-    return launch + [RECIPE, *common, "--out", str(out / "run"), "--resume", "none",
-                     f"--set=ds.zero_optimization.stage={stage}"]  # fmt: skip
+    stage_set = [] if stage is None else [f"--set=ds.zero_optimization.stage={stage}"]
+    return launch + [RECIPE, *common, "--out", str(out / "run"), "--resume", "none", *stage_set]
 
 
 def step_rows(kind: str, out: Path) -> list[dict]:

@@ -1,12 +1,100 @@
-"""Run every bench/bench_*.py in turn (`make bench`). Each prints its own figures."""
+"""`make bench`: run every bench/bench_*.py and append their figures to docs/benchmarks.md.
 
+    .venv/bin/python bench/run_all.py                 all, figures appended under a dated header
+    .venv/bin/python bench/run_all.py --only train    some (names without bench_ and .py)
+    .venv/bin/python bench/run_all.py --smoke         CI: each script's few-step smoke mode;
+                                                      nothing is written
+
+Each script takes ``--smoke`` and ``--report PATH`` (a markdown fragment of its results) and
+prints one JSON line. A script that fails is named at the end and makes the exit status 1; the
+fragments of the others are still appended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
 import subprocess
 import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-here = Path(__file__).resolve().parent
-failed = 0
-for script in sorted(here.glob("bench_*.py")):
-    print(f"== {script.name}", flush=True)
-    failed |= subprocess.call([sys.executable, str(script)], cwd=here.parent)
-sys.exit(failed)
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    packages = ", ".join(
+        f"{n} {v(n)}" for n in ("torch", "deepspeed", "transformers", "sentencepiece", "datasets")
+    )
+    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    return (
+        f"{os.cpu_count()} vCPUs ({cpu}), {mem:.0f} GiB RAM, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}; {packages}; load average "
+        f"before the run {load}"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a few steps each; nothing written")
+    p.add_argument("--only", help="comma-separated names, e.g. train,prepare")
+    args = p.parse_args()
+    scripts = sorted(HERE.glob("bench_*.py"))
+    if args.only:
+        wanted = {f"bench_{n.strip()}.py" for n in args.only.split(",")}
+        unknown = wanted - {s.name for s in scripts}
+        if unknown:
+            names = ", ".join(s.stem.removeprefix("bench_") for s in scripts)
+            print(f"run_all: no such benchmark {sorted(unknown)}; choose from {names}")
+            return 2
+        scripts = [s for s in scripts if s.name in wanted]
+    header = machine_line()
+    frags, failed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in scripts:
+            frag = Path(tmp) / f"{script.stem}.md"
+            extra = ["--smoke"] if args.smoke else ["--report", str(frag)]
+            print(f"== {script.name} {' '.join(extra)}", flush=True)
+            start = time.time()
+            rc = subprocess.call([sys.executable, str(script), *extra], cwd=ROOT)
+            print(f"== {script.name}: exit {rc} in {time.time() - start:.0f} s", flush=True)
+            if rc != 0:
+                failed.append(script.name)
+            elif frag.is_file():
+                frags.append(frag.read_text().strip())
+    if frags and not args.smoke:
+        when = time.strftime("%Y-%m-%d %H:%M %Z")
+        command = "make bench" + (f" (bench/run_all.py --only {args.only})" if args.only else "")
+        with open(DOC, "a") as f:
+            f.write(f"\n## `{command}`, {when}\n\nMachine: {header}.\n\n")
+            f.write("\n\n".join(frags) + "\n")
+        print(f"appended {len(frags)} result(s) to {DOC.relative_to(ROOT)}")
+    if failed:
+        print(f"run_all: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

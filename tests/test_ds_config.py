@@ -231,3 +231,13 @@ def test_every_shipped_ds_config_validates_and_leaves_the_run_to_the_recipe(path
     assert "bf16" in resolved
     if path.name != "cpu.json":
         assert resolved["bf16"]["enabled"] is True
+
+
+@pytest.mark.parametrize("path", sorted(dslib.DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_no_shipped_ds_config_needs_an_op_build_for_its_optimizer(path):
+    # Without torch_adam DeepSpeed's AdamW is FusedAdam, JIT-built with nvcc, which a pip
+    # install of torch does not bring: the first GPU run must not hinge on that build. The
+    # offload config's optimizer is DeepSpeed's CPU Adam (a host op), the one exception.
+    ds = dslib.load_ds_config(path)
+    offloaded = "offload_optimizer" in ds.get("zero_optimization", {})
+    assert ds["optimizer"]["params"].get("torch_adam", False) is not offloaded

@@ -1,0 +1,36 @@
+"""`make bench` cannot rot: every benchmark runs end to end in its smoke mode (CI runs this)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs_in_smoke_mode():
+    before = (ROOT / "docs" / "benchmarks.md").read_text()
+    proc = subprocess.run(
+        [sys.executable, "bench/run_all.py", "--smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=2400,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    scripts = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
+    assert re.findall(r"^== (bench_\w+\.py): exit 0 in", proc.stdout, re.M) == scripts
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == before  # smoke writes nothing
+
+    # The training comparison ran both sides on the same first batch and weights.
+    train = next(
+        json.loads(line)
+        for line in proc.stdout.splitlines()
+        if line.startswith("{") and '"bench": "train"' in line
+    )
+    sides = {(r["ranks"], r["run"]) for r in train["rows"]}
+    assert sides == {(1, "plain loop"), (1, "recipe ZeRO-3"), (2, "torch DDP (gloo)"),
+                     (2, "recipe ZeRO-3")}  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["step1_loss_diff"] < 1e-4 for r in train["rows"])
