@@ -185,7 +185,7 @@ class Tokenizer:
         offsets = np.zeros(len(encoded) + 1, np.int64)  # where each encoded string starts
         np.cumsum(sizes, out=offsets[1:])
         flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype, count=int(offsets[-1]))
-        at = offsets[np.cumsum(counts)][np.asarray(eos_after, dtype=bool)]
+        at = offsets[np.cumsum(counts, dtype=np.int64)][np.asarray(eos_after, dtype=bool)]
         ids = np.insert(flat, at, self.eos_id)
         return ids, at + np.arange(1, len(at) + 1)
 
