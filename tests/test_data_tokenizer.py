@@ -167,9 +167,9 @@ def test_encode_packed_gives_sentencepieces_ids_by_buffers_and_by_lists(trained)
         if last:
             want_ids.append(sp.eos_id())
             want_ends.append(len(want_ids))
-    assert tok.encode_buffers is not None, "sentencepiece lost _EncodeAsBufferBatch: slower"
-    for buffers in (tok.encode_buffers, None):
-        tok.encode_buffers = buffers
+    assert tok.buffers, "sentencepiece lost _EncodeAsBufferBatch: prepare is slower"
+    for buffers in (True, False):
+        tok.buffers = buffers
         ids, ends = tok.encode_packed(texts, eos_after, dtype=np.dtype(np.uint16))
         assert ids.dtype == np.uint16 and ids.tolist() == want_ids
         assert ends.tolist() == want_ends

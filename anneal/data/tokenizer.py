@@ -136,11 +136,9 @@ class Tokenizer:
         self.split_lines = split_lines
         """True when no piece crosses a newline, so lines can be encoded separately."""
         self._impl = impl
-        self.encode_buffers = getattr(
-            getattr(impl, "_processor", None), "_EncodeAsBufferBatch", None
-        )
-        """SentencePiece's batch encoder to int32 buffers (sentencepiece 0.2.3's pybind entry
-        point), or None: :meth:`encode_packed` then packs lists of ints, with the same ids."""
+        self.buffers = hasattr(getattr(impl, "_processor", None), "_EncodeAsBufferBatch")
+        """Whether SentencePiece's batch encoder to int32 buffers (sentencepiece 0.2.3's pybind
+        entry point) is there; if not, :meth:`encode_packed` packs lists of ints, same ids."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS."""
@@ -194,12 +192,11 @@ class Tokenizer:
         the Python list of ints (``encode(out_type="numpy")`` wraps each in an array, which
         costs more than the encoding saves). None where that entry point is missing (a
         Hugging Face tokenizer, another sentencepiece version): the caller uses lists then."""
-        fn = self.encode_buffers
-        if fn is None:
+        if not self.buffers:
             return None
-        # (inputs, num_threads, thread_pool, enable_sampling, nbest_size, alpha, add_bos,
-        # add_eos, reverse): sentencepiece_pybind.cc, as SentencePieceProcessor.Encode calls it
-        return fn(strings, 1, None, False, -1, 0.0, False, False, False)
+        return self._impl._processor._EncodeAsBufferBatch(
+            strings, 1, None, False, -1, 0.0, False, False, False
+        )
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "sentencepiece":
