@@ -1,8 +1,16 @@
-"""Tokenize+pack throughput of ``anneal data prepare`` against ``datasets.Dataset.map``, and its
-peak memory on an input ten times larger than the memory it is allowed.
+"""Tokenize+pack throughput of ``anneal data prepare`` against the tokenizer's own batch encode
+(the limit) and against ``datasets.Dataset.map``, and its peak memory on an input ten times
+larger than the memory it is allowed.
 
     python bench/bench_prepare.py                      # 5-12 minutes on 2 cores (busy or not)
-    python bench/bench_prepare.py --mb 8 --memory-cap-mb 32    # a quick look
+    python bench/bench_prepare.py --only throughput --report frag.md   # 3-5 minutes
+    python bench/bench_prepare.py --smoke              # under a minute: still works end to end
+
+The limit: in a fresh process, the same input read by the same readers, cut into lines and
+batches exactly as the pipeline does (not timed), then ``sp.encode(batch, num_threads=1)``
+alone, timed in wall and CPU seconds. Anneal's tokenize+pack phase is timed by meta.json
+(``pack_seconds``, ``pack_cpu_seconds``: its own and its workers' CPU). Each repeat runs the
+limit, then Anneal and ``datasets`` for every worker count, in turn; medians are reported.
 
 Both sides get the same input (JSON Lines made by repeating the Python standard library's
 source files), the same SentencePiece BPE model (8192 pieces, trained once on the stdlib) and
@@ -11,7 +19,8 @@ the same encode function on batches of the same size (``ENCODE_BATCH_CHARS`` cha
 Anneal for its tokenize+pack phase (meta.json ``pack_seconds``) and for the whole command.
 Memory is the peak over the run of the proportional set size (PSS: a shared page is split
 between the processes that share it) summed over the command's process tree, sampled every
-20 ms. Writes a JSON report and prints a Markdown table for docs/benchmarks.md.
+20 ms. Writes a JSON report (``--json``), prints one JSON line of results, and with ``--report
+PATH`` writes a Markdown fragment for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -35,6 +45,8 @@ sys.path.insert(0, str(REPO))
 from anneal.data import tokenizer as toklib  # noqa: E402
 from anneal.data.pack import ENCODE_BATCH_CHARS  # noqa: E402
 from anneal.data.prepare import default_workers  # noqa: E402
+from anneal.data.readers import Problems, ReadOptions, read_unit  # noqa: E402
+from anneal.data.sources import list_units, parse_inputs  # noqa: E402
 
 
 def stdlib_texts() -> list[str]:
@@ -125,7 +137,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float,
     return time.time() - start, peak[0] / 1024, {"top": top, "rest": sum(cpu.values())}, out
 
 
-def anneal_prepare(inp: Path, tok: Path, out: Path, workers: int) -> dict:
+def anneal_prepare(inp: Path, tok: Path, out: Path, workers: int, val: float = 0.01) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         sys.executable,
@@ -142,7 +154,7 @@ def anneal_prepare(inp: Path, tok: Path, out: Path, workers: int) -> dict:
         "--out",
         str(out),
         "--val-fraction",
-        "0.01",
+        str(val),
         "--quiet",
     ]
     wall, peak, cpu, _ = run_measured(cmd, env={"PYTHONPATH": str(REPO)})
@@ -161,7 +173,45 @@ def anneal_prepare(inp: Path, tok: Path, out: Path, workers: int) -> dict:
         "parent_cpu_s": cpu["top"],
         "children_cpu_s": cpu["rest"],
         "mb_per_cpu_s": mb / (cpu["top"] + cpu["rest"]),
+        "pack_cpu_s": meta["pack_cpu_seconds"],
+        "pack_mb_per_cpu_s": mb / meta["pack_cpu_seconds"],
     }
+
+
+def encode_limit(inp: Path, tok_dir: Path) -> dict:
+    """SentencePiece's batch encode alone on the same text, in a fresh process."""
+    cmd = [sys.executable, __file__, "--encode-child", str(inp), str(tok_dir)]
+    _, _, _, out = run_measured(cmd, env={"PYTHONPATH": str(REPO)})
+    r = json.loads(out.strip().splitlines()[-1])
+    return {**r, "mb_s": r["mb"] / r["wall_s"], "mb_per_cpu_s": r["mb"] / r["cpu_s"]}
+
+
+def _encode_child(inp: str, tok_dir: str) -> None:
+    """Read ``inp`` as prepare does (same readers and units), cut it into lines and batches of
+    ``ENCODE_BATCH_CHARS`` per unit as the pipeline does, then time only ``sp.encode``."""
+    import sentencepiece as spm
+
+    opts, problems = ReadOptions(), Problems("stop")
+    batches, nbytes = [], 0
+    for source in parse_inputs([inp]):
+        for unit in list_units(source, opts, problems):
+            nbytes += unit.nbytes
+            texts, chars = [], 0
+            for rec in read_unit(unit, opts, problems):
+                texts.append(rec.text)
+                chars += len(rec.text)
+                if chars >= ENCODE_BATCH_CHARS:
+                    batches.append(toklib._lines(texts)[0])
+                    texts, chars = [], 0
+            if texts:
+                batches.append(toklib._lines(texts)[0])
+    sp = spm.SentencePieceProcessor(model_file=str(Path(tok_dir) / "tokenizer.model"))
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = 0
+    for batch in batches:
+        tokens += sum(map(len, sp.encode(batch, num_threads=1)))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(json.dumps({"mb": nbytes / 1e6, "wall_s": wall, "cpu_s": cpu, "tokens": tokens}))
 
 
 def datasets_map(inp: Path, tok_dir: Path, workers: int, cache: Path) -> dict:
@@ -221,9 +271,21 @@ def _datasets_child(inp: str, tok_dir: str, workers: int, cache: str) -> None:
     )
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _spread(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs]
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--datasets-child":
         _datasets_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--encode-child":
+        _encode_child(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=24.0, help="throughput input size")
@@ -237,8 +299,13 @@ def main() -> None:
     parser.add_argument("--only", choices=("throughput", "memory"), help="run one part")
     parser.add_argument("--workers", default="", help="comma list (default 1..cores)")
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one)")
-    parser.add_argument("--report", default=str(REPO / "bench" / "results" / "prepare.json"))
+    parser.add_argument("--json", default=str(REPO / "bench" / "results" / "prepare.json"))
+    parser.add_argument("--report", help="also write a Markdown fragment here")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it still runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.mb, args.repeat, args.only = 1.0, 1, "throughput"
+    val = 0.0 if args.smoke else 0.01  # 1 MB may hold no validation window
     cores = default_workers()
     workers = (
         [int(w) for w in args.workers.split(",")] if args.workers else list(range(1, cores + 1))
@@ -249,7 +316,8 @@ def main() -> None:
     tok_dir = work / "tok"
     tok_dir.mkdir(exist_ok=True)
     if not (tok_dir / "tokenizer.model").exists():
-        toklib.train_sentencepiece(texts, vocab_size=8192, out_path=tok_dir / "tokenizer.model")
+        sample, vocab = (texts[:80], 1024) if args.smoke else (texts, 8192)
+        toklib.train_sentencepiece(sample, vocab_size=vocab, out_path=tok_dir / "tokenizer.model")
     inp = work / "input.jsonl"
     write_jsonl(inp, args.mb, texts)
     report = {
@@ -260,76 +328,127 @@ def main() -> None:
             "system": platform.platform(),
         },
         "input_mb": inp.stat().st_size / 1e6,
+        "command": " ".join(["bench/bench_prepare.py", *sys.argv[1:]]),
+        "loadavg_start": os.getloadavg()[0],
         "throughput": [],
     }
-    for w in workers if args.only != "memory" else []:
-        runs_a, runs_d = [], []
-        for _ in range(args.repeat):  # alternate, keep the best of each: less noise
-            runs_a.append(anneal_prepare(inp, tok_dir / "tokenizer.model", work / "out", w))
-            runs_d.append(datasets_map(inp, tok_dir, w, work / f"hf_cache_{w}"))
+    runs: dict = {"limit": [], **{("anneal", w): [] for w in workers}}
+    runs.update({("datasets", w): [] for w in workers})
+    for _ in range(args.repeat if args.only != "memory" else 0):  # alternate: same noise
+        runs["limit"].append(encode_limit(inp, tok_dir))
+        for w in workers:
+            runs["anneal", w].append(
+                anneal_prepare(inp, tok_dir / "tokenizer.model", work / "out", w, val)
+            )
+            runs["datasets", w].append(datasets_map(inp, tok_dir, w, work / f"hf_cache_{w}"))
             shutil.rmtree(work / f"hf_cache_{w}", ignore_errors=True)
-        a = max(runs_a, key=lambda x: x["pack_mb_s"])
-        d = max(runs_d, key=lambda x: x["map_mb_s"])
+    if runs["limit"]:
+        lim = runs["limit"]
+        report["limit"] = {
+            "mb_s": _median(lim, "mb_s"),
+            "mb_s_range": _spread(lim, "mb_s"),
+            "mb_per_cpu_s": _median(lim, "mb_per_cpu_s"),
+            "mb_per_cpu_s_range": _spread(lim, "mb_per_cpu_s"),
+            "runs": lim,
+        }
+    for w in workers if runs["limit"] else []:
+        a, d = runs["anneal", w], runs["datasets", w]
+        for r in a:
+            r["per_worker_mb_s"] = r["pack_mb_s"] / w
         row = {
             "workers": w,
-            "anneal": a,
-            "datasets": d,
-            "ratio": a["pack_mb_s"] / d["map_mb_s"],
-            "ratio_cpu": max(x["mb_per_cpu_s"] for x in runs_a)
-            / max(x["mb_per_cpu_s"] for x in runs_d),
+            "pack_mb_s": _median(a, "pack_mb_s"),
+            "per_worker_mb_s": _median(a, "per_worker_mb_s"),
+            "per_worker_range": _spread(a, "per_worker_mb_s"),
+            "pack_mb_per_cpu_s": _median(a, "pack_mb_per_cpu_s"),
+            "pack_mb_per_cpu_s_range": _spread(a, "pack_mb_per_cpu_s"),
+            "wall_mb_s": _median(a, "wall_mb_s"),
+            "peak_pss_mib": _median(a, "peak_pss_mib"),
+            "datasets_map_mb_s": _median(d, "map_mb_s"),
+            "datasets_mb_per_cpu_s": _median(d, "mb_per_cpu_s"),
+            "anneal_runs": a,
+            "datasets_runs": d,
         }
+        row["of_limit"] = row["per_worker_mb_s"] / report["limit"]["mb_s"]
+        row["of_limit_cpu"] = row["pack_mb_per_cpu_s"] / report["limit"]["mb_per_cpu_s"]
+        row["vs_datasets"] = row["pack_mb_s"] / row["datasets_map_mb_s"]
         report["throughput"].append(row)
         print(
-            f"workers {w}: anneal {a['pack_mb_s']:.2f} MB/s (whole command "
-            f"{a['wall_mb_s']:.2f}), datasets.map {d['map_mb_s']:.2f} MB/s "
-            f"(+ JSON load {d['load_s']:.1f} s): ratio {row['ratio']:.2f}",
+            f"workers {w}: {row['per_worker_mb_s']:.2f} MB/s per worker "
+            f"({row['of_limit']:.0%} of encode alone), {row['pack_mb_per_cpu_s']:.2f} MB per "
+            f"CPU-s ({row['of_limit_cpu']:.0%}); datasets.map {row['datasets_map_mb_s']:.2f} "
+            f"MB/s",
+            file=sys.stderr,
             flush=True,
         )
     inp.unlink()
-    if args.only == "throughput":
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
-        print(markdown(report))
-        return
-    big = work / "big.jsonl"
-    cap = args.memory_cap_mb
-    write_jsonl(big, 10 * cap * 1.048576, texts)
-    m = anneal_prepare(big, tok_dir / "tokenizer.model", work / "out", cores)
-    big.unlink()
-    m["cap_mib"] = cap
-    m["input_over_cap"] = m["mb"] / 1.048576 / cap
-    report["memory"] = m
-    print(
-        f"memory: {m['mb']:.0f} MB input ({m['input_over_cap']:.1f}x the {cap:.0f} MiB cap), "
-        f"{cores} workers: peak {m['peak_pss_mib']:.0f} MiB PSS in all, "
-        f"{m['pack_mb_s']:.2f} MB/s",
-        flush=True,
-    )
-    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+    if args.only != "throughput":
+        big = work / "big.jsonl"
+        cap = args.memory_cap_mb
+        write_jsonl(big, 10 * cap * 1.048576, texts)
+        m = anneal_prepare(big, tok_dir / "tokenizer.model", work / "out", cores)
+        big.unlink()
+        m["cap_mib"] = cap
+        m["input_over_cap"] = m["mb"] / 1.048576 / cap
+        report["memory"] = m
+    report["loadavg_end"] = os.getloadavg()[0]
+    if not args.smoke:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.report:
+        Path(args.report).write_text(markdown(report) + "\n")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    print(markdown(report))
+    summary = {
+        "input_mb": report["input_mb"],
+        "limit_mb_s": report.get("limit", {}).get("mb_s"),
+        "limit_mb_per_cpu_s": report.get("limit", {}).get("mb_per_cpu_s"),
+        "rows": [
+            {k: v for k, v in r.items() if not k.endswith("_runs")} for r in report["throughput"]
+        ],
+        "memory_peak_pss_mib": report.get("memory", {}).get("peak_pss_mib"),
+        "loadavg": [report["loadavg_start"], report["loadavg_end"]],
+    }
+    print(json.dumps(summary))
 
 
 def markdown(r: dict) -> str:
-    rows = r["throughput"]
-    base = rows[0]["anneal"]["pack_mb_s"] if rows else 1.0
-    lines = [
-        "| workers | Anneal MB/s | per worker | speed-up | MB per CPU-second | parent CPU "
-        "| whole command MB/s | datasets.map MB/s | Anneal / datasets (wall) "
-        "| Anneal / datasets (CPU) | peak PSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        a, d, w = row["anneal"], row["datasets"], row["workers"]
-        share = a["parent_cpu_s"] / (a["parent_cpu_s"] + a["children_cpu_s"])
-        lines.append(
-            f"| {w} | {a['pack_mb_s']:.2f} | {a['pack_mb_s'] / w:.2f} | "
-            f"{a['pack_mb_s'] / base:.2f}x | {a['mb_per_cpu_s']:.2f} | {share:.0%} | "
-            f"{a['wall_mb_s']:.2f} | {d['map_mb_s']:.2f} | {row['ratio']:.2f} | "
-            f"{row['ratio_cpu']:.2f} | {a['peak_pss_mib']:.0f} |"
-        )
+    rows, lim = r["throughput"], r.get("limit")
+    lines = ["### Data: tokenize + pack against the tokenizer's own batch encode", ""]
+    lines += ["```", r["command"], "```", ""]
+    lines.append(
+        f"{r['input_mb']:.1f} MB of JSON Lines (stdlib source), {r['machine']['cores']} cores, "
+        f"load average {r['loadavg_start']:.1f} at the start and {r['loadavg_end']:.1f} at the "
+        f"end; medians of {len(lim['runs']) if lim else 0} alternating repeats (range in "
+        f"brackets)."
+    )
+    if lim:
+        lines += [
+            "",
+            "| | MB/s per worker | of encode alone | MB per CPU-second | of encode alone "
+            "| datasets.map MB/s | Anneal / datasets | peak PSS MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| `sp.encode(lines, num_threads=1)` alone | {lim['mb_s']:.2f} "
+            f"({lim['mb_s_range']}) | 100% | {lim['mb_per_cpu_s']:.2f} "
+            f"({lim['mb_per_cpu_s_range']}) | 100% | | | |",
+        ]
+        for row in rows:
+            lines.append(
+                f"| Anneal, {row['workers']} worker{'s' * (row['workers'] > 1)} "
+                f"| {row['per_worker_mb_s']:.2f} ({row['per_worker_range']}) "
+                f"| {row['of_limit']:.0%} | {row['pack_mb_per_cpu_s']:.2f} "
+                f"({row['pack_mb_per_cpu_s_range']}) | {row['of_limit_cpu']:.0%} "
+                f"| {row['datasets_map_mb_s']:.2f} | {row['vs_datasets']:.2f} "
+                f"| {row['peak_pss_mib']:.0f} |"
+            )
+        worst = min(min(x["of_limit"], x["of_limit_cpu"]) for x in rows)
+        lines += [
+            "",
+            f"Per worker, tokenize+pack runs at {worst:.0%} or more of SentencePiece's batch "
+            f"encode of the same lines (goal: 90%), "
+            + ("met" if worst >= 0.9 else "not met")
+            + "; per CPU-second is the steadier figure on a shared machine.",
+        ]
     m = r.get("memory")
     if m:
         lines += [

@@ -4,8 +4,10 @@ Proves: text -> ids -> text is the identity for a trained tokenizer (BPE and uni
 it never saw, byte fallback included; encoding line by line gives the ids of encoding whole
 (BPE); ``AutoTokenizer.from_pretrained(DIR)`` encodes the ids SentencePiece does and decodes
 them back (on real source code and on adversarial strings); ``token_bytes.npy`` counts exactly
-the UTF-8 bytes of every text; and a reused SentencePiece model or Hugging Face tokenizer
-directory prepares shards whose ids are the ones that tokenizer gives.
+the UTF-8 bytes of every text; a reused SentencePiece model or Hugging Face tokenizer
+directory prepares shards whose ids are the ones that tokenizer gives; and the shards of both
+splits are SentencePiece's own ``encode`` of each whole document plus EOS, for any workers and
+unit size, whichever way the pipeline packs the ids.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import numpy as np
 import pytest
 
 from anneal.data import tokenizer as toklib
+from anneal.data.pack import is_validation
 from anneal.data.prepare import prepare
+from anneal.data.readers import Problems, ReadOptions, read_unit
+from anneal.data.sources import list_units, parse_inputs
 from anneal.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -141,6 +146,78 @@ def test_reused_sentencepiece_model_gives_its_ids(trained, tmp_path):
     texts = _corpus_texts()
     expected = [i for ids in tok.encode_batch(texts) for i in [*ids, toklib.EOS_ID]]
     assert _shard_ids(out).tolist() == expected
+
+
+def _plain_sentencepiece(trained: Path):
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(trained / "tokenizer.model"))
+
+
+def test_encode_packed_gives_sentencepieces_ids_by_buffers_and_by_lists(trained):
+    """Both ways of packing (SentencePiece's int32 buffers, and lists of ints, which a Hugging
+    Face tokenizer or another sentencepiece version takes) give SentencePiece's own ids of each
+    whole text, EOS after the texts that end a document, and the offsets after each EOS."""
+    tok, sp = toklib.load(trained), _plain_sentencepiece(trained)
+    texts = [*UNSEEN, *_fuzz(200, seed=4), *_corpus_texts()[:3]]
+    eos_after = [i % 3 != 1 for i in range(len(texts))]  # some texts are pieces of one document
+    want_ids, want_ends = [], []
+    for text, last in zip(texts, eos_after, strict=True):
+        want_ids += sp.encode(text)
+        if last:
+            want_ids.append(sp.eos_id())
+            want_ends.append(len(want_ids))
+    assert tok.buffers, "sentencepiece lost _EncodeAsBufferBatch: prepare is slower"
+    for buffers in (True, False):
+        tok.buffers = buffers
+        ids, ends = tok.encode_packed(texts, eos_after, dtype=np.dtype(np.uint16))
+        assert ids.dtype == np.uint16 and ids.tolist() == want_ids
+        assert ends.tolist() == want_ends
+        empty_ids, empty_ends = tok.encode_packed([], [], dtype=np.dtype(np.uint16))
+        assert len(empty_ids) == len(empty_ends) == 0
+
+
+@pytest.mark.parametrize("workers, unit_bytes", [(1, 4 << 20), (2, 16 << 10)])
+def test_shards_hold_sentencepieces_own_ids_of_every_document(
+    trained, tmp_path, workers, unit_bytes
+):
+    """Shards against SentencePiece alone: each split is, id for id, ``encode(document)`` of
+    every whole document in input order followed by EOS, whatever the workers, the unit size
+    (small units cut a text file into pieces, encoded apart: BPE only, whose ids do not cross
+    a newline) and the batches the pipeline encodes in."""
+    sp = _plain_sentencepiece(trained)
+    docs = [*_corpus_texts(), *UNSEEN, *_fuzz(300, seed=3)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    inputs = [str(jsonl)]
+    if tok_is_bpe := trained.name.startswith("tok_bpe"):
+        big = tmp_path / "big"
+        big.mkdir()
+        (big / "all.py").write_text("\n".join(_corpus_texts()), encoding="utf-8")
+        assert (big / "all.py").stat().st_size > 4 * unit_bytes or unit_bytes > 1 << 20
+        inputs.append(str(big))
+    out = tmp_path / "prepared"
+    meta = prepare(
+        inputs=inputs,
+        out=out,
+        tokenizer=trained / "tokenizer.model",
+        workers=workers,
+        unit_bytes=unit_bytes,
+        val_fraction=0.3,
+        seq_len=8,
+        progress=False,
+    )
+    expected: dict[str, list[int]] = {"train": [], "val": []}
+    opts = ReadOptions()  # whole documents: a text file is one record at the default unit
+    for source in parse_inputs(inputs):
+        for unit in list_units(source, opts, Problems("stop")):
+            for rec in read_unit(unit, opts, Problems("stop")):
+                val = is_validation(source.name, rec.name, val_fraction=0.3)
+                expected["val" if val else "train"] += [*sp.encode(rec.text), sp.eos_id()]
+    assert len(meta["sources"]) == 1 + tok_is_bpe
+    for split, ids in expected.items():
+        assert meta["splits"][split]["documents"] > 0
+        assert _shard_ids(out, split).tolist() == ids, split
 
 
 def _byte_level_hf_dir(tmp_path: Path, *, extra_words: int = 0) -> Path:

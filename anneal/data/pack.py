@@ -9,7 +9,6 @@ for any number of workers.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,11 @@ from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
 ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 
 _WORKER: dict = {}
+
+
+def utf8_bytes(text: str) -> int:
+    """``len(text.encode("utf-8"))`` without the copy for ASCII text."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def is_validation(label: str, name: str, *, val_fraction: float) -> bool:
@@ -67,44 +71,37 @@ def tokenize_unit(unit: Unit) -> UnitResult:
     """Read, split, encode and pack one unit (in a worker, after :func:`init_worker`)."""
     tok: toklib.Tokenizer = _WORKER["tok"]
     opts: ReadOptions = _WORKER["opts"]
+    val_fraction: float = _WORKER["val_fraction"]
     dtype = _WORKER["dtype"]
     problems = Problems(opts.on_error)
-    pending: list = []  # records waiting to be encoded
+    # Per split: the texts waiting to be encoded and whether each ends its document.
+    pending: dict[str, tuple[list[str], list[bool]]] = {s: ([], []) for s in SPLITS}
     pending_chars = 0
     arrays: dict[str, list] = {s: [] for s in SPLITS}  # per split: (ids, doc_ends) arrays
     counts = {s: [0, 0, 0] for s in SPLITS}  # documents, bytes, tokens
-    eos = (tok.eos_id,)
 
     def flush():
-        encoded = tok.encode_batch([r.text for r in pending])
-        by_split: dict[str, list] = {s: [] for s in SPLITS}
-        for rec, ids in zip(pending, encoded, strict=True):
-            val = is_validation(unit.label, rec.name, val_fraction=_WORKER["val_fraction"])
-            split = "val" if val else "train"
-            by_split[split].append((ids, rec.last))
-            counts[split][0] += rec.first
-            counts[split][1] += len(rec.text.encode("utf-8"))
-        for split, pieces in by_split.items():
-            if not pieces:
-                continue
-            lengths = np.array([len(ids) + last for ids, last in pieces], dtype=np.int64)
-            flat = itertools.chain.from_iterable(
-                itertools.chain(ids, eos) if last else ids for ids, last in pieces
-            )
-            ids = np.fromiter(flat, dtype=dtype, count=int(lengths.sum()))
-            ends = np.cumsum(lengths)[np.array([last for _, last in pieces], dtype=bool)]
-            arrays[split].append((ids, ends + counts[split][2]))
-            counts[split][2] += len(ids)
-        pending.clear()
+        for split, (texts, lasts) in pending.items():
+            if texts:
+                ids, ends = tok.encode_packed(texts, lasts, dtype=dtype)
+                arrays[split].append((ids, ends + counts[split][2]))
+                counts[split][2] += len(ids)
+                texts.clear()
+                lasts.clear()
 
     for rec in read_unit(unit, opts, problems):
-        pending.append(rec)
+        val = val_fraction > 0 and is_validation(unit.label, rec.name, val_fraction=val_fraction)
+        split = "val" if val else "train"
+        texts, lasts = pending[split]
+        texts.append(rec.text)
+        lasts.append(rec.last)
+        counts[split][0] += rec.first
+        counts[split][1] += utf8_bytes(rec.text)
         pending_chars += len(rec.text)
         if pending_chars >= ENCODE_BATCH_CHARS:
             flush()
             pending_chars = 0
-    if pending:
-        flush()
+    flush()
     parts = {}
     for split in SPLITS:
         ids = [a for a, _ in arrays[split]]
@@ -157,9 +154,8 @@ class ShardWriter:
             if self._file is None:
                 self._open()
             take = ids[: self.shard_tokens - self._in_shard]
-            data = take.tobytes()
-            self._file.write(data)
-            self._hash.update(data)
+            self._file.write(take)  # the array's buffer, written and hashed without a copy
+            self._hash.update(take)
             self._in_shard += len(take)
             ids = ids[len(take) :]
             if self._in_shard == self.shard_tokens:

@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import sys
 import time
@@ -176,9 +177,9 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     tok = toklib.load(partial)
     dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
     np.save(partial / "token_bytes.npy", tok.token_bytes())
-    t_pack = time.time()
+    t_pack, cpu_pack = time.time(), _cpu_seconds()
     splits, per_source, nbytes = _pack_all(partial, cfg, sources, units, tok, dtype, problems)
-    pack_s = time.time() - t_pack
+    pack_s, pack_cpu_s = time.time() - t_pack, _cpu_seconds() - cpu_pack
     for s in sources:
         docs = sum(per_source[split][s.name]["documents"] for split in pack.SPLITS)
         if docs == 0:
@@ -219,10 +220,21 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         "seconds": round(seconds, 1),
         "pack_seconds": round(pack_s, 2),
         "pack_mb_per_s": round(nbytes / 1e6 / max(pack_s, 1e-9), 2),
+        "pack_cpu_seconds": round(pack_cpu_s, 2),
         "workers": cfg.workers or default_workers(),
     }
     (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended: the
+    workers of a finished pack are joined, so a difference around it counts them all."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _check_validation(cfg: PrepareConfig, splits: dict) -> None:
@@ -457,6 +469,8 @@ def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Ite
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        pool.close()
+        pool.join()  # workers end here, so their CPU time is counted (pack_cpu_seconds)
 
 
 def _pack_all(partial, cfg, sources, units, tok, dtype, problems):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -54,6 +55,18 @@ def _chunks(texts: Iterable[str], *, max_chars: int = 1000) -> Iterator[str]:
                 buf, size = [], 0
         if buf:
             yield "".join(buf)
+
+
+def _lines(texts: list[str]) -> tuple[list[str], list[int]]:
+    """Every text cut after each ``"\\n"`` (only there: not at ``"\\r"`` nor U+2028, which
+    ``str.splitlines`` would cut at), and how many lines each text gave (0 for an empty one)."""
+    lines: list[str] = []
+    counts: list[int] = []
+    for text in texts:
+        parts = io.StringIO(text, newline="\n").readlines()
+        lines += parts
+        counts.append(len(parts))
+    return lines, counts
 
 
 def train_sentencepiece(
@@ -123,30 +136,67 @@ class Tokenizer:
         self.split_lines = split_lines
         """True when no piece crosses a newline, so lines can be encoded separately."""
         self._impl = impl
+        self.buffers = hasattr(getattr(impl, "_processor", None), "_EncodeAsBufferBatch")
+        """Whether SentencePiece's batch encoder to int32 buffers (sentencepiece 0.2.3's pybind
+        entry point) is there; if not, :meth:`encode_packed` packs lists of ints, same ids."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS."""
         if not self.split_lines:
             return self._encode(texts)
-        lines: list[str] = []
-        counts: list[int] = []
-        for text in texts:
-            parts = text.split("\n")
-            last = parts.pop()
-            for part in parts:
-                lines.append(part + "\n")
-            if last:
-                lines.append(last)
-            counts.append(len(parts) + (1 if last else 0))
+        lines, counts = _lines(texts)
         encoded = self._encode(lines)
         out, k = [], 0
         for n in counts:
-            ids: list[int] = []
-            for line_ids in encoded[k : k + n]:
-                ids += line_ids
-            out.append(ids)
+            out.append(list(itertools.chain.from_iterable(encoded[k : k + n])))
             k += n
         return out
+
+    def encode_packed(
+        self, texts: list[str], eos_after: list[bool], *, dtype: np.dtype
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of ``texts`` one after another as one ``dtype`` array, with EOS after each
+        text whose ``eos_after`` is true, and the offsets just after those EOS (int64): the
+        layout of a shard, built with no Python list or int per id where SentencePiece can
+        return each string's ids as a buffer."""
+        strings, counts = _lines(texts) if self.split_lines else (texts, [1] * len(texts))
+        buffers = self._buffers(strings)
+        if buffers is None:
+            return self._pack_lists(self._encode(strings), counts, eos_after, dtype)
+        eos = np.array([self.eos_id], np.int32).tobytes()
+        pieces: list[bytes] = []  # int32 ids of each text, then EOS where a document ends
+        eos_pieces: list[int] = []
+        k = 0
+        for n, last in zip(counts, eos_after, strict=True):
+            pieces.append(b"".join(buffers[k : k + n]))
+            k += n
+            if last:
+                eos_pieces.append(len(pieces))
+                pieces.append(eos)
+        sizes = np.fromiter(map(len, pieces), np.int64, count=len(pieces)) // 4
+        ids = np.frombuffer(b"".join(pieces), np.int32).astype(dtype)
+        return ids, np.cumsum(sizes)[eos_pieces]
+
+    def _pack_lists(self, encoded: list[list[int]], counts, eos_after, dtype):
+        """:meth:`encode_packed` from lists of ids (a Hugging Face tokenizer)."""
+        sizes = np.fromiter(map(len, encoded), np.int64, count=len(encoded))
+        offsets = np.zeros(len(encoded) + 1, np.int64)  # where each encoded string starts
+        np.cumsum(sizes, out=offsets[1:])
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype, count=int(offsets[-1]))
+        at = offsets[np.cumsum(counts, dtype=np.int64)][np.asarray(eos_after, dtype=bool)]
+        ids = np.insert(flat, at, self.eos_id)
+        return ids, at + np.arange(1, len(at) + 1)
+
+    def _buffers(self, strings: list[str]) -> list | None:
+        """Each string's ids as a buffer of int32, from SentencePiece's batch encoder without
+        the Python list of ints (``encode(out_type="numpy")`` wraps each in an array, which
+        costs more than the encoding saves). None where that entry point is missing (a
+        Hugging Face tokenizer, another sentencepiece version): the caller uses lists then."""
+        if not self.buffers:
+            return None
+        return self._impl._processor._EncodeAsBufferBatch(
+            strings, 1, None, False, -1, 0.0, False, False, False
+        )
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "sentencepiece":
