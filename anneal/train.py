@@ -268,15 +268,20 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     metrics = MetricsLogger(plan.out)
     state, position = TrainState(), 0
+    t0 = time.perf_counter()
     resume_from = plan.resume_from and checkpoint.verified_resume(
         plan.resume_from, fallback=cfg.resume == "auto"
     )
+    verify_s = time.perf_counter() - t0
     guard = Guard(cfg.guard, run_dir=plan.out, resuming=resume_from is not None)
     if resume_from is not None:
+        t0 = time.perf_counter()
         client = checkpoint.load(engine, resume_from)
+        load_s = time.perf_counter() - t0
         state = TrainState(step=client["step"], tokens=client["tokens"])
         position = guard.restore(engine, client, client["data"]["position"])
-        metrics.event(state.step, "resume", checkpoint=str(resume_from), position=position)
+        metrics.event(state.step, "resume", checkpoint=str(resume_from), position=position,
+                      verify_s=round(verify_s, 3), load_s=round(load_s, 3))  # fmt: skip
         print0(f"resumed from {resume_from} at step {state.step}")
     view = live.LiveView(
         plan.out, cfg=cfg, config_doc=plan.config_document(), start_step=state.step

@@ -3,13 +3,17 @@ writes): the manifest holds a hash per file; a shard corrupted in place at the s
 truncated, makes the newest checkpoint fail verification and ``--resume auto`` fall back to the
 previous one, while an explicit path refuses; a save that dies midway (a full disk) leaves the
 previous checkpoint the newest and deletes nothing; keep_last prunes all but the newest K and
-the keep_every milestones."""
+the keep_every milestones; torch.save's own zip CRC32 is skipped during a save (torch.load never
+reads it; the manifest's hash is the check) and switched back on afterwards."""
 
 import errno
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.serialization import config as torch_save_config
 
 from anneal import checkpoint
 from anneal.errors import UserError
@@ -31,6 +35,20 @@ class FakeEngine:
             for kind, size in (("model", 3000), ("optim", 200_000)):
                 data = bytes((step * 7 + r + i) % 251 for i in range(size))
                 (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt").write_bytes(data)
+
+
+class TorchSaveEngine:
+    """Writes one rank's model states with torch.save, as DeepSpeed's checkpoint engine does."""
+
+    weights = torch.arange(100_000, dtype=torch.float32)
+
+    def save_checkpoint(self, save_dir, *, tag, client_state, save_latest):
+        tag_dir = Path(save_dir) / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"w": self.weights, "client": client_state}, tag_dir / MODEL_STATES)
+
+
+MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 
 def save(ckpt: Path, step: int, engine=None, **keep) -> Path:
@@ -82,6 +100,7 @@ def test_a_save_that_fails_midway_costs_nothing(tmp_path):
     save(tmp_path, 2, keep_last=1)
     with pytest.raises(OSError, match="No space"):
         save(tmp_path, 4, engine=FakeEngine(fail_after_files=1), keep_last=1)
+    assert torch_save_config.save.compute_crc32  # restored on the way out
     assert (tmp_path / "latest").read_text() == "step00000002"
     assert checkpoint.find_resume("auto", tmp_path) == tmp_path / "step00000002"
     assert checkpoint.verify(tmp_path / "step00000002") == []
@@ -103,3 +122,17 @@ def test_manifests_without_hashes_still_load(tmp_path):
     manifest["files"] = {n: e["size"] for n, e in manifest["files"].items()}  # the old format
     (tag_dir / "manifest.json").write_text(json.dumps(manifest))
     assert checkpoint.is_intact(tag_dir) and checkpoint.verify(tag_dir) == []
+
+
+def test_torch_save_skips_its_crc_and_the_hash_still_catches_damage(tmp_path):
+    tag_dir = save(tmp_path, 2, engine=TorchSaveEngine())
+    path = tag_dir / MODEL_STATES
+    with zipfile.ZipFile(path) as z:
+        assert {info.CRC for info in z.infolist()} == {0}  # not computed
+    assert torch.equal(torch.load(path, weights_only=False)["w"], TorchSaveEngine.weights)
+    assert torch_save_config.save.compute_crc32  # only during the save
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the weights' record
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=False)["w"], TorchSaveEngine.weights)
+    assert checkpoint.verify(tag_dir) == [MODEL_STATES]
