@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from run_all import machine_line  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
@@ -143,19 +144,6 @@ def run_one(spec, *, data, steps, skip, sets, tokens_per_step, scratch: Path) ->
     return result
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} vCPUs ({cpu}), {mem:.0f} GiB RAM"
-
-
 def cpu_peak_flops() -> float:
     import torch
 
@@ -264,7 +252,7 @@ def main() -> None:
         bad = [r for r in out["rows"] if r["step1_loss_diff"] > 1e-4]
         if bad:
             raise SystemExit(f"bench_train: step-1 losses differ from the reference: {bad}")
-    print(json.dumps({"bench": "train", "machine": machine(), **out}))
+    print(json.dumps({"bench": "train", "machine": machine_line(), **out}))
     if args.report:
         Path(args.report).write_text(report(args, out))
 
