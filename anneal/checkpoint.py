@@ -9,9 +9,6 @@ a directory that resume ignores, and the previous checkpoint stays the newest; n
 deleted before the new one is whole on the disk, so not even a power cut can leave a manifest
 whose files were never written.
 
-torch.save's zip CRC32 is switched off during the save: torch.load never checks it, the xxh3
-hash covers the same bytes, and computing it cost a third of the save's time (bench_checkpoint).
-
 On resume, ``verify`` re-hashes the chosen checkpoint (the files spread over the ranks): a
 checkpoint whose bytes changed after the save (a torn copy, a bad disk, a same-size truncation)
 is reported and, with ``--resume auto``, the newest intact older one is used instead.
@@ -32,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.serialization import config as torch_save_config
 
 from anneal.dist import is_main_process, rank, world_size
 from anneal.errors import UserError
@@ -172,8 +168,7 @@ def save(
         shutil.rmtree(tag_dir)
     client_state = {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
     _barrier()
-    with torch_save_config.patch({"save.compute_crc32": False}):
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     _barrier()  # every rank's files are complete before any rank lists them
     shares = _all_gather(_hash_share(tag_dir, _list_files(tag_dir)))
     if is_main_process():
