@@ -31,7 +31,8 @@ out = Path(tempfile.mkdtemp(prefix="anneal-bench-")) / "demo"
 start = time.time()
 subprocess.run(
     [sys.executable, "scripts/demo.py", "--out", str(out)]
-    + (["--steps", str(args.steps)] if args.steps else []),
+    + (["--steps", str(args.steps)] if args.steps else [])
+    + (["--no-baseline-check"] if args.smoke else []),
     cwd=ROOT,
     check=True,
     capture_output=True,
