@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from run_all import machine_line  # noqa: E402
+
+from scripts.demo import free_port  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
@@ -53,12 +54,6 @@ GROUPS = {
     2: [("torch DDP (gloo)", "plain", 2, None), ("recipe ZeRO-1", "recipe", 2, 1),
         ("recipe ZeRO-2", "recipe", 2, 2), ("recipe ZeRO-3", "recipe", 2, 3)],
 }  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeakRss:
