@@ -14,6 +14,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -317,3 +319,24 @@ def test_dataset_dict_split_and_streamed_local_dataset(tokenizer_model, tmp_path
     assert docs[names[2]] == texts[9:]
     with pytest.raises(UserError, match="has splits train, test"):
         prepare(inputs=[f"hf:{saved}?split=dev"], out=tmp_path / "o2", progress=False)
+
+
+def test_unigram_tokenizer_trains_after_torch_ran_in_the_same_process(corpus, tmp_path):
+    """torch's OpenMP pool, once it has run an op, is inherited by a forked child without its
+    threads, and SentencePiece's unigram trainer calls into that libgomp: in a forked child it
+    hung for ever (CI lost 90 minutes to it). The tokenizer trains in a fresh interpreter."""
+    script = (
+        "import sys, torch\n"
+        "a = torch.randn(512, 512); (a @ a).sum()  # starts the OpenMP pool\n"
+        "from anneal.data.prepare import prepare\n"
+        "meta = prepare(inputs=[sys.argv[1]], out=sys.argv[2], vocab_size=500,\n"
+        "               model_type='unigram', val_fraction=0.3, workers=2, progress=False)\n"
+        "print('model_type', meta['tokenizer']['model_type'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(corpus), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model_type unigram" in proc.stdout
+    assert toklib.load(tmp_path / "out").vocab_size == 500

@@ -19,12 +19,15 @@ times the units in flight (two per worker), however large the input.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import resource
 import shutil
+import subprocess
 import sys
 import time
 from collections import deque
@@ -295,36 +298,72 @@ def _make_tokenizer(partial: Path, cfg: PrepareConfig, sources: list[Source], un
     }
 
 
+def _start_method() -> str:
+    """How :func:`_ordered` starts its workers: ``fork`` (cheap, shares the unit lists), or
+    ``spawn`` where there is no fork. Forking a process that has threads can hang the child
+    (it gets the parent's locks and thread pools, not their threads); the workers only encode,
+    which uses no thread pool, and the tokenizer, which does, trains in a fresh interpreter
+    (:func:`_in_child`)."""
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
 def _in_child(fn, *args):
-    """``fn(*args)`` in a forked child process, so that the memory it takes (SentencePiece's
-    trainer holds the whole sample; transformers is large) goes back to the OS before the
-    workers are forked for packing. Exceptions come back as they were raised."""
-    if "fork" not in mp.get_all_start_methods():
-        return fn(*args)
-    ctx = mp.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-
-    def target():
-        try:
-            send.send((True, fn(*args)))
-        except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
-            try:
-                send.send((False, e))
-            except Exception:  # noqa: BLE001 - an exception that does not pickle
-                send.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
-
-    child = ctx.Process(target=target, name="anneal-tokenizer")
-    child.start()
-    send.close()
+    """``fn(*args)`` in a fresh Python interpreter, so that the memory it takes
+    (SentencePiece's trainer holds the whole sample; transformers is large) goes back to the
+    OS before the workers are forked for packing. Not a forked child: after torch has run an
+    op in this process, its OpenMP pool is initialised, and SentencePiece's unigram trainer,
+    which calls into the same libgomp, hung for ever in a forked child. Not ``spawn`` either,
+    which runs the caller's main script again. ``fn`` and ``args`` must pickle; exceptions
+    come back as they were raised."""
+    root = logging.getLogger()
+    formatter = root.handlers[0].formatter if root.handlers else None
+    logging_setup = (
+        root.getEffectiveLevel(),
+        formatter._fmt if formatter else None,  # noqa: SLF001 - copied, not changed
+        formatter.datefmt if formatter else None,
+    )
+    read_end, write_end = os.pipe()
+    code = f"from anneal.data.prepare import _child_main; _child_main({write_end})"
     try:
-        ok, value = receive.recv()
-    except EOFError:
-        raise RuntimeError(f"the tokenizer process died (exit code {child.exitcode})") from None
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(write_end,)
+        )
     finally:
-        child.join()
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as results:
+        try:
+            pickle.dump(list(sys.path), child.stdin)  # so that the child imports what we do
+            pickle.dump((logging_setup, fn, args), child.stdin)
+            child.stdin.close()
+        except BrokenPipeError:
+            pass  # the child died at start; its exit code says so below
+        reply = results.read()
+    code = child.wait()
+    if not reply:
+        raise RuntimeError(f"the tokenizer process died (exit code {code})")
+    ok, value = pickle.loads(reply)
     if not ok:
         raise value
     return value
+
+
+def _child_main(fd: int) -> None:
+    """The child of :func:`_in_child`: reads the call from stdin, writes the outcome to
+    ``fd``."""
+    sys.path[:] = pickle.load(sys.stdin.buffer)
+    (level, fmt, datefmt), fn, args = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=level, format=fmt, datefmt=datefmt)
+    try:
+        outcome = (True, fn(*args))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+        outcome = (False, e)
+    try:
+        data = pickle.dumps(outcome)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle
+        e = outcome[1]
+        data = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
@@ -355,7 +394,7 @@ def _unit_list(source: Source, opts: ReadOptions, problems: Problems):
     """A source's units: a list when they can be listed up front (files, Arrow), else a
     function that streams them afresh (hub datasets read by streaming)."""
     if source.kind == "hub" and (opts.streaming or source.query.get("streaming")):
-        return lambda: list_units(source, opts, problems)
+        return functools.partial(list_units, source, opts, problems)  # pickles, unlike a lambda
     return list(list_units(source, opts, problems))
 
 
@@ -459,8 +498,7 @@ def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Ite
         for unit in units:
             yield fn(unit)
         return
-    methods = mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    ctx = mp.get_context(_start_method())
     with ctx.Pool(workers, initializer=pack.init_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for unit in units:
