@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -28,6 +29,13 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
         # DeepSpeed keeps this dict for the process and consults it before any op build.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank() -> int:

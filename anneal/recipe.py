@@ -159,16 +159,15 @@ def _single_process_env() -> None:
     otherwise look for MPI)."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from anneal.dist import free_port
+
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
         LOCAL_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(free_port()),
     )
 
 

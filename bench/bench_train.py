@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from run_all import machine_line  # noqa: E402
 
-from scripts.demo import free_port  # noqa: E402
+from anneal.dist import free_port  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from anneal.data.prepared import unigram_entropy_bits_per_byte  # noqa: E402
+from anneal.dist import free_port  # noqa: E402
 from anneal.metrics import read_metrics  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 DEFAULT_STEPS = 50
 """Optimizer steps of the demo: 50 x 16,384 tokens, a quarter of an epoch of the corpus."""
