@@ -298,15 +298,6 @@ def _make_tokenizer(partial: Path, cfg: PrepareConfig, sources: list[Source], un
     }
 
 
-def _start_method() -> str:
-    """How :func:`_ordered` starts its workers: ``fork`` (cheap, shares the unit lists), or
-    ``spawn`` where there is no fork. Forking a process that has threads can hang the child
-    (it gets the parent's locks and thread pools, not their threads); the workers only encode,
-    which uses no thread pool, and the tokenizer, which does, trains in a fresh interpreter
-    (:func:`_in_child`)."""
-    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-
-
 def _in_child(fn, *args):
     """``fn(*args)`` in a fresh Python interpreter, so that the memory it takes
     (SentencePiece's trainer holds the whole sample; transformers is large) goes back to the
@@ -322,25 +313,27 @@ def _in_child(fn, *args):
         formatter._fmt if formatter else None,  # noqa: SLF001 - copied, not changed
         formatter.datefmt if formatter else None,
     )
+    # Pickled before the child exists, so that an argument that does not pickle raises here.
+    # sys.path first, so that the child imports what we do before it unpickles the call.
+    call = pickle.dumps(list(sys.path)) + pickle.dumps((logging_setup, fn, args))
     read_end, write_end = os.pipe()
-    code = f"from anneal.data.prepare import _child_main; _child_main({write_end})"
+    source = f"from anneal.data.prepare import _child_main; _child_main({write_end})"
     try:
         child = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(write_end,)
+            [sys.executable, "-c", source], stdin=subprocess.PIPE, pass_fds=(write_end,)
         )
     finally:
         os.close(write_end)
     with os.fdopen(read_end, "rb") as results:
         try:
-            pickle.dump(list(sys.path), child.stdin)  # so that the child imports what we do
-            pickle.dump((logging_setup, fn, args), child.stdin)
+            child.stdin.write(call)
             child.stdin.close()
         except BrokenPipeError:
             pass  # the child died at start; its exit code says so below
         reply = results.read()
-    code = child.wait()
+    exit_code = child.wait()
     if not reply:
-        raise RuntimeError(f"the tokenizer process died (exit code {code})")
+        raise RuntimeError(f"the tokenizer process died (exit code {exit_code})")
     ok, value = pickle.loads(reply)
     if not ok:
         raise value
@@ -498,7 +491,11 @@ def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Ite
         for unit in units:
             yield fn(unit)
         return
-    ctx = mp.get_context(_start_method())
+    # fork is cheap and shares the unit lists. Forking a process that has threads can hang the
+    # child (it gets their locks and pools, not the threads); the workers only encode, with no
+    # thread pool, and the tokenizer, which has one, trains in a fresh interpreter (_in_child).
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
     with ctx.Pool(workers, initializer=pack.init_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for unit in units:
