@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
+
 CHUNK = 32 << 20
 SEQ_LEN = 64
 # Set in this process by part 1's world of one; a child must make its own.
@@ -375,7 +377,7 @@ def markdown(args, res: dict, io: dict, st: dict | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(ROOT / "data" / "stdlib"))
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     p.add_argument("--preset", default="125m")
     p.add_argument("--repeats", type=int, default=4, help="save/load pairs")
     p.add_argument("--startup-repeats", type=int, default=2, help="cold/resume pairs (0: skip)")
@@ -385,6 +387,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.preset, args.repeats, args.startup_repeats = "tiny", 2, 1
+    args.data = str(ensure_data(args.data))
     work = Path(tempfile.mkdtemp(prefix="anneal-bench-ckpt-", dir=args.dir))
     try:
         io = io_part(args, work)

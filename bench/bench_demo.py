@@ -3,6 +3,9 @@ throughput it logged. Prints one JSON line for docs/benchmarks.md.
 
     .venv/bin/python bench/bench_demo.py [--steps N] [--report F]   (default: the demo's steps)
     .venv/bin/python bench/bench_demo.py --smoke                    (CI: 2 steps)
+
+--data is the prepared stdlib corpus, as `make demo` reads it (default data/stdlib, prepared if
+missing).
 """
 
 import argparse
@@ -18,19 +21,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
+
 from anneal.metrics import read_metrics  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, help="optimizer steps (default: the demo's)")
 parser.add_argument("--smoke", action="store_true", help="2 steps, to check the script works")
 parser.add_argument("--report", help="write a markdown fragment of the figures here")
+parser.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
 args = parser.parse_args()
+args.data = str(ensure_data(args.data))
 if args.smoke:
     args.steps = 2
 out = Path(tempfile.mkdtemp(prefix="anneal-bench-")) / "demo"
 start = time.time()
 subprocess.run(
-    [sys.executable, "scripts/demo.py", "--out", str(out)]
+    [sys.executable, "scripts/demo.py", "--out", str(out), "--data", args.data]
     + (["--steps", str(args.steps)] if args.steps else [])
     + (["--no-baseline-check"] if args.smoke else []),
     cwd=ROOT,

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from run_all import machine_line  # noqa: E402
+from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
 from anneal.dist import free_port  # noqa: E402
 
@@ -225,7 +225,7 @@ def report(args, out: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="data/stdlib")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
@@ -239,9 +239,7 @@ def main() -> None:
         args.models, args.ranks, args.repeats, args.steps, args.skip = "tiny", "1,2", 1, 3, 1
     args.models = args.models.split(",")
     args.ranks = [int(r) for r in args.ranks.split(",")]
-    if not (Path(args.data) / "meta.json").is_file():
-        subprocess.run([sys.executable, "-m", "anneal.cli", "data", "prepare", "--input", "stdlib",
-                        "--out", args.data], cwd=ROOT, check=True)  # fmt: skip
+    args.data = str(ensure_data(args.data))
     out = bench(args)
     if args.smoke:
         bad = [r for r in out["rows"] if r["step1_loss_diff"] > 1e-4]

@@ -4,6 +4,8 @@
     .venv/bin/python bench/run_all.py --only train    some (names without bench_ and .py)
     .venv/bin/python bench/run_all.py --smoke         CI: each script's few-step smoke mode;
                                                       nothing is written
+    .venv/bin/python bench/run_all.py --data DIR      the corpus the training benchmarks read
+                                                      (default data/stdlib; prepared if missing)
 
 Each script takes ``--smoke`` and ``--report PATH`` (a markdown fragment of its results) and
 prints one JSON line. A script that fails is named at the end and makes the exit status 1; the
@@ -25,6 +27,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+DEFAULT_DATA = ROOT / "data" / "stdlib"
+# The scripts that read the prepared corpus and take --data (bench_gpu prepares its own, with the
+# interpreter it benchmarks).
+TAKES_DATA = {"bench_checkpoint.py", "bench_demo.py", "bench_train.py"}
+
+
+def ensure_data(data: str | Path) -> Path:
+    """The stdlib corpus at ``data`` (vocab 8192, as `make demo` prepares it): prepared here if
+    ``data/meta.json`` is missing, as in a fresh clone that has not run `make demo`."""
+    data = Path(data)
+    if not (data / "meta.json").is_file():
+        print(f"== preparing {data} (anneal data prepare --input stdlib)", flush=True)
+        cmd = [sys.executable, "-m", "anneal.cli", "data", "prepare", "--input", "stdlib"]
+        subprocess.run([*cmd, "--out", str(data)], cwd=ROOT, check=True)
+    return data
 
 
 def machine_line() -> str:
@@ -59,6 +76,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few steps each; nothing written")
     p.add_argument("--only", help="comma-separated names, e.g. train,prepare")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     args = p.parse_args()
     scripts = sorted(HERE.glob("bench_*.py"))
     if args.only:
@@ -70,11 +88,15 @@ def main() -> int:
             return 2
         scripts = [s for s in scripts if s.name in wanted]
     header = machine_line()
+    if TAKES_DATA & {s.name for s in scripts}:
+        ensure_data(args.data)
     frags, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for script in scripts:
             frag = Path(tmp) / f"{script.stem}.md"
             extra = ["--smoke"] if args.smoke else ["--report", str(frag)]
+            if script.name in TAKES_DATA:
+                extra += ["--data", str(Path(args.data).resolve())]
             print(f"== {script.name} {' '.join(extra)}", flush=True)
             start = time.time()
             rc = subprocess.call([sys.executable, str(script), *extra], cwd=ROOT)
