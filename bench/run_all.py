@@ -35,8 +35,10 @@ TAKES_DATA = {"bench_checkpoint.py", "bench_demo.py", "bench_train.py"}
 
 def ensure_data(data: str | Path) -> Path:
     """The stdlib corpus at ``data`` (vocab 8192, as `make demo` prepares it): prepared here if
-    ``data/meta.json`` is missing, as in a fresh clone that has not run `make demo`."""
-    data = Path(data)
+    ``data/meta.json`` is missing, as in a fresh clone that has not run `make demo`. Returned
+    absolute, so that the check, the preparation (run from the repository root) and the scripts'
+    children all mean the same directory."""
+    data = Path(data).resolve()
     if not (data / "meta.json").is_file():
         print(f"== preparing {data} (anneal data prepare --input stdlib)", flush=True)
         cmd = [sys.executable, "-m", "anneal.cli", "data", "prepare", "--input", "stdlib"]
@@ -88,15 +90,14 @@ def main() -> int:
             return 2
         scripts = [s for s in scripts if s.name in wanted]
     header = machine_line()
-    if TAKES_DATA & {s.name for s in scripts}:
-        ensure_data(args.data)
+    data = ensure_data(args.data) if TAKES_DATA & {s.name for s in scripts} else None
     frags, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for script in scripts:
             frag = Path(tmp) / f"{script.stem}.md"
             extra = ["--smoke"] if args.smoke else ["--report", str(frag)]
             if script.name in TAKES_DATA:
-                extra += ["--data", str(Path(args.data).resolve())]
+                extra += ["--data", str(data)]
             print(f"== {script.name} {' '.join(extra)}", flush=True)
             start = time.time()
             rc = subprocess.call([sys.executable, str(script), *extra], cwd=ROOT)
