@@ -14,6 +14,14 @@ peak (``anneal.hardware``, all cores); peak RSS is summed over the run's process
 
     .venv/bin/python bench/bench_train.py [--models tiny,small] [--repeats 3] [--report F]
     .venv/bin/python bench/bench_train.py --smoke        (CI: a few steps, no figures kept)
+
+An A/B of DeepSpeed options is one command: ``--stages`` keeps only the listed recipe stages
+beside the reference, and each ``--arm LABEL=STAGE:KEY=VALUE[;KEY=VALUE]`` adds a recipe run at
+that stage with those ``--set`` overrides, alternating with the rest. For example ZeRO-2 with
+and without ``overlap_comm``, against DDP:
+
+    .venv/bin/python bench/bench_train.py --models tiny --ranks 2 --stages 2 --repeats 6 \
+        --arm "overlap=2:ds.zero_optimization.overlap_comm=true"
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ MODELS = {
         "model.num_attention_heads=8",
     ],
 }
-# (name, kind, ranks, ZeRO stage): the reference comes first in each group.
+# (name, kind, ranks, ZeRO stage[, extra --set overrides]): the reference comes first.
 GROUPS = {
     1: [("plain loop", "plain", 1, None), ("recipe ZeRO-0", "recipe", 1, 0),
         ("recipe ZeRO-1", "recipe", 1, 1), ("recipe ZeRO-3", "recipe", 1, 3)],
@@ -112,10 +120,39 @@ def step_rows(kind: str, out: Path) -> list[dict]:
     return read_metrics(out / "run", "train")
 
 
+def parse_arm(text: str) -> tuple[str, int, list[str]]:
+    """``LABEL=STAGE:KEY=VALUE[;KEY=VALUE...]`` -> (label, stage, overrides)."""
+    label, eq, rest = text.partition("=")
+    stage, colon, sets = rest.partition(":")
+    overrides = [x.strip() for x in sets.split(";") if x.strip()]
+    if not (eq and colon and label.strip() and stage.strip() in ("0", "1", "2", "3")
+            and overrides and all("=" in x for x in overrides)):  # fmt: skip
+        raise SystemExit(
+            f"bench_train: --arm {text!r} is not LABEL=STAGE:KEY=VALUE[;KEY=VALUE...]. The "
+            "stage is 0-3 and each KEY=VALUE is a recipe --set override, for example "
+            "--arm 'overlap=2:ds.zero_optimization.overlap_comm=true'."
+        )
+    return label.strip(), int(stage), overrides
+
+
+def plan_group(ranks: int, stages, arms, smoke: bool = False) -> list[tuple]:
+    """The runs of one rank count: the reference, the recipe at ``stages`` (None: the group's
+    own), then one run per ``--arm``; under ``--smoke`` only the reference, the group's last
+    stage and the arms."""
+    ref, *recipe = GROUPS[ranks]
+    if smoke:
+        recipe = recipe[-1:]
+    if stages is not None:
+        recipe = [(f"recipe ZeRO-{s}", "recipe", ranks, s) for s in stages]
+    extra = [(f"recipe ZeRO-{st} {label}", "recipe", ranks, st, tuple(o)) for label, st, o in arms]
+    return [ref, *recipe, *extra]
+
+
 def run_one(spec, *, data, steps, skip, sets, tokens_per_step, scratch: Path) -> dict:
-    name, kind, ranks, stage = spec
+    name, kind, ranks, stage, *extra = spec
     out = Path(tempfile.mkdtemp(dir=scratch))
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    sets = [*sets, *(extra[0] if extra else ())]
     cmd = command(kind, ranks, stage, data=data, steps=steps, out=out, sets=sets)
     log = out / "log.txt"
     with open(log, "w") as f:
@@ -168,7 +205,7 @@ def bench(args) -> dict:
             steps, skip = (args.steps if model == "tiny" else args.small_steps), args.skip
             fpt = flops_per_token(model, args.data)
             for ranks in args.ranks:
-                group = GROUPS[ranks] if not args.smoke else [GROUPS[ranks][0], GROUPS[ranks][-1]]
+                group = plan_group(ranks, args.stages, args.arm, args.smoke)
                 tokens = MICRO * ACCUM * ranks * 256
                 sets = [*MODELS[model], f"optim.global_batch_tokens={tokens}"]
                 sets.append("train.eval_samples=0")
@@ -198,6 +235,13 @@ def bench(args) -> dict:
     return {"peak_flops": peak, "rows": list(results.values())}
 
 
+def ab_flags(args) -> str:
+    flags = "" if args.stages is None else " --stages " + ",".join(map(str, args.stages))
+    for label, stage, sets in args.arm:
+        flags += f' --arm "{label}={stage}:{";".join(sets)}"'
+    return flags
+
+
 def report(args, out: dict) -> str:
     load = open("/proc/loadavg").read().split()[:3]
     lines = [
@@ -205,10 +249,10 @@ def report(args, out: dict) -> str:
         "",
         f"`.venv/bin/python bench/bench_train.py --models {','.join(args.models)} "
         f"--repeats {args.repeats} --steps {args.steps} --small-steps {args.small_steps} "
-        f"--skip {args.skip}`; fp32, torch AdamW, micro-batch {MICRO} x accumulation {ACCUM} x "
-        f"seq 256 per rank; median of {args.repeats} alternating repeats (min-max); MFU against "
-        f"the measured fp32 matmul peak of {out['peak_flops'] / 1e9:.0f} GFLOP/s; load average "
-        f"at the end {' '.join(load)}.",
+        f"--skip {args.skip}{ab_flags(args)}`; fp32, torch AdamW, micro-batch {MICRO} x "
+        f"accumulation {ACCUM} x seq 256 per rank; median of {args.repeats} alternating repeats "
+        f"(min-max); MFU against the measured fp32 matmul peak of "
+        f"{out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the end {' '.join(load)}.",
         "",
         "| model | ranks | run | tokens/s (min-max) | vs reference | MFU | peak RSS MiB "
         "| step-1 loss diff |",
@@ -234,7 +278,17 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the rate")
     p.add_argument("--smoke", action="store_true", help="a few steps of tiny, no figures kept")
     p.add_argument("--report", help="write a markdown fragment here")
+    p.add_argument("--stages", help="recipe ZeRO stages to run beside the reference, e.g. 2 or 1,3")
+    p.add_argument("--arm", action="append", default=[], metavar="LABEL=STAGE:KEY=VALUE[;...]",
+                   help="an extra recipe run with these --set overrides; repeatable")  # fmt: skip
     args = p.parse_args()
+    args.arm = [parse_arm(a) for a in args.arm]
+    if args.stages is not None:
+        given = [x.strip() for x in args.stages.split(",")]
+        if not given or not all(x in ("0", "1", "2", "3") for x in given):
+            raise SystemExit(f"bench_train: --stages {args.stages!r}: give ZeRO stages 0-3, "
+                             "comma-separated, for example --stages 2 or --stages 1,3")  # fmt: skip
+        args.stages = [int(x) for x in given]
     if args.smoke:
         args.models, args.ranks, args.repeats, args.steps, args.skip = "tiny", "1,2", 1, 3, 1
     args.models = args.models.split(",")

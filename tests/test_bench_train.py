@@ -52,3 +52,24 @@ def test_step_two_sees_the_same_update(runs, stage):
     ref, rec = runs["plain"][1], runs[stage][1]
     assert abs(ref["loss"] - runs["plain"][0]["loss"]) > 1e-3  # the update changed the loss
     assert rec["loss"] == pytest.approx(ref["loss"], abs=1e-4)
+
+
+def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
+    label, stage, sets = bench_train.parse_arm("overlap=2:ds.zero_optimization.overlap_comm=true")
+    group = bench_train.plan_group(2, [2], [(label, stage, sets)])
+    assert [g[0] for g in group] == ["torch DDP (gloo)", "recipe ZeRO-2", "recipe ZeRO-2 overlap"]
+    arm = group[-1]
+    cmd = bench_train.command("recipe", 2, arm[3], data="d", steps=3, out=tmp_path,
+                              sets=[*SETS, *arm[4]])  # fmt: skip
+    assert "--set=ds.zero_optimization.overlap_comm=true" in cmd
+    assert "--set=ds.zero_optimization.stage=2" in cmd
+    # Without --stages the group's own stages run; --smoke keeps the reference and the last.
+    assert [g[3] for g in bench_train.plan_group(1, None, [])] == [None, 0, 1, 3]
+    assert [g[3] for g in bench_train.plan_group(2, None, [], smoke=True)] == [None, 3]
+
+
+@pytest.mark.parametrize("bad", ["overlap", "overlap=2", "overlap=5:a=b", "overlap=2:a", "=2:a=b",
+                                 "x=12:a=b"])  # fmt: skip
+def test_a_malformed_arm_says_what_it_takes(bad):
+    with pytest.raises(SystemExit, match="LABEL=STAGE:KEY=VALUE"):
+        bench_train.parse_arm(bad)
