@@ -248,6 +248,7 @@ def report(args, out: dict) -> str:
         "### Training throughput: recipe vs a plain PyTorch loop (`bench/bench_train.py`)",
         "",
         f"`.venv/bin/python bench/bench_train.py --models {','.join(args.models)} "
+        f"--ranks {','.join(map(str, args.ranks))} "
         f"--repeats {args.repeats} --steps {args.steps} --small-steps {args.small_steps} "
         f"--skip {args.skip}{ab_flags(args)}`; fp32, torch AdamW, micro-batch {MICRO} x "
         f"accumulation {ACCUM} x seq 256 per rank; median of {args.repeats} alternating repeats "

@@ -73,3 +73,18 @@ def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
 def test_a_malformed_arm_says_what_it_takes(bad):
     with pytest.raises(SystemExit, match="LABEL=STAGE:KEY=VALUE"):
         bench_train.parse_arm(bad)
+
+
+def test_the_report_names_the_command_that_reruns_it():
+    import argparse
+
+    arm = [("overlap", 2, ["a.b=true", "c=1"])]
+    args = argparse.Namespace(models=["tiny"], ranks=[2], repeats=4, steps=24, small_steps=10,
+                              skip=3, stages=[2], arm=arm)  # fmt: skip
+    row = {"model": "tiny", "ranks": 2, "run": "recipe ZeRO-2 overlap", "tokens_per_s": 1000,
+           "min": 900, "max": 1100, "ratio": 0.9, "mfu": 0.5, "peak_rss_mib": 100,
+           "step1_loss_diff": 0.0}  # fmt: skip
+    text = bench_train.report(args, {"peak_flops": 1e11, "rows": [row]})
+    assert "--models tiny --ranks 2 --repeats 4" in text
+    assert '--stages 2 --arm "overlap=2:a.b=true;c=1"`' in text
+    assert "| tiny | 2 | recipe ZeRO-2 overlap | 1,000 (900-1,100) | 0.90x |" in text
