@@ -19,8 +19,12 @@ the same encode function on batches of the same size (``ENCODE_BATCH_CHARS`` cha
 Anneal for its tokenize+pack phase (meta.json ``pack_seconds``) and for the whole command.
 Memory is the peak over the run of the proportional set size (PSS: a shared page is split
 between the processes that share it) summed over the command's process tree, sampled every
-20 ms. Writes a JSON report (``--json``), prints one JSON line of results, and with ``--report
-PATH`` writes a Markdown fragment for docs/benchmarks.md.
+20 ms. Prints one JSON line of results, and with ``--report PATH`` writes a Markdown fragment
+for docs/benchmarks.md.
+
+The record (``--json``, bench/results/prepare.json) has one part per kind of run,
+``throughput`` and ``memory``, each with its own command, date, machine and load. A run with
+``--only`` replaces its own part and keeps the other, which still says where it came from.
 """
 
 from __future__ import annotations
@@ -320,18 +324,8 @@ def main() -> None:
         toklib.train_sentencepiece(sample, vocab_size=vocab, out_path=tok_dir / "tokenizer.model")
     inp = work / "input.jsonl"
     write_jsonl(inp, args.mb, texts)
-    report = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": cores,
-            "python": platform.python_version(),
-            "system": platform.platform(),
-        },
-        "input_mb": inp.stat().st_size / 1e6,
-        "command": " ".join(["bench/bench_prepare.py", *sys.argv[1:]]),
-        "loadavg_start": os.getloadavg()[0],
-        "throughput": [],
-    }
+    started = part_header(cores)
+    tp: dict = {**started, "input_mb": inp.stat().st_size / 1e6, "rows": []}
     runs: dict = {"limit": [], **{("anneal", w): [] for w in workers}}
     runs.update({("datasets", w): [] for w in workers})
     for _ in range(args.repeat if args.only != "memory" else 0):  # alternate: same noise
@@ -344,7 +338,7 @@ def main() -> None:
             shutil.rmtree(work / f"hf_cache_{w}", ignore_errors=True)
     if runs["limit"]:
         lim = runs["limit"]
-        report["limit"] = {
+        tp["limit"] = {
             "mb_s": _median(lim, "mb_s"),
             "mb_s_range": _spread(lim, "mb_s"),
             "mb_per_cpu_s": _median(lim, "mb_per_cpu_s"),
@@ -369,10 +363,10 @@ def main() -> None:
             "anneal_runs": a,
             "datasets_runs": d,
         }
-        row["of_limit"] = row["per_worker_mb_s"] / report["limit"]["mb_s"]
-        row["of_limit_cpu"] = row["pack_mb_per_cpu_s"] / report["limit"]["mb_per_cpu_s"]
+        row["of_limit"] = row["per_worker_mb_s"] / tp["limit"]["mb_s"]
+        row["of_limit_cpu"] = row["pack_mb_per_cpu_s"] / tp["limit"]["mb_per_cpu_s"]
         row["vs_datasets"] = row["pack_mb_s"] / row["datasets_map_mb_s"]
-        report["throughput"].append(row)
+        tp["rows"].append(row)
         print(
             f"workers {w}: {row['per_worker_mb_s']:.2f} MB/s per worker "
             f"({row['of_limit']:.0%} of encode alone), {row['pack_mb_per_cpu_s']:.2f} MB per "
@@ -382,47 +376,115 @@ def main() -> None:
             flush=True,
         )
     inp.unlink()
+    parts: dict = {}
+    if args.only != "memory":
+        parts["throughput"] = {**tp, "loadavg_end": os.getloadavg()[0]}
     if args.only != "throughput":
+        m = part_header(cores)
         big = work / "big.jsonl"
         cap = args.memory_cap_mb
         write_jsonl(big, 10 * cap * 1.048576, texts)
-        m = anneal_prepare(big, tok_dir / "tokenizer.model", work / "out", cores)
+        m.update(anneal_prepare(big, tok_dir / "tokenizer.model", work / "out", cores))
         big.unlink()
         m["cap_mib"] = cap
         m["input_over_cap"] = m["mb"] / 1.048576 / cap
-        report["memory"] = m
-    report["loadavg_end"] = os.getloadavg()[0]
+        m["loadavg_end"] = os.getloadavg()[0]
+        parts["memory"] = m
     if not args.smoke:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_record(Path(args.json), parts)
     if args.report:
-        Path(args.report).write_text(markdown(report) + "\n")
+        Path(args.report).write_text(markdown(parts) + "\n")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
+    t, m = parts.get("throughput", {}), parts.get("memory", {})
     summary = {
-        "input_mb": report["input_mb"],
-        "limit_mb_s": report.get("limit", {}).get("mb_s"),
-        "limit_mb_per_cpu_s": report.get("limit", {}).get("mb_per_cpu_s"),
+        "input_mb": t.get("input_mb"),
+        "limit_mb_s": t.get("limit", {}).get("mb_s"),
+        "limit_mb_per_cpu_s": t.get("limit", {}).get("mb_per_cpu_s"),
         "rows": [
-            {k: v for k, v in r.items() if not k.endswith("_runs")} for r in report["throughput"]
+            {k: v for k, v in r.items() if not k.endswith("_runs")} for r in t.get("rows", [])
         ],
-        "memory_peak_pss_mib": report.get("memory", {}).get("peak_pss_mib"),
-        "loadavg": [report["loadavg_start"], report["loadavg_end"]],
+        "memory_peak_pss_mib": m.get("peak_pss_mib"),
+        "loadavg": {name: [x["loadavg_start"], x["loadavg_end"]] for name, x in parts.items()},
     }
     print(json.dumps(summary))
 
 
-def markdown(r: dict) -> str:
-    rows, lim = r["throughput"], r.get("limit")
-    lines = ["### Data: tokenize + pack against the tokenizer's own batch encode", ""]
-    lines += ["```", r["command"], "```", ""]
-    lines.append(
-        f"{r['input_mb']:.1f} MB of JSON Lines (stdlib source), {r['machine']['cores']} cores, "
-        f"load average {r['loadavg_start']:.1f} at the start and {r['loadavg_end']:.1f} at the "
-        f"end; medians of {len(lim['runs']) if lim else 0} alternating repeats (range in "
-        f"brackets)."
-    )
-    if lim:
+def part_header(cores: int) -> dict:
+    """What each part of the record says about its own run: a part kept from an earlier run
+    (``--only`` runs the other) still names the command, date, machine and load it came from."""
+    return {
+        "command": " ".join(["bench/bench_prepare.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": cores,
+            "python": platform.python_version(),
+            "system": platform.platform(),
+        },
+        "loadavg_start": os.getloadavg()[0],
+    }
+
+
+PARTS = ("throughput", "memory")
+
+
+def merge_record(old: dict | None, parts: dict) -> tuple[dict, list[str]]:
+    """The record after a run of ``parts``: those replace their namesakes, and a part of ``old``
+    that this run did not repeat is kept if it describes its own run (its command and date).
+    Anything else of ``old`` is dropped and named in the second value, so that a record never
+    passes figures from two runs off as one."""
+    old = old if isinstance(old, dict) else {}
+    record, dropped = {}, []
+    for name in PARTS:
+        if name in parts:
+            record[name] = parts[name]
+        elif name in old:
+            kept = old[name]
+            if isinstance(kept, dict) and "command" in kept and "date" in kept:
+                record[name] = kept
+            else:
+                dropped.append(name)
+    dropped += sorted(k for k in old if k not in PARTS and k not in record)
+    return record, dropped
+
+
+def write_record(path: Path, parts: dict) -> None:
+    """Merge ``parts`` into the JSON record at ``path`` and replace it whole, atomically."""
+    try:
+        old = json.loads(path.read_text())
+    except FileNotFoundError:
+        old = None
+    except ValueError as e:
+        print(f"bench_prepare: {path} is not JSON ({e}); it is replaced", file=sys.stderr)
+        old = None
+    record, dropped = merge_record(old, parts)
+    if dropped:
+        print(
+            f"bench_prepare: dropped from {path}, as they do not say which run they came from: "
+            + ", ".join(dropped),
+            file=sys.stderr,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def markdown(parts: dict) -> str:
+    """The Markdown fragment for the parts this run made."""
+    lines = ["### Data: tokenize + pack against the tokenizer's own batch encode"]
+    t = parts.get("throughput")
+    if t:
+        rows, lim = t["rows"], t.get("limit")
+        lines += ["", "```", t["command"], "```", ""]
+        lines.append(
+            f"{t['input_mb']:.1f} MB of JSON Lines (stdlib source), {t['machine']['cores']} "
+            f"cores, load average {t['loadavg_start']:.1f} at the start and "
+            f"{t['loadavg_end']:.1f} at the end; medians of {len(lim['runs']) if lim else 0} "
+            f"alternating repeats (range in brackets)."
+        )
+    if t and lim:
         lines += [
             "",
             "| | MB/s per worker | of encode alone | MB per CPU-second | of encode alone "
@@ -449,14 +511,17 @@ def markdown(r: dict) -> str:
             + ("met" if worst >= 0.9 else "not met")
             + "; per CPU-second is the steadier figure on a shared machine.",
         ]
-    m = r.get("memory")
+    m = parts.get("memory")
     if m:
+        if not t or m["command"] != t["command"]:
+            lines += ["", "```", m["command"], "```"]
         lines += [
             "",
             f"Memory: {m['mb']:,.0f} MB of JSON Lines ({m['input_over_cap']:.1f}x a "
-            f"{m['cap_mib']:.0f} MiB cap) with {m['workers']} workers: peak {m['peak_pss_mib']:.0f}"
+            f"{m['cap_mib']:g} MiB cap) with {m['workers']} workers: peak {m['peak_pss_mib']:.0f}"
             f" MiB summed PSS ({'within' if m['peak_pss_mib'] <= m['cap_mib'] else 'OVER'} the "
-            f"cap), {m['pack_mb_s']:.2f} MB/s.",
+            f"cap), {m['pack_mb_s']:.2f} MB/s; load average {m['loadavg_start']:.1f} at the "
+            f"start and {m['loadavg_end']:.1f} at the end.",
         ]
     return "\n".join(lines)
 
