@@ -12,11 +12,15 @@ therefore include two vocab x hidden matrices.
 from __future__ import annotations
 
 import dataclasses
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from anneal.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: presets and counts are read by
+    # commands that never build a model (`anneal data prepare`, `plan`, `estimate`), and
+    # importing torch costs them 2-3 s and about 200 MB of resident memory.
+    import torch
+    from torch import nn
 
 # Nominal vocabulary used to size the presets (Llama's). At training time the vocabulary comes
 # from the prepared data and the real count is printed at start.
@@ -202,6 +206,8 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
 
 
 def _init_module_(module: nn.Module, std: float) -> None:
+    from torch import nn
+
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
@@ -220,6 +226,8 @@ def init_weights_(model: nn.Module, *, std: float, seed: int, gather=None) -> No
     time so at most one module is ever gathered. The result depends only on ``seed``, not on
     the ZeRO stage or the number of ranks.
     """
+    import torch
+
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
