@@ -324,8 +324,7 @@ def main() -> None:
         toklib.train_sentencepiece(sample, vocab_size=vocab, out_path=tok_dir / "tokenizer.model")
     inp = work / "input.jsonl"
     write_jsonl(inp, args.mb, texts)
-    started = part_header(cores)
-    tp: dict = {**started, "input_mb": inp.stat().st_size / 1e6, "rows": []}
+    tp: dict = {**part_header(cores), "input_mb": inp.stat().st_size / 1e6, "rows": []}
     runs: dict = {"limit": [], **{("anneal", w): [] for w in workers}}
     runs.update({("datasets", w): [] for w in workers})
     for _ in range(args.repeat if args.only != "memory" else 0):  # alternate: same noise
@@ -445,7 +444,7 @@ def merge_record(old: dict | None, parts: dict) -> tuple[dict, list[str]]:
                 record[name] = kept
             else:
                 dropped.append(name)
-    dropped += sorted(k for k in old if k not in PARTS and k not in record)
+    dropped += sorted(k for k in old if k not in PARTS)
     return record, dropped
 
 
