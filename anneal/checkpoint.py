@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from anneal.dist import is_main_process, rank, world_size
 from anneal.errors import UserError
+from anneal.files import fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +83,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's data (or a directory's entries) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader, or a power cut, sees the old or the new."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    _fsync(path.parent)
-
-
 def file_hash(path: Path) -> str:
     """xxh3-128 of a file's bytes, hex (about 10 GB/s from the page cache)."""
     import xxhash
@@ -130,7 +111,7 @@ def _hash_share(tag_dir: Path, names: list[str]) -> dict[str, dict]:
     cost nothing as long as the disk writes slower than xxh3 hashes."""
     mine = [n for n in names if owner_of(n, world_size()) == rank()]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as pool:
-        synced = [pool.submit(_fsync, tag_dir / n) for n in mine]
+        synced = [pool.submit(fsync_path, tag_dir / n) for n in mine]
         share = {n: {"size": (tag_dir / n).stat().st_size, HASH: file_hash(tag_dir / n)}
                  for n in mine}  # fmt: skip
         for done in synced:
@@ -174,7 +155,7 @@ def save(
     if is_main_process():
         files = {name: entry for share in shares for name, entry in share.items()}
         for d in {(tag_dir / name).parent for name in files}:
-            _fsync(d)  # the files' directory entries
+            fsync_path(d)  # the files' directory entries
         manifest = {
             "tag": tag,
             "step": step,
@@ -183,8 +164,8 @@ def save(
             "world_size": world_size(),
             "files": dict(sorted(files.items())),
         }
-        _atomic_write(tag_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        _atomic_write(ckpt_dir / "latest", tag)
+        write_atomic(tag_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n", durable=True)
+        write_atomic(ckpt_dir / "latest", tag, durable=True)
         for old in to_prune(intact_checkpoints(ckpt_dir), keep_last, keep_every):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

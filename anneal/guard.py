@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from anneal import checkpoint
 from anneal.config import GuardConfig
 from anneal.dist import is_main_process, print0
 from anneal.errors import UserError
+from anneal.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,7 @@ class Guard:
 
     def _save_log(self) -> None:
         if is_main_process():
-            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.state_dict(), indent=1) + "\n")
-            tmp.replace(self.path)
+            write_atomic(self.path, json.dumps(self.state_dict(), indent=1) + "\n")
 
     # -- detection ---------------------------------------------------------------------------
 

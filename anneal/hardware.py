@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal.errors import UserError
+from anneal.files import write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -96,9 +97,7 @@ def _cpu_peak_flops(cache_dir: Path) -> float:
     cached[key] = peak
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cached))
-        tmp.replace(cache)
+        write_atomic(cache, json.dumps(cached))
     except OSError:
         pass
     return peak

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from anneal.files import write_atomic
+
 EXIT_CODE = 1  # a peer is gone (75 is taken by preemption: "requeue me")
 
 
@@ -63,9 +65,7 @@ class Heartbeat:
         self._beats += 1
         doc = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "beat": self._beats,
                "step": self.step, "status": self.status, "launch": self._launch}  # fmt: skip
-        tmp = self.dir / f".rank{self.rank}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self._file(self.rank))
+        write_atomic(self._file(self.rank), json.dumps(doc))
 
     def _read(self, rank: int) -> dict | None:
         try:

@@ -37,6 +37,7 @@ from anneal.dist import (
     world_size,
 )
 from anneal.errors import UserError
+from anneal.files import write_atomic
 from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger
@@ -414,9 +415,7 @@ def _write_run_config(plan: Plan) -> None:
     """Create the run directory and write the resolved config.json (rank 0, atomically)."""
     (plan.out / "checkpoints").mkdir(parents=True, exist_ok=True)
     if is_main_process():
-        tmp = plan.out / f".config.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(plan.config_document(), indent=2) + "\n")
-        tmp.replace(plan.out / "config.json")
+        write_atomic(plan.out / "config.json", json.dumps(plan.config_document(), indent=2) + "\n")
 
 
 def _share_cpu_threads() -> None:

@@ -51,6 +51,7 @@ from anneal.data.pack import ENCODE_BATCH_CHARS  # noqa: E402
 from anneal.data.prepare import default_workers  # noqa: E402
 from anneal.data.readers import Problems, ReadOptions, read_unit  # noqa: E402
 from anneal.data.sources import list_units, parse_inputs  # noqa: E402
+from anneal.files import write_atomic  # noqa: E402
 
 
 def stdlib_texts() -> list[str]:
@@ -465,9 +466,7 @@ def write_record(path: Path, parts: dict) -> None:
             file=sys.stderr,
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def markdown(parts: dict) -> str:

@@ -67,7 +67,7 @@ def test_only_memory_keeps_the_recorded_throughput_part(tmp_path):
     assert memory["command"] == " ".join(["bench/bench_prepare.py", *args])
     assert memory["date"] != "2026-11-30T10:00:00Z" and memory["machine"]["cores"] >= 1
     assert 5.0 < memory["mb"] < 5.5 and memory["cap_mib"] == 0.5 and memory["tokens"] > 0
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frag.md", "prepare.json", "work"]
 
     md = frag.read_text()
     assert memory["command"] in md and "Memory: 5 MB of JSON Lines (10.0x a 0.5 MiB cap)" in md
