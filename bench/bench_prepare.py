@@ -410,11 +410,25 @@ def main() -> None:
     print(json.dumps(summary))
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command as the record shows it: ``--report`` only says where a copy of the table went
+    (often a scratch file), so it is left out; every option that shapes the run stays."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--report":
+            skip = True
+        elif not arg.startswith("--report="):
+            kept.append(arg)
+    return " ".join(["bench/bench_prepare.py", *kept])
+
+
 def part_header(cores: int) -> dict:
     """What each part of the record says about its own run: a part kept from an earlier run
     (``--only`` runs the other) still names the command, date, machine and load it came from."""
     return {
-        "command": " ".join(["bench/bench_prepare.py", *sys.argv[1:]]),
+        "command": recorded_command(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
             "cpu": platform.processor() or platform.machine(),

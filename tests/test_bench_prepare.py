@@ -43,6 +43,15 @@ def test_parts_that_do_not_say_which_run_they_came_from_are_dropped_and_named():
     assert dropped == ["memory", "input_mb", "machine"]
 
 
+def test_the_recorded_command_leaves_out_where_the_report_went():
+    cmd = bench_prepare.recorded_command
+    assert cmd(["--mb", "24", "--report", "/tmp/x.md", "--workers", "2"]) == (
+        "bench/bench_prepare.py --mb 24 --workers 2"
+    )
+    assert cmd(["--report=/tmp/x.md", "--only", "memory"]) == "bench/bench_prepare.py --only memory"
+    assert cmd([]) == "bench/bench_prepare.py"
+
+
 def test_only_memory_keeps_the_recorded_throughput_part(tmp_path):
     work = tmp_path / "work"
     (work / "tok").mkdir(parents=True)
@@ -64,7 +73,7 @@ def test_only_memory_keeps_the_recorded_throughput_part(tmp_path):
     out = json.loads(record.read_text())
     assert out["throughput"] == kept
     memory = out["memory"]
-    assert memory["command"] == " ".join(["bench/bench_prepare.py", *args])
+    assert memory["command"] == " ".join(["bench/bench_prepare.py", *args[:-2]])  # no --report
     assert memory["date"] != "2026-11-30T10:00:00Z" and memory["machine"]["cores"] >= 1
     assert 5.0 < memory["mb"] < 5.5 and memory["cap_mib"] == 0.5 and memory["tokens"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frag.md", "prepare.json", "work"]
