@@ -22,6 +22,7 @@ which the run prints at start and writes to ``config.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -163,16 +164,65 @@ def _check_value(value: Any, spec: Any) -> bool:
     return isinstance(value, spec)
 
 
+@functools.cache
+def _deepspeed_zero_model() -> tuple[type, frozenset[str]]:
+    """DeepSpeed's own model of ``zero_optimization`` and every key it takes (field names and
+    their ``stage3_*`` aliases). Imported only when a key is not in ``DS_SCHEMA``."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig as model
+
+    fields = model.model_fields
+    return model, frozenset(fields) | {f.alias for f in fields.values() if f.alias}
+
+
+def _check_zero_section(section: dict, extra: list[str], *, source: str) -> None:
+    """Let DeepSpeed's own model judge a ``zero_optimization`` section that uses keys
+    ``DS_SCHEMA`` does not list (``extra``): a value it refuses is an error now, before any model
+    is built, rather than at engine start. The whole section goes in, since some of its checks
+    tie keys together (``compute_grad_norm: false`` only at stage 1 or 2)."""
+    import pydantic
+
+    model, _ = _deepspeed_zero_model()
+    try:
+        model(**section)
+    except pydantic.ValidationError as e:
+        why = "; ".join(
+            ".".join(["zero_optimization", *map(str, err["loc"])]) + f": {err['msg']}"
+            for err in e.errors()
+        )
+        raise UserError(
+            f"{source}: DeepSpeed's own check of zero_optimization, which Anneal defers to for "
+            f"the keys it does not list ({', '.join(extra)}), refuses it: {why}. Fix the value "
+            f"in the file or the --set."
+        ) from None
+
+
 def validate_ds_config(
     cfg: dict, schema: dict = DS_SCHEMA, *, source: str, prefix: str = ""
 ) -> None:
-    """Unknown keys at any level and wrong types raise UserError naming source and key."""
+    """Unknown keys at any level and wrong types raise UserError naming source and key.
+
+    ``zero_optimization`` is the one section DeepSpeed checks itself (its pydantic model forbids
+    unknown keys), so there a key that ``DS_SCHEMA`` does not list but DeepSpeed's model does is
+    taken, and the section is checked by that model (``_check_zero_section``): any ZeRO option
+    of the installed DeepSpeed can be tried from the JSON or ``--set`` without a code change.
+    """
+    zero = prefix == "zero_optimization."
+    extra = []
     for key, value in cfg.items():
         dotted = f"{prefix}{key}"
         if key not in schema:
+            if zero and key in _deepspeed_zero_model()[1]:
+                extra.append(dotted)
+                continue
+            known = sorted(_deepspeed_zero_model()[1]) if zero else list(schema)
+            why = (
+                "DeepSpeed would refuse it only at engine start"
+                if zero
+                else "DeepSpeed would ignore it silently; Anneal refuses"
+            )
             raise UserError(
-                f"{source}: unknown key {dotted!r}{suggest(key, schema)}. DeepSpeed would "
-                f"ignore it silently; Anneal refuses. Known keys here: {', '.join(schema)}."
+                f"{source}: unknown key {dotted!r}{suggest(key, known)}. {why}. Known keys "
+                f"here: {', '.join(known)}."
             )
         spec = schema[key]
         if not _check_value(value, spec):
@@ -181,6 +231,8 @@ def validate_ds_config(
             )
         if isinstance(spec, dict):
             validate_ds_config(value, spec, source=source, prefix=f"{dotted}.")
+    if extra:
+        _check_zero_section(cfg, extra, source=source)
 
 
 def _no_duplicates(source: str):

@@ -148,6 +148,39 @@ def test_nested_typo_names_the_dotted_key(tmp_path, base):
         dslib.load_ds_config(write(tmp_path, base))
 
 
+def test_zero_keys_outside_the_schema_are_checked_by_deepspeeds_own_model(tmp_path, base):
+    """DeepSpeed checks ``zero_optimization`` itself (its pydantic model forbids unknown keys),
+    so a real ZeRO option that DS_SCHEMA does not list is taken as written and reaches
+    DeepSpeed; a bad value for it is refused before any model is built; a typo is still refused,
+    with DeepSpeed's names as the suggestion."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    key = "stage3_use_all_reduce_for_fetch_params"  # an alias of use_all_reduce_for_fetch_params
+    assert key not in dslib.DS_SCHEMA["zero_optimization"]
+    base["zero_optimization"]["zero_hpz_partition_size"] = 2  # a field name, no alias
+    cfg = dslib.load_ds_config(write(tmp_path, base))
+    over = dslib.override_ds_config(cfg, [(["zero_optimization", key], "true")], source="c")
+    zero = DeepSpeedZeroConfig(**over["zero_optimization"])
+    assert zero.use_all_reduce_for_fetch_params is True and zero.zero_hpz_partition_size == 2
+
+    with pytest.raises(UserError, match=rf"refuses it: zero_optimization\.{key}: Input should"):
+        dslib.override_ds_config(cfg, [(["zero_optimization", key], "maybe")], source="c")
+    # DeepSpeed's checks that tie keys together run too: this one is for stage 1 or 2 only.
+    no_norm = [(["zero_optimization", "compute_grad_norm"], "false")]
+    with pytest.raises(UserError, match="compute_grad_norm=false is supported only with ZeRO"):
+        dslib.override_ds_config(cfg, no_norm, source="c")
+    stage1 = [*no_norm, (["zero_optimization", "stage"], "1")]
+    stage1 = dslib.override_ds_config(cfg, stage1, source="c")
+    assert stage1["zero_optimization"]["compute_grad_norm"] is False
+    with pytest.raises(UserError, match=rf"did you mean '{key}'\?\). DeepSpeed would refuse it"):
+        dslib.override_ds_config(cfg, [(["zero_optimization", key[:-1]], "true")], source="c")
+    # Only that section: a typo one level down (offload_param) is Anneal's to refuse as before.
+    with pytest.raises(UserError, match=r"'zero_optimization\.offload_param\.devcie'"):
+        dslib.override_ds_config(
+            cfg, [(["zero_optimization", "offload_param", "devcie"], "cpu")], source="c"
+        )
+
+
 @pytest.mark.parametrize(
     "path,value,expect",
     [
