@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
 
+from anneal.files import fsync_path  # noqa: E402
+
 CHUNK = 32 << 20
 SEQ_LEN = 64
 # Set in this process by part 1's world of one; a child must make its own.
@@ -56,11 +58,7 @@ def child_env() -> dict:
 
 def fsync_tree(path: Path) -> None:
     for p in [path, *path.rglob("*")]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(p)
 
 
 def drop_cache(path: Path) -> None:
