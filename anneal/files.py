@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -41,3 +42,101 @@ def write_atomic(path: Path, text: str, *, durable: bool = False) -> None:
         raise
     if durable:
         fsync_path(path.parent)
+
+
+# --- The one rule for every command that writes a directory -------------------------------
+# A command replaces only what it made itself. Each tool marks its output directory (prepared
+# data: meta.json with format_version; synthetic corpora: meta.json with "synth"; an export:
+# anneal_export.json; a run: config.json with "run"), and --force replaces only a directory
+# that carries the right marker, or an empty one. Never ".", an ancestor of the working
+# directory, an input, or the thing being read.
+
+
+def _resolved(p: Path) -> Path:
+    return Path(os.path.abspath(os.path.realpath(Path(p).expanduser())))
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def claim_output(
+    out: Path,
+    *,
+    force: bool,
+    made_by_us: Callable[[Path], bool],
+    what: str,
+    flag: str = "--out",
+    inputs: Iterable[Path] = (),
+) -> None:
+    """Check that ``out`` may be written, before anything is written.
+
+    Refused, with a :class:`UserError` that names ``flag`` and the fix: a file at ``out``; the
+    root, the working directory or one of its ancestors; ``out`` equal to, inside or holding
+    any of ``inputs`` (what the command reads); an existing non-empty directory without
+    ``force``; with ``force``, a non-empty directory for which ``made_by_us`` is False (not
+    the output of this command, ``what`` says of what kind). Its parent must be a writable
+    directory or creatable. Nothing is created or removed here.
+    """
+    from anneal.errors import UserError
+
+    out = Path(out)
+    real = _resolved(out)
+    cwd = _resolved(Path.cwd())
+    if real == Path(real.anchor) or _inside(cwd, real):
+        raise UserError(
+            f"{flag} {out}: that is the working directory, one of its parents or the root, "
+            f"and a command never writes over it. Name a new directory for the {what}."
+        )
+    for inp in inputs:
+        inp_real = _resolved(inp)
+        if _inside(real, inp_real) or _inside(inp_real, real):
+            raise UserError(
+                f"{flag} {out}: it is, holds or lies inside {inp}, which this command reads. "
+                f"Name a directory apart from the inputs for the {what}."
+            )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(
+            f"{flag} {out}: a file (or link) is there, and a command never replaces a file it "
+            f"did not make. Name a new directory for the {what}, or move that file away."
+        )
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(
+                f"{flag} {out}: exists and is not empty. Choose a new directory, or pass "
+                f"--force to replace it (only a {what} that this command wrote is replaced)."
+            )
+        if not made_by_us(out):
+            raise UserError(
+                f"{flag} {out}: holds files that are not a {what} written by this command, "
+                f"so --force will not delete it. Choose a new directory, or move its contents "
+                f"away yourself."
+            )
+    parent = real.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{flag} {out}: cannot create it, {parent} is not a writable directory. Choose a "
+            f"directory you can write to."
+        )
+
+
+def replace_dir(partial: Path, out: Path) -> None:
+    """Move a finished ``partial`` directory to ``out``, replacing what :func:`claim_output`
+    allowed there (an empty directory or this command's own earlier output). The old one is
+    renamed aside first and removed only once the new one is in place."""
+    import shutil
+
+    partial, out = Path(partial), Path(out)
+    if not out.exists():
+        partial.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    try:
+        partial.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
