@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--slots", type=int, help="GPUs per host (default: SLURM_GPUS_ON_NODE, or 8)")
     hf.add_argument("--nodes", type=int, help="only the first N hosts")
     hf.add_argument("--out", required=True)
+    hf.add_argument("--force", action="store_true",
+                    help="replace an existing hostfile at --out (only a hostfile)")  # fmt: skip
     hf.add_argument("--dry-run", action="store_true", help="print the hostfile; write nothing")
 
     run = sub.add_parser("run", help="pre-flight, then start the recipe with deepspeed",
@@ -148,11 +150,17 @@ def _device(ns) -> str:
 
 
 def cmd_hostfile(ns) -> int:
+    """Everything is checked before anything is written; hostfile.write checks --out."""
     if ns.from_slurm:
         hosts = hostfile.from_slurm(slots=ns.slots)
     else:
-        names = [h.strip() for h in ns.hosts.split(",") if h.strip()]
-        hosts = {hostfile.check_host(h, where="--hosts"): ns.slots or 8 for h in names}
+        slots = hostfile.check_slots(8 if ns.slots is None else ns.slots, where="--slots")
+        hosts = {}
+        for name in (h.strip() for h in ns.hosts.split(",")):
+            if name in hosts:
+                raise UserError(f"--hosts: {name!r} is given twice. Name each host once.")
+            if name:
+                hosts[hostfile.check_host(name, where="--hosts")] = slots
         if not hosts:
             raise UserError("--hosts: no host names given (e.g. --hosts gpu001,gpu002).")
     if ns.nodes is not None:
@@ -165,8 +173,7 @@ def cmd_hostfile(ns) -> int:
     if ns.dry_run:
         print(hostfile.render(hosts), end="")
         return 0
-    hostfile.write(ns.out, hosts)
-    hostfile.parse(ns.out)
+    hostfile.write(ns.out, hosts, force=ns.force)
     slots = sorted(set(hosts.values()))
     print(f"wrote {ns.out}: {len(hosts)} hosts x {'/'.join(map(str, slots))} slots")
     return 0

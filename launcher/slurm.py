@@ -20,8 +20,8 @@ from pathlib import Path
 from anneal.errors import UserError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-_TEXT = re.compile(r"^[A-Za-z0-9_.\-]*$")
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_TEXT = re.compile(r"[A-Za-z0-9_.\-]*")
 
 
 def _bad(nodelist: str, why: str) -> UserError:
@@ -55,7 +55,7 @@ def _split_top(nodelist: str) -> list[str]:
 def _group(nodelist: str, body: str) -> list[str]:
     values = []
     for item in body.split(","):
-        m = _RANGE.match(item.strip())
+        m = _RANGE.fullmatch(item.strip())
         if not m:
             raise _bad(nodelist, f"[{body}] holds {item!r}, not a number or a range 'A-B'")
         lo, hi = m[1], m[2] if m[2] is not None else m[1]
@@ -78,7 +78,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         pieces: list[list[str]] = []
         for m in re.finditer(r"([^\[\]]*)(?:\[([^\]]*)\])?", name.strip()):
             text, body = m[1], m[2]
-            if not _TEXT.match(text):
+            if not _TEXT.fullmatch(text):
                 raise _bad(nodelist, f"{text!r} has characters other than letters, digits, .-_")
             if text:
                 pieces.append([text])

@@ -125,7 +125,9 @@ def test_hostfile_command(tmp_path, monkeypatch, capsys):
     assert hostfile.parse(out) == {"a": 4, "b": 4, "c": 4}
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[001-003,007]")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
-    assert launcher_main(["hostfile", "--from-slurm", "--out", str(out)]) == 0
+    assert launcher_main(["hostfile", "--from-slurm", "--out", str(out)]) == 2  # it exists
+    assert hostfile.parse(out) == {"a": 4, "b": 4, "c": 4}
+    assert launcher_main(["hostfile", "--from-slurm", "--out", str(out), "--force"]) == 0
     assert out.read_text() == "".join(f"gpu00{i} slots=8\n" for i in (1, 2, 3, 7))
     capsys.readouterr()
     bad = tmp_path / "bad"
