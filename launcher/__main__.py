@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from anneal.errors import UserError
-from launcher import dsenv, hostfile, preflight, slurm
+from anneal.files import write_atomic
+from launcher import dsenv, hostfile, pdsh, preflight, slurm
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -181,6 +182,11 @@ def cmd_hostfile(ns) -> int:
 
 def cmd_run(ns, recipe_args: list[str]) -> int:
     hosts = hostfile.parse(ns.hostfile) if ns.hostfile else None
+    env_values = dsenv.select(dict(os.environ), ns.env)
+    if ns.master_addr is not None:
+        pdsh.check_master_addr(ns.master_addr)
+    if ns.master_port is not None and not 1 <= ns.master_port <= 65535:
+        raise UserError(f"--master-port {ns.master_port}: a TCP port is 1..65535, e.g. 29500.")
     if ns.no_ssh and (ns.node_rank is None or not ns.master_addr or not hosts):
         raise UserError(
             "--no-ssh starts this node only: give --hostfile, --node-rank and --master-addr "
@@ -193,6 +199,11 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
         )
     world = preflight.world_size(hosts, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes,
                                  source=ns.hostfile or "")  # fmt: skip
+    remote = pdsh.is_remote(hosts, num_nodes=ns.num_nodes, no_ssh=ns.no_ssh)
+    if remote:
+        pdsh.check_remote_command(
+            recipe=ns.recipe, recipe_args=recipe_args, cwd=os.getcwd(), python=sys.executable
+        )
     local = max(hosts.values()) if hosts else world
     launch = preflight.preflight(recipe=ns.recipe, recipe_args=recipe_args, world_size=world,
                                  device_type=_device(ns), mfu=ns.mfu, gpu=ns.gpu,
@@ -212,8 +223,14 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
         master_port=ns.master_port,
     )
     out = Path(launch.plan.out)
-    env_values = dsenv.select(dict(os.environ), ns.env)
+    left_out = dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
+    env = {**os.environ}
+    if remote:  # DeepSpeed's runner exports some of its own environment through pdsh too
+        env, runner_left_out = dsenv.runner_environ(env)
+        left_out = {**left_out, **runner_left_out}
     print(preflight.forecast.describe(launch.forecast))
+    if note := dsenv.describe_left_out(left_out):
+        print(note)
     command = [deepspeed_program(), *args]
     ds_env_file = (out / dsenv.RUNNER_FILE).resolve()
     print(f"DS_ENV_FILE={shlex.quote(str(ds_env_file))} {shlex.join(command)}", flush=True)
@@ -222,13 +239,13 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
         print(dsenv.contents(out, env_values), end="", flush=True)
         return 0
     dsenv.write(out, env_values)
-    (out / preflight.forecast.FILE).write_text(json.dumps(launch.forecast.to_dict(), indent=2))
-    env = {**os.environ, "DS_ENV_FILE": str(ds_env_file)}
-    done = subprocess.run(command, env=env)
+    write_atomic(out / preflight.forecast.FILE, json.dumps(launch.forecast.to_dict(), indent=2))
+    done = subprocess.run(command, env={**env, "DS_ENV_FILE": str(ds_env_file)})
     return done.returncode if done.returncode >= 0 else 128 - done.returncode
 
 
 def cmd_submit(ns, recipe_args: list[str]) -> int:
+    env_values = dsenv.select(dict(os.environ), ns.env)
     device = _device(ns)
     world = ns.nodes * ns.gpus_per_node
     if ns.nodes < 1 or ns.gpus_per_node < 1:
@@ -258,15 +275,19 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         master_port=ns.master_port,
     )
     print(preflight.forecast.describe(launch.forecast))
+    if note := dsenv.describe_left_out(
+        dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
+    ):
+        print(note)
     script = out / "submit.sbatch"
     if ns.dry_run:
         print(f"# {script} would hold:")
         print(text, end="", flush=True)
         return 0
     (out / "logs").mkdir(parents=True, exist_ok=True)  # slurmd opens --output before the script
-    dsenv.write(out, dsenv.select(dict(os.environ), ns.env))
-    (out / preflight.forecast.FILE).write_text(json.dumps(launch.forecast.to_dict(), indent=2))
-    script.write_text(text)
+    dsenv.write(out, env_values)
+    write_atomic(out / preflight.forecast.FILE, json.dumps(launch.forecast.to_dict(), indent=2))
+    write_atomic(script, text)
     print(f"wrote {script}")
     print(slurm.sbatch(script), flush=True)
     return 0

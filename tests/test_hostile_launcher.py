@@ -7,16 +7,30 @@ Proves, one surface at a time:
   unless ``--force``, and ``--force`` replaces only a hostfile (never another file or a
   directory), by renaming a complete new file over it; hostfiles with garbage, binary bytes,
   Unicode digits, huge slot counts or duplicate hosts are refused with the line.
+- ``run``: ``--master-addr`` goes through the host-name check; for a pdsh launch (several
+  nodes, no ``--no-ssh``) recipe flags, the recipe, the working directory and the Python with
+  shell syntax are refused, and only there; DeepSpeed's own pdsh command line, run by bash,
+  delivers every accepted value unchanged.
+- ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``, ...,
+  but not ``PATH`` or the shell's ``PWD``) and credentials in values (``user:pass@``) are left
+  out, and the launcher prints their names, never their values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
+import stat
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
+from anneal.errors import UserError
+from launcher import dsenv
 from launcher.__main__ import main as launcher_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,3 +244,296 @@ def test_the_sbatch_script_replaces_the_hostfile_of_its_previous_run():
     text = (ROOT / "launcher" / "templates" / "multinode.sbatch").read_text()
     line = next(ln for ln in text.splitlines() if "-m launcher hostfile" in ln)
     assert "--force" in line
+
+
+# --- run over pdsh: item 12 ---------------------------------------------------------------
+
+
+@pytest.fixture
+def two_hosts(tmp_path) -> Path:
+    hf = tmp_path / "hosts"
+    hf.write_text("node1 slots=1\nnode2 slots=1\n")
+    return hf
+
+
+def _run(hf: Path, *launcher: str, recipe_args: tuple[str, ...] = ()) -> list[str]:
+    flags = "--device cpu --no-ssh-check --dry-run".split()
+    return ["run", RECIPE, "--hostfile", str(hf), *flags, *launcher, "--", *recipe_args]
+
+
+@pytest.mark.parametrize(
+    "addr",
+    ["$(touch pwned)", "10.0.0.1;id", "10.0.0.1\n", "-oProxyCommand=x", "a b", "fe80::1%eth0"],
+)
+def test_master_addr_goes_through_the_host_check(tmp_path, capsys, two_hosts, addr):
+    before = tree(tmp_path)
+    refused(
+        capsys,
+        _run(two_hosts, f"--master-addr={addr}"),
+        "--master-addr",
+        "use the name as `hostname` or your DNS gives it",
+    )
+    assert tree(tmp_path) == before
+
+
+def test_master_addr_takes_host_names_and_ip_addresses():
+    from launcher import pdsh  # new in issue 18 (imported here: the base commit lacks it)
+
+    for addr in ("node1", "10.0.0.1", "gpu-001.cluster.local", "fe80::1", "::1"):
+        assert pdsh.check_master_addr(addr) == addr
+
+
+PDSH_ARGS = {
+    "command-substitution": ("--set", "run.name=$(touch pwned)"),
+    "backquote": ("--out", "runs/`id`"),
+    "semicolon": ("--out", "runs/x;id"),
+    "quote-and-space": ("--set", 'a="b c"'),
+    "newline": ("--out", "runs/x\nid"),
+    "glob": ("--out", "runs/*"),
+    "tilde": ("--out", "~/runs"),
+    "pdsh-percent": ("--out", "runs/%n"),
+    "empty": ("--resume", ""),
+}
+
+
+@pytest.mark.parametrize("case", PDSH_ARGS, ids=list(PDSH_ARGS))
+def test_recipe_flags_with_shell_syntax_are_refused_for_a_pdsh_launch(
+    tmp_path, capsys, two_hosts, case
+):
+    before = tree(tmp_path)
+    err = refused(
+        capsys, _run(two_hosts, recipe_args=PDSH_ARGS[case]), "recipe argument", "pdsh", "--no-ssh"
+    )
+    assert "e.g. a --set or a path without" in err or "Give a value" in err
+    assert tree(tmp_path) == before
+
+
+def test_a_working_directory_with_shell_syntax_is_refused_for_a_pdsh_launch(
+    tmp_path, capsys, monkeypatch, two_hosts
+):
+    odd = tmp_path / "we$(id)rd"
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    before = tree(tmp_path)
+    refused(
+        capsys,
+        _run(two_hosts, recipe_args=("--out", "runs/x")),
+        "the working directory",
+        "holds '$'",
+        "rename or move it",
+    )
+    assert tree(tmp_path) == before
+
+
+def test_pdsh_checks_apply_only_where_a_remote_shell_runs_the_command(tmp_path):
+    from launcher import pdsh  # new in issue 18 (imported here: the base commit lacks it)
+
+    hosts = {"node1": 1, "node2": 1}
+    assert pdsh.is_remote(hosts, num_nodes=None, no_ssh=False)
+    assert not pdsh.is_remote(hosts, num_nodes=None, no_ssh=True)  # each node started alone
+    assert not pdsh.is_remote(hosts, num_nodes=1, no_ssh=False)  # one node: a local launch
+    assert not pdsh.is_remote({"node1": 8}, num_nodes=None, no_ssh=False)
+    assert not pdsh.is_remote(None, num_nodes=None, no_ssh=False)
+    with pytest.raises(UserError, match="the Python '/opt/my env/python' holds ' '"):
+        pdsh.check_remote_command(
+            recipe="r.py", recipe_args=[], cwd="/w", python="/opt/my env/python"
+        )
+
+
+def test_odd_values_pass_where_no_remote_shell_sees_them(tmp_path, capsys, tiny_data):
+    """--no-ssh: DeepSpeed starts the ranks of this node without a shell, so a `$` in --out is
+    just a character (the dry run prints the command, starts and writes nothing)."""
+    hf = tmp_path / "hosts"
+    hf.write_text("node1 slots=1\nnode2 slots=1\n")
+    out = tmp_path / "run$(id)"
+    flags = "--no-ssh --node-rank 0 --master-addr 10.0.0.1 --device cpu --dry-run".split()
+    data = ["--data", str(tiny_data), "--max-steps", "2"]
+    argv = ["run", RECIPE, "--hostfile", str(hf), *flags, "--", "--out", str(out), *data]
+    before = tree(tmp_path)
+    code, printed, err = launch(capsys, argv)
+    assert code == 0, err
+    assert shlex.quote(str(out)) in printed
+    assert tree(tmp_path) == before
+
+
+def _deepspeed_pdsh_command(tmp_path, monkeypatch, *, user_args, exports):
+    """The argv DeepSpeed 0.19's PDSHRunner gives pdsh, with the remote Python replaced by a
+    script that records its arguments and environment."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    record = tmp_path / "record"
+    fake = tmp_path / "fakepython"
+    fake.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" > {record}\nenv -0 > {record}.env\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.chdir(tmp_path)
+    args = types.SimpleNamespace(
+        user_args=user_args,
+        user_script="recipe.py",
+        launcher_args="",
+        ssh_port=None,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        venv_script=None,
+        no_python=False,
+        module=False,
+        no_local_rank=False,
+        save_pid=False,
+        enable_each_rank_log=None,
+    )
+    runner = PDSHRunner(args, "e30=")
+    for key, value in exports.items():
+        runner.add_export(key, value)
+    cmd, _, _ = runner.get_cmd({}, {"node1": 1, "node2": 1})
+    remote = cmd[cmd.index("-w") + 2 :]
+    return " ".join(remote), record  # pdsh joins its arguments into one shell command line
+
+
+def test_deepspeed_pdsh_command_line_carries_accepted_values_unchanged(tmp_path, monkeypatch):
+    """DeepSpeed's own remote command line (its quoting, not a copy of it), run by bash as
+    pdsh's remote shell would: every recipe flag that pre-flight lets through, and every
+    .deepspeed_env value the runner copy holds, arrives as it was; nothing injected runs."""
+    from launcher import pdsh  # new in issue 18 (imported here: the base commit lacks it)
+
+    candidates = [
+        "--out",
+        "runs/a b",
+        "--set",
+        "optim.lr=3e-4",
+        "x,y:z@w+v=u",
+        "caf\u00e9",
+        "a  b",
+        "--set=run.name=two words",
+        "$(touch pwned)",
+        "`touch pwned`",
+        'a"b',
+        "a\\b",
+        "x;touch pwned",
+        "a'b",
+        "runs/%n",
+        "",
+        "*",
+        "~",
+        "a\tb",
+    ]
+    accepted = []
+    for arg in candidates:
+        try:
+            pdsh.check_remote_command(recipe="recipe.py", recipe_args=[arg], cwd="/w", python="/p")
+            accepted.append(arg)
+        except UserError:
+            pass
+    assert accepted == candidates[:8]
+    env_text = dsenv.runner_copy(
+        "HF_HOME=/scratch/hf cache\nNCCL_X='quoted value'\nOMP_NUM_THREADS=8\n"
+        "NCCL_BAD=$(touch pwned)\nHF_Q=it's\n"
+    )
+    exports = dict(line.split("=", 1) for line in env_text.splitlines())
+    assert "NCCL_BAD" not in exports
+    line, record = _deepspeed_pdsh_command(
+        tmp_path, monkeypatch, user_args=accepted, exports=exports
+    )
+    subprocess.run(["bash", "-c", line], check=True, cwd=tmp_path)
+    got = record.read_bytes().decode().split("\0")[:-1]
+    assert got[got.index("recipe.py") + 1 :] == accepted
+    env = dict(kv.split("=", 1) for kv in record.with_suffix(".env").read_text().split("\0") if kv)
+    assert env["HF_HOME"] == "/scratch/hf cache" and env["NCCL_X"] == "quoted value"
+    assert env["HF_Q"] == "it's" and env["OMP_NUM_THREADS"] == "8"
+    assert not (tmp_path / "pwned").exists()
+
+
+# --- .deepspeed_env: item 13 --------------------------------------------------------------
+
+SECRETS = {
+    "HF_PWD": "pwd-value",
+    "HF_HUB_PAT": "pat-value",
+    "HF_GPG_PASSPHRASE": "passphrase-value",
+    "NCCL_PASS": "pass-value",
+    "HF_SESSION_ID": "session-value",
+    "HF_COOKIE": "cookie-value",
+    "TORCH_PRIVATE_KEY_FILE": "private-value",
+    "HF_CREDENTIALS": "credential-value",
+    "HF_ENDPOINT": "https://user:hunter2@hub.example",
+    "HF_MIRROR": "https://ghp_tokenvalue@mirror.example/x",
+    "NCCL_PROXY": "alice:s3cret@proxy:3128",
+}
+HARMLESS = {
+    "PYTHONPATH": "/code",
+    "CUDA_PATH": "/usr/local/cuda",
+    "HF_HOME": "/scratch/hf",
+    "NCCL_DEBUG": "INFO",
+    "HF_HUB_CACHE": "/scratch/user@corp/hub",
+    "TORCH_PATH_X": "a:b",
+}
+
+
+def test_secrets_by_name_part_and_credentials_in_values_stay_out(tmp_path):
+    values = dsenv.select({**SECRETS, **HARMLESS, "PWD": "/work", "HOME": "/root"})
+    assert set(values) == set(HARMLESS)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".deepspeed_env").write_text(
+        "HF_PWD=hand-pwd\nexport HF_ENDPOINT='https://bob:pw@host'\nNCCL_DEBUG=WARN\n"
+    )
+    runner = dsenv.write(run, values)
+    for path in (run / ".deepspeed_env", runner):
+        text = path.read_text()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        for secret in (*SECRETS.values(), "hand-pwd", "bob:pw"):
+            assert secret not in text, (path.name, secret)
+    assert (
+        "NCCL_DEBUG=WARN" in runner.read_text()
+        and "CUDA_PATH=/usr/local/cuda" in runner.read_text()
+    )
+
+
+def test_env_flag_refuses_secrets_but_not_path_or_the_shell_pwd():
+    environ = {**SECRETS, "PWD": "/work", "CUDA_PATH": "/usr/local/cuda"}
+    for name in ("HF_PWD", "HF_HUB_PAT", "HF_GPG_PASSPHRASE", "HF_SESSION_ID"):
+        with pytest.raises(UserError, match=f"--env {name}: looks like a secret"):
+            dsenv.select(environ, [name])
+    with pytest.raises(UserError, match="--env HF_ENDPOINT: .*user:password@ credential"):
+        dsenv.select(environ, ["HF_ENDPOINT"])
+    assert dsenv.select(environ, ["PWD"]) == {"CUDA_PATH": "/usr/local/cuda", "PWD": "/work"}
+
+
+def test_the_launcher_names_what_it_left_out_never_the_values(
+    tmp_path, capsys, monkeypatch, tiny_data
+):
+    for name, value in {**SECRETS, **HARMLESS}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    flags = "--num-gpus 1 --device cpu --dry-run".split()
+    data = ["--data", str(tiny_data), "--max-steps", "2"]
+    argv = ["run", RECIPE, *flags, "--", "--out", str(out), *data]
+    code, printed, err = launch(capsys, argv)
+    assert code == 0, err
+    note = next(ln for ln in printed.splitlines() if ln.startswith("note: not passed"))
+    for name in SECRETS:
+        assert name in note
+    for value in SECRETS.values():
+        assert value not in printed + err
+    assert "HF_HOME=/scratch/hf" in printed  # the .deepspeed_env it would write
+    assert not out.exists()
+
+
+def test_a_pdsh_launch_starts_deepspeed_without_the_secrets_it_would_export():
+    environ = {
+        "MLFLOW_TRACKING_PASSWORD": "x",
+        "MLFLOW_TRACKING_URI": "https://u:p@mlflow",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_X": "$(id)",
+        "PYTHONPATH": "/code",
+        "UCX_TLS": "tcp",
+        "HOME": "/root",
+        "MY_TOKEN": "kept: not exported",
+        "NCCL_$(touch pwned)": "1",  # env(1) sets any name; the remote shell would run this one
+    }
+    env, gone = dsenv.runner_environ(environ)
+    assert set(gone) == {
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_URI",
+        "NCCL_X",
+        "NCCL_$(touch pwned)",
+    }
+    assert env == {k: v for k, v in environ.items() if k not in gone}
