@@ -247,15 +247,18 @@ def _fit(args: argparse.Namespace) -> int:
     import json
 
     from anneal import scaling
+    from anneal.scaling.fit import claim_fit_outputs
 
     if bool(args.runs) == bool(args.csv):
         raise UserError("anneal fit: give run directories or --csv FILE (one of the two).")
     points = scaling.read_csv(args.csv) if args.csv else [scaling.read_run(r) for r in args.runs]
+    out = Path(args.out)
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    claim_fit_outputs(out, plot, force=args.force)  # before the fit, which takes time
     result = scaling.fit_points(
         points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed
     )
-    out = scaling.write_fit(result, args.out)
-    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out = scaling.write_fit(result, out)
     try:
         result.to_fit()
         from anneal.plots import plot_fit
@@ -390,6 +393,11 @@ def _add_planning_commands(sub) -> None:
     fit.add_argument("--csv", help="CSV with columns params,tokens,loss instead of runs")
     fit.add_argument("--out", default="scaling_fit.json", help="fit file to write")
     fit.add_argument("--plot", help="PNG to write (default: --out with .png)")
+    fit.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out (and its plot) that an earlier `anneal fit` wrote",
+    )
     fit.add_argument(
         "--bootstrap",
         type=int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -239,10 +240,85 @@ def _fit_points(points, *, n_bootstrap, bootstrap_starts, grid_starts, seed, del
 
 
 def write_fit(result: FitResult, path: str | Path) -> Path:
+    """Write the fit file (atomically: a reader sees the old file or the new one)."""
+    from anneal.files import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    write_atomic(path, json.dumps(result.to_json(), indent=2) + "\n")
     return path
+
+
+def is_fit_file(path: Path) -> bool:
+    """A file ``anneal fit`` wrote: a JSON object with ``"format": FIT_FORMAT``."""
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FIT_FORMAT
+
+
+def is_matplotlib_png(path: Path) -> bool:
+    """A PNG whose ``Software`` text chunk says Matplotlib wrote it (the fit's plot is one;
+    a photo or a drawing is not). Reads the chunks before the image data only."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return False
+            for _ in range(64):
+                head = f.read(8)
+                if len(head) < 8:
+                    return False
+                size, kind = int.from_bytes(head[:4], "big"), head[4:]
+                if kind == b"IDAT" or size > 1 << 20:
+                    return False
+                data = f.read(size)
+                f.read(4)  # CRC
+                if kind == b"tEXt" and data.startswith(b"Software\0Matplotlib"):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def claim_fit_outputs(out: Path, plot: Path | None, *, force: bool) -> None:
+    """Before fitting: ``--out`` and ``--plot`` may be written. Each must be new, or with
+    ``force`` be what ``anneal fit`` writes (a fit file, a Matplotlib PNG); never a directory,
+    never the same path for both. UserError naming the flag and the fix otherwise."""
+    out = Path(out)
+    checks = [("--out", out, is_fit_file, 'a fit file (JSON with "format": "' + FIT_FORMAT + '")')]
+    if plot is not None:
+        plot = Path(plot)
+        if os.path.realpath(plot) == os.path.realpath(out):
+            raise UserError(
+                f"--plot {plot}: the same file as --out. Give the plot its own name (.png)."
+            )
+        checks.append(("--plot", plot, is_matplotlib_png, "a PNG written by Matplotlib"))
+    for flag, path, ours, kind in checks:
+        if path.is_dir():
+            raise UserError(
+                f"{flag} {path}: a directory is there. Name a file, e.g. {path / out.name}."
+            )
+        if not (path.exists() or path.is_symlink()):
+            parent = Path(os.path.realpath(path)).parent
+            while not parent.exists():
+                parent = parent.parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(
+                    f"{flag} {path}: cannot create it, {parent} is not a writable directory. "
+                    f"Choose a path you can write to."
+                )
+            continue
+        if not force:
+            raise UserError(
+                f"{flag} {path}: exists. Choose another name, or pass --force to replace it "
+                f"(only {kind} is replaced)."
+            )
+        if path.is_symlink() or not ours(path):
+            raise UserError(
+                f"{flag} {path}: exists and is not {kind}, so --force will not replace it. "
+                f"Choose another name, or move that file away."
+            )
 
 
 def format_fit(result: FitResult) -> str:
