@@ -254,10 +254,12 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
                                  device_type=device, mfu=ns.mfu, gpu=ns.gpu,
                                  ranks_per_host=ns.gpus_per_node)  # fmt: skip
     out = Path(launch.plan.out).resolve()
-    grace = ns.grace_s or max(
-        DEFAULT_GRACE_S,
-        int(2 * launch.forecast.step_s + launch.checkpoint_bytes / WRITE_BYTES_PER_S) + 30,
-    )
+    grace = ns.grace_s
+    if grace is None:  # --grace-s 0 is refused by render_sbatch, not taken for the default
+        grace = max(
+            DEFAULT_GRACE_S,
+            int(2 * launch.forecast.step_s + launch.checkpoint_bytes / WRITE_BYTES_PER_S) + 30,
+        )
     text = slurm.render_sbatch(
         job_name=f"anneal-{out.name}",
         nodes=ns.nodes,

@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import unicodedata
 from pathlib import Path
 
 from anneal.errors import UserError
@@ -112,6 +113,24 @@ def scontrol_hostnames(nodelist: str) -> list[str] | None:
 # ---------------------------------------------------------------------------------------------
 # sbatch
 
+MAX_SIGNAL_S = 65535
+"""Slurm's limit on ``--signal=...@SECONDS``."""
+RUN_DIR_REFUSED = "%\"'\\#"
+_RUN_DIR_WHY = (
+    "the sbatch script's `#SBATCH --output=` line and srun's --output carry the run directory, "
+    "and Slurm reads '%' there as a file-name pattern (%j, %n) and quotes, '\\' and '#' as "
+    "its own syntax. Choose an --out without these characters"
+)
+
+
+def check_plain(value: str, *, what: str, why: str, also: str = "") -> str:
+    """``value`` if it holds no control character (newline, tab, ...) and none of ``also``;
+    otherwise a UserError: ``what`` holds CHARACTER: ``why``."""
+    for ch in value:
+        if unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in also:
+            raise UserError(f"{what} holds {ch!r}: {why}.")
+    return value
+
 
 def render_sbatch(
     *,
@@ -131,8 +150,14 @@ def render_sbatch(
     recipe_args: list[str],
     master_port: int = 29500,
 ) -> str:
-    """The batch script: the template with its ``{{NAME}}`` fields filled in."""
-    if not re.fullmatch(r"\d+:\d\d:\d\d|\d+-\d+(:\d\d(:\d\d)?)?|\d+", time):
+    """The batch script: the template with its ``{{NAME}}`` fields filled in.
+
+    Every value is checked or quoted: numbers in range, names from a safe alphabet, paths and
+    recipe flags shell-quoted and free of control characters, and the run directory (which
+    the ``#SBATCH --output=`` line and srun's ``--output`` carry) also free of what Slurm reads
+    there itself: ``%`` patterns, quotes, ``\\`` and ``#``.
+    """
+    if not re.fullmatch(r"\d+:\d\d:\d\d|\d+-\d+(:\d\d(:\d\d)?)?|\d+", time, re.ASCII):
         raise UserError(f"--time {time!r}: give HH:MM:SS (e.g. 04:00:00) or D-HH[:MM[:SS]].")
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
         if value < 1:
@@ -140,6 +165,34 @@ def render_sbatch(
     for flag, value in (("--partition", partition), ("--account", account or "x")):
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
             raise UserError(f"{flag} {value!r}: letters, digits, '.', '-' and '_' only.")
+    if not 1 <= grace_s <= MAX_SIGNAL_S:
+        raise UserError(
+            f"--grace-s {grace_s}: Slurm sends the preemption signal 1..{MAX_SIGNAL_S} s "
+            f"before the time limit. Give a number of seconds in that range (or leave it out)."
+        )
+    if not 1 <= master_port <= 65535:
+        raise UserError(f"--master-port {master_port}: a TCP port is 1..65535, e.g. 29500.")
+    run_dir = Path(
+        check_plain(
+            str(run_dir), what=f"--out {str(run_dir)!r}", also=RUN_DIR_REFUSED, why=_RUN_DIR_WHY
+        )
+    )
+    check_plain(
+        str(workdir),
+        what=f"the working directory {str(workdir)!r}",
+        why="the script `cd`s there. Run from a directory without one (rename it)",
+    )
+    check_plain(
+        python,
+        what=f"the Python {python!r}",
+        why="the script runs it by path. Use a virtual environment at a plain path",
+    )
+    for arg in [recipe, *recipe_args]:
+        check_plain(
+            arg,
+            what=f"recipe argument {arg!r}",
+            why="the script carries the command on one line. Remove it",
+        )
     fields = {
         "JOB_NAME": re.sub(r"[^A-Za-z0-9_.\-]", "_", job_name),
         "NODES": str(nodes),
@@ -150,7 +203,7 @@ def render_sbatch(
         "ACCOUNT_LINE": f"#SBATCH --account={account}\n" if account else "",
         "GRACE_S": str(grace_s),
         "RUN_DIR": shlex.quote(str(run_dir)),
-        "RUN_DIR_RAW": str(run_dir),
+        "RUN_DIR_SLURM": f'"{run_dir}/logs/slurm-%j.out"',
         "WORKDIR": shlex.quote(str(workdir)),
         "PYTHON": shlex.quote(python),
         "DEEPSPEED": shlex.quote(str(Path(python).parent / "deepspeed")),

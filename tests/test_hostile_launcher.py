@@ -7,6 +7,8 @@ Proves, one surface at a time:
   unless ``--force``, and ``--force`` replaces only a hostfile (never another file or a
   directory), by renaming a complete new file over it; hostfiles with garbage, binary bytes,
   Unicode digits, huge slot counts or duplicate hosts are refused with the line.
+- ``submit``: the rendered sbatch script quotes or refuses every value; a newline or ``%`` in
+  the run directory, a control character in a path or a recipe flag are refused by name.
 - ``run``: ``--master-addr`` goes through the host-name check; for a pdsh launch (several
   nodes, no ``--no-ssh``) recipe flags, the recipe, the working directory and the Python with
   shell syntax are refused, and only there; DeepSpeed's own pdsh command line, run by bash,
@@ -30,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from anneal.errors import UserError
-from launcher import dsenv
+from launcher import dsenv, slurm
 from launcher.__main__ import main as launcher_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +246,112 @@ def test_the_sbatch_script_replaces_the_hostfile_of_its_previous_run():
     text = (ROOT / "launcher" / "templates" / "multinode.sbatch").read_text()
     line = next(ln for ln in text.splitlines() if "-m launcher hostfile" in ln)
     assert "--force" in line
+
+
+# --- sbatch: item 11 ----------------------------------------------------------------------
+
+
+def _render(**kw):
+    args = dict(
+        job_name="anneal-x",
+        nodes=2,
+        gpus_per_node=1,
+        gpus=False,
+        partition="debug",
+        time="01:00:00",
+        account=None,
+        grace_s=120,
+        run_dir=Path("/runs/x"),
+        workdir=Path("/code"),
+        python="/code/.venv/bin/python",
+        recipe="recipes/pretrain_tiny.py",
+        recipe_args=["--out", "/runs/x"],
+    )
+    return slurm.render_sbatch(**{**args, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(run_dir=Path("/runs/x\ntouch /tmp/pwned")), "--out '/runs/x\\ntouch /tmp/pwned'"),
+        (dict(run_dir=Path("/runs/%j-x")), "holds '%'"),
+        (dict(run_dir=Path("/runs/a#b")), "holds '#'"),
+        (dict(run_dir=Path('/runs/a"b')), "holds '\"'"),
+        (dict(run_dir=Path("/runs/a\\b")), "holds '\\\\'"),
+        (dict(workdir=Path("/code\n#SBATCH --x")), "the working directory"),
+        (dict(python="/py\rthon"), "the Python"),
+        (dict(recipe_args=["--out", "/runs/x", "--set", "a=b\nrm -rf ~"]), "recipe argument"),
+        (dict(recipe_args=["--note", "x\u2028y"]), "recipe argument"),
+        (dict(grace_s=0), "--grace-s 0"),
+        (dict(grace_s=70000), "--grace-s 70000"),
+        (dict(master_port=0), "--master-port 0"),
+        (dict(time="\uff10\uff11:00:00"), "--time"),
+        (dict(partition="gpu\n#SBATCH --x"), "--partition"),
+        (dict(account="a b"), "--account"),
+    ],
+)
+def test_every_value_the_sbatch_script_embeds_is_quoted_or_refused(kw, match):
+    with pytest.raises(UserError) as e:
+        _render(**kw)
+    msg = str(e.value)
+    assert match in msg and "\n" not in msg, msg
+    assert any(
+        fix in msg
+        for fix in ("Choose", "Remove", "Run from", "Use", "Give", "give", "only", "e.g.")
+    )
+
+
+def test_a_run_directory_with_a_space_is_quoted_on_the_sbatch_line():
+    text = _render(run_dir=Path("/runs/my run"), recipe_args=["--out", "/runs/my run"])
+    assert '#SBATCH --output="/runs/my run/logs/slurm-%j.out"' in text
+    assert "RUN_DIR='/runs/my run'" in text and "--out '/runs/my run'" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_submit_refuses_a_newline_in_out_and_writes_nothing(tmp_path, capsys, tiny_data):
+    base = ["submit", RECIPE, *"--nodes 2 --gpus-per-node 1 --partition p --device cpu".split()]
+    base += ["--time", "01:00:00"]
+    before = tree(tmp_path)
+    for out, match in (("run\ntouch pwned", "holds '\\n'"), ("run-%j", "holds '%'")):
+        for dry in ([], ["--dry-run"]):
+            refused(
+                capsys,
+                [*base, *dry, "--", "--out", str(tmp_path / out), "--data", str(tiny_data)],
+                "--out",
+                match,
+                "Choose an --out",
+            )
+    assert tree(tmp_path) == before
+
+
+SUBMIT_OPTIONS = {
+    "nodes-0": (["--nodes", "0"], "--nodes and --gpus-per-node must be at least 1"),
+    "grace-0": (["--grace-s", "0"], "--grace-s 0"),
+    "grace-negative": (["--grace-s", "-5"], "--grace-s -5"),
+    "port": (["--master-port", "99999"], "--master-port 99999"),
+    "partition": (["--partition", "gpu;reboot"], "--partition"),
+    "time": (["--time", "1:00:00\n#SBATCH --x"], "--time"),
+    "account": (["--account", "$(id)"], "--account"),
+    "env-secret": (["--env", "HF_HUB_PAT"], "--env HF_HUB_PAT: looks like a secret"),
+    "env-credential": (["--env", "HF_ENDPOINT"], "user:password@ credential"),
+}
+
+
+@pytest.mark.parametrize("case", SUBMIT_OPTIONS, ids=list(SUBMIT_OPTIONS))
+def test_bad_submit_options(tmp_path, capsys, monkeypatch, tiny_data, case):
+    monkeypatch.setenv("HF_HUB_PAT", "hf_pat_value")
+    monkeypatch.setenv("HF_ENDPOINT", "https://user:hunter2@hub.example")
+    extra, match = SUBMIT_OPTIONS[case]
+    opts = {"--nodes": "2", "--gpus-per-node": "1", "--partition": "p", "--time": "01:00:00"}
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        opts[flag] = value
+    argv = ["submit", RECIPE, "--device", "cpu", *[x for kv in opts.items() for x in kv]]
+    before = tree(tmp_path)
+    err = refused(
+        capsys, [*argv, "--", "--out", str(tmp_path / "run"), "--data", str(tiny_data)], match
+    )
+    assert "hf_pat_value" not in err and "hunter2" not in err
+    assert tree(tmp_path) == before
 
 
 # --- run over pdsh: item 12 ---------------------------------------------------------------
