@@ -81,6 +81,16 @@ def _data_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_verify(args: argparse.Namespace) -> int:
+    from anneal.data.prepared import verify
+
+    found = verify(Path(args.dir))
+    what = f"{found['shards']} shard files ({found['bytes'] / 1e6:,.1f} MB)"
+    what += " and the tokenizer match" if found["tokenizer"] else " match"
+    print(f"verified {args.dir}: {what} the sha256 recorded in meta.json")
+    return 0
+
+
 def _add_data_commands(sub) -> None:
     """Defaults come from the library: PrepareConfig, ReadOptions and write_markov."""
     import inspect
@@ -172,7 +182,9 @@ def _add_data_commands(sub) -> None:
         "--shard-tokens", type=int, default=cfg.shard_tokens, help="ids per shard file"
     )
     prep.add_argument("--quiet", action="store_true", help="no progress line")
-    prep.add_argument("--force", action="store_true", help="replace an existing --out")
+    prep.add_argument(
+        "--force", action="store_true", help="replace an --out that an earlier prepare wrote"
+    )
     prep.set_defaults(func=_data_prepare)
 
     synth = data_sub.add_parser(
@@ -201,8 +213,20 @@ def _add_data_commands(sub) -> None:
         help="Dirichlet concentration of each transition row: lower is more predictable",
     )
     synth.add_argument("--out", required=True)
-    synth.add_argument("--force", action="store_true", help="replace an existing --out")
+    synth.add_argument(
+        "--force", action="store_true", help="replace an --out that an earlier synth wrote"
+    )
     synth.set_defaults(func=_data_synth)
+
+    verify = data_sub.add_parser(
+        "verify",
+        help="re-hash every shard of a prepared directory against meta.json",
+        description="Read every shard file of a prepared data directory and compare its sha256 "
+        "with the one meta.json recorded when it was written (and the tokenizer with "
+        "tokenizer_sha256). Exit 0 when all match; 2 with the list of files that do not.",
+    )
+    verify.add_argument("dir", metavar="DIR", help="a directory written by `anneal data prepare`")
+    verify.set_defaults(func=_data_verify)
 
 
 # ---------------------------------------------------------------------------------------------

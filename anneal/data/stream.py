@@ -20,7 +20,6 @@ keyed Feistel network (no table): O(1) memory and time per sample for any number
 from __future__ import annotations
 
 import functools
-import json
 import queue
 import threading
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from anneal.data.prepared import read_meta, shard_path
 from anneal.errors import UserError
 
 BLEND_BLOCK = 4096  # samples per block in which weighted sources get exact quotas
@@ -99,7 +99,8 @@ class PackedSplit:
 
     def __init__(self, data_dir: Path, split: str, *, seq_len: int):
         data_dir = Path(data_dir)
-        meta = json.loads((data_dir / "meta.json").read_text())
+        meta = read_meta(data_dir, splits=(split,))  # checked: types, counts, file names
+        self.data_dir = data_dir
         self.seq_len = seq_len
         self.vocab_size = meta["vocab_size"]
         self.tokenizer_sha256 = meta.get("tokenizer_sha256")
@@ -109,14 +110,15 @@ class PackedSplit:
         self.weights = [float(s["weight"]) for s in sources] if weighted else None
         """Blend weights per source, or None: blend by size (one permutation of all)."""
         self._shards = []
+        self._paths: list[Path] = []
         counts = []
         per_source = [0] * len(sources)
         for shard in meta["splits"][split]["shards"]:
             if shard["tokens"] <= seq_len:
                 continue
-            self._shards.append(
-                np.memmap(data_dir / split / shard["file"], dtype=meta["dtype"], mode="r")
-            )
+            path = shard_path(data_dir, split, shard)
+            self._shards.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
+            self._paths.append(path)
             n = (shard["tokens"] - 1) // seq_len
             counts.append(n)
             per_source[shard.get("source", 0)] += n
@@ -134,7 +136,22 @@ class PackedSplit:
     def window(self, j: int) -> np.ndarray:
         s = int(np.searchsorted(self._starts, j, side="right")) - 1
         off = (j - int(self._starts[s])) * self.seq_len
-        return np.asarray(self._shards[s][off : off + self.seq_len + 1], dtype=np.int64)
+        ids = np.asarray(self._shards[s][off : off + self.seq_len + 1], dtype=np.int64)
+        if ids.size and int(ids.max()) >= self.vocab_size:  # one pass over seq_len ids: cheap
+            raise self._damaged(s, off, int(ids.max()))
+        return ids
+
+    def _damaged(self, s: int, offset: int, token: int) -> UserError:
+        """Ids beyond the vocabulary: bytes of the shard changed after prepare (its size did
+        not, or check_prepared would have refused the directory). Only the rank that read the
+        window sees it, so ``every_rank`` stays False and the message names the rank."""
+        return UserError(
+            f"{self._paths[s]}: holds token id {token} near id offset {offset}, but the "
+            f"vocabulary has {self.vocab_size:,} ids (meta.json): the shard is damaged (its "
+            f"bytes changed after it was prepared). Run `anneal data verify {self.data_dir}` "
+            f"to list every damaged file, then prepare the data again (`anneal data prepare "
+            f"--input ... --out {self.data_dir} --force`) or restore it from a copy."
+        )
 
     def batch(self, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (B, T); y is x shifted by one token."""
@@ -272,6 +289,8 @@ class TokenStream:
                     raise RuntimeError("the prefetch thread of the token stream ended") from None
         if isinstance(item, _Failed):
             self._queue.put(item)  # every later call fails the same way
+            if isinstance(item.error, UserError):  # damaged data: the entry point reports it
+                raise item.error
             raise RuntimeError(
                 f"reading the micro-batch at global sample {item.position} failed in the "
                 f"prefetch thread: {type(item.error).__name__}: {item.error}"
