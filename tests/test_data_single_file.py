@@ -146,11 +146,12 @@ def test_too_small_an_input_fails_with_one_paragraph_and_writes_nothing(
     assert "--val-fraction 0.02" in err and "257 tokens" in err and "--val-fraction 0" in err
     assert len(err.splitlines()) == 1  # one paragraph
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.txt"]
-    # Over an existing directory with --force: the old one stays as it was.
+    # Over an earlier prepare's directory with --force: the old one stays as it was.
     out.mkdir()
     (out / "keep").write_text("old")
+    (out / "meta.json").write_text('{"format_version": 2}')  # the mark of a prepare's output
     assert main([*args, "--force"]) == 2
-    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+    assert sorted(p.name for p in out.iterdir()) == ["keep", "meta.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "small.txt"]
     # No validation data, asked for: allowed, and visible.
     assert main([*args, "--force", "--val-fraction", "0"]) == 0

@@ -39,17 +39,18 @@ import numpy as np
 
 from anneal.data import pack
 from anneal.data import tokenizer as toklib
-from anneal.data.prepared import has_validation
+from anneal.data.prepared import FORMAT_VERSION, has_validation, is_prepared_dir
 from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
-from anneal.data.sources import Source, list_units, parse_inputs
+from anneal.data.sources import Source, input_paths, list_units, parse_inputs
 from anneal.errors import UserError
+from anneal.files import claim_output, replace_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
 SHARD_TOKENS = 16 * 1024 * 1024  # ids per shard file (32 MiB at uint16)
 DTYPES = ("auto", "uint16", "uint32")
 SEQ_LEN = 256  # the smallest preset's context (tiny, anneal/model.py)
+MAX_VOCAB = 1 << 20  # ids of a trained tokenizer; SentencePiece takes seconds to refuse more
 _SAMPLE_UNITS = 256  # units a bounded tokenizer sample is spread over, per source
 
 
@@ -115,10 +116,11 @@ def _check_config(cfg: PrepareConfig) -> None:
         raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
     if cfg.workers < 0:
         raise UserError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
-    if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= 2**31 - 1:
+    if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= MAX_VOCAB:
         raise UserError(
-            f"--vocab-size {cfg.vocab_size}: a trained vocabulary holds 256 byte "
-            f"pieces plus control and merged pieces; give at least 260."
+            f"--vocab-size {cfg.vocab_size}: a trained vocabulary holds 256 byte pieces plus "
+            f"control and merged pieces, so give at least 260, and at most {MAX_VOCAB:,} "
+            f"(the largest vocabularies in use hold about 256k ids; 8192 suits small models)."
         )
     if cfg.seq_len < 1:
         raise UserError(f"--seq-len {cfg.seq_len}: give 1 or more (the model's context).")
@@ -131,45 +133,86 @@ def _check_config(cfg: PrepareConfig) -> None:
 
 
 def run(cfg: PrepareConfig) -> dict:
-    """:func:`prepare` for a ready :class:`PrepareConfig`."""
+    """:func:`prepare` for a ready :class:`PrepareConfig`. Everything is checked before
+    anything is written; ``--out`` is replaced only when it is empty or an earlier prepare's
+    output (:func:`anneal.files.claim_output`)."""
     _check_config(cfg)
     out = cfg.out
-    if out.exists() and not cfg.force:
-        raise UserError(
-            f"{out} already exists. Pass --force to replace it, or choose another --out."
-        )
     sources = parse_inputs(list(cfg.inputs))
+    inputs = [p for s in sources for p in input_paths(s)]
+    claim_output(
+        out,
+        force=cfg.force,
+        made_by_us=is_prepared_dir,
+        what="prepared data directory",
+        inputs=inputs + ([cfg.tokenizer] if cfg.tokenizer is not None else []),
+    )
     _remove_stale_partials(out)
     start = time.time()
-    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = _make_partial(out)
     try:
         meta = _prepare_into(partial, cfg, sources, start)
-        if out.exists():
-            old = out.with_name(f"{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            partial.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.rename(out)
+        (partial / PARTIAL_MARKER).unlink()
+        replace_dir(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return meta
 
 
+PARTIAL_MARKER = ".anneal-prepare-partial"
+"""Written first into ``OUT.partial-PID`` and removed just before the rename: a directory is
+removed as a dead prepare's leftover only when it carries it."""
+
+
+def _partial_pid(out: Path, path: Path) -> int | None:
+    """The PID in ``path``'s name if it is ``OUT.partial-PID`` (digits only), else None."""
+    prefix = f"{out.name}.partial-"
+    digits = path.name[len(prefix) :]
+    if not path.name.startswith(prefix) or not digits.isdigit() or not digits.isascii():
+        return None
+    pid = int(digits)
+    return pid if 0 < pid < 2**31 else None
+
+
+def _ours(path: Path) -> bool:
+    """A partial directory of some prepare: a real directory (not a link) holding the marker
+    as a plain file."""
+    marker = path / PARTIAL_MARKER
+    return path.is_dir() and not path.is_symlink() and marker.is_file() and not marker.is_symlink()
+
+
+def _make_partial(out: Path) -> Path:
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    if partial.exists() or partial.is_symlink():
+        if not _ours(partial):  # a PID reused, and something else took the name
+            raise UserError(
+                f"--out {out}: {partial} exists and is not a prepare's partial directory, so "
+                f"prepare will not use or delete it. Move it away, or choose another --out."
+            )
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    (partial / PARTIAL_MARKER).write_text(f"anneal data prepare, pid {os.getpid()}\n")
+    return partial
+
+
 def _remove_stale_partials(out: Path) -> None:
-    """Delete ``OUT.partial-PID`` directories of prepares that died (their PID is gone)."""
-    parent = out.parent if out.parent.exists() else None
-    for p in parent.glob(f"{out.name}.partial-*") if parent else ():
+    """Delete ``OUT.partial-PID`` directories of prepares that died: only a directory named
+    exactly so (PID all digits), whose process is gone, and that carries
+    :data:`PARTIAL_MARKER` (so, made by a prepare). Anything else is left alone."""
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    for p in parent.iterdir():
+        pid = _partial_pid(out, p)
+        if pid is None or pid == os.getpid() or not _ours(p):
+            continue
         try:
-            pid = int(p.name.rsplit("-", 1)[1])
             os.kill(pid, 0)
         except ProcessLookupError:
             log.warning("removing %s, left by an interrupted prepare", p)
             shutil.rmtree(p, ignore_errors=True)
-        except (ValueError, PermissionError):
+        except OSError:  # alive (another user's) or unknowable: leave it
             continue
 
 
@@ -272,16 +315,29 @@ def _make_tokenizer(partial: Path, cfg: PrepareConfig, sources: list[Source], un
     if cfg.tokenizer is not None:
         return toklib.install(cfg.tokenizer, partial)
     t0 = time.time()
-    texts = _tokenizer_sample(sources, units, cfg, Problems(cfg.read.on_error, quiet=True))
+    seen: dict[int, int] = {}  # records read per source, validation ones included
+    problems = Problems(cfg.read.on_error, quiet=True)
+    texts = _tokenizer_sample(sources, units, cfg, problems, seen=seen)
     model_path = partial / "tokenizer.model"
     sample = _Counted(texts)
-    toklib.train_sentencepiece(
-        sample,
-        vocab_size=cfg.vocab_size,
-        out_path=model_path,
-        model_type=cfg.model_type,
-        seed=cfg.seed,
-    )
+    try:
+        toklib.train_sentencepiece(
+            sample,
+            vocab_size=cfg.vocab_size,
+            out_path=model_path,
+            model_type=cfg.model_type,
+            seed=cfg.seed,
+        )
+    except UserError:
+        # SentencePiece reports an error of the sample's reader (a bad record) or an empty
+        # sample as its own failure; the reader's error or the empty input is the real one.
+        if sample.error is not None:
+            raise sample.error from None
+        if sample.bytes == 0:
+            raise _no_training_text(cfg, sources, seen) from None
+        raise
+    if sample.error is not None:
+        raise sample.error
     toklib.save_hf_files(model_path, partial)
     log.info(
         "trained a %s tokenizer of %d pieces on %.1f MB in %.1f s",
@@ -370,17 +426,39 @@ def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
     return np.dtype(dtype)
 
 
+def _no_training_text(cfg: PrepareConfig, sources: list[Source], seen: dict) -> UserError:
+    """The tokenizer's sample is empty: an input without documents (the message packing gives
+    with --tokenizer), or every document held out for validation."""
+    for s in sources:
+        if not seen.get(s.index):
+            return UserError(
+                f"--input {s.spec}: no documents (every file empty or every record skipped). "
+                f"Check the input and --text-field."
+            )
+    return UserError(
+        f"--val-fraction {cfg.val_fraction}: every document of the input went to validation, "
+        f"so the tokenizer has no training text. Give more input (more, smaller documents), a "
+        f"smaller --val-fraction, or reuse a tokenizer with --tokenizer."
+    )
+
+
 class _Counted:
-    """Iterates texts, counting their UTF-8 bytes."""
+    """Iterates texts, counting their UTF-8 bytes, and keeps an exception raised while reading
+    them (SentencePiece, which consumes the iterator, reports it as its own failure)."""
 
     def __init__(self, texts: Iterable[str]):
         self._texts = texts
         self.bytes = 0
+        self.error: BaseException | None = None
 
     def __iter__(self) -> Iterator[str]:
-        for t in self._texts:
-            self.bytes += len(t.encode("utf-8"))
-            yield t
+        try:
+            for t in self._texts:
+                self.bytes += len(t.encode("utf-8"))
+                yield t
+        except Exception as e:
+            self.error = e
+            raise
 
 
 def _unit_list(source: Source, opts: ReadOptions, problems: Problems):
@@ -395,10 +473,14 @@ def _units_of(units) -> Iterator[Unit]:
     return iter(units()) if callable(units) else iter(units)
 
 
-def _tokenizer_sample(sources, units, cfg: PrepareConfig, problems: Problems) -> Iterator[str]:
+def _tokenizer_sample(
+    sources, units, cfg: PrepareConfig, problems: Problems, *, seen: dict | None = None
+) -> Iterator[str]:
     """Training documents (never validation ones) for the tokenizer, at most
     ``tokenizer_sample_mb`` in all: each source's share by its weight (or its size), spread
-    evenly over its units. Deterministic."""
+    evenly over its units. Deterministic. ``seen`` counts the records read per source index,
+    validation ones included."""
+    seen = {} if seen is None else seen
     budget = cfg.tokenizer_sample_mb * 1e6
     sizes = {
         s.index: (
@@ -414,10 +496,10 @@ def _tokenizer_sample(sources, units, cfg: PrepareConfig, problems: Problems) ->
             share = sizes[s.index] / sum(known)
         else:
             share = 1 / len(sources)
-        yield from _sample_source(s, units[s.index], budget * share, cfg, problems)
+        yield from _sample_source(s, units[s.index], budget * share, cfg, problems, seen)
 
 
-def _sample_source(source: Source, units, budget: float, cfg, problems) -> Iterator[str]:
+def _sample_source(source: Source, units, budget: float, cfg, problems, seen) -> Iterator[str]:
     if isinstance(units, list) and sum(u.nbytes for u in units) > budget:
         picks = sorted({int(j * len(units) / _SAMPLE_UNITS) for j in range(_SAMPLE_UNITS)})
         chosen = [units[j] for j in picks]
@@ -428,6 +510,7 @@ def _sample_source(source: Source, units, budget: float, cfg, problems) -> Itera
     for unit in chosen:
         in_unit = 0
         for rec in read_unit(unit, cfg.read, problems):
+            seen[source.index] = seen.get(source.index, 0) + 1
             if pack.is_validation(source.name, rec.name, val_fraction=cfg.val_fraction):
                 continue
             text = rec.text[: int(min(per_unit - in_unit, budget - taken)) + 1]

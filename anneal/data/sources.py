@@ -25,10 +25,12 @@ of workers.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -79,11 +81,15 @@ class Source:
 # --input parsing
 
 
-_WEIGHT = re.compile(r"^(?P<src>.+):(?P<w>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+_WEIGHT = re.compile(r"^(?P<src>.+):(?P<w>[-+]?(?:[0-9.][0-9.eE+-]*|inf|infinity|nan))$", re.I)
+"""SRC:WEIGHT. Anything number-like after the last colon is taken for a weight, so that a bad
+one (``a.txt:-1``, ``a.txt:1e``) is reported as a bad weight, not as a missing file."""
 
 
 def parse_inputs(specs: list[str]) -> list[Source]:
-    """``--input`` values -> sources. Weights go on every input or on none."""
+    """``--input`` values -> sources. Weights go on every input or on none. An input given
+    twice, or lying inside another one, is refused (it would be read twice); two different
+    inputs that share a name are told apart by their parent directories."""
     sources = [_parse(spec, i) for i, spec in enumerate(specs)]
     weighted = [s for s in sources if s.weight is not None]
     if weighted and len(weighted) != len(sources):
@@ -92,23 +98,30 @@ def parse_inputs(specs: list[str]) -> list[Source]:
             f"({', '.join(s.spec for s in weighted)}). Give every input a weight "
             f"(--input a.jsonl:0.7 --input b/:0.3) or none (blend by size)."
         )
-    names = [s.name for s in sources]
-    for s in sources:
-        if names.count(s.name) > 1:
-            raise UserError(
-                f"--input: two inputs are both named {s.name!r}; give each "
-                f"source once (a directory covers all its files)."
-            )
-    return sources
+    if weighted and not math.isfinite(sum(s.weight for s in weighted)):
+        raise UserError(
+            f"--input: the weights ({', '.join(f'{s.weight:g}' for s in weighted)}) add up to "
+            f"more than a float holds. Give weights as shares, e.g. 0.7 and 0.3."
+        )
+    _refuse_overlaps(sources)
+    return _unique_names(sources)
 
 
 def _parse(spec: str, index: int) -> Source:
     weight = None
     m = _WEIGHT.match(spec)
     if m and not Path(spec).exists():
-        spec, weight = m["src"], float(m["w"])
-        if not weight > 0:
-            raise UserError(f"--input {spec}:{m['w']}: a weight must be above 0.")
+        spec, text = m["src"], m["w"]
+        try:
+            weight = float(text)
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise UserError(
+                f"--input {spec}:{text}: the weight {text!r} is not a finite number above 0. "
+                f"Give a positive share after the last colon (--input {spec}:0.5), or no "
+                f"weight on any input to blend by size."
+            )
     if spec == "stdlib":
         return Source(index=index, spec=spec, name="stdlib", kind="stdlib", weight=weight)
     if spec.startswith("hf:"):
@@ -163,12 +176,94 @@ def _parse(spec: str, index: int) -> Source:
         )
     if glob.has_magic(spec):
         if not glob.glob(spec, recursive=True):
-            raise UserError(f"--input {spec}: the glob matches no file.")
+            raise UserError(
+                f"--input {spec}: the glob matches no file (relative to {Path.cwd()}). Check the "
+                f"pattern and the directory, and quote it so that the shell passes it as is."
+            )
         return Source(index=index, spec=spec, name=spec, kind="files", weight=weight, path=spec)
     raise UserError(
         f"--input {spec}: no such file or directory. Give a file, a directory, a glob, "
         f"'stdlib', or hf:NAME for a Hugging Face dataset."
     )
+
+
+def input_paths(source: Source) -> list[Path]:
+    """The local files and directories a source reads: what ``--out`` must stay apart from
+    and what two inputs must not share. A glob gives the files it matches; ``stdlib`` the
+    standard library's directory; ``hf:NAME`` a local path only if one exists by that name;
+    a DatasetDict the directory of its split."""
+    if source.kind == "stdlib":
+        return [Path(sysconfig.get_paths()["stdlib"])]
+    if source.kind == "hub":
+        return [Path(source.path)] if Path(source.path).exists() else []
+    path = Path(source.path)
+    if source.kind == "arrow" and (path / "dataset_dict.json").is_file():
+        return [path / source.query.get("split", "train")]  # one split of a DatasetDict
+    if source.kind == "files" and not path.exists() and glob.has_magic(source.path):
+        return [
+            Path(p) for p in sorted(glob.glob(source.path, recursive=True)) if Path(p).is_file()
+        ]
+    return [path]
+
+
+def _refuse_overlaps(sources: list[Source]) -> None:
+    """Two inputs that name the same file or directory, or one inside the other, would read
+    the same documents twice (and put copies on both sides of the validation split)."""
+    seen: dict[Path, tuple[Source, Path]] = {}
+    for s in sources:
+        for path in input_paths(s):
+            real = Path(os.path.realpath(path))
+            owner = seen.get(real)
+            if owner is not None and owner[0].index != s.index:
+                raise UserError(
+                    f"--input {owner[0].spec} and --input {s.spec}: both read {owner[1]}, so "
+                    f"its documents would be read twice. Give each file or directory once."
+                )
+            seen.setdefault(real, (s, path))
+    for real, (s, path) in seen.items():
+        for parent in real.parents:
+            owner = seen.get(parent)
+            if owner is not None and owner[0].index != s.index:
+                raise UserError(
+                    f"--input {owner[0].spec} and --input {s.spec}: {path} lies inside "
+                    f"{owner[1]}, so its documents would be read twice. Give the directory "
+                    f"alone (leave files out with --exclude GLOB), or the files one by one."
+                )
+
+
+def _unique_names(sources: list[Source]) -> list[Source]:
+    """Names are the sources' labels (meta.json, the validation hash): two different inputs
+    with the same name (``a/x.txt``, ``b/x.txt``) get their parent directories added, as few
+    as tell them apart. Names that are unique stay as they were."""
+    out = list(sources)
+    names = [s.name for s in sources]
+    for name in set(names):
+        group = [s for s in sources if s.name == name]
+        if len(group) == 1:
+            continue
+        for depth in range(2, 64):
+            candidates = [_longer_name(s, depth) for s in group]
+            if len(set(candidates)) == len(candidates):
+                break
+        else:
+            raise UserError(
+                f"--input: {', '.join(s.spec for s in group)} are all named {name!r} and "
+                f"cannot be told apart. Give each source once."
+            )
+        for s, new_name in zip(group, candidates, strict=True):
+            out[s.index] = dataclasses.replace(s, name=new_name)
+    return out
+
+
+def _longer_name(source: Source, depth: int) -> str:
+    """``source``'s name with up to ``depth`` components of its resolved path (a path
+    input), or its spec (a hub name or a glob, which differ by their text)."""
+    paths = input_paths(source)
+    if source.kind in ("files", "arrow") and len(paths) == 1 and paths[0] == Path(source.path):
+        real = Path(os.path.realpath(paths[0]))
+        suffix = source.name[len(real.name) :] if source.name.startswith(real.name) else ""
+        return "/".join(real.parts[-depth:]).lstrip("/") + suffix
+    return source.spec.removeprefix("hf:")
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -192,7 +287,8 @@ def _synth_meta(path: Path) -> dict | None:
         data = json.loads(meta.read_text())
     except ValueError:
         return None
-    return data.get("synth") if isinstance(data, dict) else None
+    synth = data.get("synth") if isinstance(data, dict) else None
+    return synth if isinstance(synth, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,18 +362,38 @@ def _file_units(source: Source, opts: ReadOptions, problems: Problems) -> Iterat
 
 def _arrow_files(path: Path, source: Source) -> list[Path]:
     """Arrow files of a ``save_to_disk`` directory (a Dataset, or one split of a
-    DatasetDict)."""
+    DatasetDict). The file names come from its JSON files and must stay inside it."""
+    from anneal.data.prepared import confined
+
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        splits = _json_field(path / "dataset_dict.json", "splits", list)
         split = source.query.get("split", "train")
         if split not in splits:
             raise UserError(
-                f"--input {source.spec}: this DatasetDict has splits {', '.join(splits)}; "
-                f"choose one with --input 'hf:{path}?split=NAME'."
+                f"--input {source.spec}: this DatasetDict has splits "
+                f"{', '.join(map(str, splits))}; choose one with --input 'hf:{path}?split=NAME'."
             )
-        path = path / split
-    state = json.loads((path / "state.json").read_text())
-    return [path / f["filename"] for f in state["_data_files"]]
+        path = confined(path, split, where=f"{path / 'dataset_dict.json'}, key splits")
+    files = _json_field(path / "state.json", "_data_files", list)
+    where = f"{path / 'state.json'}, key _data_files"
+    if not all(isinstance(f, dict) for f in files):
+        raise UserError(f"{where}: not a list of objects. Save the dataset again (save_to_disk).")
+    return [confined(path, f.get("filename"), where=where) for f in files]
+
+
+def _json_field(path: Path, key: str, kind: type):
+    """``key`` of the JSON object in ``path`` if it has type ``kind``, else a UserError."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{path}: cannot be read as JSON ({e}). Save the dataset again.") from None
+    value = doc.get(key) if isinstance(doc, dict) else None
+    if not isinstance(value, kind):
+        raise UserError(
+            f"{path}: key {key} is missing or not a {kind.__name__}. The directory is damaged "
+            f"or not written by datasets' save_to_disk: save the dataset again."
+        )
+    return value
 
 
 def _saved_dataset_units(source: Source, opts: ReadOptions, problems: Problems):

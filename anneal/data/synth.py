@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.errors import UserError
+from anneal.files import claim_output, replace_dir
 
 SYMBOLS = string.ascii_lowercase + string.ascii_uppercase
 MAX_CONTEXTS = 1 << 20
@@ -114,6 +115,16 @@ class MarkovSource:
         return out
 
 
+def is_synth_dir(path: Path) -> bool:
+    """Whether ``path`` carries the marker of ``anneal data synth``: a meta.json object with a
+    ``"synth"`` key (what ``--force`` may replace)."""
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("synth"), dict)
+
+
 def write_markov(
     *,
     out: Path,
@@ -128,18 +139,19 @@ def write_markov(
     """Write ``out/text/doc_NNNNN.txt`` (one document each, no newline) and ``out/meta.json``
     with the source's exact entropy rate. Returns meta.json."""
     out = Path(out)
-    if out.exists() and not force:
-        raise UserError(
-            f"{out} already exists. Pass --force to replace it, or choose another --out."
-        )
     if documents < 1 or doc_chars < 1:
         raise UserError(f"--documents {documents} --doc-chars {doc_chars}: give 1 or more.")
     src = MarkovSource.random(
         order=order, alphabet=alphabet, seed=seed, concentration=concentration
     )
+    claim_output(out, force=force, made_by_us=is_synth_dir, what="synthetic corpus")
     symbols = np.frombuffer(SYMBOLS[:alphabet].encode("ascii"), dtype=np.uint8)
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists() or partial.is_symlink():
+        raise UserError(
+            f"--out {out}: {partial} is in the way (a name this command writes to first). "
+            f"Move it away, or choose another --out."
+        )
     (partial / "text").mkdir(parents=True)
     try:
         block = max(1, (1 << 24) // doc_chars)  # documents drawn at once (bounded memory)
@@ -165,9 +177,7 @@ def write_markov(
             }
         }
         (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+        replace_dir(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

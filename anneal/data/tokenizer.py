@@ -113,10 +113,19 @@ def train_sentencepiece(
     except RuntimeError as e:
         raise UserError(
             f"sentencepiece could not train a {model_type} vocabulary of {vocab_size} on the "
-            f"sample ({e}). A vocabulary needs at least 256 byte pieces plus the sample's "
-            f"characters and merges: choose a smaller --vocab-size or give more text."
+            f"sample ({_spm_reason(e)}). A vocabulary needs at least 256 byte pieces plus the "
+            f"sample's characters and merges: choose a smaller --vocab-size or give more text."
         ) from None
     out_path.write_bytes(proto.getvalue())
+
+
+def _spm_reason(error: Exception) -> str:
+    """SentencePiece's own words for a failure, without its C++ source location or the Python
+    stack lines it appends ("INTERNAL: src/trainer.cc(744) [cond] Vocabulary size too
+    high ...\n\nAt:\n  file.py(12): f")."""
+    first = str(error).strip().split("\n", 1)[0]
+    reason = re.sub(r"^[A-Z_]+: \S+\(\d+\) \[.*?\]\s*", "", first).strip()
+    return reason or first or type(error).__name__
 
 
 def file_sha256(path: Path) -> str:
