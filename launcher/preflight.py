@@ -69,6 +69,17 @@ def recipe_config(recipe: str, recipe_args: list[str], *, device_type: str):
 def world_size(hosts: dict[str, int] | None, *, num_gpus: int | None, num_nodes: int | None,
                source: str = "") -> int:  # fmt: skip
     """Ranks DeepSpeed's runner starts for this hostfile and flags."""
+    if num_gpus is not None and num_gpus < 1:
+        raise UserError(
+            f"--num-gpus {num_gpus}: the number of GPUs (ranks) to start on each node must be "
+            f"at least 1. Leave --num-gpus out to use every GPU of the node (every slot of the "
+            f"hostfile), or give e.g. --num-gpus 2."
+        )
+    if num_nodes is not None and num_nodes < 1:
+        raise UserError(
+            f"--num-nodes {num_nodes}: the number of nodes must be at least 1. Leave it out to "
+            f"use every host of the hostfile, or give e.g. --num-nodes 2."
+        )
     if hosts is None:
         if num_nodes not in (None, 1):
             raise UserError(f"--num-nodes {num_nodes}: without --hostfile there is one node.")
@@ -84,8 +95,6 @@ def world_size(hosts: dict[str, int] | None, *, num_gpus: int | None, num_nodes:
                 f"1..{len(hosts)}. Add hosts to the hostfile or ask for fewer nodes."
             )
         hosts = dict(list(hosts.items())[:num_nodes])
-    if num_gpus is not None and num_gpus < 1:
-        raise UserError(f"--num-gpus {num_gpus}: must be at least 1.")
     return sum(min(s, num_gpus) if num_gpus else s for s in hosts.values())
 
 

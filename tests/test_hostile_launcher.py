@@ -16,6 +16,7 @@ Proves, one surface at a time:
 - ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``, ...,
   but not ``PATH`` or the shell's ``PWD``) and credentials in values (``user:pass@``) are left
   out, and the launcher prints their names, never their values.
+- ``--num-gpus 0`` says what ``--num-gpus`` is and how to fix it.
 """
 
 from __future__ import annotations
@@ -645,3 +646,43 @@ def test_a_pdsh_launch_starts_deepspeed_without_the_secrets_it_would_export():
         "NCCL_$(touch pwned)",
     }
     assert env == {k: v for k, v in environ.items() if k not in gone}
+
+
+# --- item 9 (launcher part) and other odd run values ---------------------------------------
+
+ODD_RUNS = {
+    "num-gpus-0": (["--num-gpus", "0"], ["--num-gpus 0", "at least 1", "Leave --num-gpus out"]),
+    "num-gpus-negative": (["--num-gpus", "-3"], ["--num-gpus -3", "e.g. --num-gpus 2"]),
+    "num-nodes-0": (["--num-nodes", "0"], ["--num-nodes 0", "at least 1"]),
+    "master-port": (["--master-port", "70000"], ["--master-port 70000", "1..65535"]),
+    "hostfile-missing": (
+        ["--hostfile", "/nonexistent/hf"],
+        ["hostfile /nonexistent/hf", "cannot read it"],
+    ),
+    "env-name": (["--env", "NOT A NAME"], ["--env 'NOT A NAME'", "not a variable name"]),
+    "no-ssh-alone": (["--no-ssh"], ["--no-ssh starts this node only", "--node-rank"]),
+}
+
+
+@pytest.mark.parametrize("case", ODD_RUNS, ids=list(ODD_RUNS))
+def test_odd_run_values(tmp_path, capsys, case):
+    extra, must = ODD_RUNS[case]
+    before = tree(tmp_path)
+    refused(
+        capsys,
+        [
+            "run",
+            RECIPE,
+            "--device",
+            "cpu",
+            "--dry-run",
+            *extra,
+            "--",
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(tmp_path / "data"),
+        ],
+        *must,
+    )
+    assert tree(tmp_path) == before
