@@ -25,20 +25,23 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pickle
 import re
+import secrets
 import shutil
 import struct
 import time
 import warnings
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from anneal import checkpoint
+from anneal import checkpoint, safeload
 from anneal import model as modellib
 from anneal.errors import UserError
+from anneal.files import claim_output, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class LazyTensor:
         """Copy elements ``[start, start + out.numel())`` of this (contiguous, flattened)
         tensor into ``out`` (1-D, same dtype) with one read from the file."""
         if self.numel() > 1 and tuple(self.stride) != _contiguous_stride(self.shape):
-            raise ValueError(f"{self.storage.archive.path}: a non-contiguous tensor")
+            raise _unreadable(self.storage.archive.path, "it holds a non-contiguous tensor")
         assert out.dtype == self.dtype and out.dim() == 1 and start + out.numel() <= self.numel()
         itemsize = self.dtype.itemsize
         self.storage.archive.read_into(
@@ -174,7 +177,8 @@ class _LazyUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         typename, storage_type, key, _location, _numel = pid
-        assert typename == "storage", pid
+        if typename != "storage" or not isinstance(storage_type, type):
+            raise _unreadable(self.archive.path, f"an unknown persistent record {typename!r}")
         if storage_type is torch.UntypedStorage:
             dtype = torch.uint8
         else:
@@ -184,16 +188,27 @@ class _LazyUnpickler(pickle.Unpickler):
         return _LazyStorage(self.archive, str(key), dtype)
 
 
+def _unreadable(path: Path, why: str) -> UserError:
+    return UserError(
+        f"{path}: {why}, so anneal export cannot read it: not a checkpoint that DeepSpeed wrote "
+        f"for Anneal, or one changed after its manifest was written. Export another tag "
+        f"(--tag), or copy the checkpoint again from where it was saved."
+    )
+
+
 class _Archive:
     """A ``torch.save`` zip file: its index unpickled lazily, its tensors read by offset."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._zip = zipfile.ZipFile(self.path)
+        try:
+            self._zip = zipfile.ZipFile(self.path)
+        except (OSError, zipfile.BadZipFile) as e:
+            raise _unreadable(self.path, f"not a torch zip file ({e})") from None
         names = self._zip.namelist()
         pkl = next((n for n in names if n.endswith("/data.pkl")), None)
         if pkl is None:
-            raise ValueError(f"{self.path}: not a torch zip checkpoint (no data.pkl)")
+            raise _unreadable(self.path, "not a torch zip checkpoint (no data.pkl)")
         self.prefix = pkl[: -len("data.pkl")]
         self._offsets: dict[str, tuple[int, int]] = {}
         self._file = open(self.path, "rb")  # noqa: SIM115 - closed in close()
@@ -204,9 +219,12 @@ class _Archive:
 
     def _data_offset(self, key: str) -> tuple[int, int]:
         if key not in self._offsets:
-            info = self._zip.getinfo(f"{self.prefix}data/{key}")
+            try:
+                info = self._zip.getinfo(f"{self.prefix}data/{key}")
+            except KeyError:
+                raise _unreadable(self.path, f"its index names a missing record {key!r}") from None
             if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"{self.path}: compressed tensor data is not supported")
+                raise _unreadable(self.path, "its tensor data is compressed")
             self._file.seek(info.header_offset)
             header = self._file.read(30)
             name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -217,12 +235,12 @@ class _Archive:
         start, size = self._data_offset(key)
         n = out.numel()
         if byte_offset + n > size:
-            raise ValueError(f"{self.path}: a tensor runs past its storage record")
+            raise _unreadable(self.path, "a tensor runs past its storage record")
         self._file.seek(start + byte_offset)
         view = memoryview(out.numpy()).cast("B")
         got = self._file.readinto(view)
         if got != n:
-            raise ValueError(f"{self.path}: truncated ({got} of {n} bytes)")
+            raise _unreadable(self.path, f"truncated ({got} of {n} bytes)")
 
     def close(self) -> None:
         self._file.close()
@@ -272,7 +290,7 @@ def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
             pieces.append(_Piece(t, lo - base, hi - lo))
         base += n
     if sum(p.count for p in pieces) != count:
-        raise ValueError("the checkpoint's flat groups are shorter than its parameter shapes")
+        raise _Layout("its flat groups are shorter than its parameter shapes")
     return pieces
 
 
@@ -300,33 +318,80 @@ class ZeroCheckpoint:
         self.close()
 
 
+class _Layout(Exception):
+    """The index of a checkpoint file is not laid out as DeepSpeed writes it."""
+
+
+# What indexing a file that is not laid out as expected raises (a dict where a list was, ...).
+_NOT_A_CHECKPOINT = (
+    _Layout,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    ValueError,
+    EOFError,
+    pickle.UnpicklingError,
+)
+
+
+def checkpoint_files(tag_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The files export reads: the model states (one per rank under ZeRO-3) and the optimizer
+    states of each rank, in rank order."""
+    model_files = sorted(Path(tag_dir).glob("*model_states.pt"))
+    optim_files = sorted(
+        (f for f in Path(tag_dir).glob("*_optim_states.pt") if _RANK_FILE.search(f.name)),
+        key=lambda f: int(_RANK_FILE.search(f.name).group(1)),
+    )
+    return model_files, optim_files
+
+
 def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
     """Index a DeepSpeed checkpoint tag directory without loading its tensors."""
     tag_dir = Path(tag_dir)
-    model_files = sorted(tag_dir.glob("*model_states.pt"))
+    model_files, optim_files = checkpoint_files(tag_dir)
     if not model_files:
         raise UserError(f"{tag_dir}: no DeepSpeed model_states file; not a checkpoint.")
-    optim_files = sorted(
-        (f for f in tag_dir.glob("*_optim_states.pt") if _RANK_FILE.search(f.name)),
-        key=lambda f: int(_RANK_FILE.search(f.name).group(1)),
-    )
-    model_archive = _Archive(model_files[0])
-    archives = [model_archive]
-    model_state = model_archive.index()
+    archives: list[_Archive] = []
+    try:
+        for f in [model_files[0], *optim_files]:
+            archives.append(_Archive(f))
+        stage, world, sources = _index(tag_dir, archives[0].index(), archives[1:])
+    except _NOT_A_CHECKPOINT as e:
+        for a in archives:
+            a.close()
+        raise UserError(
+            f"{tag_dir}: its files are not laid out as a DeepSpeed ZeRO checkpoint ({e}); "
+            f"anneal export reads the checkpoints that Anneal's training writes. Export "
+            f"another tag (--tag), or copy the checkpoint again from where it was saved."
+        ) from None
+    except BaseException:
+        for a in archives:
+            a.close()
+        raise
+    return ZeroCheckpoint(tag_dir, stage, world, sources, archives)
+
+
+def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
+    """(ZeRO stage, ranks, parameter sources) from the unpickled (lazy) indexes."""
     shapes = model_state.get("param_shapes")
     if isinstance(shapes, dict):
         shapes = [shapes]
-    optims = []
-    for f in optim_files:
-        a = _Archive(f)
-        archives.append(a)
-        optims.append(a.index()["optimizer_state_dict"])
+    optims = [a.index()["optimizer_state_dict"] for a in optim_archives]
     stage = int(optims[0].get("zero_stage", 0)) if optims else 0
     if model_state.get("frozen_param_shapes"):
-        raise ValueError(f"{tag_dir}: frozen parameters are not supported by anneal export")
+        raise UserError(
+            f"{tag_dir}: the model has frozen parameters (frozen_param_shapes), which anneal "
+            f"export does not convert; Anneal's training trains every parameter. Convert it "
+            f"with DeepSpeed's own zero_to_fp32.py, and only if you trust where it came from."
+        )
     sources: list[TensorSource] = []
+    if stage in (1, 2, 3):
+        count = optims[0]["partition_count"]
+        world = max(count) if isinstance(count, list) else int(count)
+        if world != len(optims):
+            raise _Layout(f"{len(optims)} optimizer state file(s) for {world} ranks")
     if stage == 3:
-        world = len(optims)
         flats = [list(o["fp32_flat_groups"]) for o in optims]
         offset = 0
         for group in shapes:
@@ -336,9 +401,9 @@ def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
                 pieces = [p for r in range(world) for p in _slices(flats[r], offset, part)]
                 sources.append(TensorSource(name, tuple(shape), flats[0][0].dtype, tuple(pieces)))
                 offset += part
+        if offset != sum(t.numel() for t in flats[0]):
+            raise _Layout(f"its parameters take {offset} of {sum(t.numel() for t in flats[0])}")
     elif stage in (1, 2):
-        count = optims[0]["partition_count"]
-        world = max(count) if isinstance(count, list) else int(count)
         paddings = optims[0].get("param_alignment_paddings")
         for g, group in enumerate(shapes):
             parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
@@ -348,20 +413,28 @@ def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
                 pieces = _slices(parts, offset, n)
                 sources.append(TensorSource(name, tuple(shape), parts[0].dtype, tuple(pieces)))
                 offset += n + (paddings[g][i] if paddings is not None else 0)
-    else:  # no ZeRO: the module's own weights (bf16 runs: bf16 values)
+    elif stage == 0:  # no ZeRO: the module's own weights (bf16 runs: bf16 values)
         world = 1
         for name, t in model_state["module"].items():
             if isinstance(t, LazyTensor) and name not in model_state.get("buffer_names", []):
                 sources.append(TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),)))
+    else:
+        raise _Layout(f"ZeRO stage {stage}")
     module = model_state.get("module") or {}
     for name in model_state.get("buffer_names", []):
         t = module.get(name)
         if isinstance(t, LazyTensor):
             sources.append(TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),)))
+    by_name = {s.name: s for s in sources}
     for alias, target in (model_state.get("shared_params") or {}).items():
-        src = next(s for s in sources if s.name == target)
-        sources.append(dataclasses.replace(src, name=alias))
-    return ZeroCheckpoint(tag_dir, stage, world, sources, archives)
+        if target not in by_name:
+            raise _Layout(f"shared parameter {alias} names a missing {target}")
+        sources.append(dataclasses.replace(by_name[target], name=alias))
+    for s in sources:
+        kinds = {p.tensor.dtype if isinstance(p.tensor, LazyTensor) else None for p in s.pieces}
+        if kinds != {s.dtype}:
+            raise _Layout(f"{s.name}'s pieces are not all {s.dtype} tensors")
+    return stage, world, sources
 
 
 # --- safetensors, streamed -------------------------------------------------------------------
@@ -369,7 +442,7 @@ def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
 
 def parse_size(text: str) -> int:
     """'5GB' -> 5e9 bytes; also KB/MB/GiB/MiB... and plain integers (bytes)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
     if not m:
         raise UserError(f"--shard-size {text}: give a size such as 5GB, 500MB or 2GiB.")
     units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
@@ -462,12 +535,85 @@ def _reset_peak_rss() -> bool:
 
 
 # --- the run directory -----------------------------------------------------------------------
+# A run directory and its checkpoints are read as input from elsewhere: every name is confined,
+# every file's bytes are checked against the manifest and every pickle scanned before anything
+# of it is unpickled, and --out is claimed by the rule of anneal.files (docs/security.md).
+
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MARKER = "anneal_export.json"
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _confined(tag_dir: Path, name) -> bool:
+    """A manifest's file name: relative, without '..', resolving inside ``tag_dir``."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return False
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        return False
+    try:
+        return (tag_dir / name).resolve().is_relative_to(tag_dir.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return False
+
+
+def checked_manifest(tag_dir: Path) -> dict | None:
+    """A tag directory's manifest, or None when it has none that parses (a save that never
+    finished). UserError, naming manifest.json, when it is not laid out as Anneal writes one,
+    or names a file outside its directory: nothing it names is then opened."""
+    manifest = checkpoint.read_manifest(tag_dir)
+    if manifest is None:
+        return None
+    path = tag_dir / checkpoint.MANIFEST
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not _count(manifest.get("step")):
+        raise UserError(
+            f"{path}: not laid out as Anneal writes a manifest (an object with a 'step' count "
+            f"and a 'files' table), so the checkpoint is not read. Export another tag (--tag), "
+            f"or copy the checkpoint again from where it was saved."
+        )
+    for name, entry in files.items():
+        if not _confined(tag_dir, name):
+            raise UserError(
+                f"{path}: lists {name!r}, which is not a file inside {tag_dir}. A manifest "
+                f"names only its own checkpoint's files (relative, without '..'), so this "
+                f"checkpoint is refused and nothing it names is read. Export another tag "
+                f"(--tag), and do not trust where this one came from."
+            )
+        size = entry.get("size") if isinstance(entry, dict) else entry
+        if not _count(size):
+            raise UserError(
+                f"{path}: the size of {name} is {size!r}, not a byte count, so the checkpoint "
+                f"is not read. Export another tag (--tag), or copy this one again."
+            )
+    return manifest
+
+
+def _intact(ckpt_dir: Path, *, strict: bool = True) -> list[Path]:
+    """Intact tag directories, oldest first. A manifest that names files outside its own
+    directory stops the search (UserError) unless not ``strict`` (then it is left out)."""
+    found = []
+    for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
+        if p.name.startswith("."):  # checkpoint.SUPERSEDED, partial directories
+            continue
+        try:
+            manifest = checked_manifest(p) if p.is_dir() else None
+        except UserError:
+            if strict:
+                raise
+            continue
+        if manifest is not None and checkpoint.is_intact(p):
+            found.append((manifest["step"], p))
+    return [p for _, p in sorted(found)]
 
 
 def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
     ckpt_dir = run_dir / "checkpoints"
-    intact = checkpoint.intact_checkpoints(ckpt_dir)
     if tag is None:
+        intact = _intact(ckpt_dir)
         if not intact:
             raise UserError(
                 f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
@@ -475,16 +621,23 @@ def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
                 f"run directory."
             )
         return intact[-1]
-    tag_dir = ckpt_dir / tag
-    if not tag_dir.is_dir():
-        have = ", ".join(p.name for p in intact) or "none"
+    have = ", ".join(p.name for p in _intact(ckpt_dir, strict=False)) or "none"
+    tag_dir = ckpt_dir / str(tag)
+    if not _TAG.fullmatch(str(tag)):
+        raise UserError(
+            f"--tag {tag}: a tag is the name of one checkpoint directory of this run, such as "
+            f"step00000300 (letters, digits, '.', '_', '-'; no '/' or '..'). Intact tags in "
+            f"{ckpt_dir}: {have}."
+        )
+    if tag_dir.is_symlink() or not tag_dir.is_dir():
         raise UserError(
             f"--tag {tag}: no such checkpoint in {ckpt_dir}. Intact tags there: {have}."
         )
-    if not checkpoint.is_intact(tag_dir):
+    if checked_manifest(tag_dir) is None or not checkpoint.is_intact(tag_dir):
         raise UserError(
-            f"--tag {tag}: {tag_dir} is not intact (no valid manifest.json, or a file of the "
-            f"wrong size: a save that was interrupted). Export another tag."
+            f"--tag {tag}: not intact ({tag_dir / checkpoint.MANIFEST} missing or not a "
+            f"manifest Anneal writes, or a file of the wrong size: a save that was "
+            f"interrupted). Export another tag: {have}."
         )
     return tag_dir
 
@@ -495,18 +648,58 @@ def _run_config(run_dir: Path) -> dict:
         raise UserError(
             f"{run_dir}: no config.json; not an Anneal run directory (give the --out of a run)."
         )
-    return json.loads(path.read_text())
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(
+            f"{path}: not readable as JSON ({e}). A run writes it when it starts; give the "
+            f"run directory whose config.json is intact, or restore this one."
+        ) from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict)):
+        raise UserError(
+            f"{path}: not a run's config.json (no 'model' section). Give the --out of a run."
+        )
+    return doc
 
 
-def preset_from_config(doc: dict) -> modellib.ModelPreset:
-    fields = {f.name for f in dataclasses.fields(modellib.ModelPreset)}
-    return modellib.ModelPreset(**{k: v for k, v in doc["model"].items() if k in fields})
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "seq_len", "vocab_size")  # fmt: skip
+
+
+def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
+    """The model of a run's ``config.json``; UserError naming the key when a size is not a
+    positive integer or the heads do not divide."""
+    fields = {f.name: f for f in dataclasses.fields(modellib.ModelPreset)}
+    model = {k: v for k, v in doc["model"].items() if k in fields}
+    model.setdefault("name", "run")
+    model.setdefault("nominal_params", None)
+    for key in _SIZES:
+        v = model.get(key, fields[key].default)
+        if not _count(v) or v == 0:
+            raise UserError(
+                f"{path}: model.{key} is {v!r}, not a positive integer. Give the config.json "
+                f"of the run that wrote the checkpoint (a run writes it when it starts)."
+            )
+    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
+    if model["hidden_size"] % heads or heads % kv:
+        raise UserError(
+            f"{path}: model.hidden_size {model['hidden_size']}, num_attention_heads {heads} and "
+            f"num_key_value_heads {kv} do not divide. Give the run's own config.json."
+        )
+    return modellib.ModelPreset(**model)
 
 
 def _tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | None) -> Path:
     from anneal.data.tokenizer import tokenizer_sha256
 
-    source = Path(tokenizer) if tokenizer else Path(doc["run"]["data"]["path"])
+    data = doc.get("run", {}).get("data", {}) if isinstance(doc.get("run"), dict) else {}
+    recorded = data.get("path") if isinstance(data, dict) else None
+    if tokenizer is None and not isinstance(recorded, str):
+        raise UserError(
+            f"{run_dir / 'config.json'}: names no run.data.path, so the run's tokenizer is "
+            f"unknown. Pass --tokenizer DIR (the prepared data directory the run trained on)."
+        )
+    source = Path(tokenizer) if tokenizer else Path(recorded)
     if not source.is_absolute() and not source.exists():
         source = run_dir / source
     if not (source / "tokenizer.json").is_file():
@@ -519,35 +712,96 @@ def _tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | N
     if want and tokenizer_sha256(source) != want:
         raise UserError(
             f"{source}: its tokenizer is not the one the checkpoint was trained with "
-            f"({want[:12]}...). Pass --tokenizer with the run's own prepared data directory."
+            f"({str(want)[:12]}...). Pass --tokenizer with the run's own prepared data "
+            f"directory."
         )
     return source
 
 
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+def is_export(path: Path) -> bool:
+    """A directory that ``anneal export`` wrote (its marker file), which --force may replace."""
+    try:
+        doc = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and "checkpoint" in doc
+
+
+def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, every: bool) -> None:
+    """The rule of ``anneal.files.claim_output``, with the run's checkpoints/ and config.json
+    and the tokenizer as inputs; inside the run directory only ``RUN/hf`` and below, the
+    conventional place of its exports (``export_every_save``, ``train.export_every_save``).
+    ``every``: ``out`` holds one export per tag and is added to, never replaced."""
+    real_out, real_run = Path(os.path.realpath(out)), Path(os.path.realpath(run_dir))
+    if real_out.is_relative_to(real_run) and not real_out.is_relative_to(real_run / "hf"):
         raise UserError(
-            f"--out {out}: exists and is not empty. Choose a new directory, or pass --force "
-            f"to replace it."
+            f"--out {out}: inside the run directory {run_dir}, whose files are the run's own; "
+            f"an export goes under {run_dir / 'hf'} (e.g. {run_dir / 'hf' / 'final'}) or "
+            f"outside the run."
+        )
+    inputs = [run_dir / "checkpoints", run_dir / "config.json", *inputs]
+    if every:
+        claim_output(out, force=True, made_by_us=lambda _: True, what="exports", inputs=inputs)
+    else:
+        what = "model exported by anneal export"
+        claim_output(out, force=force, made_by_us=is_export, what=what, inputs=inputs)
+
+
+def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
+    """Before anything of ``tag_dir`` is unpickled: every file export reads is listed in the
+    manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
+    included), and no pickle in it names a global outside ``anneal.safeload``'s allow-list."""
+    model_files, optim_files = checkpoint_files(tag_dir)
+    listed = set(manifest["files"])
+    unlisted = [f.name for f in model_files + optim_files if f.name not in listed]
+    if unlisted:
+        raise UserError(
+            f"{tag_dir}: {', '.join(unlisted)} not listed in its manifest.json, so its bytes "
+            f"cannot be checked, and the checkpoint is not exported. Export another tag "
+            f"(--tag), or copy the checkpoint again from where it was saved."
+        )
+    if not all(isinstance(e, dict) and checkpoint.HASH in e for e in manifest["files"].values()):
+        log.warning("%s: its manifest holds no hashes (an older save); sizes checked only", tag_dir)
+    bad = checkpoint.damaged_files(tag_dir)
+    if bad:
+        others = [p.name for p in _intact(tag_dir.parent, strict=False) if p != tag_dir]
+        raise UserError(
+            f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes in its "
+            f"manifest.json ({', '.join(bad)}): bit rot, a torn copy or a change after the "
+            f"save. Nothing was exported. Export an older tag (--tag; others: "
+            f"{', '.join(others) or 'none'}), or copy the checkpoint again."
+        )
+    safeload.scan_checkpoint(tag_dir)
+
+
+def _check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
+    expected = _expected_shapes(preset)  # imports transformers before memory is measured
+    got = {s.name: s.shape for s in ckpt.sources}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        differ = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])[:3]
+        raise UserError(
+            f"{ckpt.tag_dir}: its parameters do not match the model in {config_path} (missing "
+            f"{missing}, unexpected {extra}, other shapes {differ}): the checkpoint is another "
+            f"run's, or config.json was edited. Export from the run directory that wrote it."
         )
 
 
 def _partial_dir(out: Path) -> Path:
     """Where an export is written and verified before it replaces ``out``: a failed or
-    interrupted export never leaves a half-written model under the name asked for."""
-    partial = out.parent / f".{out.name}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    interrupted export never leaves a half-written model under the name asked for. The name
+    is new (process id and a random part), so nothing already there is touched; a killed
+    export leaves its ``.NAME.partial-*`` beside ``out``, to be removed by hand."""
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(
+            f"--out {out}: cannot create a directory beside it ({e.strerror or e}). Choose a "
+            f"directory you can write to."
+        ) from None
     return partial
-
-
-def _replace(partial: Path, out: Path) -> None:
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
-    partial.rename(out)
 
 
 def export(
@@ -562,67 +816,65 @@ def export(
     verify: bool = True,
 ) -> dict:
     """Write a Hugging Face model directory from a run's checkpoint; return a report
-    (checkpoint, files, bytes, peak memory of the conversion, verification numbers)."""
+    (checkpoint, files, bytes, peak memory of the conversion, verification numbers).
+
+    Everything is checked before anything is written: the run's config.json, ``tag`` (one
+    checkpoint of this run), the manifest (confined names), ``out`` (``_claim_out``), the
+    checkpoint's bytes against its manifest and its pickles by ``anneal.safeload``. With
+    ``force``, only an earlier export (its ``anneal_export.json``) or an empty directory is
+    replaced, once the new one is verified."""
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     shard_bytes = parse_size(shard_size)
     doc = _run_config(run_dir)
+    preset = preset_from_config(doc, run_dir / "config.json")
     tag_dir = _select_checkpoint(run_dir, tag)
-    manifest = checkpoint.read_manifest(tag_dir)
+    manifest = checked_manifest(tag_dir)
     tok_dir = _tokenizer_dir(run_dir, doc, manifest, tokenizer)
-    preset = preset_from_config(doc)
-    _check_out(out, force)
-    partial = _partial_dir(out)
-    try:
-        report = _convert(tag_dir, partial, preset=preset, dtype=dtype, shard_bytes=shard_bytes,
-                          tok_dir=tok_dir)  # fmt: skip
-        report = {"run_dir": str(run_dir), **report, "out": str(out)}
-        if verify:
-            report["verify"] = verify_export(
-                partial, tag_dir=tag_dir, zero_stage=report["zero_stage"], preset=preset,
-                dtype=dtype, data_tokenizer=tok_dir,
-            )  # fmt: skip
-    except ExportMismatch as e:
-        raise ExportMismatch(f"{e} The failed export is kept in {partial} for inspection.") from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    (partial / "anneal_export.json").write_text(json.dumps(report, indent=2) + "\n")
-    _replace(partial, out)
+    _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
+    check_checkpoint(tag_dir, manifest)
+    with open_checkpoint(tag_dir) as ckpt:
+        _check_shapes(ckpt, preset, run_dir / "config.json")
+        partial = _partial_dir(out)
+        try:
+            report = _convert(ckpt, partial, preset=preset, dtype=dtype, shard_bytes=shard_bytes,
+                              tok_dir=tok_dir, manifest=manifest)  # fmt: skip
+            report = {"run_dir": str(run_dir), **report, "out": str(out)}
+            if verify:
+                report["verify"] = verify_export(
+                    partial, tag_dir=tag_dir, zero_stage=report["zero_stage"], preset=preset,
+                    dtype=dtype, data_tokenizer=tok_dir,
+                )  # fmt: skip
+        except ExportMismatch as e:
+            raise ExportMismatch(f"{e} The failed export is kept in {partial}.") from e
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    (partial / MARKER).write_text(json.dumps(report, indent=2) + "\n")
+    replace_dir(partial, out)
     return report
 
 
-def _convert(tag_dir: Path, out: Path, *, preset, dtype: str, shard_bytes: int, tok_dir: Path):
+def _convert(ckpt: ZeroCheckpoint, out: Path, *, preset, dtype: str, shard_bytes: int,
+             tok_dir: Path, manifest: dict) -> dict:  # fmt: skip
     """Checkpoint -> safetensors + configs + tokenizer in ``out``, measuring peak memory."""
     torch_dtype = DTYPES[dtype]
-    expected = _expected_shapes(preset)  # imports transformers before memory is measured
     start = time.perf_counter()
     rss_before = _proc_status("VmRSS")
     peak_tracked = _reset_peak_rss()
-    with open_checkpoint(tag_dir) as ckpt:
-        got = {s.name: s.shape for s in ckpt.sources}
-        if got != expected:
-            missing = sorted(set(expected) - set(got))[:3]
-            extra = sorted(set(got) - set(expected))[:3]
-            raise ValueError(
-                f"{tag_dir}: its parameters do not match config.json's model (missing "
-                f"{missing}, unexpected {extra}, or shapes differ)"
-            )
-        largest = max(s.numel() for s in ckpt.sources) * 4
-        files = write_safetensors(ckpt.sources, out, dtype=torch_dtype, shard_bytes=shard_bytes)
-        n_params = sum(s.numel() for s in ckpt.sources)
-        stage, world = ckpt.zero_stage, ckpt.world_size
+    largest = max(s.numel() for s in ckpt.sources) * 4
+    files = write_safetensors(ckpt.sources, out, dtype=torch_dtype, shard_bytes=shard_bytes)
+    n_params = sum(s.numel() for s in ckpt.sources)
     peak = _proc_status("VmHWM") if peak_tracked else None
     convert_s = time.perf_counter() - start
     eos_id = _write_configs(out, preset, tok_dir, torch_dtype)
-    manifest = checkpoint.read_manifest(tag_dir) or {}
     return {
-        "checkpoint": str(tag_dir),
+        "checkpoint": str(ckpt.tag_dir),
         "step": manifest.get("step"),
         "tokens": manifest.get("tokens"),
-        "zero_stage": stage,
-        "world_size": world,
+        "zero_stage": ckpt.zero_stage,
+        "world_size": ckpt.world_size,
         "dtype": dtype,
         "files": files,
         "params": n_params,
@@ -669,19 +921,60 @@ class ExportMismatch(RuntimeError):
     """The exported model does not reproduce the checkpoint: a bug, never the user's doing."""
 
 
+def _load_weights_only(path: Path) -> dict:
+    """``torch.load(weights_only=True)``: tensors and the few types of ``anneal.safeload``'s
+    allow-list are built, any other global is refused before it is imported."""
+    try:
+        with torch.serialization.safe_globals(safeload.safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{path}: torch.load(weights_only=True) refuses it ({first}); loading it otherwise "
+            f"could run code, so it is not loaded. Export a checkpoint from a source you trust."
+        ) from None
+
+
 def _reference_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights by DeepSpeed's own consolidation (an independent path)."""
+    """The checkpoint's weights in fp32, consolidated as DeepSpeed's ``zero_to_fp32`` does but
+    read with ``torch.load(weights_only=True)``: an independent path to the lazy reader's, and
+    one that never unpickles anything but tensors and plain types.
+
+    ZeRO-1/2: each param group's fp32 partitions (``single_partition_of_fp32_groups``), one per
+    rank, concatenated and cut in order of ``param_shapes`` with its alignment paddings. ZeRO-3:
+    each rank's ``fp32_flat_groups`` concatenated; a parameter of ``n`` elements takes
+    ``ceil(n / ranks)`` of every rank's, in order. No ZeRO: the module's own weights."""
+    model_files, optim_files = checkpoint_files(tag_dir)
+    model_state = _load_weights_only(model_files[0])
+    module = model_state.get("module") or {}
     if zero_stage == 0:
-        model_file = next(iter(sorted(tag_dir.glob("*model_states.pt"))))
-        sd = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-        return {k: v.float() for k, v in sd.items()}
-    import contextlib
-    import io
-
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress to stdout
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        return {k: v.float() for k, v in module.items() if torch.is_tensor(v)}
+    sd = {k: module[k].float() for k in model_state.get("buffer_names", []) if k in module}
+    optims = [_load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
+    shapes = model_state["param_shapes"]
+    shapes = [shapes] if isinstance(shapes, dict) else shapes
+    world = len(optims)
+    if zero_stage == 3:
+        flat = [torch.cat([g.flatten() for g in o["fp32_flat_groups"]]) for o in optims]
+        offset = 0
+        for name, shape in ((n, s) for group in shapes for n, s in group.items()):
+            n, part = math.prod(shape), math.ceil(math.prod(shape) / world)
+            rows = torch.cat([f[offset : offset + part] for f in flat])
+            sd[name] = rows[:n].view(tuple(shape)).float()
+            offset += part
+    else:
+        paddings = optims[0].get("param_alignment_paddings")
+        for g, group in enumerate(shapes):
+            full = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                n = math.prod(shape)
+                sd[name] = full[offset : offset + n].view(tuple(shape)).float()
+                offset += n + (paddings[g][i] if paddings is not None else 0)
+    for alias, target in (model_state.get("shared_params") or {}).items():
+        if target in sd:
+            sd[alias] = sd[target]
+    return sd
 
 
 def verify_batch(tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:
@@ -717,7 +1010,10 @@ def verify_export(
     rounded = {k: v.to(DTYPES[dtype]).float() for k, v in sd.items()}
     ref = modellib.build_model(preset).eval()
     batch = verify_batch(tok, preset.vocab_size, preset.seq_len)
-    ref.load_state_dict(sd, strict=True)
+    try:
+        ref.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ExportMismatch(f"{tag_dir}: the reference reader's weights do not fit: {e}") from e
     exact_logits = ref(input_ids=batch).logits.float()
     ref.load_state_dict(rounded, strict=True)
     ref_logits = ref(input_ids=batch).logits.float()
@@ -745,14 +1041,18 @@ def verify_export(
 
 def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs) -> list[dict]:
     """Export every intact checkpoint of a run to ``out/<tag>``; tags already exported there
-    (an ``anneal_export.json`` present) are skipped unless ``force``."""
-    tags = checkpoint.intact_checkpoints(Path(run_dir) / "checkpoints")
+    (an ``anneal_export.json`` present) are skipped unless ``force``. ``out`` itself is only
+    added to, and claimed as such: never ``.``, the run or an input."""
+    run_dir, out = Path(run_dir), Path(out)
+    _run_config(run_dir)
+    tags = _intact(run_dir / "checkpoints")
     if not tags:
-        _select_checkpoint(Path(run_dir), None)  # raises the no-checkpoint UserError
+        _select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError
+    _claim_out(out, run_dir=run_dir, inputs=[], force=True, every=True)
     reports = []
     for tag_dir in tags:
-        dest = Path(out) / tag_dir.name
-        if (dest / "anneal_export.json").is_file() and not force:
+        dest = out / tag_dir.name
+        if is_export(dest) and not force:
             continue
         reports.append(export(run_dir, out=dest, tag=tag_dir.name, force=True, **kwargs))
     return reports

@@ -1,8 +1,10 @@
 """Hugging Face export: a real 2-rank ZeRO-3 checkpoint (deepspeed runner, tiny shapes) exported
 by `anneal export` loads with transformers' Auto classes and reproduces the checkpoint's logits
-(checked here against DeepSpeed's own zero_to_fp32, independently of the export's own check);
-the files are safetensors and JSON only; a tampered export fails verification loudly; the bad
-inputs get clear messages; and the conversion's peak memory stays far below the model's size."""
+(checked here against DeepSpeed's own zero_to_fp32, independently of the export's own check,
+whose weights_only reader gives exactly zero_to_fp32's weights at ZeRO-1, 2 and 3); the files
+are safetensors and JSON only; a tampered export fails verification loudly; --force replaces
+only an earlier export; the bad inputs get clear messages (tests/test_hostile_export.py has the
+hostile ones); and the conversion's peak memory stays far below the model's size."""
 
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ def test_zero3_export_loads_in_transformers_and_matches_logits(zero3_run, tmp_pa
 def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
     from safetensors import safe_open
 
+    from anneal.errors import UserError
     from anneal.export import export
 
     out = tmp_path / "hf"
@@ -103,9 +106,14 @@ def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
     assert "exists and is not empty" in refused.stderr and "--force" in refused.stderr
     assert (out / "keep.txt").is_file()
 
+    # --force replaces only an earlier export, never someone's directory
+    with pytest.raises(UserError, match="not a model exported by anneal export"):
+        export(zero3_run, out=out, tag="step00000001", force=True)
+    assert (out / "keep.txt").read_text() == "someone's file"
+    (out / "keep.txt").unlink()
+    export(zero3_run, out=out, tag="step00000002", verify=False)
     report = export(zero3_run, out=out, tag="step00000001", force=True)
     assert report["step"] == 1 and report["files"] == ["model.safetensors"]
-    assert not (out / "keep.txt").exists()
     v = report["verify"]
     assert v["max_abs_logit_diff"] <= v["tolerance"] and v["dtype_rounding_diff"] > 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -128,6 +136,28 @@ def test_tampered_export_fails_verification(zero3_run, tmp_path):
     with pytest.raises(ExportMismatch, match="do not ship it"):
         verify_export(out, tag_dir=Path(report["checkpoint"]), zero_stage=3, preset=preset,
                       dtype="fp32", data_tokenizer=data)  # fmt: skip
+
+
+def test_verification_reader_matches_deepspeeds_consolidation(zero3_run):
+    """The verification's own reader (torch.load with weights_only=True, zero_to_fp32's
+    consolidation rewritten) gives exactly DeepSpeed's weights: it is a faithful reference."""
+    assert_reference_matches_deepspeed(zero3_run / "checkpoints" / "step00000002", 3)
+
+
+def assert_reference_matches_deepspeed(tag_dir: Path, stage: int) -> None:
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from anneal.export import _reference_state_dict
+
+    ours = _reference_state_dict(tag_dir, stage)
+    with contextlib.redirect_stdout(io.StringIO()):
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t.float()), name
 
 
 def test_every_save_exports_each_checkpoint(zero3_run, tmp_path):
@@ -218,6 +248,7 @@ def test_zero1_and_zero2_checkpoints_export_exactly(stdlib_data, tmp_path, stage
     report = export(run, out=tmp_path / "hf", dtype="fp32")
     assert (report["zero_stage"], report["world_size"]) == (stage, 2)
     assert report["verify"]["max_abs_logit_diff"] <= report["verify"]["tolerance"]
+    assert_reference_matches_deepspeed(Path(report["checkpoint"]), stage)
 
 
 def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
