@@ -550,6 +550,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
     )
     print(text)
@@ -609,9 +610,10 @@ def _add_run_commands(sub) -> None:
     gen = sub.add_parser("generate", help="sample text from an exported model directory")
     gen.add_argument("model_dir", metavar="DIR", help="a directory written by `anneal export`")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="at most (stops at EOS)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top-k", type=int, default=50, help="0: no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]; 1: off")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
 
