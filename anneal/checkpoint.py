@@ -11,7 +11,14 @@ whose files were never written.
 
 On resume, ``verify`` re-hashes the chosen checkpoint (the files spread over the ranks): a
 checkpoint whose bytes changed after the save (a torn copy, a bad disk, a same-size truncation)
-is reported and, with ``--resume auto``, the newest intact older one is used instead.
+is reported and, with ``--resume auto``, the newest intact older one is used instead. Before
+DeepSpeed unpickles anything, every pickle of the checkpoint is scanned (``anneal.safeload``):
+a file that names a global outside the allow-list stops the run, with no fallback.
+
+Nothing read from a checkpoint directory is trusted as a path: every file name in a manifest
+and the tag in ``latest`` go through :func:`confined`. A save never deletes a finished
+checkpoint: a tag directory with a manifest that is in the way of a new save (a step saved
+again after resuming from an older one) is moved to ``checkpoints/.superseded/``.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import os
 import random
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -38,12 +46,43 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
+LATEST = "latest"
+SUPERSEDED = ".superseded"
+"""Where a save moves a finished checkpoint that is in the way (not a tag: names that begin
+with a dot are never listed as checkpoints)."""
 _CHUNK = 8 << 20
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def confined(base: Path, name: str, source: str) -> Path:
+    """``base / name`` for a file name read from a file (a manifest entry, ``latest``, a state
+    file): refused, with a UserError naming ``source`` and the entry, unless ``name`` is a
+    relative path without ``..`` that stays inside ``base`` once links are resolved. Anneal
+    writes only such names, so anything else was put there by hand, and nothing it names is
+    opened."""
+    ok = isinstance(name, str) and bool(name) and "\0" not in name
+    if ok:
+        pure = PurePosixPath(name)
+        ok = bool(pure.parts) and not pure.is_absolute() and ".." not in pure.parts
+    if ok:
+        try:
+            root, real = Path(base).resolve(), (Path(base) / name).resolve()
+            ok = root in real.parents
+        except (OSError, RuntimeError):
+            ok = False
+    if not ok:
+        shown = repr(name)[:80]
+        raise UserError(
+            f"{source}: the entry {shown} is not a file name inside {base} (it is absolute, "
+            f"holds '..', or leads out through a link). Anneal never writes such an entry, so "
+            f"the file was edited or does not come from Anneal; nothing it names is opened. Use "
+            f"another checkpoint, or restore the file from where it came."
+        )
+    return Path(base) / name
 
 
 def rng_state() -> dict:
@@ -135,18 +174,24 @@ def save(
     client_state: dict,
     keep_last: int,
     keep_every: int = 0,
+    model: dict | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the tag directory.
 
     Keeps the newest ``keep_last`` intact checkpoints plus, as permanent milestones, those whose
-    step is a multiple of ``keep_every`` (0: none).
+    step is a multiple of ``keep_every`` (0: none). ``model``: the model's shape, recorded in
+    the manifest so that a resume with another shape is refused before anything loads.
     """
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    if is_main_process() and tag_dir.exists():
-        # A leftover of an interrupted save, or a step saved before a rewind: its files would
-        # mix with the new ones. It is not the newest intact checkpoint of this timeline.
-        shutil.rmtree(tag_dir)
+    if is_main_process() and (tag_dir.exists() or tag_dir.is_symlink()):
+        # In the way: its files would mix with the new ones. A save that never finished (no
+        # manifest) is removed; anything else, a finished checkpoint of an earlier timeline
+        # (this run resumed from an older tag, or fell back past a damaged one), is kept aside.
+        if tag_dir.is_dir() and not tag_dir.is_symlink() and not (tag_dir / MANIFEST).exists():
+            shutil.rmtree(tag_dir)
+        else:
+            _move_aside(tag_dir)
     client_state = {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
     _barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
@@ -164,12 +209,25 @@ def save(
             "world_size": world_size(),
             "files": dict(sorted(files.items())),
         }
+        if model is not None:
+            manifest["model"] = model
         write_atomic(tag_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n", durable=True)
-        write_atomic(ckpt_dir / "latest", tag, durable=True)
+        write_atomic(ckpt_dir / LATEST, tag, durable=True)
         for old in to_prune(intact_checkpoints(ckpt_dir), keep_last, keep_every):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return tag_dir
+
+
+def _move_aside(tag_dir: Path) -> Path:
+    """Move ``tag_dir`` to ``<checkpoints>/.superseded/<tag>.<time>`` and say so."""
+    dest = tag_dir.parent / SUPERSEDED / f"{tag_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+    if dest.exists():
+        dest = dest.with_name(f"{dest.name}.{os.getpid()}")
+    dest.parent.mkdir(exist_ok=True)
+    tag_dir.rename(dest)
+    log.warning("%s was in the way of a new save at that step: moved to %s", tag_dir, dest)
+    return dest
 
 
 def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
@@ -185,10 +243,53 @@ def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
 
 
 def read_manifest(tag_dir: Path) -> dict | None:
+    """The manifest of a tag directory; None when it has none, or one that is not a manifest
+    Anneal writes (not JSON, or not its shape), so that the directory counts as a save that
+    never finished. A file name in it that leaves the directory is refused (``confined``)."""
+    path = Path(tag_dir) / MANIFEST
     try:
-        return json.loads((tag_dir / MANIFEST).read_text())
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not _well_formed(doc):
+        return None
+    for name in doc["files"]:
+        confined(Path(tag_dir), name, str(path))
+    return doc
+
+
+def _well_formed(doc) -> bool:
+    def count(v, low: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    if not (
+        isinstance(doc, dict) and count(doc.get("step")) and isinstance(doc.get("files"), dict)
+    ):
+        return False
+    if "world_size" in doc and not count(doc["world_size"], 1):
+        return False
+    if not isinstance(doc.get("tokenizer_sha256") or "", str):
+        return False
+    entries = [e if isinstance(e, dict) else {"size": e} for e in doc["files"].values()]
+    return all(count(e.get("size")) and isinstance(e.get(HASH, ""), str) for e in entries)
+
+
+def read_latest(ckpt_dir: Path) -> Path | None:
+    """The tag directory that ``ckpt_dir/latest`` names (DeepSpeed's own tools, such as
+    ``zero_to_fp32.py``, follow it when given no tag); None without one. Refused unless it names
+    a plain tag inside ``ckpt_dir``. Anneal itself picks checkpoints by their manifests."""
+    path = Path(ckpt_dir) / LATEST
+    try:
+        name = path.read_text().strip()
     except (OSError, ValueError):
         return None
+    if len(PurePosixPath(name).parts) != 1 or name.startswith(".") or "/" in name:
+        raise UserError(
+            f"{path}: names {name[:80]!r}, not a plain checkpoint tag (stepNNNNNNNN) inside "
+            f"{ckpt_dir}. Anneal writes only a tag there; put the newest tag back in it, or "
+            f"delete the file (resume picks checkpoints by their manifests)."
+        )
+    return confined(Path(ckpt_dir), name, str(path))  # and no link that leads out
 
 
 def _entries(manifest: dict) -> dict[str, dict]:
@@ -280,8 +381,13 @@ def intact_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Intact tag directories (by ``is_intact``), oldest first (by step)."""
     if not ckpt_dir.is_dir():
         return []
-    tags = [p for p in ckpt_dir.iterdir() if p.is_dir() and is_intact(p)]
+    tags = [p for p in _tag_dirs(ckpt_dir) if is_intact(p)]
     return sorted(tags, key=_step)
+
+
+def _tag_dirs(ckpt_dir: Path) -> list[Path]:
+    """The directories of ``ckpt_dir`` that may be checkpoints (not ``.superseded``)."""
+    return [p for p in ckpt_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
@@ -293,11 +399,10 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
+        read_latest(ckpt_dir)  # refuses a `latest` that leads out of the directory
         found = intact_checkpoints(ckpt_dir)
         skipped = (
-            [p.name for p in ckpt_dir.iterdir() if p.is_dir() and not is_intact(p)]
-            if ckpt_dir.is_dir()
-            else []
+            [p.name for p in _tag_dirs(ckpt_dir) if not is_intact(p)] if ckpt_dir.is_dir() else []
         )
         if skipped:
             log.warning("ignoring incomplete checkpoints (no intact manifest): %s", skipped)
@@ -325,9 +430,11 @@ def load(engine, tag_dir: Path) -> dict:
     state (step, tokens, data position, guard state).
 
     A ZeRO-3 checkpoint written by another number of ranks is converted once to DeepSpeed's
-    universal format (cached in ``<tag>/universal``) and loaded from there."""
+    universal format (cached in ``<tag>/universal``) and loaded from there. DeepSpeed unpickles
+    with ``weights_only=False``, so every pickle under ``tag_dir`` is scanned first."""
+    scan(tag_dir)
     manifest = read_manifest(tag_dir)
-    saved_ranks = manifest["world_size"]
+    saved_ranks = manifest.get("world_size", world_size())
     if saved_ranks == world_size():
         path, client = engine.load_checkpoint(
             str(tag_dir.parent),
@@ -342,6 +449,37 @@ def load(engine, tag_dir: Path) -> dict:
     rngs = client["rng"]
     set_rng_state(rngs[rank() % len(rngs)])
     return client
+
+
+def scan(tag_dir: Path) -> None:
+    """``anneal.safeload.scan_file`` for every ``*.pt`` under ``tag_dir`` (``universal/``
+    included; not a hidden leftover such as an interrupted conversion's ``.universal.tmp``,
+    which nothing loads), on every rank: each reads these files anyway, and the verdict is the
+    same everywhere. A refusal stops the run: there is no fallback to an older checkpoint,
+    because files whose hashes match their manifest were not damaged by a crash or a disk, they
+    were written so."""
+    from anneal import safeload
+
+    tag_dir = Path(tag_dir)
+    try:
+        for path in sorted(tag_dir.rglob("*.pt")):
+            if not any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
+                safeload.scan_file(path)
+    except UserError as e:
+        planted = "could run code" in str(e)
+        why = (
+            "This is not damage (its files match the manifest): someone put a file there that "
+            "would run code when loaded. Treat the run directory as tampered with."
+            if planted
+            else "Its files match the manifest, so it was written that way."
+        )
+        err = UserError(
+            f"checkpoint {tag_dir} was not loaded, and resume does not fall back to an older "
+            f"one: {e} {why} Resume from a checkpoint you trust (--resume PATH), or start a "
+            f"new run in a new --out."
+        )
+        err.every_rank = True
+        raise err from None
 
 
 UNIVERSAL = "universal"
