@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,16 @@ class ModelConfig:
         if self.seq_len:
             shape["seq_len"] = self.seq_len
         preset = dataclasses.replace(preset, **shape)
-        if preset.hidden_size % preset.num_attention_heads:
+        heads, hidden = preset.num_attention_heads, preset.hidden_size
+        if hidden % heads or (hidden // heads) % 2:
+            fits = [h for h in range(1, 129) if hidden % h == 0 and hidden // h % 2 == 0]
+            other = f"--set model.num_attention_heads to one of {fits[-4:]}, or " if fits else ""
+            near = 2 * heads * max(1, round(hidden / heads / 2))
             raise UserError(
-                f"model.hidden_size ({preset.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({preset.num_attention_heads})."
+                f"model.hidden_size ({hidden}) must be model.num_attention_heads ({heads}) "
+                f"times an even head size (rotary embeddings turn pairs of channels), but "
+                f"{hidden} / {heads} = {hidden / heads:g}. Set {other}--set model.hidden_size "
+                f"to a multiple of {2 * heads} (e.g. {near})."
             )
         return preset
 
@@ -166,6 +173,9 @@ class RunConfig:
     resume_explicit: bool = False
     """True when --resume was given: only then may a launch continue a run whose config
     differs from the one in out/config.json."""
+    restart: bool = False
+    """--restart: start over in ``out`` although it holds a run; that run's files (config,
+    checkpoints, metrics, plots, report) are first moved to ``out/previous-<time>/``."""
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
@@ -186,6 +196,11 @@ _SECTIONS = {
 _CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def _coerce(text: str, typ: Any, where: str) -> Any:
     if typ is bool:
         lowered = text.lower()
@@ -193,11 +208,14 @@ def _coerce(text: str, typ: Any, where: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise UserError(f"{where}: expected true or false, got {text!r}.")
+        raise UserError(f"{where}: expected true or false, got {_shown(text)}.")
     try:
         return typ(text)
     except ValueError:
-        raise UserError(f"{where}: expected {typ.__name__}, got {text!r}.") from None
+        example = "an integer such as 100" if typ is int else "a number such as 3e-4"
+        raise UserError(
+            f"{where}: expected {typ.__name__} ({example}), got {_shown(text)}."
+        ) from None
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -210,7 +228,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, field = key.partition(".")
-        where = f"--set {item}"
+        where = f"--set {key}={_shown(value)[1:-1]}"
         if not sep or not dot:
             raise UserError(
                 f"{where}: overrides look like section.key=value, e.g. "
@@ -237,6 +255,94 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise UserError(f"{where}: must be one of {', '.join(choices)}.")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges: every numeric key, checked before anything is written or any engine is built.
+
+MAX_DIM = 2**20
+"""Largest model dimension (and context length) accepted: beyond any real model, and it keeps
+every shape product inside the integer range of torch."""
+_INT64 = 2**63 - 1
+_YEAR_S = 365 * 24 * 3600
+
+_SIZE = (lambda v: 0 <= v <= MAX_DIM, f"0 (keep the preset's) or a positive size up to {MAX_DIM:,}")
+_AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+_STEPS = (lambda v: v >= 0, "0 (off) or a positive number of steps")
+_RANGES: dict[str, tuple[Any, str]] = {
+    "model.seq_len": (
+        lambda v: 0 <= v <= MAX_DIM,
+        f"0 (the preset's context) or a positive number of tokens up to {MAX_DIM:,}",
+    ),
+    "model.hidden_size": _SIZE,
+    "model.intermediate_size": _SIZE,
+    "model.num_hidden_layers": _SIZE,
+    "model.num_attention_heads": _SIZE,
+    "data.prefetch_batches": (lambda v: 0 <= v <= 1024, "0 (no read-ahead) to 1024 micro-batches"),
+    "optim.lr": (lambda v: v > 0, "a finite number above 0 (the peak learning rate)"),
+    "optim.global_batch_tokens": (lambda v: v >= 1, "a positive number of tokens"),
+    "optim.warmup_tokens": (lambda v: v >= 0, "0 or a positive number of tokens"),
+    "optim.warmup_max_share": (lambda v: 0 <= v <= 1, "a share of the run between 0 and 1"),
+    "train.max_steps": _AT_LEAST_1,
+    "train.stop_at_step": _STEPS,
+    "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
+    "train.save_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.keep_last": (lambda v: v >= 0, "0 (keep every checkpoint) or a number of checkpoints"),
+    "train.keep_every": _STEPS,
+    "train.log_every": _AT_LEAST_1,
+    "train.heartbeat_timeout_s": (
+        lambda v: 0 <= v <= _YEAR_S,
+        f"0 (no heartbeat) or a number of seconds up to {_YEAR_S:,}",
+    ),
+    "train.collective_timeout_s": (
+        lambda v: 0 < v <= _YEAR_S,
+        f"a positive number of seconds up to {_YEAR_S:,}",
+    ),
+    "train.seed": (lambda v: 0 <= v < 2**32, f"an integer from 0 to {2**32 - 1:,} (numpy's range)"),
+    "guard.window": _AT_LEAST_1,
+    "guard.min_history": (lambda v: v >= 0, "0 or a number of steps"),
+    "guard.mad_k": (lambda v: v > 0, "a number above 0"),
+    "guard.min_jump": (lambda v: v >= 0, "0 or a positive share"),
+    "guard.skip_margin_steps": (lambda v: v >= 0, "0 or a number of steps"),
+    "guard.max_rewinds": (lambda v: v >= 0, "0 or a number of incidents"),
+    "guard.span_steps": _AT_LEAST_1,
+    "guard.lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]: above 0 and at most 1 (1 keeps the LR)"),
+}
+FLAGS = {
+    "train.max_steps": "--max-steps",
+    "train.eval_every": "--eval-every",
+    "train.save_every": "--save-every",
+    "train.seed": "--seed",
+}
+"""Keys that a recipe flag sets; a message names the flag, the fix is the flag."""
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """UserError for the first numeric key outside its range (every one has a rule in
+    ``_RANGES``): not finite, past the integer range, or out of the key's own bounds. Pure, so
+    the launcher's pre-flight and every rank run the same check before anything starts."""
+    for section in _SECTIONS:
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            key = f"{section}.{f.name}"
+            ok, want = _RANGES[key]
+            finite = math.isfinite(value) and abs(value) <= _INT64
+            if finite and ok(value):
+                continue
+            flag = FLAGS.get(key)
+            fix = (
+                f"Pass {flag} with a value {want}"
+                if flag
+                else f"Give --set {key}=VALUE with a value {want} (its default is {f.default!r})"
+            )
+            raise UserError(
+                f"{key} is {value!r}{f' ({flag})' if flag else ''}: it must be {want}"
+                f"{'' if finite else ', and a finite number'}. {fix}."
+            )
 
 
 def optim_keys_set(overrides: list[str]) -> frozenset[str]:
@@ -317,6 +423,7 @@ def suggest(word: str, candidates) -> str:
 _RESUMABLE_KEYS = {
     "resume",
     "resume_explicit",
+    "restart",
     "train.stop_at_step",
     "train.log_every",
     "train.heartbeat_timeout_s",

@@ -140,6 +140,65 @@ REQUIRED = [
 ]
 
 
+_INT64 = 2**63 - 1
+RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
+    ("train_micro_batch_size_per_gpu",): (lambda v: v >= 1, "at least 1"),
+    ("gradient_accumulation_steps",): (lambda v: v >= 1, 'at least 1, or "auto"'),
+    ("train_batch_size",): (lambda v: v >= 1, 'at least 1, or "auto"'),
+    ("gradient_clipping",): (lambda v: v >= 0, "0 (off) or a positive norm"),
+    ("steps_per_print",): (lambda v: v >= 1, "at least 1"),
+    ("zero_optimization", "stage"): (lambda v: v in (0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3"),
+    ("optimizer", "params", "lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
+    ("optimizer", "params", "betas"): (
+        lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+        "two numbers in [0, 1), e.g. [0.9, 0.95]",
+    ),
+    ("optimizer", "params", "eps"): (lambda v: v >= 0, "0 or a small positive number (1e-8)"),
+    ("optimizer", "params", "weight_decay"): (lambda v: v >= 0, "0 or a positive number"),
+    ("scheduler", "params", "total_num_steps"): (lambda v: v >= 1, 'at least 1, or "auto"'),
+    ("scheduler", "params", "warmup_num_steps"): (lambda v: v >= 0, 'a step count, or "auto"'),
+    ("scheduler", "params", "warmup_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
+    ("scheduler", "params", "cos_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
+    ("scheduler", "params", "warmup_type"): (lambda v: v == "linear", '"linear"'),
+}
+"""Bounds of the keys Anneal reads itself or that DeepSpeed would refuse only at engine start
+(``"auto"`` is always allowed where the schema allows it). Every number anywhere must also be
+finite and inside the 64-bit integer range."""
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
+    """Every number in the tree finite (json reads NaN and Infinity) and within int64."""
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for key, value in items:
+        dotted = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
+        if isinstance(value, dict | list):
+            _check_numbers(value, source=source, prefix=f"{dotted}.")
+        elif _number(value) and not (math.isfinite(value) and abs(value) <= _INT64):
+            raise UserError(
+                f"{source}: key {dotted!r} is {json.dumps(value)}, not a finite number (or past "
+                f"the 64-bit integer range). Write a finite value in the file or the --set."
+            )
+
+
+def check_ranges(cfg: dict, *, source: str) -> None:
+    """UserError for a number out of its key's bounds (``RANGES``)."""
+    _check_numbers(cfg, source=source)
+    for path, (ok, want) in RANGES.items():
+        value = _get(cfg, path)
+        if value == AUTO:
+            continue
+        if not ok(value):
+            dotted = ".".join(path)
+            raise UserError(
+                f"{source}: {dotted} is {json.dumps(value)}; it must be {want}. Fix it in the "
+                f"file, or override it with --set ds.{dotted}=VALUE."
+            )
+
+
 def _type_name(spec: Any) -> str:
     if spec is Num:
         return "a number"
@@ -266,9 +325,14 @@ def load_ds_config(path: str | Path) -> dict:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"{source}: cannot read the DeepSpeed config ({e.strerror}).") from None
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{source}: not UTF-8 text (byte {e.start}), so not a DeepSpeed JSON config. Give "
+            f"the path of a JSON file, or one of the names in {DS_CONFIG_DIR}."
+        ) from None
     try:
         cfg = json.loads(text, object_pairs_hook=_no_duplicates(source))
     except json.JSONDecodeError as e:
@@ -277,9 +341,15 @@ def load_ds_config(path: str | Path) -> dict:
             f"{e.msg}. DeepSpeed configs are strict JSON (no comments, no "
             f"trailing commas)."
         ) from None
+    except RecursionError:
+        raise UserError(
+            f"{source}: nested too deeply to be a DeepSpeed config. Give a DeepSpeed JSON file "
+            f"(see {DS_CONFIG_DIR})."
+        ) from None
     if not isinstance(cfg, dict):
         raise UserError(f"{source}: the top level must be a JSON object.")
     validate_ds_config(cfg, source=source)
+    check_ranges(cfg, source=source)
     for key_path in REQUIRED:
         node = cfg
         for k in key_path:
@@ -333,6 +403,7 @@ def override_ds_config(cfg: dict, overrides: list[tuple[list[str], str]], *, sou
                 )
         node[keys[-1]] = value
     validate_ds_config(cfg, source=f"{source} (with --set ds.* overrides)")
+    check_ranges(cfg, source=f"{source} (with --set ds.* overrides)")
     return cfg
 
 
@@ -459,6 +530,28 @@ def resolve_ds_config(
             )
         sources["scheduler.params.warmup_num_steps"] = f"{warm} (ds_config)"
     return cfg, sources
+
+
+def check_with_deepspeed(resolved: dict, *, source: str) -> None:
+    """Let DeepSpeed's own config class (``DeepSpeedConfig``: its pydantic models of ZeRO,
+    precision, activation checkpointing, ... and its sanity checks) judge the resolved config
+    now, as the engine will, so that what it refuses is a UserError before anything is written.
+
+    The scheduler is Anneal's (``WarmupCosine``), so it is left out as ``build_engine`` leaves
+    it out; so is ``train_batch_size``, which DeepSpeed would check against the world size of
+    this process (1 before the ranks start) while Anneal has already checked it against the
+    run's (``batch_arithmetic``)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    engine_view = {k: v for k, v in resolved.items() if k not in ("scheduler", "train_batch_size")}
+    try:
+        DeepSpeedConfig(json.loads(json.dumps(engine_view)))
+    except Exception as e:  # pydantic's ValidationError, AssertionError, ValueError, ...
+        why = " ".join(str(e).split())[:600]
+        raise UserError(
+            f"{source}: DeepSpeed's own check of the config refuses it ({type(e).__name__}: "
+            f"{why}). Fix that key in the file or the --set."
+        ) from None
 
 
 def bf16_enabled(ds_cfg: dict) -> bool:

@@ -113,7 +113,11 @@ PRESETS: dict[str, ModelPreset] = {
 
 def get_preset(name: str) -> ModelPreset:
     if name not in PRESETS:
-        raise UserError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise UserError(
+            f"model.preset {str(name)[:40]!r}: no such preset. Choose one of "
+            f"{', '.join(PRESETS)} (--set model.preset=NAME), or set the shape with "
+            f"model.hidden_size, model.num_hidden_layers, ... on top of one."
+        )
     return PRESETS[name]
 
 

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from anneal import checkpoint, ds_config
 from anneal import model as modellib
-from anneal.config import RunConfig, config_differences, optim_keys_set
+from anneal.config import AUTO, RunConfig, check_ranges, config_differences, optim_keys_set
 from anneal.errors import UserError
+from anneal.files import claim_output
 
 DEVICE_TYPES = ("cpu", "cuda")
+RUN_FILES = ("config.json", "metrics.jsonl", "guard.json", "checkpoints", "plots", "report.txt",
+             "tb", "hf", "heartbeat", "wandb")  # fmt: skip
+"""What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
+The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, logs/) and the
+live ``preempt/`` stay where they are."""
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")  # fmt: skip
+"""The model fields that decide the shape of its weights (a checkpoint loads only into these)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,8 +154,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
-    if cfg.train.max_steps < 1:
-        raise UserError(f"--max-steps must be at least 1, got {cfg.train.max_steps}.")
+    check_ranges(cfg)
     ds_path = ds_config.find_ds_config(cfg.ds_config)
     ds = ds_config.load_ds_config(ds_path)
     ds = ds_config.override_ds_config(ds, ds_config.ds_overrides(overrides), source=str(ds_path))
@@ -164,13 +173,21 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
         optim=cfg.optim,
         optim_set=optim_keys_set(overrides),
     )
+    ds_config.check_with_deepspeed(ds, source=str(ds_path))
 
     out = Path(cfg.out)
+    old_config = check_run_dir(cfg, out, data_dir=data_dir)
     resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
     if resume_from is not None:
         check_matches_run(meta, data_dir=data_dir, run_dir=out)
         checkpoint.check_tokenizer(
             resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
+        )
+        check_checkpoint_fits(
+            resume_from,
+            preset,
+            world_size=world_size,
+            zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
         )
     plan = Plan(
         cfg=cfg,
@@ -191,9 +208,8 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
             f"Prepare it again with a larger --val-fraction, or train without evaluation: "
             f"--set train.eval_samples=0."
         )
-    old_path = out / "config.json"
-    if old_path.is_file():
-        diffs = config_differences(json.loads(old_path.read_text()), plan.config_document())
+    if old_config is not None and not cfg.restart:
+        diffs = config_differences(old_config, plan.config_document())
         if diffs and not cfg.resume_explicit:
             raise UserError(
                 f"--out {out} holds a different run (its config.json differs: "
@@ -202,3 +218,108 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
                 f"that run with the new settings."
             )
     return plan
+
+
+def holds_run(out: Path) -> list[str]:
+    """What in ``out`` shows that a run has been there: its config.json, metrics.jsonl or
+    guard.json, or anything in checkpoints/ (even a torn save). Empty when none."""
+    found = [
+        name for name in ("config.json", "metrics.jsonl", "guard.json") if (out / name).exists()
+    ]
+    ckpt = out / "checkpoints"
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
+    """Refuse an ``--out`` this launch must not write into; returns the config.json of the run
+    already there (None when there is none).
+
+    Refused: ``.``, an ancestor of the working directory, the root, a file, the data directory
+    or anything around it, a directory that is not writable, a config.json that is not a run's;
+    ``--resume none`` (or a checkpoint path from elsewhere) on a directory that holds a run,
+    unless ``--restart`` says to move that run aside; and ``--restart`` with a resume from the
+    run it moves aside."""
+    claim_output(out, force=True, made_by_us=lambda _: True, what="run directory",
+                 inputs=[data_dir])  # fmt: skip
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
+    old = _read_run_config(out)
+    found = holds_run(out)
+    here = (out / "checkpoints").resolve()
+    resume_path = None if cfg.resume in (AUTO, "none") else Path(cfg.resume).resolve()
+    from_here = resume_path is not None and (resume_path == here or here in resume_path.parents)
+    if cfg.restart:
+        if (cfg.resume == AUTO and cfg.resume_explicit) or from_here:
+            raise UserError(
+                f"--restart --resume {cfg.resume}: --restart moves the run in {out} aside and "
+                f"starts over, so it cannot also continue it. Drop --restart to continue that "
+                f"run, or drop --resume to start over."
+            )
+        return old
+    if found and (cfg.resume == "none" or (resume_path is not None and not from_here)):
+        what = "--resume none" if cfg.resume == "none" else f"--resume {cfg.resume}"
+        raise UserError(
+            f"--out {out} holds a run already ({', '.join(found)}), and {what} would start "
+            f"another one over it: its checkpoints at the same steps, config.json, metrics.jsonl, "
+            f"plots and report would be replaced or mixed. Choose a new --out; continue that run "
+            f"with --resume auto; or pass --restart to start over in {out} (that run is moved "
+            f"to {out}/previous-<time>/ first, nothing is deleted)."
+        )
+    return old
+
+
+def _read_run_config(out: Path) -> dict | None:
+    """``out/config.json`` when it is a run's (a JSON object with a "run" section)."""
+    path = out / "config.json"
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    if not (isinstance(doc, dict) and isinstance(doc.get("run"), dict)):
+        raise UserError(
+            f"--out {out}: its config.json is not the config of an Anneal run (not JSON, or no "
+            f'"run" section), so a run will not write over it. Choose a new --out, or move '
+            f"that file away."
+        )
+    return doc
+
+
+def check_checkpoint_fits(
+    tag_dir: Path, preset: modellib.ModelPreset, *, world_size: int, zero_stage: int
+) -> None:
+    """The checkpoint to resume must hold weights of this run's shape (from its manifest, or
+    the config.json of the run that wrote it) and, below ZeRO-3, come from as many ranks: both
+    are refused here, before anything is written, rather than inside DeepSpeed's load."""
+    manifest = checkpoint.read_manifest(tag_dir) or {}
+    saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
+    if not isinstance(saved, dict):
+        source = tag_dir.parent.parent / "config.json"
+        try:
+            saved = json.loads(source.read_text()).get("model")
+        except (OSError, ValueError, RecursionError, AttributeError):
+            saved = None
+    if isinstance(saved, dict):
+        diffs = [
+            f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"
+            for key in SHAPE_KEYS
+            if key in saved and saved[key] != getattr(preset, key)
+        ]
+        if diffs:
+            raise UserError(
+                f"--resume {tag_dir}: the checkpoint holds a model of another shape "
+                f"({'; '.join(diffs)}; as recorded in {source}), so its weights cannot load "
+                f"into this run's. Resume with the model settings of that run (--set "
+                f"model.hidden_size=... as {source} says; vocab_size comes from --data), or "
+                f"start a new run in a new --out."
+            )
+    saved_ranks = manifest.get("world_size")
+    if isinstance(saved_ranks, int) and saved_ranks != world_size and zero_stage != 3:
+        raise UserError(
+            f"--resume {tag_dir}: saved by {saved_ranks} ranks and this launch has "
+            f"{world_size}. Resuming on another number of ranks is supported for ZeRO-3 (this "
+            f"run uses ZeRO stage {zero_stage}): resume with {saved_ranks} ranks."
+        )

@@ -38,7 +38,14 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="optimizer steps in the whole run")
     p.add_argument(
         "--resume",
-        help="auto (default): newest intact checkpoint in --out; none; or a checkpoint path",
+        help="auto (default): newest intact checkpoint in --out; none (a new run: --out must "
+        "not hold one); or a checkpoint path",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over in an --out that holds a run: its config, checkpoints, metrics, "
+        "plots and report are moved to OUT/previous-<time>/ first (nothing is deleted)",
     )
     p.add_argument("--eval-every", type=int, help="validate every N steps")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps")
@@ -74,6 +81,11 @@ def config_from_args(
     AdamW); GPUs get the recipe's bf16 config.
     """
     args = build_parser(prog, preset=preset).parse_args(argv)
+    if args.resume is not None and not args.resume.strip():
+        raise UserError(
+            "--resume is empty: give auto (the newest intact checkpoint in --out), none (a new "
+            "run) or the path of a checkpoint (RUN/checkpoints/stepNNNNNNNN)."
+        )
     name = os.path.splitext(os.path.basename(prog))[0]
     model = dataclasses.replace(model or ModelConfig(), preset=preset)
     train = dataclasses.replace(
@@ -94,8 +106,9 @@ def config_from_args(
     cfg = RunConfig(
         out=args.out or f"runs/{name}",
         ds_config=args.ds_config or (cpu_ds_config if on_cpu else ds_config),
-        resume=args.resume or AUTO,
+        resume=args.resume or ("none" if args.restart else AUTO),
         resume_explicit=args.resume is not None,
+        restart=args.restart,
         model=model,
         optim=optim,
         data=data,

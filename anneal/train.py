@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from anneal import checkpoint, faults, forecast, heartbeat
 from anneal import model as modellib
 from anneal import progress as live
-from anneal.config import RunConfig
+from anneal.config import RunConfig, check_ranges
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import (
     init_distributed,
@@ -41,7 +42,7 @@ from anneal.files import write_atomic
 from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger
-from anneal.plan import Plan, resolve_plan
+from anneal.plan import RUN_FILES, Plan, resolve_plan
 from anneal.preempt import Preemption
 from anneal.schedule import WarmupCosine
 
@@ -248,41 +249,60 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
-    """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory)."""
+    """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory).
+
+    Everything is checked (``resolve_plan``), the engine built and the checkpoint loaded before
+    anything is written to the run directory; a launch that fails after that but before its
+    first step puts the directory back as it found it (``RunDir``), so the corrected relaunch
+    starts cleanly instead of meeting a config.json of a run that never trained."""
+    check_ranges(cfg)  # before the process group: collective_timeout_s goes there
     _setup_process(cfg.train.collective_timeout_s)
     plan = plan_run(cfg, overrides)
     for note in plan.notes:
         log.warning(note)
-    _write_run_config(plan)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     data_dir = Path(cfg.data.path)
     train_split = PackedSplit(data_dir, "train", seq_len=plan.seq_len)
     evaluate = cfg.train.eval_samples > 0
     val_split = PackedSplit(data_dir, "val", seq_len=plan.seq_len) if evaluate else None
-    token_bytes = np.load(data_dir / "token_bytes.npy")
-    n_params = modellib.count_params(plan.preset)
+    data = (train_split, val_split, np.load(data_dir / "token_bytes.npy"))
     print0(plan.describe())
-
     engine = build_engine(plan)
     recompute = getattr(engine.module, "is_gradient_checkpointing", False)
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
-    metrics = MetricsLogger(plan.out)
-    state, position = TrainState(), 0
     t0 = time.perf_counter()
     resume_from = plan.resume_from and checkpoint.verified_resume(
         plan.resume_from, fallback=cfg.resume == "auto"
     )
-    verify_s = time.perf_counter() - t0
+    timing = {"verify_s": round(time.perf_counter() - t0, 3)}
     guard = Guard(cfg.guard, run_dir=plan.out, resuming=resume_from is not None)
+    client = None
     if resume_from is not None:
         t0 = time.perf_counter()
-        client = checkpoint.load(engine, resume_from)
-        load_s = time.perf_counter() - t0
+        client = checkpoint.load(engine, resume_from)  # scanned first (anneal.safeload)
+        timing["load_s"] = round(time.perf_counter() - t0, 3)
+    run_dir = RunDir(plan)
+    try:
+        return _train(plan, engine, guard, run_dir, data, resume=(resume_from, client, timing))
+    except BaseException:
+        run_dir.undo()
+        raise
+
+
+def _train(plan: Plan, engine, guard: Guard, run_dir: RunDir, data, *, resume) -> dict:
+    """The loop, from the engine (and checkpoint) ``run`` prepared to the summary."""
+    cfg = plan.cfg
+    train_split, val_split, token_bytes = data
+    n_params = modellib.count_params(plan.preset)
+    metrics = MetricsLogger(plan.out)
+    state, position = TrainState(), 0
+    resume_from, client, timing = resume
+    if resume_from is not None:
         state = TrainState(step=client["step"], tokens=client["tokens"])
         position = guard.restore(engine, client, client["data"]["position"])
         metrics.event(state.step, "resume", checkpoint=str(resume_from), position=position,
-                      verify_s=round(verify_s, 3), load_s=round(load_s, 3))  # fmt: skip
+                      **timing)  # fmt: skip
         print0(f"resumed from {resume_from} at step {state.step}")
     view = live.LiveView(
         plan.out, cfg=cfg, config_doc=plan.config_document(), start_step=state.step
@@ -303,6 +323,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             last_train = train_step(engine, stream, state, plan, fault, preemption)
             last_train["mfu"] = flops_per_token * last_train["tokens_per_s"] / (peak * world_size())
             metrics.write(last_train)
+            run_dir.stepped = True
             check.after_step(last_train, plan.tokens_per_step, engine.device, metrics)
             view.update(last_train)
             step_samples = (stream.position - samples_per_step, stream.position)
@@ -391,6 +412,7 @@ def maybe_checkpoint(
         },
         keep_last=train.keep_last,
         keep_every=train.keep_every,
+        model=dataclasses.asdict(plan.preset),
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
     if train.export_every_save and is_main_process():
@@ -411,11 +433,66 @@ def _setup_process(collective_timeout_s: float = 1800.0) -> None:
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _write_run_config(plan: Plan) -> None:
-    """Create the run directory and write the resolved config.json (rank 0, atomically)."""
-    (plan.out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    if is_main_process():
-        write_atomic(plan.out / "config.json", json.dumps(plan.config_document(), indent=2) + "\n")
+class RunDir:
+    """This launch's writes to the run directory, made once the engine is built and any
+    checkpoint loaded, and undone when the launch fails before its first step."""
+
+    def __init__(self, plan: Plan):
+        """Rank 0: with ``--restart``, move the run that is there to ``previous-<time>/``; then
+        write the resolved config.json. Every rank waits for that, then has checkpoints/."""
+        self.out, self.stepped = plan.out, False
+        self._existed: set[str] | None = None
+        self._old_config: str | None = None
+        if is_main_process():
+            if plan.cfg.restart:
+                _move_previous_run(plan.out)
+            if plan.out.is_dir():
+                self._existed = {p.name for p in plan.out.iterdir()}
+                config = plan.out / "config.json"
+                self._old_config = config.read_text() if config.is_file() else None
+            plan.out.mkdir(parents=True, exist_ok=True)
+            doc = json.dumps(plan.config_document(), indent=2) + "\n"
+            write_atomic(plan.out / "config.json", doc)
+        if dist.is_initialized():
+            dist.barrier()
+        (plan.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    def undo(self) -> None:
+        """Rank 0, before any step completed: remove what this launch created in the run
+        directory (and the directory, if it made it) and put back the config.json it replaced.
+        A run that ``--restart`` moved to ``previous-<time>/`` stays there."""
+        if self.stepped or not is_main_process() or not self.out.is_dir():
+            return
+        try:
+            for p in self.out.iterdir():
+                if (self._existed is None or p.name not in self._existed) and not (
+                    p.name.startswith("previous-")
+                ):
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if self._old_config is not None:
+                write_atomic(self.out / "config.json", self._old_config)
+            if self._existed is None and not any(self.out.iterdir()):
+                self.out.rmdir()
+        except OSError as e:  # the failure that got us here is the one to report
+            log.warning("could not put %s back as it was: %s", self.out, e)
+            return
+        log.warning("the run failed before its first step: %s is as it was before", self.out)
+
+
+def _move_previous_run(out: Path) -> Path | None:
+    """``--restart``: the run files in ``out`` (``anneal.plan.RUN_FILES``) to a new
+    ``out/previous-<time>/``, by rename (nothing is copied or deleted)."""
+    names = [n for n in RUN_FILES if (out / n).exists() or (out / n).is_symlink()]
+    if not names:
+        return None
+    dest = out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "-1")
+    dest.mkdir()
+    for name in names:
+        (out / name).rename(dest / name)
+    print0(f"--restart: the run that was in {out} ({', '.join(names)}) is now in {dest}")
+    return dest
 
 
 def _share_cpu_threads() -> None:
