@@ -11,14 +11,25 @@
 # Set-up, in order: the python (ANNEAL_PYTHON, else the first of .venv/bin/python,
 # /opt/torch/.venv/bin/python3, python3 whose torch sees a GPU, or any torch on --cpu-smoke);
 # if it cannot import Anneal's training stack (DeepSpeed, transformers, ...), the wheels in
-# ANNEAL_WHEELS (default: .whl/ in the repo) are installed with pip --no-index into
-# WORK/site, which goes first on PYTHONPATH. Nothing is downloaded on the GPU machine.
+# ANNEAL_WHEELS (default: .whl/ in the repo) are installed with pip --no-index into SCRATCH/site,
+# which goes first on PYTHONPATH. SCRATCH is a new private directory (mktemp -d, mode 0700)
+# removed on exit: a fixed path under /tmp there would let another user of the host plant a
+# sitecustomize.py that this python runs. WORK (data, runs; ANNEAL_BENCH_WORK) defaults to
+# SCRATCH/work. Nothing is downloaded on the GPU machine.
 # Exit: 0 all rows measured or skipped for time, 1 a row failed or nothing measured, 2 set-up.
 set -uo pipefail
 export ANNEAL_BENCH_T0=${ANNEAL_BENCH_T0:-$(date +%s.%N)}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-work=${ANNEAL_BENCH_WORK:-/tmp/anneal-gpu-bench}
-export ANNEAL_BENCH_WORK=$work
+
+make_scratch() {  # a private directory, removed when the script exits (sets scratch, work)
+  scratch=$(mktemp -d "${TMPDIR:-/tmp}/anneal-gpu-bench.XXXXXX") || exit 2
+  trap 'rm -rf -- "$scratch"' EXIT
+  trap 'exit 129' HUP
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  work=${ANNEAL_BENCH_WORK:-$scratch/work}
+  export ANNEAL_BENCH_WORK=$work
+}
 
 fetch_wheels() {
   local dir=${1:-$repo/.whl}
@@ -93,11 +104,10 @@ main() {
       echo "set-up: no wheels in $wheels to install (make them where PyPI is reachable: bash bench/gpu.sh --fetch-wheels, then carry .whl)"
       return 2
     fi
-    echo "set-up: installing $(cd "$wheels" && echo *.whl) into $work/site (pip --no-index)"
-    mkdir -p "$work/site"
+    echo "set-up: installing $(cd "$wheels" && echo *.whl) into $scratch/site (pip --no-index)"
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$work/site" "$wheels"/*.whl || return 2
-    path=$repo:$work/site${PYTHONPATH:+:$PYTHONPATH}
+      --target "$scratch/site" "$wheels"/*.whl || return 2
+    path=$repo:$scratch/site${PYTHONPATH:+:$PYTHONPATH}
     if ! err=$(stack_ok "$path"); then
       echo "set-up: still cannot import the training stack after installing the wheels:"
       echo "$err"
@@ -117,11 +127,12 @@ if [[ ${1:-} == --fetch-wheels ]]; then
   exit $?
 fi
 if [[ $# -lt 1 || ${1:-} == -h || ${1:-} == --help || (${1:-} == --cpu-smoke && $# -lt 2) ]]; then
-  sed -n '2,17p' "$0"
+  sed -n '2,19p' "$0"
   exit 2
 fi
 logdir=$1
 [[ $1 == --cpu-smoke ]] && logdir=$2
 mkdir -p "$logdir" || exit 2
+make_scratch
 main "$@" 2>&1 | tee "$logdir/gpu_bench.log"
 exit "${PIPESTATUS[0]}"

@@ -17,6 +17,7 @@ Proves, one surface at a time:
   but not ``PATH`` or the shell's ``PWD``) and credentials in values (``user:pass@``) are left
   out, and the launcher prints their names, never their values.
 - ``--num-gpus 0`` says what ``--num-gpus`` is and how to fix it.
+- bench/gpu.sh puts only a private ``mktemp -d`` directory on PYTHONPATH and removes it.
 """
 
 from __future__ import annotations
@@ -686,3 +687,74 @@ def test_odd_run_values(tmp_path, capsys, case):
         *must,
     )
     assert tree(tmp_path) == before
+
+
+# --- bench/gpu.sh: item 15 ----------------------------------------------------------------
+
+FAKE_PYTHON = r"""#!/bin/bash
+# Stands in for a python whose torch works but that lacks DeepSpeed: answers gpu.sh's probes,
+# "installs" wheels by marking the --target directory, and records what bench_gpu.py gets.
+case "$1" in
+  -c)
+    if [[ $2 == *"import deepspeed"* ]]; then
+      IFS=: read -ra parts <<< "${PYTHONPATH:-}"
+      for p in "${parts[@]}"; do [[ -e $p/installed ]] && exit 0; done
+      echo "ModuleNotFoundError: No module named 'deepspeed'"; exit 1
+    fi
+    echo "3.11 torch 0 (fake)";;
+  -m)
+    prev=; for a in "$@"; do [[ $prev == --target ]] && t=$a; prev=$a; done
+    mkdir -p "$t" && touch "$t/installed";;
+  *)
+    IFS=: read -ra parts <<< "$PYTHONPATH"
+    for p in "${parts[@]}"; do
+      printf '%s %s %s\n' "$p" "$(stat -c %a "$p")" "$(stat -c %a "$(dirname "$p")")"
+    done > "$RECORD"
+    echo "work $ANNEAL_BENCH_WORK" >> "$RECORD";;
+esac
+"""
+
+
+@pytest.mark.parametrize("own_work", [False, True], ids=["default-work", "ANNEAL_BENCH_WORK"])
+def test_gpu_sh_puts_only_a_private_directory_on_pythonpath(tmp_path, own_work):
+    """The set-up half of gpu.sh, with a stand-in python: the pip target that goes on
+    PYTHONPATH is a new mode-0700 directory (not a fixed path another user could create
+    first, with a sitecustomize.py in it), and it is gone when the script exits."""
+    fake, record, wheels = tmp_path / "python", tmp_path / "record", tmp_path / "wheels"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    wheels.mkdir()
+    (wheels / "deepspeed-0-py3-none-any.whl").write_bytes(b"")
+    tmp = tmp_path / "tmp"
+    planted = tmp / "anneal-gpu-bench" / "site"
+    planted.mkdir(parents=True)
+    (planted / "sitecustomize.py").write_text("open('/tmp/pwned', 'w')\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "TMPDIR": str(tmp),
+        "ANNEAL_PYTHON": str(fake),
+        "ANNEAL_WHEELS": str(wheels),
+        "RECORD": str(record),
+    }
+    if own_work:
+        env["ANNEAL_BENCH_WORK"] = str(tmp_path / "work")
+    done = subprocess.run(
+        ["bash", str(GPU_SH), "--cpu-smoke", str(tmp_path / "logs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = record.read_text().splitlines()
+    work = lines.pop().split(" ", 1)[1]
+    entries = [ln.split(" ") for ln in lines]
+    assert entries[0][0] == str(ROOT)
+    site, mode, parent_mode = entries[1]
+    assert len(entries) == 2 and Path(site).name == "site"
+    scratch = Path(site).parent
+    assert parent_mode == "700" and scratch.parent == tmp and scratch.name != "anneal-gpu-bench"
+    assert not str(site).startswith("/tmp/anneal-gpu-bench")
+    assert work == (str(tmp_path / "work") if own_work else str(scratch / "work"))
+    assert not scratch.exists()  # removed on exit
+    assert sorted(p.name for p in tmp.iterdir()) == ["anneal-gpu-bench"]  # the plant, untouched
