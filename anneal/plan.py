@@ -241,8 +241,14 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     ``--resume none`` (or a checkpoint path from elsewhere) on a directory that holds a run,
     unless ``--restart`` says to move that run aside; and ``--restart`` with a resume from the
     run it moves aside."""
-    claim_output(out, force=True, made_by_us=lambda _: True, what="run directory",
-                 inputs=[data_dir])  # fmt: skip
+    if out.is_symlink() and not out.is_dir():
+        raise UserError(
+            f"--out {out}: a link to no directory. Point it at a directory, or name another --out."
+        )
+    # A run continues in its directory and never replaces it, so a link to a directory (run
+    # directories on a larger file system) is checked as the directory it leads to.
+    claim_output(out.resolve() if out.is_symlink() else out, force=True,
+                 made_by_us=lambda _: True, what="run directory", inputs=[data_dir])  # fmt: skip
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
     old = _read_run_config(out)

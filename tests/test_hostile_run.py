@@ -451,6 +451,11 @@ def test_out_that_must_not_be_written(data, tmp_path, monkeypatch):
     (tmp_path / "cfg" / "config.json").write_text('{"model_type": "llama"}')  # not a run's
     refused(small(data, tmp_path / "cfg"), tmp_path,
             expect=["config.json is not the config of an Anneal run", "new --out"])  # fmt: skip
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    refused(small(data, tmp_path / "dangling"), tmp_path, expect=["a link to no directory"])
+    (tmp_path / "scratch").mkdir()  # a run directory linked to a larger file system is fine
+    (tmp_path / "linked").symlink_to(tmp_path / "scratch")
+    assert plan_for(small(data, tmp_path / "linked")).out == tmp_path / "linked"
 
 
 def test_the_recipe_exits_2_with_one_paragraph(data, tmp_path):
