@@ -735,9 +735,9 @@ def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, eve
     real_out, real_run = Path(os.path.realpath(out)), Path(os.path.realpath(run_dir))
     if real_out.is_relative_to(real_run) and not real_out.is_relative_to(real_run / "hf"):
         raise UserError(
-            f"--out {out}: inside the run directory {run_dir}, whose files are the run's own; "
-            f"an export goes under {run_dir / 'hf'} (e.g. {run_dir / 'hf' / 'final'}) or "
-            f"outside the run."
+            f"--out {out}: that is the run directory {run_dir} or lies inside it, and a run's "
+            f"files are its own: an export goes under {run_dir / 'hf'} (e.g. "
+            f"{run_dir / 'hf' / 'final'}) or outside the run."
         )
     inputs = [run_dir / "checkpoints", run_dir / "config.json", *inputs]
     if every:
