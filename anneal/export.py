@@ -34,7 +34,7 @@ import struct
 import time
 import warnings
 import zipfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
@@ -535,85 +535,32 @@ def _reset_peak_rss() -> bool:
 
 
 # --- the run directory -----------------------------------------------------------------------
-# A run directory and its checkpoints are read as input from elsewhere: every name is confined,
-# every file's bytes are checked against the manifest and every pickle scanned before anything
-# of it is unpickled, and --out is claimed by the rule of anneal.files (docs/security.md).
+# A run directory and its checkpoints are read as input from elsewhere: --tag and every name in
+# a manifest are confined (checkpoint.read_manifest), every file's bytes are checked against the
+# manifest and every pickle scanned before anything of it is unpickled, and --out is claimed by
+# the rule of anneal.files (docs/security.md).
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MARKER = "anneal_export.json"
 
 
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _confined(tag_dir: Path, name) -> bool:
-    """A manifest's file name: relative, without '..', resolving inside ``tag_dir``."""
-    if not isinstance(name, str) or not name or "\x00" in name:
-        return False
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts:
-        return False
-    try:
-        return (tag_dir / name).resolve().is_relative_to(tag_dir.resolve())
-    except (OSError, RuntimeError):  # a link loop
-        return False
-
-
-def checked_manifest(tag_dir: Path) -> dict | None:
-    """A tag directory's manifest, or None when it has none that parses (a save that never
-    finished). UserError, naming manifest.json, when it is not laid out as Anneal writes one,
-    or names a file outside its directory: nothing it names is then opened."""
-    manifest = checkpoint.read_manifest(tag_dir)
-    if manifest is None:
-        return None
-    path = tag_dir / checkpoint.MANIFEST
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not files or not _count(manifest.get("step")):
-        raise UserError(
-            f"{path}: not laid out as Anneal writes a manifest (an object with a 'step' count "
-            f"and a 'files' table), so the checkpoint is not read. Export another tag (--tag), "
-            f"or copy the checkpoint again from where it was saved."
-        )
-    for name, entry in files.items():
-        if not _confined(tag_dir, name):
-            raise UserError(
-                f"{path}: lists {name!r}, which is not a file inside {tag_dir}. A manifest "
-                f"names only its own checkpoint's files (relative, without '..'), so this "
-                f"checkpoint is refused and nothing it names is read. Export another tag "
-                f"(--tag), and do not trust where this one came from."
-            )
-        size = entry.get("size") if isinstance(entry, dict) else entry
-        if not _count(size):
-            raise UserError(
-                f"{path}: the size of {name} is {size!r}, not a byte count, so the checkpoint "
-                f"is not read. Export another tag (--tag), or copy this one again."
-            )
-    return manifest
-
-
-def _intact(ckpt_dir: Path, *, strict: bool = True) -> list[Path]:
-    """Intact tag directories, oldest first. A manifest that names files outside its own
-    directory stops the search (UserError) unless not ``strict`` (then it is left out)."""
-    found = []
+def _tags(ckpt_dir: Path) -> str:
+    """The intact tags of ``ckpt_dir``, for a message (one whose manifest is refused is left
+    out)."""
+    names = []
     for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
-        if p.name.startswith("."):  # checkpoint.SUPERSEDED, partial directories
-            continue
         try:
-            manifest = checked_manifest(p) if p.is_dir() else None
+            if p.is_dir() and not p.name.startswith(".") and checkpoint.is_intact(p):
+                names.append(p.name)
         except UserError:
-            if strict:
-                raise
-            continue
-        if manifest is not None and checkpoint.is_intact(p):
-            found.append((manifest["step"], p))
-    return [p for _, p in sorted(found)]
+            pass
+    return ", ".join(names) or "none"
 
 
 def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
     ckpt_dir = run_dir / "checkpoints"
-    if tag is None:
-        intact = _intact(ckpt_dir)
+    if tag is None:  # a manifest that names a file outside its directory stops the search
+        intact = checkpoint.intact_checkpoints(ckpt_dir)
         if not intact:
             raise UserError(
                 f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
@@ -621,7 +568,7 @@ def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
                 f"run directory."
             )
         return intact[-1]
-    have = ", ".join(p.name for p in _intact(ckpt_dir, strict=False)) or "none"
+    have = _tags(ckpt_dir)
     tag_dir = ckpt_dir / str(tag)
     if not _TAG.fullmatch(str(tag)):
         raise UserError(
@@ -633,7 +580,7 @@ def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
         raise UserError(
             f"--tag {tag}: no such checkpoint in {ckpt_dir}. Intact tags there: {have}."
         )
-    if checked_manifest(tag_dir) is None or not checkpoint.is_intact(tag_dir):
+    if not checkpoint.is_intact(tag_dir):  # confines the manifest's names, or refuses
         raise UserError(
             f"--tag {tag}: not intact ({tag_dir / checkpoint.MANIFEST} missing or not a "
             f"manifest Anneal writes, or a file of the wrong size: a save that was "
@@ -675,7 +622,7 @@ def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.
     model.setdefault("nominal_params", None)
     for key in _SIZES:
         v = model.get(key, fields[key].default)
-        if not _count(v) or v == 0:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise UserError(
                 f"{path}: model.{key} is {v!r}, not a positive integer. Give the config.json "
                 f"of the run that wrote the checkpoint (a run writes it when it starts)."
@@ -764,12 +711,11 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
         log.warning("%s: its manifest holds no hashes (an older save); sizes checked only", tag_dir)
     bad = checkpoint.damaged_files(tag_dir)
     if bad:
-        others = [p.name for p in _intact(tag_dir.parent, strict=False) if p != tag_dir]
         raise UserError(
             f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes in its "
             f"manifest.json ({', '.join(bad)}): bit rot, a torn copy or a change after the "
-            f"save. Nothing was exported. Export an older tag (--tag; others: "
-            f"{', '.join(others) or 'none'}), or copy the checkpoint again."
+            f"save. Nothing was exported. Export an older tag (--tag; intact by size: "
+            f"{_tags(tag_dir.parent)}), or copy the checkpoint again."
         )
     safeload.scan_checkpoint(tag_dir)
 
@@ -830,7 +776,7 @@ def export(
     doc = _run_config(run_dir)
     preset = preset_from_config(doc, run_dir / "config.json")
     tag_dir = _select_checkpoint(run_dir, tag)
-    manifest = checked_manifest(tag_dir)
+    manifest = checkpoint.read_manifest(tag_dir)
     tok_dir = _tokenizer_dir(run_dir, doc, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
@@ -1045,7 +991,7 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
     added to, and claimed as such: never ``.``, the run or an input."""
     run_dir, out = Path(run_dir), Path(out)
     _run_config(run_dir)
-    tags = _intact(run_dir / "checkpoints")
+    tags = checkpoint.intact_checkpoints(run_dir / "checkpoints")
     if not tags:
         _select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError
     _claim_out(out, run_dir=run_dir, inputs=[], force=True, every=True)
