@@ -11,9 +11,10 @@ run only; a manifest that names files outside its directory is refused; a broken
 frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
 values or an over-long prompt for generate, are refused clearly.
 
-One tiny run is trained for the module (2 steps, one rank, about 15 s on 2 cores, plus the
-session's prepared corpus when this file runs alone), so the file takes about 25 s in all;
-everything else runs in-process through `anneal.cli.main` or `anneal.export.export`.
+One tiny run is trained for the module (2 steps, one rank: about 15 s on 2 cores, plus 7 s for
+the session's prepared corpus when this file runs alone), so the file takes 30-40 s in all, the
+rest about 10 s: everything else runs in-process through `anneal.cli.main` or
+`anneal.export.export`, and only one test converts a checkpoint (twice, without verification).
 """
 
 from __future__ import annotations
