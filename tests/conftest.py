@@ -86,6 +86,35 @@ def stdlib_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A prepared corpus of a few hundred kilobytes (byte-level vocabulary; half a second)."""
+    from anneal.data.prepare import prepare
+
+    src = tmp_path_factory.mktemp("src") / "text.txt"
+    src.write_text(
+        "\n\n".join(f"doc {i}: " + "the quick brown fox jumps " * 40 for i in range(150))
+    )
+    out = tmp_path_factory.mktemp("prep") / "data"
+    prepare(inputs=[str(src)], out=out, vocab_size=300, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory) -> Path:
+    """One real run on ``tiny_data`` (1 rank, SMALL shapes, checkpoints at steps 1 and 2, stopped
+    after step 2 of 4 as a preemption leaves it), shared by the hostile-input tests of resume
+    and export, which copy it before they damage it.
+
+    Takes 10-20 s on 2 cores: one process that imports torch, DeepSpeed and transformers
+    (about 5 s), builds a ZeRO-3 engine, trains two steps and saves twice. Stopping before the
+    last step skips validation, the plots and the report (another process)."""
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
+    run_recipe(["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL])
+    return out
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.pop("RANK", None)

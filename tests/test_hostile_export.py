@@ -11,10 +11,10 @@ run only; a manifest that names files outside its directory is refused; a broken
 frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
 values or an over-long prompt for generate, are refused clearly.
 
-One tiny run is trained for the module (2 steps, one rank: about 15 s on 2 cores, plus 7 s for
-the session's prepared corpus when this file runs alone), so the file takes 30-40 s in all, the
-rest about 10 s: everything else runs in-process through `anneal.cli.main` or
-`anneal.export.export`, and only one test converts a checkpoint (twice, without verification).
+The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
+cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
+through `anneal.cli.main` or `anneal.export.export`, and only one test converts a checkpoint
+(twice, without verification).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL, run_recipe
-
 TAG = "step00000002"
 
 
@@ -41,27 +39,6 @@ class Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-@pytest.fixture(scope="module")
-def tiny_run(stdlib_data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hostile_export") / "run"
-    run_recipe(
-        [
-            "--out",
-            str(out),
-            "--data",
-            str(stdlib_data),
-            "--max-steps",
-            "2",
-            "--save-every",
-            "1",
-            "--eval-every",
-            "2",
-            *SMALL,
-        ]
-    )
-    return out
 
 
 @pytest.fixture
@@ -131,13 +108,13 @@ def plant(path: Path, marker: Path) -> None:
 
 
 def test_out_dot_the_run_its_checkpoints_and_the_data_are_refused(
-    run, stdlib_data, tmp_path, capsys, monkeypatch
+    run, tiny_data, tmp_path, capsys, monkeypatch
 ):
     work = tmp_path / "work"
     work.mkdir()
     (work / "notes.txt").write_text("mine")
     monkeypatch.chdir(work)
-    keep = [work, run, stdlib_data]
+    keep = [work, run, tiny_data]
     refused(
         capsys,
         "export",
@@ -155,8 +132,8 @@ def test_out_dot_the_run_its_checkpoints_and_the_data_are_refused(
         ckpt / TAG,
         ckpt / "new",
         run / "config.json",
-        stdlib_data,
-        stdlib_data / "hf",
+        tiny_data,
+        tiny_data / "hf",
         tmp_path,
     ):
         refused(
@@ -490,7 +467,7 @@ def test_dtype_and_shard_size_typos(tiny_run, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(stdlib_data, tmp_path_factory) -> Path:
+def tiny_model(tiny_data, tmp_path_factory) -> Path:
     """A randomly initialised model of 16 tokens' context, saved as export saves one."""
     from anneal import model as modellib
     from anneal.export import _write_configs
@@ -504,12 +481,12 @@ def tiny_model(stdlib_data, tmp_path_factory) -> Path:
         num_key_value_heads=2,
         seq_len=16,
         nominal_params=None,
-        vocab_size=8192,
+        vocab_size=300,
     )
     out = tmp_path_factory.mktemp("tiny_model")
     torch.manual_seed(0)
     modellib.build_model(preset).save_pretrained(str(out))
-    _write_configs(out, preset, stdlib_data, torch.float32)
+    _write_configs(out, preset, tiny_data, torch.float32)
     return out
 
 

@@ -17,7 +17,8 @@ leaves no config.json behind.
   one function, ``checkpoint.confined``.
 
 Most cases resolve the launch in-process (``resolve_plan``, which every rank and the pre-flight
-run); one real run is trained once for the module and copied.
+run); one real run is trained once for the session (shared with the export's hostile
+cases) and copied.
 """
 
 from __future__ import annotations
@@ -47,34 +48,17 @@ def tree(*roots: Path) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """A prepared corpus of a few hundred kilobytes (byte-level vocabulary; half a second)."""
-    from anneal.data.prepare import prepare
-
-    src = tmp_path_factory.mktemp("src") / "text.txt"
-    src.write_text(
-        "\n\n".join(f"doc {i}: " + "the quick brown fox jumps " * 40 for i in range(150))
-    )
-    out = tmp_path_factory.mktemp("prep") / "data"
-    prepare(inputs=[str(src)], out=out, vocab_size=300, progress=False)
-    return out
+@pytest.fixture
+def data(tiny_data) -> Path:
+    """The session's tiny prepared corpus (conftest)."""
+    return tiny_data
 
 
-@pytest.fixture(scope="module")
-def trained(data, tmp_path_factory) -> Path:
-    """One real run (1 rank, SMALL shapes, stopped after step 2 of 4 with its checkpoint, as a
-    preemption leaves it), reused by copy.
-
-    Takes 12-20 s on 2 shared cores: one process that imports torch, DeepSpeed and
-    transformers (about 5 s), builds a ZeRO-3 engine, trains two steps and saves. Stopping
-    before the last step skips validation and the plots and report (another process, 4 s).
-    The checkpoint, resume and --restart tests need a real one."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
-    run_recipe(["--out", str(out), "--data", str(data), "--save-every", "2", *stop, *SMALL])
-    assert (out / "checkpoints" / TAG / checkpoint.MANIFEST).is_file()
-    return out
+@pytest.fixture
+def trained(tiny_run) -> Path:
+    """The session's one real run, stopped after step 2 with checkpoints at steps 1 and 2
+    (conftest's ``tiny_run``); tests copy it before they change it."""
+    return tiny_run
 
 
 def copy_run(trained: Path, dest: Path) -> Path:
