@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from anneal.dist import is_main_process, rank, world_size
 from anneal.errors import UserError
-from anneal.files import fsync_path, write_atomic
+from anneal.files import confined, fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -56,33 +56,6 @@ _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def confined(base: Path, name: str, source: str) -> Path:
-    """``base / name`` for a file name read from a file (a manifest entry, ``latest``, a state
-    file): refused, with a UserError naming ``source`` and the entry, unless ``name`` is a
-    relative path without ``..`` that stays inside ``base`` once links are resolved. Anneal
-    writes only such names, so anything else was put there by hand, and nothing it names is
-    opened."""
-    ok = isinstance(name, str) and bool(name) and "\0" not in name
-    if ok:
-        pure = PurePosixPath(name)
-        ok = bool(pure.parts) and not pure.is_absolute() and ".." not in pure.parts
-    if ok:
-        try:
-            root, real = Path(base).resolve(), (Path(base) / name).resolve()
-            ok = root in real.parents
-        except (OSError, RuntimeError):
-            ok = False
-    if not ok:
-        shown = repr(name)[:80]
-        raise UserError(
-            f"{source}: the entry {shown} is not a file name inside {base} (it is absolute, "
-            f"holds '..', or leads out through a link). Anneal never writes such an entry, so "
-            f"the file was edited or does not come from Anneal; nothing it names is opened. Use "
-            f"another checkpoint, or restore the file from where it came."
-        )
-    return Path(base) / name
 
 
 def rng_state() -> dict:
@@ -254,7 +227,7 @@ def read_manifest(tag_dir: Path) -> dict | None:
     if not _well_formed(doc):
         return None
     for name in doc["files"]:
-        confined(Path(tag_dir), name, str(path))
+        confined(Path(tag_dir), name, where=str(path))
     return doc
 
 
@@ -289,7 +262,7 @@ def read_latest(ckpt_dir: Path) -> Path | None:
             f"{ckpt_dir}. Anneal writes only a tag there; put the newest tag back in it, or "
             f"delete the file (resume picks checkpoints by their manifests)."
         )
-    return confined(Path(ckpt_dir), name, str(path))  # and no link that leads out
+    return confined(Path(ckpt_dir), name, where=str(path))  # and no link that leads out
 
 
 def _entries(manifest: dict) -> dict[str, dict]:

@@ -688,7 +688,7 @@ def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, eve
         )
     inputs = [run_dir / "checkpoints", run_dir / "config.json", *inputs]
     if every:
-        claim_output(out, force=True, made_by_us=lambda _: True, what="exports", inputs=inputs)
+        claim_output(out, in_place=True, what="exports", inputs=inputs)
     else:
         what = "model exported by anneal export"
         claim_output(out, force=force, made_by_us=is_export, what=what, inputs=inputs)

@@ -63,11 +63,12 @@ def _inside(child: Path, parent: Path) -> bool:
 def claim_output(
     out: Path,
     *,
-    force: bool,
-    made_by_us: Callable[[Path], bool],
     what: str,
+    force: bool = False,
+    made_by_us: Callable[[Path], bool] | None = None,
     flag: str = "--out",
     inputs: Iterable[Path] = (),
+    in_place: bool = False,
 ) -> None:
     """Check that ``out`` may be written, before anything is written.
 
@@ -77,6 +78,10 @@ def claim_output(
     ``force``; with ``force``, a non-empty directory for which ``made_by_us`` is False (not
     the output of this command, ``what`` says of what kind). Its parent must be a writable
     directory or creatable. Nothing is created or removed here.
+
+    ``in_place``: the command adds to ``out`` beside what is there and replaces nothing (a run
+    continued in its directory, one export per checkpoint under a directory of exports), so
+    only the checks that do not depend on what ``out`` holds apply.
     """
     from anneal.errors import UserError
 
@@ -86,27 +91,34 @@ def claim_output(
     if real == Path(real.anchor) or _inside(cwd, real):
         raise UserError(
             f"{flag} {out}: that is the working directory, one of its parents or the root, "
-            f"and a command never writes over it. Name a new directory for the {what}."
+            f"and a command never writes over it. Name a new directory."
         )
     for inp in inputs:
         inp_real = _resolved(inp)
         if _inside(real, inp_real) or _inside(inp_real, real):
             raise UserError(
                 f"{flag} {out}: it is, holds or lies inside {inp}, which this command reads. "
-                f"Name a directory apart from the inputs for the {what}."
+                f"Name a directory apart from the inputs."
             )
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(
             f"{flag} {out}: a file (or link) is there, and a command never replaces a file it "
-            f"did not make. Name a new directory for the {what}, or move that file away."
+            f"did not make. Name a new directory, or move that file away."
         )
-    if out.is_dir() and any(out.iterdir()):
+    try:
+        holds = out.is_dir() and any(out.iterdir())
+    except OSError as e:
+        raise UserError(
+            f"{flag} {out}: cannot read it ({e.strerror}), so nothing there is replaced. "
+            f"Choose a directory you can read and write."
+        ) from None
+    if not in_place and holds:
         if not force:
             raise UserError(
                 f"{flag} {out}: exists and is not empty. Choose a new directory, or pass "
                 f"--force to replace it (only a {what} that this command wrote is replaced)."
             )
-        if not made_by_us(out):
+        if made_by_us is None or not made_by_us(out):
             raise UserError(
                 f"{flag} {out}: holds files that are not a {what} written by this command, "
                 f"so --force will not delete it. Choose a new directory, or move its contents "
@@ -140,3 +152,38 @@ def replace_dir(partial: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def confined(directory: Path, name: object, *, where: str) -> Path:
+    """``directory / name`` for a file name read from metadata (a checkpoint's manifest or
+    ``latest``, a prepared ``meta.json``, a dataset's state file), refused unless it is a
+    relative path without ``..`` that resolves (links followed) inside ``directory``. Anneal
+    writes only such names, so anything else was edited or comes from elsewhere, and nothing
+    it names is opened. ``where`` says where the name was read (``DIR/meta.json, key
+    splits.train.shards[0].file``)."""
+    from pathlib import PurePosixPath
+
+    from anneal.errors import UserError
+
+    directory = Path(directory)
+    why = None
+    if not isinstance(name, str) or not name:
+        why = f"is {name!r:.80}, not a file name"
+    elif "\x00" in name or "\\" in name:
+        why = "holds a NUL or a backslash"
+    elif PurePosixPath(name).is_absolute():
+        why = "is an absolute path"
+    elif ".." in PurePosixPath(name).parts:
+        why = "climbs out with '..'"
+    else:
+        root = os.path.realpath(directory)
+        real = os.path.realpath(directory / name)
+        if not real.startswith(root.rstrip(os.sep) + os.sep):
+            why = f"resolves to {real}, outside {directory}"
+    if why is not None:
+        raise UserError(
+            f"{where}: the entry {name!r:.80} {why}. Metadata may only name files inside its "
+            f"own directory, so Anneal will not open it. The file was edited or does not come "
+            f"from Anneal: use another one, or restore it from where it came."
+        )
+    return directory / name

@@ -247,8 +247,8 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
         )
     # A run continues in its directory and never replaces it, so a link to a directory (run
     # directories on a larger file system) is checked as the directory it leads to.
-    claim_output(out.resolve() if out.is_symlink() else out, force=True,
-                 made_by_us=lambda _: True, what="run directory", inputs=[data_dir])  # fmt: skip
+    target = out.resolve() if out.is_symlink() else out
+    claim_output(target, in_place=True, what="run directory", inputs=[data_dir])
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
     old = _read_run_config(out)

@@ -143,10 +143,7 @@ def checkpoint_tree(tmp_path_factory) -> Path:
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"model" * 10)
     (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optim" * 10)
-    files = {
-        p.name: {"size": p.stat().st_size, HASH: file_hash(p)}
-        for p in tag.iterdir()
-    }
+    files = {p.name: {"size": p.stat().st_size, HASH: file_hash(p)} for p in tag.iterdir()}
     manifest = {"step": 2, "world_size": 1, "tokenizer_sha256": "ab" * 32, "files": files}
     (tag / "manifest.json").write_text(json.dumps(manifest))
     (ckpt / "latest").write_text("step00000002")

@@ -14,7 +14,7 @@ leaves no config.json behind.
 - Item 10: a ``__reduce__`` payload planted in a real checkpoint, with its manifest rewritten to
   match, stops ``--resume auto`` with exit 2 naming the file; the payload never runs.
 - Item 14: manifest entries and a ``latest`` that lead out of their directory are refused by
-  one function, ``checkpoint.confined``.
+  one function, ``anneal.files.confined``.
 
 Most cases resolve the launch in-process (``resolve_plan``, which every rank and the pre-flight
 run); one real run is trained once for the session (shared with the export's hostile
@@ -33,6 +33,7 @@ import pytest
 
 from anneal import checkpoint
 from anneal.errors import UserError
+from anneal.files import confined
 from tests.conftest import ROOT, SMALL, env, run_process, run_recipe
 
 RECIPE = "recipes/pretrain_tiny.py"
@@ -342,7 +343,8 @@ def test_a_manifest_entry_outside_its_directory_is_refused(trained, tmp_path, en
         checkpoint.find_resume("auto", out / "checkpoints")
     msg = str(info.value)
     assert str(tag / checkpoint.MANIFEST) in msg and repr(entry) in msg
-    assert "not a file name inside" in msg and "Use another checkpoint" in msg
+    assert "Metadata may only name files inside its own directory" in msg
+    assert "use another one" in msg
     assert tree(tmp_path) == before
 
 
@@ -358,10 +360,10 @@ def test_latest_must_name_a_plain_tag(trained, tmp_path, name):
 
 def test_confined(tmp_path):
     (tmp_path / "up").symlink_to(tmp_path.parent)
-    assert checkpoint.confined(tmp_path, "zero/a.pt", "m") == tmp_path / "zero" / "a.pt"
+    assert confined(tmp_path, "zero/a.pt", where="m") == tmp_path / "zero" / "a.pt"
     for bad in ["", ".", "..", "a/../../b", "/etc/passwd", "up/x", "x\0y", 7, None]:
         with pytest.raises(UserError, match="m: the entry"):
-            checkpoint.confined(tmp_path, bad, "m")
+            confined(tmp_path, bad, where="m")
 
 
 # --- More of the recipe surface: garbage in, a clear refusal out ----------------------------

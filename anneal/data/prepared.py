@@ -9,13 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 
 from anneal.data import tokenizer as toklib
 from anneal.errors import UserError
+from anneal.files import confined
 
 SPLITS = ("train", "val")
 FORMAT_VERSION = 2
@@ -28,37 +28,6 @@ MAX_COUNT = 1 << 40
 
 def _redo(data_dir: Path) -> str:
     return f"Prepare it again with `anneal data prepare --input ... --out {data_dir} --force`."
-
-
-def confined(directory: Path, name: object, *, where: str) -> Path:
-    """``directory / name`` for a file name read from metadata (meta.json, a manifest, a state
-    file), refused unless it is a relative path without ``..`` that resolves (links followed)
-    inside ``directory``: metadata names files of its own directory, never others. ``where``
-    says where the name was read (``DIR/meta.json, key splits.train.shards[0].file``)."""
-    directory = Path(directory)
-    why = None
-    if not isinstance(name, str) or not name:
-        why = f"is {name!r}, not a file name"
-    elif "\x00" in name or "\\" in name:
-        why = "holds a NUL or a backslash"
-    else:
-        parts = PurePosixPath(name).parts
-        if PurePosixPath(name).is_absolute():
-            why = "is an absolute path"
-        elif ".." in parts:
-            why = "climbs out with '..'"
-        else:
-            root = os.path.realpath(directory)
-            real = os.path.realpath(directory / name)
-            if not real.startswith(root.rstrip(os.sep) + os.sep):
-                why = f"resolves to {real}, outside {directory}"
-    if why is not None:
-        raise UserError(
-            f"{where}: the file name {name!r} {why}. Metadata may only name files inside its "
-            f"own directory, so Anneal will not open it. The file was edited or does not come "
-            f"from Anneal: restore it, or write the directory again."
-        )
-    return directory / name
 
 
 def _meta_error(meta_path: Path, key: str, what: str) -> UserError:

@@ -363,7 +363,7 @@ def _file_units(source: Source, opts: ReadOptions, problems: Problems) -> Iterat
 def _arrow_files(path: Path, source: Source) -> list[Path]:
     """Arrow files of a ``save_to_disk`` directory (a Dataset, or one split of a
     DatasetDict). The file names come from its JSON files and must stay inside it."""
-    from anneal.data.prepared import confined
+    from anneal.files import confined
 
     if (path / "dataset_dict.json").is_file():
         splits = _json_field(path / "dataset_dict.json", "splits", list)
