@@ -187,3 +187,26 @@ def confined(directory: Path, name: object, *, where: str) -> Path:
             f"from Anneal: use another one, or restore it from where it came."
         )
     return directory / name
+
+
+def is_matplotlib_png(path: Path) -> bool:
+    """A PNG whose ``Software`` text chunk says Matplotlib wrote it (Anneal's charts are;
+    a photo or a drawing is not). Reads the chunks before the image data only."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return False
+            for _ in range(64):
+                head = f.read(8)
+                if len(head) < 8:
+                    return False
+                size, kind = int.from_bytes(head[:4], "big"), head[4:]
+                if kind == b"IDAT" or size > 1 << 20:
+                    return False
+                data = f.read(size)
+                f.read(4)  # CRC
+                if kind == b"tEXt" and data.startswith(b"Software\0Matplotlib"):
+                    return True
+    except OSError:
+        return False
+    return False

@@ -111,6 +111,22 @@ def _pyplot(dark: bool):
     return plt, (DARK if dark else {}), COLORS["dark" if dark else "light"]
 
 
+def claim_pngs(paths: list[Path], *, flag: str = "--out") -> None:
+    """Before drawing: each chart's path is new, or a PNG that Matplotlib wrote (an earlier
+    chart, replaced); never a directory, a link or any other file. UserError naming the file."""
+    from anneal.errors import UserError
+    from anneal.files import is_matplotlib_png
+
+    for path in map(Path, paths):
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_symlink() or not path.is_file() or not is_matplotlib_png(path):
+            raise UserError(
+                f"{flag}: {path} is there and is not a chart Anneal drew (a PNG written by "
+                f"Matplotlib), so it is not replaced. Choose another {flag}, or move it away."
+            )
+
+
 def _save(fig, path: Path) -> Path:
     """Write the figure as a PNG and close it (pyplot keeps every open figure alive)."""
     import matplotlib.pyplot as plt
@@ -214,6 +230,7 @@ def plot_schedule_file(
     if warm > steps:
         raise UserError(f"--warmup-steps {warm} is longer than --steps {steps}.")
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
+    claim_pngs([out])
     return plot_schedule(
         total_steps=steps,
         warmup_steps=int(warm),
@@ -237,6 +254,7 @@ def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) -> list[Path]:
     """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``."""
+    from anneal.errors import UserError
     from anneal.report import read_metrics, run_config
 
     run_dir = Path(run_dir)
@@ -246,14 +264,19 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     events = [r for r in rows if r.get("kind") == "event"]
     cfg = run_config(run_dir)
     out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    names = ("loss.png", "lr.png", "grad_norm.png", "throughput.png")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
+    claim_pngs([out_dir / n for n in names])
     plt, style, c = _pyplot(dark)
     name = run_dir.name
     paths = []
+    loss, lr, grad_norm, throughput = (out_dir / n for n in names)
     with plt.rc_context(style):
-        paths.append(_plot_loss(plt, c, train, val, cfg, out_dir / "loss.png", name))
-        paths.append(_plot_lr(plt, c, train, cfg, out_dir / "lr.png", name))
-        paths.append(_plot_grad_norm(plt, c, train, events, cfg, out_dir / "grad_norm.png", name))
-        paths.append(_plot_throughput(plt, c, train, out_dir / "throughput.png", name))
+        paths.append(_plot_loss(plt, c, train, val, cfg, loss, name))
+        paths.append(_plot_lr(plt, c, train, cfg, lr, name))
+        paths.append(_plot_grad_norm(plt, c, train, events, cfg, grad_norm, name))
+        paths.append(_plot_throughput(plt, c, train, throughput, name))
     return paths
 
 

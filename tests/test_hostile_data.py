@@ -428,7 +428,7 @@ def test_fit_out_replaces_only_a_fit_file(tmp_path, capsys):
     fit.write_text(json.dumps({"format": FIT_FORMAT, "version": 0}))  # an earlier fit's file
     assert main([*args, "--out", str(fit), "--force", "--seed", "3"]) == 0  # its own: replaced
     assert json.loads(fit.read_text())["method"]["seed"] == 3
-    from anneal.scaling.fit import is_matplotlib_png
+    from anneal.files import is_matplotlib_png
 
     assert is_matplotlib_png(photo) and not is_matplotlib_png(csv)  # the plot --force may replace
     capsys.readouterr()

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.errors import UserError
+from anneal.files import is_matplotlib_png
 from anneal.scaling.law import FIT_FORMAT, FIT_VERSION, PARAM_NAMES, ChinchillaFit
 from anneal.scaling.runs import RunPoint
 
@@ -256,29 +257,6 @@ def is_fit_file(path: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("format") == FIT_FORMAT
-
-
-def is_matplotlib_png(path: Path) -> bool:
-    """A PNG whose ``Software`` text chunk says Matplotlib wrote it (the fit's plot is one;
-    a photo or a drawing is not). Reads the chunks before the image data only."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(8) != b"\x89PNG\r\n\x1a\n":
-                return False
-            for _ in range(64):
-                head = f.read(8)
-                if len(head) < 8:
-                    return False
-                size, kind = int.from_bytes(head[:4], "big"), head[4:]
-                if kind == b"IDAT" or size > 1 << 20:
-                    return False
-                data = f.read(size)
-                f.read(4)  # CRC
-                if kind == b"tEXt" and data.startswith(b"Software\0Matplotlib"):
-                    return True
-    except OSError:
-        return False
-    return False
 
 
 def claim_fit_outputs(out: Path, plot: Path | None, *, force: bool) -> None:
