@@ -584,7 +584,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--work",
         help="scratch directory for data, runs and row logs "
-        "(default: $ANNEAL_BENCH_WORK or /tmp/anneal-gpu-bench)",
+        "(default: $ANNEAL_BENCH_WORK, else a new private directory from mkdtemp: a fixed "
+        "path under /tmp could be made first by another user of the host, with JIT-built "
+        "extensions in it for this process to load)",
     )
     p.add_argument(
         "--budget-s",
@@ -635,7 +637,11 @@ def main(argv=None) -> int:
             return 0
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="anneal-gpu-bench-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work or os.environ.get("ANNEAL_BENCH_WORK") or "/tmp/anneal-gpu-bench")
+    work = Path(
+        args.work
+        or os.environ.get("ANNEAL_BENCH_WORK")
+        or tempfile.mkdtemp(prefix="anneal-gpu-bench-work-")
+    )
     work.mkdir(parents=True, exist_ok=True)
     if not cpu:
         env.setdefault("TORCH_EXTENSIONS_DIR", str(work / "torch_extensions"))
