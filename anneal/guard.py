@@ -160,15 +160,14 @@ class Guard:
                 f"{i['samples'][1]}), {i['action']})"
                 for i in recent
             )
-            err = UserError(
+            raise UserError(
                 f"guard: {len(recent)} loss spikes within {self.cfg.span_steps} steps, more "
                 f"than guard.max_rewinds={self.cfg.max_rewinds}: {lines}. Stopping; the "
                 f"checkpoints before them are intact. Lower the peak LR (--set optim.lr=... or "
                 f"guard.lr_scale=0.5), inspect those samples, or raise guard.max_rewinds; "
-                f"docs/resilience.md says how to rewind by hand."
+                f"docs/resilience.md says how to rewind by hand.",
+                every_rank=True,
             )
-            err.every_rank = True
-            raise err
 
     # -- rewind ------------------------------------------------------------------------------
 
@@ -182,13 +181,12 @@ class Guard:
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
-            err = UserError(
+            raise UserError(
                 f"guard: loss spike at step {spike_step} and no intact checkpoint before it in "
                 f"{ckpt_dir} to rewind to. Save more often (--save-every), or turn the guard "
-                f"off for the first steps (guard.min_history)."
+                f"off for the first steps (guard.min_history).",
+                every_rank=True,
             )
-            err.every_rank = True
-            raise err
         client = checkpoint.load(engine, tag_dir)
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step

@@ -145,8 +145,7 @@ def resolve_plan(
             fast_bf16=device_type == "cuda" if fast_bf16 is None else fast_bf16,
         )
     except UserError as e:
-        e.every_rank = True
-        raise
+        raise UserError(str(e), every_rank=True) from None
 
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
