@@ -45,7 +45,7 @@ def reference_logits(run: Path, tag: str, batch: torch.Tensor, dtype=None) -> to
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from anneal import model as modellib
-    from anneal.export import preset_from_config
+    from anneal.hf.export import preset_from_config
 
     preset = preset_from_config(json.loads((run / "config.json").read_text()))
     sd = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=tag)
@@ -96,7 +96,7 @@ def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
     from safetensors import safe_open
 
     from anneal.errors import UserError
-    from anneal.export import export
+    from anneal.hf.export import export
 
     out = tmp_path / "hf"
     out.mkdir()
@@ -123,7 +123,8 @@ def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
 def test_tampered_export_fails_verification(zero3_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from anneal.export import ExportMismatch, export, preset_from_config, verify_export
+    from anneal.hf.export import export, preset_from_config
+    from anneal.hf.verify import ExportMismatch, verify_export
 
     out = tmp_path / "hf"
     report = export(zero3_run, out=out, dtype="fp32", verify=False)
@@ -150,9 +151,9 @@ def assert_reference_matches_deepspeed(tag_dir: Path, stage: int) -> None:
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from anneal.export import _reference_state_dict
+    from anneal.hf.zero import reference_state_dict
 
-    ours = _reference_state_dict(tag_dir, stage)
+    ours = reference_state_dict(tag_dir, stage)
     with contextlib.redirect_stdout(io.StringIO()):
         theirs = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     assert ours.keys() == theirs.keys()
@@ -237,7 +238,7 @@ def test_generate_samples_from_the_export(zero3_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16")])
 def test_zero1_and_zero2_checkpoints_export_exactly(stdlib_data, tmp_path, stage, precision):
-    from anneal.export import export
+    from anneal.hf.export import export
 
     run = tmp_path / "run"
     run_recipe(
@@ -254,7 +255,7 @@ def test_zero1_and_zero2_checkpoints_export_exactly(stdlib_data, tmp_path, stage
 def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
     """The export's unpickler builds no tensors and calls nothing outside its allowlist: an
     object whose pickle would run a command comes back as an inert placeholder."""
-    from anneal.export import LazyTensor, _Archive
+    from anneal.hf.reader import LazyTensor, _Archive
 
     class Evil:
         def __reduce__(self):
@@ -274,7 +275,7 @@ def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
 
 
 def test_failed_export_leaves_the_previous_one_and_export_at_save(zero3_run, tmp_path, monkeypatch):
-    from anneal import export as exportlib
+    from anneal.hf import export as exportlib
 
     out = tmp_path / "hf"
     first = exportlib.export(zero3_run, out=out, tag="step00000001", verify=False)
