@@ -45,7 +45,7 @@ def reference_logits(run: Path, tag: str, batch: torch.Tensor, dtype=None) -> to
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from anneal import model as modellib
-    from anneal.hf.export import preset_from_config
+    from anneal.hf.source import preset_from_config
 
     preset = preset_from_config(json.loads((run / "config.json").read_text()))
     sd = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=tag)
@@ -123,7 +123,8 @@ def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
 def test_tampered_export_fails_verification(zero3_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from anneal.hf.export import export, preset_from_config
+    from anneal.hf.export import export
+    from anneal.hf.source import preset_from_config
     from anneal.hf.verify import ExportMismatch, verify_export
 
     out = tmp_path / "hf"

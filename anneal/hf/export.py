@@ -18,171 +18,41 @@ DeepSpeed's own ``zero_to_fp32`` consolidates from the same checkpoint, an indep
 That comparison runs in fp32 on both sides, the reference's weights rounded through the export
 dtype first, so any difference is a layout bug and not bf16 rounding (which is reported apart).
 
-This module is the orchestration over a run directory (which checkpoint, which tokenizer, the
-claim on ``--out``, the checks before anything is read, the partial directory replaced once
-verified); the pieces are ``anneal.hf.reader`` (lazy torch zip files), ``anneal.hf.zero`` (the
+This module is the orchestration (the claim on ``--out``, the partial directory replaced once
+verified, every save, the report); the pieces are ``anneal.hf.source`` (what is read from the
+run and checked first), ``anneal.hf.reader`` (lazy torch zip files), ``anneal.hf.zero`` (the
 ZeRO layouts and the reference reader), ``anneal.hf.writer`` (safetensors, configs, tokenizer)
-and ``anneal.hf.verify``.
+and ``anneal.hf.verify``. ``--out`` is claimed by the rule of anneal.files (docs/security.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 from pathlib import Path
 
-import torch
-
-from anneal import checkpoint, safeload
-from anneal import model as modellib
+from anneal import checkpoint
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
+from anneal.hf.source import (
+    check_checkpoint,
+    check_shapes,
+    preset_from_config,
+    run_config,
+    select_checkpoint,
+    tokenizer_dir,
+)
 from anneal.hf.verify import ExportMismatch, verify_export
 from anneal.hf.writer import DTYPES, convert, parse_size
-from anneal.hf.zero import ZeroCheckpoint, checkpoint_files, open_checkpoint
+from anneal.hf.zero import open_checkpoint
 
 log = logging.getLogger(__name__)
 
-# A run directory and its checkpoints are read as input from elsewhere: --tag and every name in
-# a manifest are confined (checkpoint.read_manifest), every file's bytes are checked against the
-# manifest and every pickle scanned before anything of it is unpickled, and --out is claimed by
-# the rule of anneal.files (docs/security.md).
 
-_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MARKER = "anneal_export.json"
-
-
-def _tags(ckpt_dir: Path) -> str:
-    """The intact tags of ``ckpt_dir``, for a message (one whose manifest is refused is left
-    out)."""
-    names = []
-    for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
-        try:
-            if p.is_dir() and not p.name.startswith(".") and checkpoint.is_intact(p):
-                names.append(p.name)
-        except UserError:
-            pass
-    return ", ".join(names) or "none"
-
-
-def _select_checkpoint(run_dir: Path, tag: str | None) -> Path:
-    ckpt_dir = run_dir / "checkpoints"
-    if tag is None:  # a manifest that names a file outside its directory stops the search
-        intact = checkpoint.intact_checkpoints(ckpt_dir)
-        if not intact:
-            raise UserError(
-                f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
-                f"--save-every steps and at its last step). Train it first, or point at another "
-                f"run directory."
-            )
-        return intact[-1]
-    have = _tags(ckpt_dir)
-    tag_dir = ckpt_dir / str(tag)
-    if not _TAG.fullmatch(str(tag)):
-        raise UserError(
-            f"--tag {tag}: a tag is the name of one checkpoint directory of this run, such as "
-            f"step00000300 (letters, digits, '.', '_', '-'; no '/' or '..'). Intact tags in "
-            f"{ckpt_dir}: {have}."
-        )
-    if tag_dir.is_symlink() or not tag_dir.is_dir():
-        raise UserError(
-            f"--tag {tag}: no such checkpoint in {ckpt_dir}. Intact tags there: {have}."
-        )
-    if not checkpoint.is_intact(tag_dir):  # confines the manifest's names, or refuses
-        raise UserError(
-            f"--tag {tag}: not intact ({tag_dir / checkpoint.MANIFEST} missing or not a "
-            f"manifest Anneal writes, or a file of the wrong size: a save that was "
-            f"interrupted). Export another tag: {have}."
-        )
-    return tag_dir
-
-
-def _run_config(run_dir: Path) -> dict:
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise UserError(
-            f"{run_dir}: no config.json; not an Anneal run directory (give the --out of a run)."
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise UserError(
-            f"{path}: not readable as JSON ({e}). A run writes it when it starts; give the "
-            f"run directory whose config.json is intact, or restore this one."
-        ) from None
-    if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict)):
-        raise UserError(
-            f"{path}: not a run's config.json (no 'model' section). Give the --out of a run."
-        )
-    return doc
-
-
-_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "seq_len",
-    "vocab_size",
-)
-
-
-def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
-    """The model of a run's ``config.json``; UserError naming the key when a size is not a
-    positive integer or the heads do not divide."""
-    fields = {f.name: f for f in dataclasses.fields(modellib.ModelPreset)}
-    model = {k: v for k, v in doc["model"].items() if k in fields}
-    model.setdefault("name", "run")
-    model.setdefault("nominal_params", None)
-    for key in _SIZES:
-        v = model.get(key, fields[key].default)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise UserError(
-                f"{path}: model.{key} is {v!r}, not a positive integer. Give the config.json "
-                f"of the run that wrote the checkpoint (a run writes it when it starts)."
-            )
-    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
-    if model["hidden_size"] % heads or heads % kv:
-        raise UserError(
-            f"{path}: model.hidden_size {model['hidden_size']}, num_attention_heads {heads} and "
-            f"num_key_value_heads {kv} do not divide. Give the run's own config.json."
-        )
-    return modellib.ModelPreset(**model)
-
-
-def _tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | None) -> Path:
-    from anneal.data.tokenizer import tokenizer_sha256
-
-    data = doc.get("run", {}).get("data", {}) if isinstance(doc.get("run"), dict) else {}
-    recorded = data.get("path") if isinstance(data, dict) else None
-    if tokenizer is None and not isinstance(recorded, str):
-        raise UserError(
-            f"{run_dir / 'config.json'}: names no run.data.path, so the run's tokenizer is "
-            f"unknown. Pass --tokenizer DIR (the prepared data directory the run trained on)."
-        )
-    source = Path(tokenizer) if tokenizer else Path(recorded)
-    if not source.is_absolute() and not source.exists():
-        source = run_dir / source
-    if not (source / "tokenizer.json").is_file():
-        raise UserError(
-            f"{source}: no tokenizer.json, so the export cannot ship the run's tokenizer. "
-            f"The run's data directory moved? Pass --tokenizer DIR (the prepared data "
-            f"directory the run trained on)."
-        )
-    want = manifest.get("tokenizer_sha256")
-    if want and tokenizer_sha256(source) != want:
-        raise UserError(
-            f"{source}: its tokenizer is not the one the checkpoint was trained with "
-            f"({str(want)[:12]}...). Pass --tokenizer with the run's own prepared data "
-            f"directory."
-        )
-    return source
 
 
 def is_export(path: Path) -> bool:
@@ -212,46 +82,6 @@ def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, eve
     else:
         what = "model exported by anneal export"
         claim_output(out, force=force, made_by_us=is_export, what=what, inputs=inputs)
-
-
-def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
-    """Before anything of ``tag_dir`` is unpickled: every file export reads is listed in the
-    manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
-    included), and no pickle in it names a global outside ``anneal.safeload``'s allow-list."""
-    model_files, optim_files = checkpoint_files(tag_dir)
-    listed = set(manifest["files"])
-    unlisted = [f.name for f in model_files + optim_files if f.name not in listed]
-    if unlisted:
-        raise UserError(
-            f"{tag_dir}: {', '.join(unlisted)} not listed in its manifest.json, so its bytes "
-            f"cannot be checked, and the checkpoint is not exported. Export another tag "
-            f"(--tag), or copy the checkpoint again from where it was saved."
-        )
-    if not all(isinstance(e, dict) and checkpoint.HASH in e for e in manifest["files"].values()):
-        log.warning("%s: its manifest holds no hashes (an older save); sizes checked only", tag_dir)
-    bad = checkpoint.damaged_files(tag_dir)
-    if bad:
-        raise UserError(
-            f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes in its "
-            f"manifest.json ({', '.join(bad)}): bit rot, a torn copy or a change after the "
-            f"save. Nothing was exported. Export an older tag (--tag; intact by size: "
-            f"{_tags(tag_dir.parent)}), or copy the checkpoint again."
-        )
-    safeload.scan_checkpoint(tag_dir)
-
-
-def _check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
-    expected = _expected_shapes(preset)  # imports transformers before memory is measured
-    got = {s.name: s.shape for s in ckpt.sources}
-    if got != expected:
-        missing = sorted(set(expected) - set(got))[:3]
-        extra = sorted(set(got) - set(expected))[:3]
-        differ = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])[:3]
-        raise UserError(
-            f"{ckpt.tag_dir}: its parameters do not match the model in {config_path} (missing "
-            f"{missing}, unexpected {extra}, other shapes {differ}): the checkpoint is another "
-            f"run's, or config.json was edited. Export from the run directory that wrote it."
-        )
 
 
 def _partial_dir(out: Path) -> Path:
@@ -293,15 +123,15 @@ def export(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     shard_bytes = parse_size(shard_size)
-    doc = _run_config(run_dir)
+    doc = run_config(run_dir)
     preset = preset_from_config(doc, run_dir / "config.json")
-    tag_dir = _select_checkpoint(run_dir, tag)
+    tag_dir = select_checkpoint(run_dir, tag)
     manifest = checkpoint.read_manifest(tag_dir)
-    tok_dir = _tokenizer_dir(run_dir, doc, manifest, tokenizer)
+    tok_dir = tokenizer_dir(run_dir, doc, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
     with open_checkpoint(tag_dir) as ckpt:
-        _check_shapes(ckpt, preset, run_dir / "config.json")
+        check_shapes(ckpt, preset, run_dir / "config.json")
         partial = _partial_dir(out)
         try:
             report = convert(
@@ -333,21 +163,15 @@ def export(
     return report
 
 
-def _expected_shapes(preset) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = modellib.build_model(preset)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
 def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs) -> list[dict]:
     """Export every intact checkpoint of a run to ``out/<tag>``; tags already exported there
     (an ``anneal_export.json`` present) are skipped unless ``force``. ``out`` itself is only
     added to, and claimed as such: never ``.``, the run or an input."""
     run_dir, out = Path(run_dir), Path(out)
-    _run_config(run_dir)
+    run_config(run_dir)
     tags = checkpoint.intact_checkpoints(run_dir / "checkpoints")
     if not tags:
-        _select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError
+        select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError
     _claim_out(out, run_dir=run_dir, inputs=[], force=True, every=True)
     reports = []
     for tag_dir in tags:
