@@ -29,7 +29,7 @@ import math
 import statistics
 from pathlib import Path
 
-from anneal import checkpoint
+from anneal import checkpoint, rundir
 from anneal.config import GuardConfig
 from anneal.dist import is_main_process, print0
 from anneal.errors import UserError
@@ -37,7 +37,6 @@ from anneal.files import write_atomic
 
 log = logging.getLogger(__name__)
 
-GUARD_FILE = "guard.json"
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
 
 
@@ -46,7 +45,7 @@ class Guard:
 
     def __init__(self, cfg: GuardConfig, *, run_dir: Path, resuming: bool):
         self.cfg = cfg
-        self.path = Path(run_dir) / GUARD_FILE
+        self.path = rundir.guard_path(run_dir)
         self.history: list[tuple[int, float]] = []
         """(step, loss) of the last ``window`` good steps."""
         self.incidents: list[dict] = []

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from anneal import rundir
 from anneal.files import write_atomic
 
 EXIT_CODE = 1  # a peer is gone (75 is taken by preemption: "requeue me")
@@ -32,7 +33,7 @@ class Heartbeat:
     """The liveness thread of one rank; the loop calls ``completed(step)`` after every step."""
 
     def __init__(self, run_dir: Path, *, rank: int, world_size: int, timeout_s: float):
-        self.dir = Path(run_dir) / "heartbeat"
+        self.dir = rundir.heartbeat_dir(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = max(0.2, min(10.0, timeout_s / 10))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anneal import checkpoint
+from anneal import checkpoint, rundir
 from anneal.dist import world_size
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Preemption:
         self.signum: int | None = None
         self.requested_by_any = False
         """Set on every rank by ``train_step``'s collective: some rank got a signal."""
-        self._pid_file = Path(run_dir) / "preempt" / f"{socket.gethostname()}.{os.getpid()}.pid"
+        self._pid_file = rundir.preempt_dir(run_dir) / f"{socket.gethostname()}.{os.getpid()}.pid"
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         self._pid_file.write_text(f"{os.getpid()}\n")
         self._previous = {}

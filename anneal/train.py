@@ -11,11 +11,9 @@ weights -> warmup-cosine LR step. ``deepspeed.initialize`` is called in exactly 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import checkpoint, faults, forecast, heartbeat
+from anneal import checkpoint, faults, forecast, heartbeat, rundir
 from anneal import model as modellib
 from anneal import progress as live
 from anneal.config import RunConfig, check_ranges
@@ -38,12 +36,12 @@ from anneal.dist import (
     world_size,
 )
 from anneal.errors import UserError
-from anneal.files import write_atomic
 from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
 from anneal.metrics import MetricsLogger
-from anneal.plan import RUN_FILES, Plan, resolve_plan
+from anneal.plan import Plan, resolve_plan
 from anneal.preempt import Preemption
+from anneal.rundir import RunDir
 from anneal.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -282,7 +280,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         t0 = time.perf_counter()
         client = checkpoint.load(engine, resume_from)  # scanned first (anneal.safeload)
         timing["load_s"] = round(time.perf_counter() - t0, 3)
-    run_dir = RunDir(plan)
+    run_dir = RunDir.for_launch(plan)
     try:
         return _train(plan, engine, guard, run_dir, data, resume=(resume_from, client, timing))
     except BaseException:
@@ -318,6 +316,7 @@ def _train(plan: Plan, engine, guard: Guard, run_dir: RunDir, data, *, resume) -
     check = forecast.Check(plan.out, start_step=state.step)  # the launcher's forecast vs measured
     beat = heartbeat.start(plan.out, rank=rank(), world_size=world_size(),
                            timeout_s=cfg.train.heartbeat_timeout_s)  # fmt: skip
+    exports = ExportAfterSave(cfg.train.export_every_save)
     try:
         while state.step < end:
             last_train = train_step(engine, stream, state, plan, fault, preemption)
@@ -331,7 +330,7 @@ def _train(plan: Plan, engine, guard: Guard, run_dir: RunDir, data, *, resume) -
             if verdict == "rewind":
                 stream.close()
                 client, position = guard.rewind(
-                    engine, plan.out / "checkpoints", spike_step=state.step,
+                    engine, rundir.checkpoints_dir(plan.out), spike_step=state.step,
                     spike_end=stream.position, samples_per_step=samples_per_step, metrics=metrics,
                 )  # fmt: skip
                 state = TrainState(step=client["step"], tokens=client["tokens"])
@@ -342,12 +341,14 @@ def _train(plan: Plan, engine, guard: Guard, run_dir: RunDir, data, *, resume) -
             )
             if last_val is not None and last_val["step"] == state.step:
                 view.update(last_val)
-            maybe_checkpoint(engine, stream, plan, state, metrics, guard)
+            maybe_checkpoint(engine, stream, plan, state, metrics, guard, exports=exports)
             beat.completed(state.step)
             if preemption.requested_by_any:  # any rank signalled (train_step's collective)
-                preemption.stop(step=state.step, ckpt_dir=plan.out / "checkpoints", metrics=metrics,
+                ckpt = rundir.checkpoints_dir(plan.out)
+                preemption.stop(step=state.step, ckpt_dir=ckpt, metrics=metrics,
                                 save=lambda stream=stream, state=state: maybe_checkpoint(
-                                    engine, stream, plan, state, metrics, guard, force=True
+                                    engine, stream, plan, state, metrics, guard, force=True,
+                                    exports=exports,
                                 ))  # fmt: skip
     except UserError:
         raise
@@ -355,6 +356,7 @@ def _train(plan: Plan, engine, guard: Guard, run_dir: RunDir, data, *, resume) -
         beat.failed(e)  # names a rank that went silent, if one did
         raise
     finally:
+        exports.close()
         beat.close()
         preemption.close()
         view.close()
@@ -392,7 +394,14 @@ def _open_stream(split: PackedSplit, plan: Plan, position: int) -> TokenStream:
 
 
 def maybe_checkpoint(
-    engine, stream: TokenStream, plan: Plan, state: TrainState, metrics, guard: Guard, force=False
+    engine,
+    stream: TokenStream,
+    plan: Plan,
+    state: TrainState,
+    metrics,
+    guard: Guard,
+    force=False,
+    exports: ExportAfterSave | None = None,
 ) -> None:
     """Checkpoint every ``save_every`` steps, after the last step and at ``stop_at_step``
     (``force``: now, for a preemption)."""
@@ -401,9 +410,11 @@ def maybe_checkpoint(
         _due(state.step, train.save_every, train.max_steps) or state.step == train.stop_at_step
     ):
         return
+    if exports is not None:
+        exports.wait()  # the previous export reads its tag; keep-K may remove it in this save
     tag_dir = checkpoint.save(
         engine,
-        plan.out / "checkpoints",
+        rundir.checkpoints_dir(plan.out),
         step=state.step,
         client_state={
             **state.state_dict(),
@@ -415,10 +426,62 @@ def maybe_checkpoint(
         model=dataclasses.asdict(plan.preset),
     )
     metrics.event(state.step, "checkpoint", path=str(tag_dir))
-    if train.export_every_save and is_main_process():
-        from anneal.export import export_at_save
+    if exports is not None:
+        exports.on_checkpoint(tag_dir)
 
-        export_at_save(plan.out, tag_dir)  # RUN/hf/<tag>, verified
+
+class ExportAfterSave:
+    """``train.export_every_save``: rank 0 exports each checkpoint, once it is complete on every
+    rank, to ``RUN/hf/<tag>`` in a child process (``anneal export``, verified), so that the
+    exporter's memory and time never land in the training process and the other ranks go on to
+    their next collective. One export at a time: the next save, and the end of the run, wait
+    for the one before. A failed export is logged; the run and its checkpoint are fine."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and is_main_process()
+        self._child = None  # (Popen, tag_dir)
+
+    def on_checkpoint(self, tag_dir: Path) -> None:
+        if not self.enabled:
+            return
+        import subprocess
+        import sys
+
+        self.wait()
+        run = rundir.of_checkpoint(tag_dir)
+        out = rundir.hf_dir(run, tag_dir.name)
+        cmd = [sys.executable, "-m", "anneal.cli", "export", str(run), "--tag", tag_dir.name,
+               "--out", str(out), "--force"]  # fmt: skip
+        sys.stdout.flush()
+        try:
+            self._child = (subprocess.Popen(cmd, env=_child_env()), tag_dir)
+        except OSError as e:
+            log.error("export of %s could not start (%s); the checkpoint is intact", tag_dir, e)
+
+    def wait(self) -> None:
+        """Until the running export (if any) has finished; log it if it failed."""
+        if self._child is None:
+            return
+        child, tag_dir = self._child
+        self._child = None
+        if child.wait() != 0:
+            log.error(
+                "export of %s failed (exit %d, its error above); training goes on, the "
+                "checkpoint is intact: export it later with `anneal export`",
+                tag_dir,
+                child.returncode,
+            )
+
+    close = wait
+
+
+def _child_env() -> dict:
+    """This environment, with the directory that holds this ``anneal`` first on PYTHONPATH."""
+    import anneal
+
+    root = str(Path(anneal.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _setup_process(collective_timeout_s: float = 1800.0) -> None:
@@ -431,68 +494,6 @@ def _setup_process(collective_timeout_s: float = 1800.0) -> None:
         _share_cpu_threads()
     else:  # before anything asks for "the current device"
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-
-class RunDir:
-    """This launch's writes to the run directory, made once the engine is built and any
-    checkpoint loaded, and undone when the launch fails before its first step."""
-
-    def __init__(self, plan: Plan):
-        """Rank 0: with ``--restart``, move the run that is there to ``previous-<time>/``; then
-        write the resolved config.json. Every rank waits for that, then has checkpoints/."""
-        self.out, self.stepped = plan.out, False
-        self._existed: set[str] | None = None
-        self._old_config: str | None = None
-        if is_main_process():
-            if plan.cfg.restart:
-                _move_previous_run(plan.out)
-            if plan.out.is_dir():
-                self._existed = {p.name for p in plan.out.iterdir()}
-                config = plan.out / "config.json"
-                self._old_config = config.read_text() if config.is_file() else None
-            plan.out.mkdir(parents=True, exist_ok=True)
-            doc = json.dumps(plan.config_document(), indent=2) + "\n"
-            write_atomic(plan.out / "config.json", doc)
-        if dist.is_initialized():
-            dist.barrier()
-        (plan.out / "checkpoints").mkdir(parents=True, exist_ok=True)
-
-    def undo(self) -> None:
-        """Rank 0, before any step completed: remove what this launch created in the run
-        directory (and the directory, if it made it) and put back the config.json it replaced.
-        A run that ``--restart`` moved to ``previous-<time>/`` stays there."""
-        if self.stepped or not is_main_process() or not self.out.is_dir():
-            return
-        try:
-            for p in self.out.iterdir():
-                if (self._existed is None or p.name not in self._existed) and not (
-                    p.name.startswith("previous-")
-                ):
-                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-            if self._old_config is not None:
-                write_atomic(self.out / "config.json", self._old_config)
-            if self._existed is None and not any(self.out.iterdir()):
-                self.out.rmdir()
-        except OSError as e:  # the failure that got us here is the one to report
-            log.warning("could not put %s back as it was: %s", self.out, e)
-            return
-        log.warning("the run failed before its first step: %s is as it was before", self.out)
-
-
-def _move_previous_run(out: Path) -> Path | None:
-    """``--restart``: the run files in ``out`` (``anneal.plan.RUN_FILES``) to a new
-    ``out/previous-<time>/``, by rename (nothing is copied or deleted)."""
-    names = [n for n in RUN_FILES if (out / n).exists() or (out / n).is_symlink()]
-    if not names:
-        return None
-    dest = out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    while dest.exists():
-        dest = dest.with_name(dest.name + "-1")
-    dest.mkdir()
-    for name in names:
-        (out / name).rename(dest / name)
-    print0(f"--restart: the run that was in {out} ({', '.join(names)}) is now in {dest}")
-    return dest
 
 
 def _share_cpu_threads() -> None:

@@ -8,7 +8,6 @@ The law and its fits are in ``anneal.scaling.law``; docs/planning.md has the for
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from pathlib import Path
@@ -48,7 +47,7 @@ def _positive(flag: str, value: float | None) -> None:
 
 def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
     """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
-    from anneal.metrics import read_metrics
+    from anneal.rundir import config_or_empty, read_metrics
 
     try:
         train = read_metrics(run_dir, "train")
@@ -60,11 +59,8 @@ def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
             f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
             f"a run that trained at least one step, or --mfu M."
         )
-    device = "?"
-    try:
-        device = json.loads((Path(run_dir) / "config.json").read_text())["launch"]["device"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # only a label for the printed source
+    launch = config_or_empty(run_dir).get("launch")
+    device = launch.get("device", "?") if isinstance(launch, dict) else "?"  # only a label
     kept = mfus[len(mfus) // 10 :] or mfus
     return statistics.median(kept), f"median over {len(kept)} steps of {run_dir} ({device})"
 
