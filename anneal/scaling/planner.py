@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.forecast import format_duration
 from anneal.hardware import DEFAULT_GPU, get_gpu
 from anneal.scaling.law import DEFAULT_FIT, FITS, ChinchillaFit
 
@@ -271,14 +272,6 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _duration(hours: float) -> str:
-    if hours >= 48:
-        return f"{hours / 24:,.1f} days"
-    if hours >= 1:
-        return f"{hours:,.1f} hours"
-    return f"{hours * 60:,.1f} minutes"
-
-
 def format_plan(p: ComputePlan) -> str:
     """The human-readable plan that ``anneal plan`` prints."""
     gpu_hours = f"{p.gpu_hours:,.0f}" if p.gpu_hours >= 10 else f"{p.gpu_hours:.3g}"
@@ -298,5 +291,6 @@ def format_plan(p: ComputePlan) -> str:
         f"({p.mfu_source}; peak {p.gpu_peak_flops / 1e12:g} TFLOP/s)",
     ]
     if p.wall_clock_hours is not None:
-        lines.append(f"  wall-clock     {_duration(p.wall_clock_hours)} on {p.gpus} GPUs")
+        wall = format_duration(p.wall_clock_hours * 3600)
+        lines.append(f"  wall-clock     {wall} on {p.gpus} GPUs")
     return "\n".join(lines)
