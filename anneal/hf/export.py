@@ -28,13 +28,12 @@ and ``anneal.hf.verify``. ``--out`` is claimed by the rule of anneal.files (docs
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
 from pathlib import Path
 
-from anneal import checkpoint
+from anneal import checkpoint, rundir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
 from anneal.hf.source import (
@@ -48,9 +47,6 @@ from anneal.hf.source import (
 from anneal.hf.verify import ExportMismatch, verify_export
 from anneal.hf.writer import DTYPES, convert, parse_size
 from anneal.hf.zero import open_checkpoint
-
-log = logging.getLogger(__name__)
-
 
 MARKER = "anneal_export.json"
 
@@ -70,13 +66,14 @@ def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, eve
     conventional place of its exports (``export_every_save``, ``train.export_every_save``).
     ``every``: ``out`` holds one export per tag and is added to, never replaced."""
     real_out, real_run = Path(os.path.realpath(out)), Path(os.path.realpath(run_dir))
-    if real_out.is_relative_to(real_run) and not real_out.is_relative_to(real_run / "hf"):
+    real_hf = Path(os.path.realpath(rundir.hf_dir(run_dir)))
+    if real_out.is_relative_to(real_run) and not real_out.is_relative_to(real_hf):
         raise UserError(
             f"--out {out}: that is the run directory {run_dir} or lies inside it, and a run's "
-            f"files are its own: an export goes under {run_dir / 'hf'} (e.g. "
-            f"{run_dir / 'hf' / 'final'}) or outside the run."
+            f"files are its own: an export goes under {rundir.hf_dir(run_dir)} (e.g. "
+            f"{rundir.hf_dir(run_dir, 'final')}) or outside the run."
         )
-    inputs = [run_dir / "checkpoints", run_dir / "config.json", *inputs]
+    inputs = [rundir.checkpoints_dir(run_dir), rundir.config_path(run_dir), *inputs]
     if every:
         claim_output(out, in_place=True, what="exports", inputs=inputs)
     else:
@@ -124,14 +121,14 @@ def export(
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     shard_bytes = parse_size(shard_size)
     doc = run_config(run_dir)
-    preset = preset_from_config(doc, run_dir / "config.json")
+    preset = preset_from_config(doc, rundir.config_path(run_dir))
     tag_dir = select_checkpoint(run_dir, tag)
     manifest = checkpoint.read_manifest(tag_dir)
     tok_dir = tokenizer_dir(run_dir, doc, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
     with open_checkpoint(tag_dir) as ckpt:
-        check_shapes(ckpt, preset, run_dir / "config.json")
+        check_shapes(ckpt, preset, rundir.config_path(run_dir))
         partial = _partial_dir(out)
         try:
             report = convert(
@@ -169,7 +166,7 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
     added to, and claimed as such: never ``.``, the run or an input."""
     run_dir, out = Path(run_dir), Path(out)
     run_config(run_dir)
-    tags = checkpoint.intact_checkpoints(run_dir / "checkpoints")
+    tags = checkpoint.intact_checkpoints(rundir.checkpoints_dir(run_dir))
     if not tags:
         select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError
     _claim_out(out, run_dir=run_dir, inputs=[], force=True, every=True)
@@ -180,20 +177,6 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
             continue
         reports.append(export(run_dir, out=dest, tag=tag_dir.name, force=True, **kwargs))
     return reports
-
-
-def export_at_save(run_dir: Path, tag_dir: Path) -> dict | None:
-    """``train.export_every_save``: export the checkpoint just written to ``RUN/hf/<tag>``
-    (rank 0, after the save). A failure is logged, not raised: the run and its checkpoint are
-    fine, and raising on one rank would leave the others waiting in a collective."""
-    try:
-        out = Path(run_dir) / "hf" / tag_dir.name
-        report = export(run_dir, out=out, tag=tag_dir.name, force=True)
-    except Exception:  # noqa: BLE001 - training goes on; the failure is logged in full
-        log.exception("export of %s failed; training continues, the checkpoint is intact", tag_dir)
-        return None
-    log.info("%s", format_report(report))
-    return report
 
 
 def format_report(r: dict) -> str:

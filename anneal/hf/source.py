@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from anneal import checkpoint, safeload
+from anneal import checkpoint, rundir, safeload
 from anneal import model as modellib
 from anneal.errors import UserError
 from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
@@ -42,7 +42,7 @@ def _tags(ckpt_dir: Path) -> str:
 
 
 def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = rundir.checkpoints_dir(run_dir)
     if tag is None:  # a manifest that names a file outside its directory stops the search
         intact = checkpoint.intact_checkpoints(ckpt_dir)
         if not intact:
@@ -74,7 +74,7 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
 
 
 def run_config(run_dir: Path) -> dict:
-    path = run_dir / "config.json"
+    path = rundir.config_path(run_dir)
     if not path.is_file():
         raise UserError(
             f"{run_dir}: no config.json; not an Anneal run directory (give the --out of a run)."
@@ -134,7 +134,7 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
     recorded = data.get("path") if isinstance(data, dict) else None
     if tokenizer is None and not isinstance(recorded, str):
         raise UserError(
-            f"{run_dir / 'config.json'}: names no run.data.path, so the run's tokenizer is "
+            f"{rundir.config_path(run_dir)}: names no run.data.path, so the run's tokenizer is "
             f"unknown. Pass --tokenizer DIR (the prepared data directory the run trained on)."
         )
     source = Path(tokenizer) if tokenizer else Path(recorded)
