@@ -42,6 +42,16 @@ def local_memory_bytes(device: torch.device) -> int:
     return process_memory_bytes()
 
 
+def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dict:
+    """The memory of a train row, from each rank's bytes: the smallest and the largest in GiB
+    and the rank of the largest, so a row has the same size at any number of ranks; with
+    ``per_rank`` (``train.memory_per_rank``) also every rank's, ``mem_gib``."""
+    gib = [round(b / GiB, 4) for b in per_rank_bytes]
+    top = max(range(len(gib)), key=gib.__getitem__)
+    fields = {"mem_min_gib": min(gib), "mem_max_gib": gib[top], "mem_max_rank": top}
+    return fields | {"mem_gib": gib} if per_rank else fields
+
+
 # --- progress ----------------------------------------------------------------------------------
 
 

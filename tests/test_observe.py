@@ -1,5 +1,6 @@
 """Seeing a run: a real (1-rank, tiny) run's TensorBoard events hold the expected tags, memory
-per rank included, read by TensorBoard's own reader; its piped stdout gets plain progress lines;
+as min, max and the rank of the max (per rank only on request), read by TensorBoard's own
+reader; its piped stdout gets plain progress lines (tqdm's bar only on a terminal);
 it writes its plots and health report at the end. Every plot is a valid PNG of a sensible size,
 drawn with no display; the schedule plot reads a ds_config and asks for "auto" values; the
 health report flags a synthetic bad run (flat loss near ln V, rising dev loss, NaN grad norm) and
@@ -225,13 +226,24 @@ def test_tensorboard_reader_sees_the_expected_tags(real_run):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                "train/tokens", "train/mem_max_gib", "train/mem_gib/rank0", "val/val_loss",
-                "val/val_bpb"}  # fmt: skip
+                "train/tokens", "train/mem_min_gib", "train/mem_max_gib", "train/mem_max_rank",
+                "val/val_loss", "val/val_bpb"}  # fmt: skip
     assert expected <= tags, expected - tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
-    assert all(e.value > 0.05 for e in acc.Scalars("train/mem_gib/rank0"))  # RSS, GiB
+    assert all(e.value > 0.05 for e in acc.Scalars("train/mem_max_gib"))  # RSS, GiB
+    assert not any("mem_gib/rank" in t for t in tags)  # per rank only with memory_per_rank
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(len(r["mem_gib"]) == 1 for r in rows if r["kind"] == "train")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert all(r["mem_max_rank"] == 0 and "mem_gib" not in r for r in train)
+
+
+def test_memory_is_summarised_unless_per_rank_is_asked_for():
+    from anneal.progress import GiB, memory_fields
+
+    per_rank = [2 * GiB, 5 * GiB, 3 * GiB]
+    assert memory_fields(per_rank) == {"mem_min_gib": 2.0, "mem_max_gib": 5.0, "mem_max_rank": 1}
+    detail = memory_fields(per_rank, per_rank=True)
+    assert detail["mem_gib"] == [2.0, 5.0, 3.0] and detail["mem_max_rank"] == 1
 
 
 def test_run_prints_plain_progress_and_writes_plots_and_report(real_run):
