@@ -158,41 +158,62 @@ def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
             f"export does not convert; Anneal's training trains every parameter. Convert it "
             f"with DeepSpeed's own zero_to_fp32.py, and only if you trust where it came from."
         )
-    sources: list[TensorSource] = []
     if stage in (1, 2, 3):
         count = optims[0]["partition_count"]
         world = max(count) if isinstance(count, list) else int(count)
         if world != len(optims):
             raise _Layout(f"{len(optims)} optimizer state file(s) for {world} ranks")
     if stage == 3:
-        flats = [list(o["fp32_flat_groups"]) for o in optims]
-        offset = 0
-        for group in shapes:
-            for name, shape in group.items():
-                n = math.prod(shape)
-                part = math.ceil(n / world)
-                pieces = [p for r in range(world) for p in _slices(flats[r], offset, part)]
-                sources.append(TensorSource(name, tuple(shape), flats[0][0].dtype, tuple(pieces)))
-                offset += part
-        if offset != sum(t.numel() for t in flats[0]):
-            raise _Layout(f"its parameters take {offset} of {sum(t.numel() for t in flats[0])}")
+        sources = _zero3_sources(shapes, optims, world)
     elif stage in (1, 2):
-        paddings = optims[0].get("param_alignment_paddings")
-        for g, group in enumerate(shapes):
-            parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
-            offset = 0
-            for i, (name, shape) in enumerate(group.items()):
-                n = math.prod(shape)
-                pieces = _slices(parts, offset, n)
-                sources.append(TensorSource(name, tuple(shape), parts[0].dtype, tuple(pieces)))
-                offset += n + (paddings[g][i] if paddings is not None else 0)
+        sources = _zero12_sources(shapes, optims)
     elif stage == 0:  # no ZeRO: the module's own weights (bf16 runs: bf16 values)
-        world = 1
-        for name, t in model_state["module"].items():
-            if isinstance(t, LazyTensor) and name not in model_state.get("buffer_names", []):
-                sources.append(TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),)))
+        world, buffers = 1, model_state.get("buffer_names", [])
+        sources = [
+            TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),))
+            for name, t in model_state["module"].items()
+            if isinstance(t, LazyTensor) and name not in buffers
+        ]
     else:
         raise _Layout(f"ZeRO stage {stage}")
+    return stage, world, _with_buffers_and_aliases(sources, model_state)
+
+
+def _zero3_sources(shapes: list[dict], optims: list[dict], world: int) -> list[TensorSource]:
+    """A parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat groups."""
+    flats = [list(o["fp32_flat_groups"]) for o in optims]
+    sources, offset = [], 0
+    for group in shapes:
+        for name, shape in group.items():
+            part = math.ceil(math.prod(shape) / world)
+            pieces = [p for r in range(world) for p in _slices(flats[r], offset, part)]
+            sources.append(TensorSource(name, tuple(shape), flats[0][0].dtype, tuple(pieces)))
+            offset += part
+    if offset != sum(t.numel() for t in flats[0]):
+        raise _Layout(f"its parameters take {offset} of {sum(t.numel() for t in flats[0])}")
+    return sources
+
+
+def _zero12_sources(shapes: list[dict], optims: list[dict]) -> list[TensorSource]:
+    """Each param group's rank partitions, concatenated, hold its parameters in order, each
+    followed by its alignment padding."""
+    paddings = optims[0].get("param_alignment_paddings")
+    sources = []
+    for g, group in enumerate(shapes):
+        parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            n = math.prod(shape)
+            pieces = _slices(parts, offset, n)
+            sources.append(TensorSource(name, tuple(shape), parts[0].dtype, tuple(pieces)))
+            offset += n + (paddings[g][i] if paddings is not None else 0)
+    return sources
+
+
+def _with_buffers_and_aliases(sources: list[TensorSource], model_state) -> list[TensorSource]:
+    """``sources`` plus the module's buffers and the tied parameters' second names; each
+    source's pieces checked to be tensors of its dtype."""
+    sources = list(sources)
     module = model_state.get("module") or {}
     for name in model_state.get("buffer_names", []):
         t = module.get(name)
@@ -207,7 +228,7 @@ def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
         kinds = {p.tensor.dtype if isinstance(p.tensor, LazyTensor) else None for p in s.pieces}
         if kinds != {s.dtype}:
             raise _Layout(f"{s.name}'s pieces are not all {s.dtype} tensors")
-    return stage, world, sources
+    return sources
 
 
 # --- safetensors, streamed -------------------------------------------------------------------
