@@ -171,12 +171,13 @@ class Guard:
     # -- rewind ------------------------------------------------------------------------------
 
     def rewind(
-        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int,
-        metrics,
-    ) -> tuple[dict, int]:  # fmt: skip
-        """Collective. Reload the newest intact checkpoint older than ``spike_step`` and skip
-        the samples from its position to ``spike_end`` plus the margin. Returns the client state
-        and the data position to continue from."""
+        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int
+    ) -> tuple[dict, Path]:
+        """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
+        the skip of the samples from its position to ``spike_end`` plus the margin, and the
+        lower LR. Returns its client state, for the caller to restore from as from any
+        checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
+        where it was; then ``rewound`` logs it."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
@@ -191,8 +192,13 @@ class Guard:
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step
         self.skipped.append((start, end))
         self.lr_scale *= self.cfg.lr_scale
-        position = self.restore(engine, client, start)
+        self._rewound_skip = (start, end)
+        return client, tag_dir
+
+    def rewound(self, spike_step: int, client: dict, tag_dir: Path, metrics) -> None:
+        """After ``rewind`` and the restore: the log file, the events and the console line."""
         self._save_log()
+        start, end = self._rewound_skip
         metrics.event(spike_step, "rewind", to_step=client["step"], checkpoint=str(tag_dir),
                       lr_scale=self.lr_scale)  # fmt: skip
         metrics.event(spike_step, "skip", samples=[start, end], reason="rewind")
@@ -200,7 +206,6 @@ class Guard:
             f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "
             f"[{start}, {end}); peak LR x{self.lr_scale:g}"
         )
-        return client, position
 
 
 def _step(tag_dir: Path) -> int:

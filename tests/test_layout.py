@@ -21,7 +21,7 @@ def test_deepspeed_initialize_is_called_once():
         for n, line in enumerate(p.read_text().splitlines())
         if re.search(r"deepspeed\.initialize\(", line)
     ]
-    assert len(calls) == 1 and calls[0][0] == "train.py", calls
+    assert len(calls) == 1 and calls[0][0] == "engine.py", calls
 
 
 def test_model_and_data_never_read_the_rank():
