@@ -213,8 +213,9 @@ def test_out_that_is_a_file_or_cannot_be_made(run, tmp_path, capsys):
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        refused(capsys, "export", run, "--out", locked / "hf", names=["writable"],
-                untouched=[tmp_path])  # fmt: skip
+        refused(
+            capsys, "export", run, "--out", locked / "hf", names=["writable"], untouched=[tmp_path]
+        )
 
 
 def test_every_save_claims_its_directory(run, tmp_path, capsys, monkeypatch):
