@@ -43,7 +43,11 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def _step_collective(
-    loss: torch.Tensor, device: torch.device, preemption: Preemption | None
+    loss: torch.Tensor,
+    device: torch.device,
+    preemption: Preemption | None,
+    *,
+    memory_per_rank: bool = False,
 ) -> tuple[float, dict, bool]:
     """The one collective (and the one host sync) of a step, on every rank: this rank's mean
     loss, its memory and whether it got a preemption signal, gathered from all ranks. Returns
@@ -61,9 +65,9 @@ def _step_collective(
         dist.all_gather(parts, mine)
         mine = torch.stack(parts)
     rows = mine.view(-1, 3).tolist()
-    gib = [round(r[1] / live.GiB, 4) for r in rows]
+    memory = live.memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
     loss_mean = sum(r[0] for r in rows) / len(rows)
-    return loss_mean, {"mem_gib": gib, "mem_max_gib": max(gib)}, any(r[2] > 0 for r in rows)
+    return loss_mean, memory, any(r[2] > 0 for r in rows)
 
 
 def train_step(
@@ -94,7 +98,12 @@ def train_step(
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         loss_sum += loss.detach()
-    loss_mean, memory, preempt = _step_collective(loss_sum / plan.grad_accum, device, preemption)
+    loss_mean, memory, preempt = _step_collective(
+        loss_sum / plan.grad_accum,
+        device,
+        preemption,
+        memory_per_rank=plan.cfg.train.memory_per_rank,
+    )
     if preemption is not None:
         preemption.requested_by_any = preempt
     state.step += 1
