@@ -10,7 +10,6 @@ manifest and every pickle scanned before anything of it is unpickled (docs/secur
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -93,38 +92,17 @@ def run_config(run_dir: Path) -> dict:
     return doc
 
 
-_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "seq_len",
-    "vocab_size",
-)
-
-
 def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
-    """The model of a run's ``config.json``; UserError naming the key when a size is not a
-    positive integer or the heads do not divide."""
-    fields = {f.name: f for f in dataclasses.fields(modellib.ModelPreset)}
-    model = {k: v for k, v in doc["model"].items() if k in fields}
-    model.setdefault("name", "run")
-    model.setdefault("nominal_params", None)
-    for key in _SIZES:
-        v = model.get(key, fields[key].default)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise UserError(
-                f"{path}: model.{key} is {v!r}, not a positive integer. Give the config.json "
-                f"of the run that wrote the checkpoint (a run writes it when it starts)."
-            )
-    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
-    if model["hidden_size"] % heads or heads % kv:
-        raise UserError(
-            f"{path}: model.hidden_size {model['hidden_size']}, num_attention_heads {heads} and "
-            f"num_key_value_heads {kv} do not divide. Give the run's own config.json."
-        )
-    return modellib.ModelPreset(**model)
+    """The model of a run's ``config.json`` (``anneal.model.preset_from_dict``, the one reader
+    of a model's shape); UserError naming the file and the key when a size is not a positive
+    integer or the heads do not divide."""
+    return modellib.preset_from_dict(
+        doc["model"],
+        source=str(path),
+        prefix="model.",
+        hint="Give the config.json of the run that wrote the checkpoint (a run writes it when "
+        "it starts).",
+    )
 
 
 def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | None) -> Path:
