@@ -27,13 +27,14 @@ data/stdlib/meta.json: | $(STAMP)
 demo: $(STAMP) data/stdlib/meta.json
 	$(BIN)/python scripts/demo.py
 
-# `make test` leaves out the end-to-end tests marked slow (real Slurm, ssh, crash and world-size
-# drills; about 20 more minutes here); CI runs everything with `make test SLOW=1` (= test-all).
+# `make test` leaves out the tests marked slow (end-to-end drills: real Slurm, ssh, crash,
+# world size, long runs); `make test-all` (CI; = `make test SLOW=1`) runs everything. How long
+# each takes: README, "Quick start". Both print their 10 slowest tests, so a slow one is seen.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(if $(SLOW),,-m "not slow") tests
+	$(BIN)/python -m pytest -q --durations=10 $(if $(SLOW),,-m "not slow") tests
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check anneal launcher recipes tests bench scripts

@@ -335,12 +335,11 @@ def verified_resume(chosen: Path, *, fallback: bool) -> Path | None:
             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
         )
         if not fallback:
-            err = UserError(
+            raise UserError(
                 f"--resume {chosen}: {msg}. Resume from an older tag in {chosen.parent}, or "
-                f"use --resume auto to take the newest intact one."
+                f"use --resume auto to take the newest intact one.",
+                every_rank=True,
             )
-            err.every_rank = True
-            raise err
         log.warning("%s; falling back to an older checkpoint", msg)
     log.warning("no checkpoint in %s verifies: starting from scratch", chosen.parent)
     return None
@@ -446,13 +445,12 @@ def scan(tag_dir: Path) -> None:
             if planted
             else "Its files match the manifest, so it was written that way."
         )
-        err = UserError(
+        raise UserError(
             f"checkpoint {tag_dir} was not loaded, and resume does not fall back to an older "
             f"one: {e} {why} Resume from a checkpoint you trust (--resume PATH), or start a "
-            f"new run in a new --out."
-        )
-        err.every_rank = True
-        raise err from None
+            f"new run in a new --out.",
+            every_rank=True,
+        ) from None
 
 
 UNIVERSAL = "universal"
@@ -461,13 +459,12 @@ UNIVERSAL = "universal"
 def _load_universal(engine, tag_dir: Path, saved_ranks: int):
     stage = engine.zero_optimization_stage()
     if stage != 3:
-        err = UserError(
+        raise UserError(
             f"{tag_dir} was saved by {saved_ranks} ranks and this job has {world_size()}. "
             f"Resuming on another number of ranks is supported for ZeRO-3 (this run uses ZeRO "
-            f"stage {stage}): resume with {saved_ranks} ranks."
+            f"stage {stage}): resume with {saved_ranks} ranks.",
+            every_rank=True,
         )
-        err.every_rank = True
-        raise err
     universal = to_universal(tag_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     log.warning(

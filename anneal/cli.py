@@ -488,7 +488,7 @@ def _add_planning_commands(sub) -> None:
 def _export(args: argparse.Namespace) -> int:
     import json
 
-    from anneal import export
+    from anneal.hf import export
 
     run = Path(args.run)
     kwargs = dict(dtype=args.dtype, shard_size=args.shard_size, force=args.force,
@@ -542,7 +542,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from anneal import generate
+    from anneal.hf import generate
 
     text = generate.sample(
         Path(args.model_dir),

@@ -117,6 +117,10 @@ class TrainConfig:
     ``keep_last``; 0: none."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
+    memory_per_rank: bool = False
+    """Also write every rank's memory to each train row (``mem_gib``, a list) and TensorBoard
+    (``train/mem_gib/rank<N>``). Off: the smallest, the largest and the rank of the largest
+    only, so a row has the same size at any number of ranks."""
     heartbeat_timeout_s: float = 180.0
     """A rank whose heartbeat stops for this long (or whose process is gone) is reported by
     the others, which then exit non-zero (``anneal.heartbeat``); 0: no heartbeat."""
@@ -426,6 +430,7 @@ _RESUMABLE_KEYS = {
     "restart",
     "train.stop_at_step",
     "train.log_every",
+    "train.memory_per_rank",
     "train.heartbeat_timeout_s",
     "train.collective_timeout_s",
     "data.prefetch_batches",

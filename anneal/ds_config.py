@@ -159,7 +159,11 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("scheduler", "params", "warmup_num_steps"): (lambda v: v >= 0, 'a step count, or "auto"'),
     ("scheduler", "params", "warmup_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
     ("scheduler", "params", "cos_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    ("scheduler", "params", "warmup_type"): (lambda v: v == "linear", '"linear"'),
+    ("scheduler", "params", "warmup_type"): (
+        lambda v: v == "linear",
+        '"linear": DeepSpeed\'s WarmupCosineLR also takes "log", which anneal/schedule.py '
+        "does not implement",
+    ),
 }
 """Bounds of the keys Anneal reads itself or that DeepSpeed would refuse only at engine start
 (``"auto"`` is always allowed where the schema allows it). Every number anywhere must also be

@@ -17,4 +17,6 @@ class UserError(Exception):
     Otherwise the rank that saw it prints it with its rank.
     """
 
-    every_rank: bool = False
+    def __init__(self, message: str, *, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank

@@ -13,8 +13,9 @@ comma-separated faults, each ``kind@key=value[:key=value...]``.
 - ``kill@step=N``: SIGKILL at the start of step N (a crash: no cleanup, no save).
 - ``slow_rank@s=S``: sleep S seconds at the start of every step (``step=N``: only step N).
 
-Every fault takes ``rank=R`` to act on that rank only. Unset, ``from_env`` returns None and
-the loop pays one ``is None`` test per step.
+Every fault takes ``rank=R`` to act on that rank only. ``Faults.wrap`` hooks them around the
+step from outside (``anneal.train.step.train_step`` has no branch for them); unset,
+``from_env`` returns None and the step runs as it is.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def fingerprint(module: torch.nn.Module) -> tuple[float, float]:
 
 
 class Faults:
-    """The faults that act on this rank, hooked into the loop by ``anneal.train``."""
+    """The faults that act on this rank, hooked around the step by ``wrap``."""
 
     def __init__(self, faults: list[Fault], *, rank: int):
         self.faults = faults
@@ -115,6 +116,25 @@ class Faults:
         return any(
             f.kind == "nan_loss" and (f.step == step or f.sample in samples) for f in self.faults
         )
+
+    def wrap(self, step_fn, loss_fn):
+        """``step_fn`` (``anneal.train.step.train_step``) with these faults: ``step_start`` and
+        ``step_end`` around it, and each micro-batch's loss (``loss_fn``) made faulty where
+        asked, knowing its global samples from the stream it reads."""
+
+        def faulty_step(engine, stream, state, plan, preemption=None):
+            step = state.step + 1
+            self.step_start(step, engine.module)
+            seen = _Recording(stream)
+
+            def loss(logits, targets):
+                return self.loss(loss_fn(logits, targets), step, seen.samples)
+
+            row = step_fn(engine, seen, state, plan, preemption, loss_fn=loss)
+            self.step_end(step, engine.module)
+            return row
+
+        return faulty_step
 
     def step_start(self, step: int, module: torch.nn.Module) -> None:
         """Before the first micro-batch of optimizer step ``step``."""
@@ -153,3 +173,18 @@ class Faults:
                 self.rank,
             )
             self._before = None
+
+
+class _Recording:
+    """A token stream that remembers the global samples of the last batch it gave."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.samples: list[int] = []
+
+    def next_batch(self):
+        self.samples = self._stream.indices_at(self._stream.position)
+        return self._stream.next_batch()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)

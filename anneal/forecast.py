@@ -16,15 +16,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import resource
 import statistics
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from anneal import memory
 from anneal import model as modellib
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +87,15 @@ def make(
     )
 
 
-def format_duration(s: float) -> str:
-    h, rest = divmod(int(round(s)), 3600)
-    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+def format_duration(seconds: float) -> str:
+    """A duration for people, the one formatter of them: ``3m07s`` under an hour, ``5h04m``
+    under two days, ``14.0 days`` beyond; ``?`` when unknown (not finite or negative)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    if seconds >= 48 * 3600:
+        return f"{seconds / 86400:,.1f} days"
+    h, rest = divmod(int(round(seconds)), 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def describe(f: Forecast) -> str:
@@ -101,6 +110,8 @@ def describe(f: Forecast) -> str:
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """This process's peak: CUDA allocator peak on GPUs, max resident set size on CPUs."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "ru_maxrss"

@@ -29,7 +29,7 @@ import math
 import statistics
 from pathlib import Path
 
-from anneal import checkpoint
+from anneal import checkpoint, rundir
 from anneal.config import GuardConfig
 from anneal.dist import is_main_process, print0
 from anneal.errors import UserError
@@ -37,7 +37,6 @@ from anneal.files import write_atomic
 
 log = logging.getLogger(__name__)
 
-GUARD_FILE = "guard.json"
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
 
 
@@ -46,7 +45,7 @@ class Guard:
 
     def __init__(self, cfg: GuardConfig, *, run_dir: Path, resuming: bool):
         self.cfg = cfg
-        self.path = Path(run_dir) / GUARD_FILE
+        self.path = rundir.guard_path(run_dir)
         self.history: list[tuple[int, float]] = []
         """(step, loss) of the last ``window`` good steps."""
         self.incidents: list[dict] = []
@@ -160,42 +159,46 @@ class Guard:
                 f"{i['samples'][1]}), {i['action']})"
                 for i in recent
             )
-            err = UserError(
+            raise UserError(
                 f"guard: {len(recent)} loss spikes within {self.cfg.span_steps} steps, more "
                 f"than guard.max_rewinds={self.cfg.max_rewinds}: {lines}. Stopping; the "
                 f"checkpoints before them are intact. Lower the peak LR (--set optim.lr=... or "
                 f"guard.lr_scale=0.5), inspect those samples, or raise guard.max_rewinds; "
-                f"docs/resilience.md says how to rewind by hand."
+                f"docs/resilience.md says how to rewind by hand.",
+                every_rank=True,
             )
-            err.every_rank = True
-            raise err
 
     # -- rewind ------------------------------------------------------------------------------
 
     def rewind(
-        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int,
-        metrics,
-    ) -> tuple[dict, int]:  # fmt: skip
-        """Collective. Reload the newest intact checkpoint older than ``spike_step`` and skip
-        the samples from its position to ``spike_end`` plus the margin. Returns the client state
-        and the data position to continue from."""
+        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int
+    ) -> tuple[dict, Path]:
+        """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
+        the skip of the samples from its position to ``spike_end`` plus the margin, and the
+        lower LR. Returns its client state, for the caller to restore from as from any
+        checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
+        where it was; then ``rewound`` logs it."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
-            err = UserError(
+            raise UserError(
                 f"guard: loss spike at step {spike_step} and no intact checkpoint before it in "
                 f"{ckpt_dir} to rewind to. Save more often (--save-every), or turn the guard "
-                f"off for the first steps (guard.min_history)."
+                f"off for the first steps (guard.min_history).",
+                every_rank=True,
             )
-            err.every_rank = True
-            raise err
         client = checkpoint.load(engine, tag_dir)
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step
         self.skipped.append((start, end))
         self.lr_scale *= self.cfg.lr_scale
-        position = self.restore(engine, client, start)
+        self._rewound_skip = (start, end)
+        return client, tag_dir
+
+    def rewound(self, spike_step: int, client: dict, tag_dir: Path, metrics) -> None:
+        """After ``rewind`` and the restore: the log file, the events and the console line."""
         self._save_log()
+        start, end = self._rewound_skip
         metrics.event(spike_step, "rewind", to_step=client["step"], checkpoint=str(tag_dir),
                       lr_scale=self.lr_scale)  # fmt: skip
         metrics.event(spike_step, "skip", samples=[start, end], reason="rewind")
@@ -203,7 +206,6 @@ class Guard:
             f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "
             f"[{start}, {end}); peak LR x{self.lr_scale:g}"
         )
-        return client, position
 
 
 def _step(tag_dir: Path) -> int:

@@ -1,4 +1,5 @@
-"""Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, and the measured CPU peak.
+"""Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, the measured CPU peak,
+and the host memory of a process tree (through psutil).
 
 MFU (``anneal.metrics``), the planner (``anneal.scaling``) and the memory estimator
 (``anneal.memory``) read their hardware numbers here and nowhere else. docs/planning.md lists
@@ -116,3 +117,33 @@ def device_peak_flops(device: torch.device) -> float:
         return GPU_PEAK_FLOPS["H100"]
     cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return _cpu_peak_flops(cache_home / "anneal")
+
+
+def process_memory_bytes(pid: int | None = None, *, tree: bool = False, pss: bool = False) -> int:
+    """Host memory of process ``pid`` (default: this one), in bytes, read by psutil.
+
+    ``tree`` adds every descendant (a prepare's workers, a launcher's ranks). ``pss`` counts
+    each shared page once across the processes that share it (Linux's proportional set size),
+    so forked workers are not counted twice; elsewhere, and where PSS cannot be read, resident
+    memory (RSS). A process that exits while it is read counts 0.
+    """
+    import psutil
+
+    try:
+        top = psutil.Process(pid)
+        procs = [top, *top.children(recursive=True)] if tree else [top]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            info = p.memory_full_info() if pss else p.memory_info()
+            total += getattr(info, "pss", info.rss)
+        except psutil.AccessDenied:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        except psutil.Error:
+            pass
+    return total

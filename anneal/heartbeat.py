@@ -2,6 +2,11 @@
 
 Each rank of a multi-rank run keeps ``<run>/heartbeat/rank<R>.json`` fresh from a daemon thread
 (host, pid, a beat counter, the last optimizer step it completed) and watches the others' files.
+The thread is the only writer while the run goes on: one small file every ``interval_s``
+(``heartbeat_timeout_s / 10``, between 0.2 and 10 s) per rank, whatever the step rate, so a
+shared filesystem sees a bounded rate at any number of ranks, not one write per rank per step.
+The step in the file is therefore at most ``interval_s`` old; failing and finishing are
+written at once.
 A rank whose beat counter has not moved for ``train.heartbeat_timeout_s`` seconds (as this rank
 sees it: no clocks are compared across hosts), or whose process is gone on this host, is silent:
 this rank prints which rank and host went silent and the last step each rank completed, and
@@ -23,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from anneal import rundir
 from anneal.files import write_atomic
 
 EXIT_CODE = 1  # a peer is gone (75 is taken by preemption: "requeue me")
@@ -32,7 +38,7 @@ class Heartbeat:
     """The liveness thread of one rank; the loop calls ``completed(step)`` after every step."""
 
     def __init__(self, run_dir: Path, *, rank: int, world_size: int, timeout_s: float):
-        self.dir = Path(run_dir) / "heartbeat"
+        self.dir = rundir.heartbeat_dir(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = max(0.2, min(10.0, timeout_s / 10))
@@ -53,9 +59,8 @@ class Heartbeat:
         return self.dir / f"rank{rank}.json"
 
     def completed(self, step: int) -> None:
-        """Step ``step`` is done (written at once: the report names each rank's last step)."""
+        """Step ``step`` is done. Only recorded: the thread writes it with its next beat."""
         self.step = step
-        self._write()
 
     def _write(self) -> None:
         with self._lock:
@@ -117,7 +122,8 @@ class Heartbeat:
         )
         return (
             f"error (rank {self.rank} on {self.host}): {names}. Last step completed by each "
-            f"rank: {', '.join(steps)}. Stopping this rank; restart the job with --resume auto "
+            f"rank: {', '.join(steps)} (the others' as of their last heartbeat, written every "
+            f"{self.interval_s:g} s). Stopping this rank; restart the job with --resume auto "
             f"to continue from the newest intact checkpoint."
         )
 

@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.model import NOMINAL_VOCAB, ModelPreset, count_params, get_preset
+from anneal.model import ModelPreset, count_params, get_preset, preset_from_dict
 
 GiB = 2**30
 
@@ -472,8 +472,6 @@ def _w(work: Workload, **changes) -> Workload:
 # ---------------------------------------------------------------------------------------------
 # Inputs: a preset name or a config file.
 
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
 
 def load_model(spec: str) -> ModelPreset:
     """A preset name, or a JSON file: an Anneal run's ``config.json`` (its resolved ``model``),
@@ -492,29 +490,14 @@ def load_model(spec: str) -> ModelPreset:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"--model {spec}: cannot read it as JSON ({e}).") from None
-    name = path.stem
     if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
         doc = doc["model"]  # an Anneal run's config.json
-        name = str(doc.get("name") or name)
-    missing = [
-        k for k in _SHAPE_KEYS if not isinstance(doc, dict) or not isinstance(doc.get(k), int)
-    ]
-    if missing:
-        raise UserError(
-            f"--model {spec}: no integer {', '.join(missing)}; the file must describe a "
-            f"Llama-style model (an Anneal run's config.json or a Hugging Face config.json)."
-        )
-    heads = doc["num_attention_heads"]
-    return ModelPreset(
-        name=name,
-        hidden_size=doc["hidden_size"],
-        intermediate_size=doc["intermediate_size"],
-        num_hidden_layers=doc["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=int(doc.get("num_key_value_heads") or heads),
-        seq_len=int(doc.get("seq_len") or doc.get("max_position_embeddings") or 2048),
-        nominal_params=None,
-        vocab_size=int(doc.get("vocab_size") or NOMINAL_VOCAB),
+    return preset_from_dict(
+        doc if isinstance(doc, dict) else {},
+        source=f"--model {spec}",
+        hint="The file must describe a Llama-style model (an Anneal run's config.json or a "
+        "Hugging Face config.json).",
+        name=path.stem,
     )
 
 

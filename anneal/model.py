@@ -121,6 +121,49 @@ def get_preset(name: str) -> ModelPreset:
     return PRESETS[name]
 
 
+SHAPE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "seq_len", "vocab_size")  # fmt: skip
+"""The sizes a model document must give as positive integers."""
+
+
+def preset_from_dict(
+    doc: dict, *, source: str, prefix: str = "", hint: str = "", name: str = "run"
+) -> ModelPreset:
+    """The one reader of a model's shape from a document: the ``model`` section of a run's
+    config.json, a Hugging Face config.json (``max_position_embeddings`` is the context,
+    ``num_key_value_heads`` defaults to the heads) or a flat object with the preset's fields.
+
+    UserError naming ``source`` and the key (``prefix`` + key, e.g. ``model.hidden_size``),
+    followed by ``hint``, when a size is not a positive integer or the heads do not divide.
+    """
+    fields = {f.name for f in dataclasses.fields(ModelPreset)}
+    model = {k: v for k, v in doc.items() if k in fields}
+    model["name"] = str(doc.get("name") or name)
+    model.setdefault("nominal_params", None)
+    model.setdefault("num_key_value_heads", model.get("num_attention_heads"))
+    model.setdefault("seq_len", doc.get("max_position_embeddings", 2048))
+    model.setdefault("vocab_size", NOMINAL_VOCAB)
+    for key in SHAPE_SIZES:
+        v = model.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            shown = "missing" if v is None else repr(v)[:40]
+            raise UserError(
+                f"{source}: no integer {prefix}{key} ({shown}); each size must be a positive "
+                f"integer. {hint}".rstrip()
+            )
+    heads, kv, hidden = (
+        model["num_attention_heads"],
+        model["num_key_value_heads"],
+        model["hidden_size"],
+    )
+    if hidden % heads or heads % kv:
+        raise UserError(
+            f"{source}: {prefix}hidden_size {hidden}, {prefix}num_attention_heads {heads} and "
+            f"{prefix}num_key_value_heads {kv} do not divide. {hint}".rstrip()
+        )
+    return ModelPreset(**model)
+
+
 def llama_config(preset: ModelPreset):
     from transformers import LlamaConfig
 

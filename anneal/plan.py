@@ -13,18 +13,13 @@ import json
 import os
 from pathlib import Path
 
-from anneal import checkpoint, ds_config
+from anneal import checkpoint, ds_config, rundir
 from anneal import model as modellib
 from anneal.config import AUTO, RunConfig, check_ranges, config_differences, optim_keys_set
 from anneal.errors import UserError
 from anneal.files import claim_output
 
 DEVICE_TYPES = ("cpu", "cuda")
-RUN_FILES = ("config.json", "metrics.jsonl", "guard.json", "checkpoints", "plots", "report.txt",
-             "tb", "hf", "heartbeat", "wandb")  # fmt: skip
-"""What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
-The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, logs/) and the
-live ``preempt/`` stay where they are."""
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")  # fmt: skip
 """The model fields that decide the shape of its weights (a checkpoint loads only into these)."""
@@ -145,8 +140,7 @@ def resolve_plan(
             fast_bf16=device_type == "cuda" if fast_bf16 is None else fast_bf16,
         )
     except UserError as e:
-        e.every_rank = True
-        raise
+        raise UserError(str(e), every_rank=True) from None
 
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
@@ -177,7 +171,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
 
     out = Path(cfg.out)
     old_config = check_run_dir(cfg, out, data_dir=data_dir)
-    resume_from = checkpoint.find_resume(cfg.resume, out / "checkpoints")
+    resume_from = checkpoint.find_resume(cfg.resume, rundir.checkpoints_dir(out))
     if resume_from is not None:
         check_matches_run(meta, data_dir=data_dir, run_dir=out)
         checkpoint.check_tokenizer(
@@ -220,18 +214,6 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
     return plan
 
 
-def holds_run(out: Path) -> list[str]:
-    """What in ``out`` shows that a run has been there: its config.json, metrics.jsonl or
-    guard.json, or anything in checkpoints/ (even a torn save). Empty when none."""
-    found = [
-        name for name in ("config.json", "metrics.jsonl", "guard.json") if (out / name).exists()
-    ]
-    ckpt = out / "checkpoints"
-    if ckpt.is_dir() and any(ckpt.iterdir()):
-        found.append("checkpoints/")
-    return found
-
-
 def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     """Refuse an ``--out`` this launch must not write into; returns the config.json of the run
     already there (None when there is none).
@@ -252,8 +234,8 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
     old = _read_run_config(out)
-    found = holds_run(out)
-    here = (out / "checkpoints").resolve()
+    found = rundir.holds_run(out)
+    here = rundir.checkpoints_dir(out).resolve()
     resume_path = None if cfg.resume in (AUTO, "none") else Path(cfg.resume).resolve()
     from_here = resume_path is not None and (resume_path == here or here in resume_path.parents)
     if cfg.restart:
@@ -278,7 +260,7 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
 
 def _read_run_config(out: Path) -> dict | None:
     """``out/config.json`` when it is a run's (a JSON object with a "run" section)."""
-    path = out / "config.json"
+    path = rundir.config_path(out)
     if not path.exists():
         return None
     try:
@@ -303,7 +285,7 @@ def check_checkpoint_fits(
     manifest = checkpoint.read_manifest(tag_dir) or {}
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
-        source = tag_dir.parent.parent / "config.json"
+        source = rundir.config_path(rundir.of_checkpoint(tag_dir))
         try:
             saved = json.loads(source.read_text()).get("model")
         except (OSError, ValueError, RecursionError, AttributeError):

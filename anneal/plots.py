@@ -254,16 +254,16 @@ def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) -> list[Path]:
     """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``."""
+    from anneal import rundir
     from anneal.errors import UserError
-    from anneal.report import read_metrics, run_config
 
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+    rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
     events = [r for r in rows if r.get("kind") == "event"]
-    cfg = run_config(run_dir)
-    out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    cfg = rundir.config_or_empty(run_dir)
+    out_dir = Path(out_dir) if out_dir else rundir.plots_dir(run_dir)
     names = ("loss.png", "lr.png", "grad_norm.png", "throughput.png")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")

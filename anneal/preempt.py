@@ -1,9 +1,10 @@
 """Preemption: SIGUSR1 or SIGTERM -> finish the step -> agree across ranks -> checkpoint -> exit
 with ``PREEMPTED_EXIT_CODE`` so that the batch script requeues the job.
 
-The signal handler only sets a flag. After every optimizer step the ranks all-reduce the flag
-(MAX), so a signal that reached one rank stops them all after the same step. They then save a
-checkpoint at that step (unless ``maybe_checkpoint`` just did) and raise ``Preempted``, a
+The signal handler only sets a flag. Every optimizer step's one collective (the all-gather of
+``anneal.train.step``) carries each rank's flag, so a signal that reached one rank stops them
+all after the same step. They then save a checkpoint at that step (unless the Trainer's regular
+save just did) and raise ``Preempted``, a
 ``SystemExit`` with status 75 (``EX_TEMPFAIL``: try again). DeepSpeed's per-node launcher and
 its runner pass that status on, ``srun`` returns it, and ``launcher/templates/*.sbatch`` calls
 ``scontrol requeue`` for it and for nothing else. The requeued job starts the same command with
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anneal import checkpoint
+from anneal import checkpoint, rundir
 from anneal.dist import world_size
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,13 @@ class Preempted(SystemExit):
 
 
 class Preemption:
-    """Installed once per rank in ``anneal.train.run``; see the module docstring."""
+    """Installed once per rank by ``anneal.train.Trainer``; see the module docstring."""
 
     def __init__(self, run_dir: Path) -> None:
         self.signum: int | None = None
         self.requested_by_any = False
         """Set on every rank by ``train_step``'s collective: some rank got a signal."""
-        self._pid_file = Path(run_dir) / "preempt" / f"{socket.gethostname()}.{os.getpid()}.pid"
+        self._pid_file = rundir.preempt_dir(run_dir) / f"{socket.gethostname()}.{os.getpid()}.pid"
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         self._pid_file.write_text(f"{os.getpid()}\n")
         self._previous = {}

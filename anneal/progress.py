@@ -1,9 +1,10 @@
 """The live view of a run: memory per rank, the rank-0 progress bar, optional Weights & Biases,
 and what a run writes when it ends (plots, health report).
 
-The progress bar redraws one line in place on a terminal. When stdout is not a terminal (CI,
-Slurm logs, a pipe) it prints a plain line every ``log_every`` steps instead, so logs stay
-readable and grep-able.
+On a terminal, tqdm draws the progress bar in place and a plain line is kept every
+``log_every`` steps so the history scrolls. When stdout is not a terminal (CI, Slurm logs, a
+pipe) only the plain lines are printed, every ``log_every`` steps, so logs stay readable and
+grep-able.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from anneal.dist import is_main_process
+from anneal.forecast import format_duration
+from anneal.hardware import process_memory_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -26,42 +31,35 @@ GiB = 2**30
 # --- memory --------------------------------------------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, Linux KiB
-
-
 def local_memory_bytes(device: torch.device) -> int:
     """GPU: peak allocated since the previous call (the peak is reset); CPU: resident set."""
     if device.type == "cuda":
+        import torch
+
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         return int(peak)
-    return _rss_bytes()
+    return process_memory_bytes()
+
+
+def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dict:
+    """The memory of a train row, from each rank's bytes: the smallest and the largest in GiB
+    and the rank of the largest, so a row has the same size at any number of ranks; with
+    ``per_rank`` (``train.memory_per_rank``) also every rank's, ``mem_gib``."""
+    gib = [round(b / GiB, 4) for b in per_rank_bytes]
+    top = max(range(len(gib)), key=gib.__getitem__)
+    fields = {"mem_min_gib": min(gib), "mem_max_gib": gib[top], "mem_max_rank": top}
+    return fields | {"mem_gib": gib} if per_rank else fields
 
 
 # --- progress ----------------------------------------------------------------------------------
 
 
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 class ProgressBar:
     """Step, loss, tokens/s and ETA on rank 0.
 
-    ``interactive`` defaults to whether ``stream`` is a terminal. Interactive: one line redrawn
-    at every step (and kept every ``log_every`` steps so the history scrolls). Otherwise: a
+    ``interactive`` defaults to whether ``stream`` is a terminal. Interactive: a tqdm bar
+    redrawn in place, with a plain line kept above it every ``log_every`` steps. Otherwise: a
     plain line every ``log_every`` steps and at the first and last step.
     """
 
@@ -85,7 +83,21 @@ class ProgressBar:
         self.interactive = interactive
         self._start_step = start_step
         self._t0 = time.monotonic()
-        self._open = False
+        self._bar = None
+        self._unkept: str | None = None
+        """The latest line the bar shows but the history does not hold yet."""
+        if self.enabled and self.interactive:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=max_steps,
+                initial=start_step,
+                desc=self._step(start_step) + " ",
+                file=self.stream,
+                bar_format="{desc}{bar:20}| {postfix}",
+                dynamic_ncols=True,
+                leave=False,
+            )
 
     def eta_s(self, step: int) -> float:
         done = step - self._start_step
@@ -93,16 +105,12 @@ class ProgressBar:
             return math.nan
         return (time.monotonic() - self._t0) / done * (self.max_steps - step)
 
-    def line(self, row: dict) -> str:
-        step = row["step"]
-        width = len(str(self.max_steps))
+    def _step(self, step: int) -> str:
+        return f"step {step:>{len(str(self.max_steps))}}/{self.max_steps}"
+
+    def _fields(self, row: dict) -> list[str]:
         loss = row.get("loss")
-        loss_s = f"{loss:.4f}" if isinstance(loss, int | float) else "nan"
-        parts = [f"step {step:>{width}}/{self.max_steps}"]
-        if self.interactive:
-            filled = int(20 * step / max(1, self.max_steps))
-            parts[0] += f" [{'#' * filled}{'.' * (20 - filled)}]"
-        parts += [f"loss {loss_s}"]
+        parts = [f"loss {loss:.4f}" if isinstance(loss, int | float) else "loss nan"]
         if isinstance(row.get("lr"), int | float):
             parts.append(f"lr {row['lr']:.2e}")
         if isinstance(row.get("grad_norm"), int | float):
@@ -112,26 +120,36 @@ class ProgressBar:
             parts.append(f"mfu {100 * row['mfu']:.2f}%")
         if isinstance(row.get("mem_max_gib"), int | float):
             parts.append(f"mem {row['mem_max_gib']:.2f} GiB")
-        parts.append(f"ETA {_duration(self.eta_s(step))}")
-        return " | ".join(parts)
+        parts.append(f"ETA {format_duration(self.eta_s(row['step']))}")
+        return parts
+
+    def line(self, row: dict) -> str:
+        """The plain line of one row, as logs get it."""
+        return " | ".join([self._step(row["step"]), *self._fields(row)])
 
     def update(self, row: dict) -> None:
         if not self.enabled:
             return
         step = row["step"]
         keep = step % self.log_every == 0 or step == 1 or step == self.max_steps
-        if self.interactive:
-            self.stream.write("\r" + self.line(row) + "\x1b[K" + ("\n" if keep else ""))
-            self._open = not keep
+        if self._bar is not None:
+            self._unkept = None if keep else self.line(row)
+            if keep:
+                self._bar.write(self.line(row), file=self.stream)
+            self._bar.set_description_str(self._step(step) + " ", refresh=False)
+            self._bar.set_postfix_str(" | ".join(self._fields(row)), refresh=False)
+            self._bar.update(step - self._bar.n)
         elif keep:
             self.stream.write(self.line(row) + "\n")
-        self.stream.flush()
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+            if self._unkept is not None:  # a run that stopped between kept lines
+                self.stream.write(self._unkept + "\n")
+                self.stream.flush()
 
 
 # --- Weights & Biases (optional) ---------------------------------------------------------------

@@ -16,12 +16,11 @@ probability evenly over the V ids. Thresholds are in the constants below, with t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from pathlib import Path
 
-from anneal.errors import UserError
+from anneal import rundir
 
 HEALTHY, PROBLEM, UNKNOWN = "healthy", "problem", "n/a"
 # Train loss counts as "near the baseline" above this share of ln(V): a model that has learned
@@ -38,34 +37,6 @@ SPIKES_REPEATED = 3
 # the data loader "stalls" when it holds the step this share of the time (median).
 TPUT_DROP = 0.5
 DATA_STALL = 0.10
-
-
-def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    """``anneal.metrics.read_metrics``, with the two cases a plot or report of a run that has
-    not taken a step yet meets said plainly (no metrics.jsonl; no train row)."""
-    from anneal import metrics
-
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(
-            f"{run_dir}: no metrics.jsonl yet. A run writes it from its first step; give the "
-            f"run's --out directory, or wait for the first step to finish."
-        )
-    rows = metrics.read_metrics(run_dir)
-    if not any(r.get("kind") == "train" for r in rows):
-        raise UserError(
-            f"{path}: no train rows yet (the first is written after the first optimizer step). "
-            f"Wait for the run to take a step."
-        )
-    return [r for r in rows if kind is None or r.get("kind") == kind]
-
-
-def run_config(run_dir: Path) -> dict:
-    path = Path(run_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 @dataclasses.dataclass
@@ -207,11 +178,11 @@ def throughput_signal(train: list[dict]) -> Signal:
 
 def health(run_dir: Path) -> list[Signal]:
     """The four signals of a run directory (UserError if it has no train rows yet)."""
-    rows = read_metrics(run_dir)
+    rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
     events = [r for r in rows if r.get("kind") == "event"]
-    cfg = run_config(run_dir)
+    cfg = rundir.config_or_empty(run_dir)
     vocab = (cfg.get("model") or {}).get("vocab_size")
     clip = (cfg.get("ds_config") or {}).get("gradient_clipping")
     return [
@@ -237,7 +208,7 @@ def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
 def write_report(run_dir: Path) -> str:
     """The table, also written to ``RUN/report.txt``; returns it."""
     text = format_table(health(run_dir), run_dir=run_dir)
-    (Path(run_dir) / "report.txt").write_text(text + "\n")
+    rundir.report_path(run_dir).write_text(text + "\n")
     return text
 
 

@@ -108,7 +108,7 @@ def io_part(args, work: Path) -> dict:
     from anneal.config import DataConfig, ModelConfig, RunConfig, TrainConfig
     from anneal.data.stream import PackedSplit, TokenStream
     from anneal.recipe import _single_process_env
-    from anneal.train import _setup_process, build_engine, next_token_loss, plan_run
+    from anneal.train import build_engine, next_token_loss, plan_run, setup_process
 
     cfg = RunConfig(
         out=str(work / "run"),
@@ -119,7 +119,7 @@ def io_part(args, work: Path) -> dict:
         train=TrainConfig(max_steps=10, eval_samples=0),
     )
     _single_process_env()
-    _setup_process()
+    setup_process()
     plan = plan_run(cfg, ["ds.gradient_accumulation_steps=1"])
     t0 = time.perf_counter()
     engine = build_engine(plan)
@@ -193,7 +193,7 @@ import json, os, runpy, sys, time
 marks = {"start": time.time()}
 import anneal.recipe, anneal.train, deepspeed, transformers.models.llama.modeling_llama
 marks["imported"] = time.time()
-build_engine = anneal.train.build_engine
+build_engine = anneal.train.engine.build_engine
 def timed_build(plan):
     marks["build_start"] = time.time()
     engine = build_engine(plan)
@@ -201,7 +201,7 @@ def timed_build(plan):
     with open(os.environ["ANNEAL_BENCH_MARKS"], "w") as f:
         json.dump(marks, f)
     return engine
-anneal.train.build_engine = timed_build
+anneal.train.engine.build_engine = timed_build
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -194,11 +194,10 @@ def cpu_rows() -> list[Row]:
 
 def flops_per_token(model_doc: dict) -> float:
     """``6N + 12*L*H*Q*T`` for the ``model`` section of a run's config.json."""
-    from anneal.model import ModelPreset
     from anneal.model import flops_per_token as count
+    from anneal.model import preset_from_dict
 
-    fields = {f.name for f in dataclasses.fields(ModelPreset)}
-    preset = ModelPreset(**{k: v for k, v in model_doc.items() if k in fields})
+    preset = preset_from_dict(model_doc, source="config.json", prefix="model.")
     return count(preset, seq_len=model_doc["seq_len"])
 
 
@@ -206,10 +205,9 @@ def memory_estimate_gib(doc: dict) -> float:
     """``anneal.memory``'s peak per GPU for a run's config.json, in GiB (compared with the
     measured peak in results.jsonl)."""
     from anneal.memory import Workload, ZeroSetup, estimate
-    from anneal.model import ModelPreset
+    from anneal.model import preset_from_dict
 
-    fields = {f.name for f in dataclasses.fields(ModelPreset)}
-    preset = ModelPreset(**{k: v for k, v in doc["model"].items() if k in fields})
+    preset = preset_from_dict(doc["model"], source="config.json", prefix="model.")
     ds = doc["ds_config"]
     work = Workload(
         micro_batch=ds["train_micro_batch_size_per_gpu"],

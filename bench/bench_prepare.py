@@ -52,6 +52,7 @@ from anneal.data.prepare import default_workers  # noqa: E402
 from anneal.data.readers import Problems, ReadOptions, read_unit  # noqa: E402
 from anneal.data.sources import list_units, parse_inputs  # noqa: E402
 from anneal.files import write_atomic  # noqa: E402
+from anneal.hardware import process_memory_bytes  # noqa: E402
 
 
 def stdlib_texts() -> list[str]:
@@ -75,39 +76,25 @@ def write_jsonl(path: Path, mb: float, texts: list[str]) -> int:
     return size
 
 
-def _pss_kb(pid: int) -> int:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 once it has exited)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system
 
 
 def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
+    import psutil
 
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+        top = psutil.Process(pid)
+        return [pid, *(c.pid for c in top.children(recursive=True))]
+    except psutil.Error:
+        return [pid]
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, dict, str]:
@@ -127,7 +114,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float,
     def sample():
         while proc.poll() is None:
             tree = _tree(proc.pid)
-            peak[0] = max(peak[0], sum(_pss_kb(p) for p in tree))
+            peak[0] = max(peak[0], process_memory_bytes(proc.pid, tree=True, pss=True) // 1024)
             for p in tree:
                 cpu[p] = max(cpu.get(p, 0.0), _cpu_s(p))
             time.sleep(0.02)

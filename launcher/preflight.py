@@ -172,10 +172,7 @@ def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> flo
     if device_type == "cpu":
         return hardware.device_peak_flops(torch.device("cpu")) / max(1, ranks_per_host)
     if gpu:
-        try:
-            return hardware.get_gpu(gpu).peak_flops
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        return hardware.get_gpu(gpu).peak_flops
     if torch.cuda.is_available():
         return hardware.device_peak_flops(torch.device("cuda", 0))
     return hardware.get_gpu("h100").peak_flops

@@ -7,10 +7,10 @@ import json
 from tests.conftest import SMALL, read_metrics, run_recipe
 
 
-def test_recompute_gives_the_same_training(stdlib_data, tmp_path):
+def test_recompute_gives_the_same_training(tiny_data, tmp_path):
     common = [
         "--data",
-        str(stdlib_data),
+        str(tiny_data),
         "--max-steps",
         "3",
         "--eval-every",

@@ -13,18 +13,27 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_train  # noqa: E402
 
 STEPS = 2
-SETS = ["optim.global_batch_tokens=2048", "train.eval_samples=0"]  # micro 4 x accumulation 2
+# Micro 4 x accumulation 2 x 64 tokens, on conftest's SMALL shapes and its tiny corpus.
+SETS = [
+    "optim.global_batch_tokens=512",
+    "train.eval_samples=0",
+    "model.seq_len=64",
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+]
 
 
 @pytest.fixture(scope="module")
-def runs(stdlib_data, tmp_path_factory):
+def runs(tiny_data, tmp_path_factory):
     scratch = tmp_path_factory.mktemp("bench")
     out = {}
     sides = [("plain", "plain", None), ("zero0", "recipe", 0), ("zero3", "recipe", 3)]
     for name, kind, stage in sides:
         d = scratch / name
         d.mkdir()
-        cmd = bench_train.command(kind, 1, stage, data=str(stdlib_data), steps=STEPS, out=d,
+        cmd = bench_train.command(kind, 1, stage, data=str(tiny_data), steps=STEPS, out=d,
                                   sets=SETS)  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -31,7 +31,7 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def result(stdlib_data, tmp_path_factory):
+def result(tiny_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grad")
     out = tmp / "result.json"
     cmd = [
@@ -42,7 +42,7 @@ def result(stdlib_data, tmp_path_factory):
         str(free_port()),
         "tests/scripts/grad_check.py",
         str(out),
-        str(stdlib_data),
+        str(tiny_data),
         str(tmp / "run"),
         *OVERRIDES,
     ]

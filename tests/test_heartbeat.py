@@ -1,7 +1,8 @@
 """The heartbeat's judgement without a distributed run (two ranks' heartbeats in one process):
 a peer that finished is not reported; a peer that failed, or whose process is gone, is named
 with its host and last step; a file left by an earlier launch is ignored; a communication error
-waits for the evidence, any other error does not."""
+waits for the evidence, any other error does not. Steps do not write: only the thread's beat
+does, once per interval, so the write rate per rank does not grow with the step rate."""
 
 import json
 import os
@@ -62,3 +63,17 @@ def test_a_dead_process_is_named_and_old_launches_ignored(beats, tmp_path):
 def test_communication_errors_are_recognised():
     assert heartbeat._is_comm_error(RuntimeError("Connection closed by peer [127.0.0.1]:123"))
     assert not heartbeat._is_comm_error(ValueError("shapes do not match"))
+
+
+def test_steps_are_written_with_the_next_beat_not_each(beats, tmp_path):
+    b0, _ = beats
+    b0._stop.set()  # no beat during the test: what is written, is written by completed()
+    b0._thread.join()
+    path = tmp_path / "heartbeat" / "rank0.json"
+    before = json.loads(path.read_text())
+    for step in range(1, 101):
+        b0.completed(step)
+    assert json.loads(path.read_text()) == before  # 100 steps, no write
+    b0._write()  # what the thread does at each beat
+    after = json.loads(path.read_text())
+    assert after["step"] == 100 and after["beat"] == before["beat"] + 1

@@ -13,7 +13,7 @@ values or an over-long prompt for generate, are refused clearly.
 
 The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
 cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
-through `anneal.cli.main` or `anneal.export.export`, and only one test converts a checkpoint
+through `anneal.cli.main` or `anneal.hf.export.export`, and only one test converts a checkpoint
 (twice, without verification).
 """
 
@@ -154,7 +154,7 @@ def test_out_dot_the_run_its_checkpoints_and_the_data_are_refused(
 
 
 def test_force_replaces_only_an_earlier_export_and_leaves_a_partial_alone(run, tmp_path, capsys):
-    from anneal.export import export
+    from anneal.hf.export import export
 
     foreign = tmp_path / "models"
     foreign.mkdir()
@@ -213,8 +213,9 @@ def test_out_that_is_a_file_or_cannot_be_made(run, tmp_path, capsys):
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        refused(capsys, "export", run, "--out", locked / "hf", names=["writable"],
-                untouched=[tmp_path])  # fmt: skip
+        refused(
+            capsys, "export", run, "--out", locked / "hf", names=["writable"], untouched=[tmp_path]
+        )
 
 
 def test_every_save_claims_its_directory(run, tmp_path, capsys, monkeypatch):
@@ -285,18 +286,18 @@ def test_verification_reader_refuses_a_payload_even_without_the_scan(run, tmp_pa
     """The independent reader of the verification loads with weights_only=True: a payload that
     slipped past the scan is refused there too, at every ZeRO stage's path."""
     from anneal.errors import UserError
-    from anneal.export import _reference_state_dict
+    from anneal.hf.zero import reference_state_dict
 
     marker = tmp_path / "payload-ran"
     tag_dir = run / "checkpoints" / TAG
     optim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     plant(optim, marker)
     with pytest.raises(UserError, match=f"{optim}.*weights_only=True"):
-        _reference_state_dict(tag_dir, 3)
+        reference_state_dict(tag_dir, 3)
     model_file = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     plant(model_file, marker)
     with pytest.raises(UserError, match=f"{model_file}.*weights_only=True"):
-        _reference_state_dict(tag_dir, 0)
+        reference_state_dict(tag_dir, 0)
     assert not marker.exists()
 
 
@@ -442,7 +443,7 @@ def test_frozen_parameters_are_refused_clearly(run, tmp_path, capsys):
 
 def test_dtype_and_shard_size_typos(tiny_run, tmp_path, capsys):
     from anneal.errors import UserError
-    from anneal.export import export
+    from anneal.hf.export import export
 
     out = tmp_path / "hf"
     rc, _, err = cli(capsys, "export", tiny_run, "--out", out, "--dtype", "bf61")
@@ -470,7 +471,7 @@ def test_dtype_and_shard_size_typos(tiny_run, tmp_path, capsys):
 def tiny_model(tiny_data, tmp_path_factory) -> Path:
     """A randomly initialised model of 16 tokens' context, saved as export saves one."""
     from anneal import model as modellib
-    from anneal.export import _write_configs
+    from anneal.hf.writer import write_configs
 
     preset = modellib.ModelPreset(
         name="t",
@@ -486,7 +487,7 @@ def tiny_model(tiny_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model")
     torch.manual_seed(0)
     modellib.build_model(preset).save_pretrained(str(out))
-    _write_configs(out, preset, tiny_data, torch.float32)
+    write_configs(out, preset, tiny_data, torch.float32)
     return out
 
 

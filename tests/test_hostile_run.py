@@ -120,14 +120,14 @@ def test_restart_moves_the_old_run_aside_and_a_failed_start_puts_it_back(trained
     """``--restart``: the old run's files go to previous-<time>/ unchanged, the new config.json
     is written; if the launch then fails before its first step, what it wrote is removed and
     the relaunch finds the directory free (the old run still aside)."""
-    from anneal.train import RunDir
+    from anneal.rundir import RunDir
 
     out = copy_run(trained, tmp_path / "run")
     (out / "forecast.json").write_text("{}")  # the launcher's, stays
     old = {k.replace(str(out), ""): v for k, v in tree(out).items()}
     plan = plan_for(small(data, out, "--restart", "--set", "optim.lr=1e-3"))
     assert plan.resume_from is None
-    run_dir = RunDir(plan)
+    run_dir = RunDir.for_launch(plan)
     [previous] = out.glob("previous-*")
     moved = {k.replace(str(previous), ""): v for k, v in tree(previous).items()}
     for name in ("config.json", "metrics.jsonl", f"checkpoints/{TAG}/manifest.json"):
@@ -266,10 +266,10 @@ def test_the_launchers_preflight_runs_the_same_checks(data, tmp_path):
 
 def test_a_launch_that_fails_before_its_first_step_leaves_no_trace(data, tmp_path):
     """Over a new directory and over one the launcher has already written into."""
-    from anneal.train import RunDir
+    from anneal.rundir import RunDir
 
     fresh = tmp_path / "fresh"
-    run_dir = RunDir(plan_for(small(data, fresh)))
+    run_dir = RunDir.for_launch(plan_for(small(data, fresh)))
     assert (fresh / "config.json").is_file()
     (fresh / "metrics.jsonl").write_text("")  # what the loop opens before step 1
     run_dir.undo()
@@ -279,7 +279,7 @@ def test_a_launch_that_fails_before_its_first_step_leaves_no_trace(data, tmp_pat
     launched.mkdir()
     (launched / "forecast.json").write_text("{}")
     before = tree(launched)
-    run_dir = RunDir(plan_for(small(data, launched)))
+    run_dir = RunDir.for_launch(plan_for(small(data, launched)))
     (launched / "heartbeat").mkdir()
     run_dir.undo()
     assert tree(launched) == before

@@ -1,6 +1,10 @@
 """House rules that code review would otherwise have to catch: deepspeed.initialize is called
-in exactly one place, library modules do not read the rank from the environment, and every
-test file opens with a docstring saying what it proves."""
+in exactly one place, library modules do not read the rank from the environment, every
+test file opens with a docstring saying what it proves, and no two of anneal's modules import
+each other, directly or around a circle (imports inside functions count). The layer rules of
+docs/architecture.md that hold today: the ground floor (errors, files, dist, hardware) imports
+nothing else of anneal, anneal/hf nothing of the loop, the observers or the CLI, the loop
+nothing of anneal/hf, and the model and data never import DeepSpeed."""
 
 import ast
 import re
@@ -17,7 +21,7 @@ def test_deepspeed_initialize_is_called_once():
         for n, line in enumerate(p.read_text().splitlines())
         if re.search(r"deepspeed\.initialize\(", line)
     ]
-    assert len(calls) == 1 and calls[0][0] == "train.py", calls
+    assert len(calls) == 1 and calls[0][0] == "engine.py", calls
 
 
 def test_model_and_data_never_read_the_rank():
@@ -29,3 +33,125 @@ def test_model_and_data_never_read_the_rank():
 def test_every_test_file_has_a_docstring():
     for path in (ROOT / "tests").glob("test_*.py"):
         assert ast.get_docstring(ast.parse(path.read_text())), path.name
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import statement in ``path``, at module level and inside
+    functions (``if TYPE_CHECKING:`` blocks left out: they never run); relative imports made
+    absolute. ``import a.b`` gives ("a.b", []), ``from a import b, c`` gives ("a", ["b", "c"])."""
+    tree = ast.parse(path.read_text())
+    skip = {
+        id(node)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+        for node in ast.walk(n)
+    }
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = []
+    for n in ast.walk(tree):
+        if id(n) in skip:
+            continue
+        if isinstance(n, ast.Import):
+            found += [(a.name, []) for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                base = ".".join([*package[: len(package) - n.level + 1], *([base] if base else [])])
+            found.append((base, [a.name for a in n.names]))
+    return found
+
+
+def _anneal_imports(path: Path, modules: set[str]) -> set[str]:
+    """The ``anneal`` modules that ``path`` imports (``_imports``). ``from anneal.x import y``
+    counts as ``anneal.x.y`` where that is a module, else as ``anneal.x``."""
+    found = set()
+    for base, names in _imports(path):
+        found |= {f"{base}.{a}" if f"{base}.{a}" in modules else base for a in names} or {base}
+    return {m for m in found if m in modules}
+
+
+def _anneal_graph() -> dict[str, set[str]]:
+    """Module name -> the anneal modules it imports, for every module under anneal/."""
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "anneal").rglob("*.py")
+    }
+    return {m: _anneal_imports(p, set(files)) - {m} for m, p in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_among_anneal_modules():
+    graph = _anneal_graph()
+    assert graph["anneal.cli"], "the import walk found nothing: it is broken"
+    assert _cycles(graph) == [], "import circles among anneal's modules"
+
+
+def _in(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+GROUND = ("anneal.errors", "anneal.files", "anneal.dist", "anneal.hardware")
+# docs/architecture.md: (importer, what it may not import). A planned package that is still a
+# set of flat modules is named by those modules.
+FORBIDDEN = [
+    (GROUND, lambda m: _in(m, "anneal") and not _in(m, *GROUND)),
+    (("anneal.hf",), lambda m: _in(m, "anneal.train", "anneal.cli", "anneal.recipe")),
+    (("anneal.hf",), lambda m: _in(m, "anneal.metrics", "anneal.progress", "anneal.plots")),
+    (("anneal.hf",), lambda m: _in(m, "anneal.report")),
+    (("anneal.train",), lambda m: _in(m, "anneal.hf")),
+]
+
+
+def test_layer_rules_between_anneal_packages():
+    graph = _anneal_graph()
+    broken = [
+        f"{importer} imports {m}"
+        for importer, deps in sorted(graph.items())
+        for owners, forbidden in FORBIDDEN
+        if _in(importer, *owners)
+        for m in sorted(deps)
+        if forbidden(m)
+    ]
+    assert broken == [], "imports that docs/architecture.md does not allow"
+
+
+def test_model_and_data_never_import_deepspeed():
+    paths = [ROOT / "anneal" / "model.py", *(ROOT / "anneal" / "data").rglob("*.py")]
+    assert len(paths) > 5
+    for path in paths:
+        assert not [b for b, _ in _imports(path) if _in(b, "deepspeed")], path

@@ -1,5 +1,6 @@
 """Seeing a run: a real (1-rank, tiny) run's TensorBoard events hold the expected tags, memory
-per rank included, read by TensorBoard's own reader; its piped stdout gets plain progress lines;
+as min, max and the rank of the max (per rank only on request), read by TensorBoard's own
+reader; its piped stdout gets plain progress lines (tqdm's bar only on a terminal);
 it writes its plots and health report at the end. Every plot is a valid PNG of a sensible size,
 drawn with no display; the schedule plot reads a ds_config and asks for "auto" values; the
 health report flags a synthetic bad run (flat loss near ln V, rising dev loss, NaN grad norm) and
@@ -28,6 +29,17 @@ def anneal(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     e.pop("MPLBACKEND", None)
     return run_process([sys.executable, "-m", "anneal.cli", *args], timeout_s=300, check=check,
                        cwd=ROOT, env=e)  # fmt: skip
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """``anneal ARGS`` in this process (exit status, stdout, stderr): the commands whose output
+    is checked here, without a process start each; the plots drawn headless go through
+    ``anneal`` above, in a process with no display."""
+    from anneal.cli import main
+
+    rc = main([str(a) for a in args])
+    printed = capsys.readouterr()
+    return rc, printed.out, printed.err
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -118,7 +130,7 @@ def test_health_report_passes_a_good_run(tmp_path):
     assert "ln(V) = 9.011" in signals["train loss"].detail
 
 
-def test_health_report_flags_a_bad_run(tmp_path):
+def test_health_report_flags_a_bad_run(tmp_path, capsys):
     from anneal.report import PROBLEM, TPUT_DROP, format_table, health, throughput_signal
 
     run = bad_run(tmp_path / "bad")
@@ -138,8 +150,8 @@ def test_health_report_flags_a_bad_run(tmp_path):
     stall = [{"step": s, "tokens_per_s": 5000, "data_wait_share": 0.4} for s in range(1, 101)]
     assert "stalls" in throughput_signal(stall).detail
 
-    done = anneal("report", str(run), "--strict", check=False)
-    assert done.returncode == 1 and "PROBLEM" in done.stdout
+    rc, out, _ = cli(capsys, "report", run, "--strict")
+    assert rc == 1 and "PROBLEM" in out
 
 
 @pytest.mark.parametrize("dark", [False, True])
@@ -151,14 +163,14 @@ def test_run_plots_are_valid_pngs_drawn_headless(tmp_path, dark):
         assert_sensible_png(run / "plots" / name)
 
 
-def test_schedule_plot_and_auto_values(tmp_path):
+def test_schedule_plot_and_auto_values(tmp_path, capsys):
     """The shipped ds_configs leave the peak LR and warmup to the recipe ("auto"): the plot asks
     for them. A config with numbers needs only --steps."""
     out = tmp_path / "s.png"
-    refused = anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", check=False)
-    assert refused.returncode == 2 and '"auto"' in refused.stderr and "--peak-lr" in refused.stderr
-    anneal("plot", "--schedule", "zero3_bf16.json", "--steps", "100000", "--peak-lr", "6e-4",
-           "--warmup-steps", "2000", "--dark", "--out", str(out))  # fmt: skip
+    rc, _, err = cli(capsys, "plot", "--schedule", "zero3_bf16.json", "--steps", "100000")
+    assert rc == 2 and '"auto"' in err and "--peak-lr" in err
+    peak = ["--peak-lr", "6e-4", "--warmup-steps", "2000", "--dark", "--out", out]
+    assert cli(capsys, "plot", "--schedule", "zero3_bf16.json", "--steps", "100000", *peak)[0] == 0
     assert_sensible_png(out)
 
     ds = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
@@ -166,22 +178,21 @@ def test_schedule_plot_and_auto_values(tmp_path):
     ds["optimizer"]["params"]["lr"] = 3e-4
     numeric = tmp_path / "numeric.json"
     numeric.write_text(json.dumps(ds))
-    anneal("plot", "--schedule", str(numeric), "--steps", "1000", "--out", str(out))
+    assert cli(capsys, "plot", "--schedule", numeric, "--steps", "1000", "--out", out)[0] == 0
     assert_sensible_png(out)
-    no_steps = anneal("plot", "--schedule", str(numeric), check=False)
-    assert no_steps.returncode == 2 and "--steps N" in no_steps.stderr
+    rc, _, err = cli(capsys, "plot", "--schedule", numeric)
+    assert rc == 2 and "--steps N" in err
 
 
-def test_plot_and_report_of_a_run_without_metrics(tmp_path):
+def test_plot_and_report_of_a_run_without_metrics(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     for cmd in ("plot", "report"):
-        done = anneal(cmd, str(empty), check=False)
-        assert done.returncode == 2 and "no metrics.jsonl yet" in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        rc, _, err = cli(capsys, cmd, empty)  # a traceback would raise here
+        assert rc == 2 and "no metrics.jsonl yet" in err, err
     (empty / "metrics.jsonl").write_text('{"kind": "event", "step": 0, "event": "resume"}\n')
-    done = anneal("plot", str(empty), check=False)
-    assert done.returncode == 2 and "no train rows yet" in done.stderr
+    rc, _, err = cli(capsys, "plot", empty)
+    assert rc == 2 and "no train rows yet" in err
 
 
 def test_progress_bar_plain_lines_when_not_a_terminal():
@@ -205,13 +216,14 @@ def test_progress_bar_plain_lines_when_not_a_terminal():
     for s in (1, 2):
         bar.update({"step": s, "loss": 5.0, "tokens_per_s": 1.0})
     bar.close()
-    assert tty.getvalue().count("\r") == 2 and tty.getvalue().endswith("\n")
+    drawn = tty.getvalue()  # tqdm redraws in place; the last step stays as a plain line
+    assert "\r" in drawn and drawn.splitlines()[-1].startswith("step 2/3 | loss 5.0000")
 
 
 @pytest.fixture(scope="module")
-def real_run(stdlib_data, tmp_path_factory):
+def real_run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("observe") / "run"
-    proc = run_recipe(["--out", str(out), "--data", str(stdlib_data), "--max-steps", "4",
+    proc = run_recipe(["--out", str(out), "--data", str(tiny_data), "--max-steps", "4",
                        "--eval-every", "2", *SMALL, "--set", "train.log_every=2"])  # fmt: skip
     return out, proc
 
@@ -224,13 +236,24 @@ def test_tensorboard_reader_sees_the_expected_tags(real_run):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                "train/tokens", "train/mem_max_gib", "train/mem_gib/rank0", "val/val_loss",
-                "val/val_bpb"}  # fmt: skip
+                "train/tokens", "train/mem_min_gib", "train/mem_max_gib", "train/mem_max_rank",
+                "val/val_loss", "val/val_bpb"}  # fmt: skip
     assert expected <= tags, expected - tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
-    assert all(e.value > 0.05 for e in acc.Scalars("train/mem_gib/rank0"))  # RSS, GiB
+    assert all(e.value > 0.05 for e in acc.Scalars("train/mem_max_gib"))  # RSS, GiB
+    assert not any("mem_gib/rank" in t for t in tags)  # per rank only with memory_per_rank
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(len(r["mem_gib"]) == 1 for r in rows if r["kind"] == "train")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert all(r["mem_max_rank"] == 0 and "mem_gib" not in r for r in train)
+
+
+def test_memory_is_summarised_unless_per_rank_is_asked_for():
+    from anneal.progress import GiB, memory_fields
+
+    per_rank = [2 * GiB, 5 * GiB, 3 * GiB]
+    assert memory_fields(per_rank) == {"mem_min_gib": 2.0, "mem_max_gib": 5.0, "mem_max_rank": 1}
+    detail = memory_fields(per_rank, per_rank=True)
+    assert detail["mem_gib"] == [2.0, 5.0, 3.0] and detail["mem_max_rank"] == 1
 
 
 def test_run_prints_plain_progress_and_writes_plots_and_report(real_run):

@@ -12,11 +12,11 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def runs(stdlib_data, tmp_path_factory):
+def runs(tiny_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("precision")
     common = [
         "--data",
-        str(stdlib_data),
+        str(tiny_data),
         "--max-steps",
         str(STEPS),
         "--eval-every",

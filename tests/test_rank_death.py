@@ -3,6 +3,7 @@ as on a real cluster, so that no launcher kills the other node's rank for us). R
 with SIGKILL at step 4; rank 0 notices within the heartbeat timeout, prints which rank and host
 went silent and the last step each rank completed, and both nodes exit non-zero. No hang."""
 
+import re
 import socket
 import subprocess
 import time
@@ -65,4 +66,6 @@ def test_a_killed_rank_is_named_and_every_process_exits(stdlib_data, tmp_path):
     err0 = outs[0][1]
     host = socket.gethostname()
     assert f"rank 1 on {host} went silent" in err0, err0[-3000:]
-    assert "Last step completed by each rank: rank 0: 3, rank 1: 3" in err0
+    # rank 1's step is the one its last heartbeat wrote (every TIMEOUT_S / 10 = 2 s, not every
+    # step), so it may lag the step it was killed after by the steps of one interval
+    assert re.search(r"Last step completed by each rank: rank 0: 3, rank 1: [0-3] \(", err0)

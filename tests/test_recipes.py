@@ -2,7 +2,8 @@
 path and on the GPU path (resolved here without a GPU, as the ranks will resolve it), at every
 data-parallel size the shipped hostfiles give, the whole launch resolves up to the engine:
 ds_config, batch arithmetic, schedule, preset and precision. Also `make demo`'s exact command on
-a GPU machine, and `python recipes/pretrain_tiny.py --max-steps 5` training on CPU."""
+a GPU machine, and `python recipes/pretrain_tiny.py --max-steps 5` training on CPU (marked
+slow: 75 s of the recipe's own shapes)."""
 
 import importlib.util
 from pathlib import Path
@@ -122,7 +123,11 @@ def test_recipe_flags():
     assert overrides == ["ds.gradient_clipping=0.5", "optim.lr=1e-3"]
 
 
+@pytest.mark.slow
 def test_tiny_trains_five_steps_on_cpu_with_its_defaults(stdlib_data, tmp_path):
+    """Slow (75 s on 2 cores): the recipe's own shapes and batch (7.4M parameters, 64 x 256
+    tokens a step), five steps and a validation, end to end. The fast suite trains the same
+    path on small shapes (test_schedule, test_observe) and resolves these defaults above."""
     done = run_recipe(
         ["--max-steps", "5", "--data", str(stdlib_data), "--out", str(tmp_path / "run")]
     )

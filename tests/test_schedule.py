@@ -31,14 +31,14 @@ def test_shape_landmarks():
     assert lr_ratio(150, **kw) == pytest.approx(0.1)  # held at the floor past T_max
 
 
-def test_engine_applies_the_formula(stdlib_data, tmp_path):
+def test_engine_applies_the_formula(tiny_data, tmp_path):
     out = tmp_path / "run"
     run_recipe(
         [
             "--out",
             str(out),
             "--data",
-            str(stdlib_data),
+            str(tiny_data),
             "--max-steps",
             "12",
             "--set",

@@ -524,8 +524,8 @@ def _sample_source(source: Source, units, budget: float, cfg, problems, seen) ->
 
 
 class Progress:
-    """One line on stderr: MB read, MB/s, tokens; redrawn in place on a terminal, else printed
-    every 10 s."""
+    """MB read, MB/s and tokens on stderr: a tqdm bar on a terminal, else a plain line every
+    10 s and one at the end, so logs stay readable."""
 
     def __init__(self, total_bytes: int | None, *, enabled: bool, workers: int):
         self.total = total_bytes
@@ -535,15 +535,32 @@ class Progress:
         self.done = 0
         self.tokens = 0
         self._last = self.start
-        self._tty = enabled and sys.stderr.isatty()
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_bytes,
+                desc="tokenize+pack",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                postfix=f"0 tokens, {workers} workers",
+            )
 
     def update(self, nbytes: int, tokens: int) -> None:
         self.done += nbytes
         self.tokens += tokens
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self.tokens:,} tokens, {self.workers} workers", False)
+            self._bar.update(nbytes)
+            return
         now = time.time()
-        if self.enabled and now - self._last >= (0.5 if self._tty else 10.0):
+        if self.enabled and now - self._last >= 10.0:
             self._last = now
-            self._draw(final=False)
+            print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
         dt = max(time.time() - self.start, 1e-9)
@@ -555,15 +572,11 @@ class Progress:
             f"{self.tokens:,} tokens | {dt:,.1f} s"
         )
 
-    def _draw(self, final: bool) -> None:
-        if self._tty:
-            print("\r" + self.line(), end="\n" if final else "", file=sys.stderr, flush=True)
-        else:
-            print(self.line(), file=sys.stderr, flush=True)
-
     def close(self) -> None:
-        if self.enabled:
-            self._draw(final=True)
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(self.line(), file=sys.stderr, flush=True)
 
 
 def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Iterator:

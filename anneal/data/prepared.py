@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal import rundir
 from anneal.data import tokenizer as toklib
 from anneal.errors import UserError
 from anneal.files import confined
@@ -334,7 +335,7 @@ def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
     """Resuming: the data's tokenizer must be the one the run's model was built for. Compares
     with the run's ``config.json`` (the vocabulary size, and the tokenizer hash of the data
     directory it was started with, when that still exists); UserError on a mismatch."""
-    config_path = Path(run_dir) / "config.json"
+    config_path = rundir.config_path(run_dir)
     try:
         config = json.loads(config_path.read_text())
         old_vocab = config["model"]["vocab_size"]

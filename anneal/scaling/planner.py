@@ -8,12 +8,12 @@ The law and its fits are in ``anneal.scaling.law``; docs/planning.md has the for
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.forecast import format_duration
 from anneal.hardware import DEFAULT_GPU, get_gpu
 from anneal.scaling.law import DEFAULT_FIT, FITS, ChinchillaFit
 
@@ -48,7 +48,7 @@ def _positive(flag: str, value: float | None) -> None:
 
 def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
     """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
-    from anneal.metrics import read_metrics
+    from anneal.rundir import config_or_empty, read_metrics
 
     try:
         train = read_metrics(run_dir, "train")
@@ -60,11 +60,8 @@ def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
             f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
             f"a run that trained at least one step, or --mfu M."
         )
-    device = "?"
-    try:
-        device = json.loads((Path(run_dir) / "config.json").read_text())["launch"]["device"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # only a label for the printed source
+    launch = config_or_empty(run_dir).get("launch")
+    device = launch.get("device", "?") if isinstance(launch, dict) else "?"  # only a label
     kept = mfus[len(mfus) // 10 :] or mfus
     return statistics.median(kept), f"median over {len(kept)} steps of {run_dir} ({device})"
 
@@ -275,14 +272,6 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _duration(hours: float) -> str:
-    if hours >= 48:
-        return f"{hours / 24:,.1f} days"
-    if hours >= 1:
-        return f"{hours:,.1f} hours"
-    return f"{hours * 60:,.1f} minutes"
-
-
 def format_plan(p: ComputePlan) -> str:
     """The human-readable plan that ``anneal plan`` prints."""
     gpu_hours = f"{p.gpu_hours:,.0f}" if p.gpu_hours >= 10 else f"{p.gpu_hours:.3g}"
@@ -302,5 +291,6 @@ def format_plan(p: ComputePlan) -> str:
         f"({p.mfu_source}; peak {p.gpu_peak_flops / 1e12:g} TFLOP/s)",
     ]
     if p.wall_clock_hours is not None:
-        lines.append(f"  wall-clock     {_duration(p.wall_clock_hours)} on {p.gpus} GPUs")
+        wall = format_duration(p.wall_clock_hours * 3600)
+        lines.append(f"  wall-clock     {wall} on {p.gpus} GPUs")
     return "\n".join(lines)

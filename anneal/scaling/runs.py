@@ -24,11 +24,11 @@ class RunPoint:
 def read_run(run_dir: str | Path) -> RunPoint:
     """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
     the last validation loss of a run directory."""
-    from anneal.metrics import read_metrics
+    from anneal.rundir import config_path, metrics_path, read_metrics
 
     run_dir = Path(run_dir)
-    cfg_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
-    if not cfg_path.is_file() or not metrics_path.is_file():
+    cfg_path = config_path(run_dir)
+    if not cfg_path.is_file() or not metrics_path(run_dir).is_file():
         raise UserError(
             f"{run_dir}: not a run directory (it needs config.json and metrics.jsonl, which "
             f"every Anneal run writes). Give run directories, or --csv with params,tokens,loss."

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 
-import anneal.train  # noqa: E402
+import anneal.train.step  # noqa: E402
 from anneal.recipe import load_recipe, main  # noqa: E402
 
 RECIPE = load_recipe(os.path.join(os.getcwd(), "recipes", "pretrain_tiny.py"))
@@ -21,6 +21,6 @@ def failing_step(engine, stream, state, plan, *args):
 
 if __name__ == "__main__":
     if os.environ.get("SSH_CONNECTION", "").split()[2:3] == ["127.0.0.2"]:
-        train_step = anneal.train.train_step
-        anneal.train.train_step = failing_step
+        train_step = anneal.train.step.train_step
+        anneal.train.step.train_step = failing_step
     main(**RECIPE)

@@ -1,0 +1,6 @@
+"""Hugging Face I/O. Out: ``export`` (a run's checkpoint -> a verified Hugging Face model
+directory), built from ``source`` (what is read from the run, checked first), ``reader``
+(torch zip files read lazily), ``zero`` (the ZeRO layouts and the reference reader),
+``writer`` (safetensors, configs, tokenizer) and ``verify``; and ``generate`` (sample from an
+export). The training loop imports nothing from here: a run's per-save export is a child
+process (``anneal export``)."""

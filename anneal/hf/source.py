@@ -1,0 +1,180 @@
+"""What an export reads from a run directory, and the checks made before anything of it is
+unpickled: the run's config (its model preset), the checkpoint chosen (``--tag``, or the
+newest intact one), the run's tokenizer, and the checkpoint's files (listed in its manifest,
+sizes and hashes as recorded, pickles scanned by ``anneal.safeload``).
+
+A run directory and its checkpoints are read as input from elsewhere: --tag and every name in
+a manifest are confined (checkpoint.read_manifest), every file's bytes are checked against the
+manifest and every pickle scanned before anything of it is unpickled (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from anneal import checkpoint, rundir, safeload
+from anneal import model as modellib
+from anneal.errors import UserError
+from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _tags(ckpt_dir: Path) -> str:
+    """The intact tags of ``ckpt_dir``, for a message (one whose manifest is refused is left
+    out)."""
+    names = []
+    for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
+        try:
+            if p.is_dir() and not p.name.startswith(".") and checkpoint.is_intact(p):
+                names.append(p.name)
+        except UserError:
+            pass
+    return ", ".join(names) or "none"
+
+
+def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
+    ckpt_dir = rundir.checkpoints_dir(run_dir)
+    if tag is None:  # a manifest that names a file outside its directory stops the search
+        intact = checkpoint.intact_checkpoints(ckpt_dir)
+        if not intact:
+            raise UserError(
+                f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
+                f"--save-every steps and at its last step). Train it first, or point at another "
+                f"run directory."
+            )
+        return intact[-1]
+    have = _tags(ckpt_dir)
+    tag_dir = ckpt_dir / str(tag)
+    if not _TAG.fullmatch(str(tag)):
+        raise UserError(
+            f"--tag {tag}: a tag is the name of one checkpoint directory of this run, such as "
+            f"step00000300 (letters, digits, '.', '_', '-'; no '/' or '..'). Intact tags in "
+            f"{ckpt_dir}: {have}."
+        )
+    if tag_dir.is_symlink() or not tag_dir.is_dir():
+        raise UserError(
+            f"--tag {tag}: no such checkpoint in {ckpt_dir}. Intact tags there: {have}."
+        )
+    if not checkpoint.is_intact(tag_dir):  # confines the manifest's names, or refuses
+        raise UserError(
+            f"--tag {tag}: not intact ({tag_dir / checkpoint.MANIFEST} missing or not a "
+            f"manifest Anneal writes, or a file of the wrong size: a save that was "
+            f"interrupted). Export another tag: {have}."
+        )
+    return tag_dir
+
+
+def run_config(run_dir: Path) -> dict:
+    path = rundir.config_path(run_dir)
+    if not path.is_file():
+        raise UserError(
+            f"{run_dir}: no config.json; not an Anneal run directory (give the --out of a run)."
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(
+            f"{path}: not readable as JSON ({e}). A run writes it when it starts; give the "
+            f"run directory whose config.json is intact, or restore this one."
+        ) from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict)):
+        raise UserError(
+            f"{path}: not a run's config.json (no 'model' section). Give the --out of a run."
+        )
+    return doc
+
+
+def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
+    """The model of a run's ``config.json`` (``anneal.model.preset_from_dict``, the one reader
+    of a model's shape); UserError naming the file and the key when a size is not a positive
+    integer or the heads do not divide."""
+    return modellib.preset_from_dict(
+        doc["model"],
+        source=str(path),
+        prefix="model.",
+        hint="Give the config.json of the run that wrote the checkpoint (a run writes it when "
+        "it starts).",
+    )
+
+
+def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | None) -> Path:
+    from anneal.data.tokenizer import tokenizer_sha256
+
+    data = doc.get("run", {}).get("data", {}) if isinstance(doc.get("run"), dict) else {}
+    recorded = data.get("path") if isinstance(data, dict) else None
+    if tokenizer is None and not isinstance(recorded, str):
+        raise UserError(
+            f"{rundir.config_path(run_dir)}: names no run.data.path, so the run's tokenizer is "
+            f"unknown. Pass --tokenizer DIR (the prepared data directory the run trained on)."
+        )
+    source = Path(tokenizer) if tokenizer else Path(recorded)
+    if not source.is_absolute() and not source.exists():
+        source = run_dir / source
+    if not (source / "tokenizer.json").is_file():
+        raise UserError(
+            f"{source}: no tokenizer.json, so the export cannot ship the run's tokenizer. "
+            f"The run's data directory moved? Pass --tokenizer DIR (the prepared data "
+            f"directory the run trained on)."
+        )
+    want = manifest.get("tokenizer_sha256")
+    if want and tokenizer_sha256(source) != want:
+        raise UserError(
+            f"{source}: its tokenizer is not the one the checkpoint was trained with "
+            f"({str(want)[:12]}...). Pass --tokenizer with the run's own prepared data "
+            f"directory."
+        )
+    return source
+
+
+def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
+    """Before anything of ``tag_dir`` is unpickled: every file export reads is listed in the
+    manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
+    included), and no pickle in it names a global outside ``anneal.safeload``'s allow-list."""
+    model_files, optim_files = checkpoint_files(tag_dir)
+    listed = set(manifest["files"])
+    unlisted = [f.name for f in model_files + optim_files if f.name not in listed]
+    if unlisted:
+        raise UserError(
+            f"{tag_dir}: {', '.join(unlisted)} not listed in its manifest.json, so its bytes "
+            f"cannot be checked, and the checkpoint is not exported. Export another tag "
+            f"(--tag), or copy the checkpoint again from where it was saved."
+        )
+    if not all(isinstance(e, dict) and checkpoint.HASH in e for e in manifest["files"].values()):
+        log.warning("%s: its manifest holds no hashes (an older save); sizes checked only", tag_dir)
+    bad = checkpoint.damaged_files(tag_dir)
+    if bad:
+        raise UserError(
+            f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes in its "
+            f"manifest.json ({', '.join(bad)}): bit rot, a torn copy or a change after the "
+            f"save. Nothing was exported. Export an older tag (--tag; intact by size: "
+            f"{_tags(tag_dir.parent)}), or copy the checkpoint again."
+        )
+    safeload.scan_checkpoint(tag_dir)
+
+
+def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
+    expected = _expected_shapes(preset)  # imports transformers before memory is measured
+    got = {s.name: s.shape for s in ckpt.sources}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        differ = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])[:3]
+        raise UserError(
+            f"{ckpt.tag_dir}: its parameters do not match the model in {config_path} (missing "
+            f"{missing}, unexpected {extra}, other shapes {differ}): the checkpoint is another "
+            f"run's, or config.json was edited. Export from the run directory that wrote it."
+        )
+
+
+def _expected_shapes(preset) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = modellib.build_model(preset)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -1,0 +1,290 @@
+"""The ZeRO layouts: where each parameter's fp32 values lie in a DeepSpeed checkpoint.
+
+ZeRO-3: a parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat group, in
+order. ZeRO-1/2: the rank partitions of each param group concatenated hold the parameters in
+order, each followed by its alignment padding. No ZeRO (stage 0): the module's own weights.
+``open_checkpoint`` indexes these lazily (``anneal.hf.reader``); ``reference_state_dict`` builds
+the same weights independently, as DeepSpeed's ``zero_to_fp32`` does, through
+``torch.load(weights_only=True)``, for the export's verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from anneal import safeload
+from anneal.errors import UserError
+from anneal.hf.reader import LazyTensor, _Archive
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    tensor: LazyTensor
+    start: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """One parameter of the checkpoint: its name, shape and where its fp32 values are."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[_Piece, ...]
+    """Read in order, concatenated: the parameter's flattened values (plus trailing padding)."""
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def load(self) -> torch.Tensor:
+        total = sum(p.count for p in self.pieces)
+        buf = torch.empty(total, dtype=self.dtype)
+        at = 0
+        for p in self.pieces:
+            p.tensor.read_into(buf[at : at + p.count], p.start)
+            at += p.count
+        return buf[: self.numel()].view(self.shape)
+
+
+def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
+    """Elements ``[start, start + count)`` of the concatenation of ``flat`` as pieces."""
+    pieces, base = [], 0
+    for t in flat:
+        n = t.numel()
+        lo, hi = max(start, base), min(start + count, base + n)
+        if lo < hi:
+            pieces.append(_Piece(t, lo - base, hi - lo))
+        base += n
+    if sum(p.count for p in pieces) != count:
+        raise _Layout("its flat groups are shorter than its parameter shapes")
+    return pieces
+
+
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+@dataclasses.dataclass
+class ZeroCheckpoint:
+    """The parameters of one checkpoint tag directory, readable one at a time."""
+
+    tag_dir: Path
+    zero_stage: int
+    world_size: int
+    sources: list[TensorSource]
+    archives: list[_Archive]
+
+    def close(self) -> None:
+        for a in self.archives:
+            a.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Layout(Exception):
+    """The index of a checkpoint file is not laid out as DeepSpeed writes it."""
+
+
+# What indexing a file that is not laid out as expected raises (a dict where a list was, ...).
+_NOT_A_CHECKPOINT = (
+    _Layout,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    ValueError,
+    EOFError,
+    pickle.UnpicklingError,
+)
+
+
+def checkpoint_files(tag_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The files export reads: the model states (one per rank under ZeRO-3) and the optimizer
+    states of each rank, in rank order."""
+    model_files = sorted(Path(tag_dir).glob("*model_states.pt"))
+    optim_files = sorted(
+        (f for f in Path(tag_dir).glob("*_optim_states.pt") if _RANK_FILE.search(f.name)),
+        key=lambda f: int(_RANK_FILE.search(f.name).group(1)),
+    )
+    return model_files, optim_files
+
+
+def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
+    """Index a DeepSpeed checkpoint tag directory without loading its tensors."""
+    tag_dir = Path(tag_dir)
+    model_files, optim_files = checkpoint_files(tag_dir)
+    if not model_files:
+        raise UserError(f"{tag_dir}: no DeepSpeed model_states file; not a checkpoint.")
+    archives: list[_Archive] = []
+    try:
+        for f in [model_files[0], *optim_files]:
+            archives.append(_Archive(f))
+        stage, world, sources = _index(tag_dir, archives[0].index(), archives[1:])
+    except _NOT_A_CHECKPOINT as e:
+        for a in archives:
+            a.close()
+        raise UserError(
+            f"{tag_dir}: its files are not laid out as a DeepSpeed ZeRO checkpoint ({e}); "
+            f"anneal export reads the checkpoints that Anneal's training writes. Export "
+            f"another tag (--tag), or copy the checkpoint again from where it was saved."
+        ) from None
+    except BaseException:
+        for a in archives:
+            a.close()
+        raise
+    return ZeroCheckpoint(tag_dir, stage, world, sources, archives)
+
+
+def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
+    """(ZeRO stage, ranks, parameter sources) from the unpickled (lazy) indexes."""
+    shapes = model_state.get("param_shapes")
+    if isinstance(shapes, dict):
+        shapes = [shapes]
+    optims = [a.index()["optimizer_state_dict"] for a in optim_archives]
+    stage = int(optims[0].get("zero_stage", 0)) if optims else 0
+    if model_state.get("frozen_param_shapes"):
+        raise UserError(
+            f"{tag_dir}: the model has frozen parameters (frozen_param_shapes), which anneal "
+            f"export does not convert; Anneal's training trains every parameter. Convert it "
+            f"with DeepSpeed's own zero_to_fp32.py, and only if you trust where it came from."
+        )
+    if stage in (1, 2, 3):
+        count = optims[0]["partition_count"]
+        world = max(count) if isinstance(count, list) else int(count)
+        if world != len(optims):
+            raise _Layout(f"{len(optims)} optimizer state file(s) for {world} ranks")
+    if stage == 3:
+        sources = _zero3_sources(shapes, optims, world)
+    elif stage in (1, 2):
+        sources = _zero12_sources(shapes, optims)
+    elif stage == 0:  # no ZeRO: the module's own weights (bf16 runs: bf16 values)
+        world, buffers = 1, model_state.get("buffer_names", [])
+        sources = [
+            TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),))
+            for name, t in model_state["module"].items()
+            if isinstance(t, LazyTensor) and name not in buffers
+        ]
+    else:
+        raise _Layout(f"ZeRO stage {stage}")
+    return stage, world, _with_buffers_and_aliases(sources, model_state)
+
+
+def _zero3_sources(shapes: list[dict], optims: list[dict], world: int) -> list[TensorSource]:
+    """A parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat groups."""
+    flats = [list(o["fp32_flat_groups"]) for o in optims]
+    sources, offset = [], 0
+    for group in shapes:
+        for name, shape in group.items():
+            part = math.ceil(math.prod(shape) / world)
+            pieces = [p for r in range(world) for p in _slices(flats[r], offset, part)]
+            sources.append(TensorSource(name, tuple(shape), flats[0][0].dtype, tuple(pieces)))
+            offset += part
+    if offset != sum(t.numel() for t in flats[0]):
+        raise _Layout(f"its parameters take {offset} of {sum(t.numel() for t in flats[0])}")
+    return sources
+
+
+def _zero12_sources(shapes: list[dict], optims: list[dict]) -> list[TensorSource]:
+    """Each param group's rank partitions, concatenated, hold its parameters in order, each
+    followed by its alignment padding."""
+    paddings = optims[0].get("param_alignment_paddings")
+    sources = []
+    for g, group in enumerate(shapes):
+        parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            n = math.prod(shape)
+            pieces = _slices(parts, offset, n)
+            sources.append(TensorSource(name, tuple(shape), parts[0].dtype, tuple(pieces)))
+            offset += n + (paddings[g][i] if paddings is not None else 0)
+    return sources
+
+
+def _with_buffers_and_aliases(sources: list[TensorSource], model_state) -> list[TensorSource]:
+    """``sources`` plus the module's buffers and the tied parameters' second names; each
+    source's pieces checked to be tensors of its dtype."""
+    sources = list(sources)
+    module = model_state.get("module") or {}
+    for name in model_state.get("buffer_names", []):
+        t = module.get(name)
+        if isinstance(t, LazyTensor):
+            sources.append(TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),)))
+    by_name = {s.name: s for s in sources}
+    for alias, target in (model_state.get("shared_params") or {}).items():
+        if target not in by_name:
+            raise _Layout(f"shared parameter {alias} names a missing {target}")
+        sources.append(dataclasses.replace(by_name[target], name=alias))
+    for s in sources:
+        kinds = {p.tensor.dtype if isinstance(p.tensor, LazyTensor) else None for p in s.pieces}
+        if kinds != {s.dtype}:
+            raise _Layout(f"{s.name}'s pieces are not all {s.dtype} tensors")
+    return sources
+
+
+# --- safetensors, streamed -------------------------------------------------------------------
+
+
+def _load_weights_only(path: Path) -> dict:
+    """``torch.load(weights_only=True)``: tensors and the few types of ``anneal.safeload``'s
+    allow-list are built, any other global is refused before it is imported."""
+    try:
+        with torch.serialization.safe_globals(safeload.safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{path}: torch.load(weights_only=True) refuses it ({first}); loading it otherwise "
+            f"could run code, so it is not loaded. Export a checkpoint from a source you trust."
+        ) from None
+
+
+def reference_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights in fp32, consolidated as DeepSpeed's ``zero_to_fp32`` does but
+    read with ``torch.load(weights_only=True)``: an independent path to the lazy reader's, and
+    one that never unpickles anything but tensors and plain types.
+
+    ZeRO-1/2: each param group's fp32 partitions (``single_partition_of_fp32_groups``), one per
+    rank, concatenated and cut in order of ``param_shapes`` with its alignment paddings. ZeRO-3:
+    each rank's ``fp32_flat_groups`` concatenated; a parameter of ``n`` elements takes
+    ``ceil(n / ranks)`` of every rank's, in order. No ZeRO: the module's own weights."""
+    model_files, optim_files = checkpoint_files(tag_dir)
+    model_state = _load_weights_only(model_files[0])
+    module = model_state.get("module") or {}
+    if zero_stage == 0:
+        return {k: v.float() for k, v in module.items() if torch.is_tensor(v)}
+    sd = {k: module[k].float() for k in model_state.get("buffer_names", []) if k in module}
+    optims = [_load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
+    shapes = model_state["param_shapes"]
+    shapes = [shapes] if isinstance(shapes, dict) else shapes
+    world = len(optims)
+    if zero_stage == 3:
+        flat = [torch.cat([g.flatten() for g in o["fp32_flat_groups"]]) for o in optims]
+        offset = 0
+        for name, shape in ((n, s) for group in shapes for n, s in group.items()):
+            n, part = math.prod(shape), math.ceil(math.prod(shape) / world)
+            rows = torch.cat([f[offset : offset + part] for f in flat])
+            sd[name] = rows[:n].view(tuple(shape)).float()
+            offset += part
+    else:
+        paddings = optims[0].get("param_alignment_paddings")
+        for g, group in enumerate(shapes):
+            full = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                n = math.prod(shape)
+                sd[name] = full[offset : offset + n].view(tuple(shape)).float()
+                offset += n + (paddings[g][i] if paddings is not None else 0)
+    for alias, target in (model_state.get("shared_params") or {}).items():
+        if target in sd:
+            sd[alias] = sd[target]
+    return sd

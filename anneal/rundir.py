@@ -1,0 +1,277 @@
+"""The one owner of a run directory: the name of every path inside a run, reading and writing
+its ``config.json``, the one reader of its ``metrics.jsonl``, and a launch's writes to it
+(``RunDir``, undone when the launch fails before its first step).
+
+```
+RUN/
+  config.json      the resolved run config and ds_config, as launched (read_config/write_config)
+  metrics.jsonl    one JSON object per line (anneal.metrics writes it; read_metrics reads it)
+  guard.json       the spike guard's record (anneal.guard)
+  checkpoints/     <tag>/ + latest (anneal.checkpoint)
+  tb/ plots/ report.txt hf/<tag>/ heartbeat/ preempt/ previous-<time>/
+```
+
+A Hugging Face model directory's own ``config.json`` (``RUN/hf/<tag>/config.json``) is the
+exporter's, not this module's. Nothing here imports torch at import time (the data and scaling
+commands read run directories too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from anneal.errors import UserError
+from anneal.files import write_atomic
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+GUARD = "guard.json"
+CHECKPOINTS = "checkpoints"
+PLOTS = "plots"
+REPORT = "report.txt"
+TB = "tb"
+HF = "hf"
+HEARTBEAT = "heartbeat"
+PREEMPT = "preempt"
+PREVIOUS = "previous-"
+
+RUN_FILES = (CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, "wandb")
+"""What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
+The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, logs/) and the
+live ``preempt/`` stay where they are."""
+MARKS = (CONFIG, METRICS, GUARD)
+"""Files whose presence shows that a run has been in a directory (as does a checkpoint)."""
+
+log = logging.getLogger(__name__)
+
+
+def config_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CONFIG
+
+
+def metrics_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def guard_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / GUARD
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def of_checkpoint(tag_dir: str | Path) -> Path:
+    """The run directory that holds checkpoint ``tag_dir`` (``RUN/checkpoints/<tag>``)."""
+    return Path(tag_dir).parent.parent
+
+
+def tb_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TB
+
+
+def plots_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / PLOTS
+
+
+def report_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / REPORT
+
+
+def hf_dir(run_dir: str | Path, tag: str | None = None) -> Path:
+    """``RUN/hf``, or ``RUN/hf/<tag>``: where the export of checkpoint ``tag`` goes."""
+    return Path(run_dir) / HF if tag is None else Path(run_dir) / HF / tag
+
+
+def heartbeat_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HEARTBEAT
+
+
+def preempt_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / PREEMPT
+
+
+# -- config.json ---------------------------------------------------------------------------------
+
+
+def read_config(run_dir: str | Path) -> dict:
+    """The run's ``config.json``: a UserError naming the file when there is none, it cannot be
+    read, or it is not a run's (a JSON object with a "run" section)."""
+    path = config_path(run_dir)
+    if not path.is_file():
+        raise UserError(
+            f"{run_dir}: no {CONFIG}; not an Anneal run directory (give the --out of a run)."
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(
+            f"{path}: cannot be read as JSON ({e}); it is not as the run wrote it. Give a run "
+            f"directory whose {CONFIG} is intact, or restore this one."
+        ) from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("run"), dict)):
+        raise UserError(f"{path}: not a run's {CONFIG} (no \"run\" section). Give a run's --out.")
+    return doc
+
+
+def config_or_empty(run_dir: str | Path) -> dict:
+    """The run's ``config.json`` when it is a readable JSON object, else ``{}`` (for labels and
+    optional checks that have something else to fall back on)."""
+    try:
+        doc = json.loads(config_path(run_dir).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def write_config(run_dir: str | Path, doc: dict) -> None:
+    write_atomic(config_path(run_dir), json.dumps(doc, indent=2) + "\n")
+
+
+def holds_run(out: Path) -> list[str]:
+    """What in ``out`` shows that a run has been there: its config.json, metrics.jsonl or
+    guard.json, or anything in checkpoints/ (even a torn save). Empty when none."""
+    found = [name for name in MARKS if (out / name).exists()]
+    ckpt = checkpoints_dir(out)
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        found.append(f"{CHECKPOINTS}/")
+    return found
+
+
+# -- metrics.jsonl -------------------------------------------------------------------------------
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None, *, trained=False) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` in order, only those of ``kind`` if given.
+
+    A killed run can leave its last line torn (no newline, not valid JSON); that line is
+    skipped with a warning. Any other line that is not a JSON object is a UserError naming the
+    file and line, as is a run directory without the file. ``trained``: a run that has not
+    taken a step yet (no file, no train row) is a UserError that says so (plots, report).
+    """
+    path = metrics_path(run_dir)
+    if trained and not path.is_file():
+        raise UserError(
+            f"{run_dir}: no {METRICS} yet. A run writes it from its first step; give the "
+            f"run's --out directory, or wait for the first step to finish."
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(
+            f"{path}: cannot read it ({e.strerror or e}). Every Anneal run writes "
+            f"{METRICS} into its run directory from its first step on; give the directory "
+            f"of a run that has trained (the --out of the recipe)."
+        ) from None
+    rows = _rows(path, data)
+    if trained and not any(r.get("kind") == "train" for r in rows):
+        raise UserError(
+            f"{path}: no train rows yet (the first is written after the first optimizer step). "
+            f"Wait for the run to take a step."
+        )
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def _rows(path: Path, data: bytes) -> list[dict]:
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number == len(lines):  # no newline after it: a write cut short by a kill
+            log.warning("%s: skipping the torn last line %d (the run was killed)", path, number)
+        else:
+            start = line[:80].decode(errors="replace")
+            raise UserError(
+                f"{path}, line {number}: not a JSON object ({start!r}). {METRICS} "
+                f"holds one JSON object per line, as Anneal writes it; the file was changed "
+                f"or damaged by something else. Remove that line or rerun."
+            )
+    return rows
+
+
+# -- a launch's writes ---------------------------------------------------------------------------
+
+
+class RunDir:
+    """This launch's writes to the run directory, made once the engine is built and any
+    checkpoint loaded, and undone when the launch fails before its first step."""
+
+    def __init__(self, out: Path, config_doc: dict, *, restart: bool = False):
+        """Rank 0: with ``restart``, move the run that is there to ``previous-<time>/``; then
+        write the resolved config.json. Every rank waits for that, then has checkpoints/."""
+        import torch.distributed as dist
+
+        from anneal.dist import is_main_process
+
+        self.out, self.stepped = Path(out), False
+        self._existed: set[str] | None = None
+        self._old_config: str | None = None
+        if is_main_process():
+            if restart:
+                move_previous_run(self.out)
+            if self.out.is_dir():
+                self._existed = {p.name for p in self.out.iterdir()}
+                config = config_path(self.out)
+                self._old_config = config.read_text() if config.is_file() else None
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_config(self.out, config_doc)
+        if dist.is_initialized():
+            dist.barrier()
+        checkpoints_dir(self.out).mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def for_launch(cls, plan) -> RunDir:
+        """The writes of launch ``plan`` (an ``anneal.plan.Plan``)."""
+        return cls(plan.out, plan.config_document(), restart=plan.cfg.restart)
+
+    def undo(self) -> None:
+        """Rank 0, before any step completed: remove what this launch created in the run
+        directory (and the directory, if it made it) and put back the config.json it replaced.
+        A run that ``--restart`` moved to ``previous-<time>/`` stays there."""
+        from anneal.dist import is_main_process
+
+        if self.stepped or not is_main_process() or not self.out.is_dir():
+            return
+        try:
+            for p in self.out.iterdir():
+                if (self._existed is None or p.name not in self._existed) and not (
+                    p.name.startswith(PREVIOUS)
+                ):
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if self._old_config is not None:
+                write_atomic(config_path(self.out), self._old_config)
+            if self._existed is None and not any(self.out.iterdir()):
+                self.out.rmdir()
+        except OSError as e:  # the failure that got us here is the one to report
+            log.warning("could not put %s back as it was: %s", self.out, e)
+            return
+        log.warning("the run failed before its first step: %s is as it was before", self.out)
+
+
+def move_previous_run(out: Path) -> Path | None:
+    """``--restart``: the run files in ``out`` (``RUN_FILES``) to a new ``out/previous-<time>/``,
+    by rename (nothing is copied or deleted)."""
+    from anneal.dist import print0
+
+    names = [n for n in RUN_FILES if (out / n).exists() or (out / n).is_symlink()]
+    if not names:
+        return None
+    dest = out / f"{PREVIOUS}{time.strftime('%Y%m%d-%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "-1")
+    dest.mkdir()
+    for name in names:
+        (out / name).rename(dest / name)
+    print0(f"--restart: the run that was in {out} ({', '.join(names)}) is now in {dest}")
+    return dest

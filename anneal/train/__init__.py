@@ -1,0 +1,21 @@
+"""Training: the Trainer and its loop (``trainer``), building the engine (``engine``: the one
+call of ``deepspeed.initialize``), one optimizer step and validation (``step``), and what
+watches a run (``observers``). Recipes call ``run(cfg)``."""
+
+from anneal.train.engine import build_engine, plan_run, setup_process
+from anneal.train.observers import ExportAfterSave
+from anneal.train.step import TrainState, next_token_loss, train_step, validate
+from anneal.train.trainer import Trainer, run
+
+__all__ = [
+    "ExportAfterSave",
+    "TrainState",
+    "Trainer",
+    "build_engine",
+    "next_token_loss",
+    "plan_run",
+    "run",
+    "setup_process",
+    "train_step",
+    "validate",
+]

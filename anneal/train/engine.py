@@ -1,0 +1,101 @@
+"""Building the engine: resolve a launch for the live world (``plan_run``), the model (partitioned
+at construction under ZeRO-3) and ``deepspeed.initialize``, called here and nowhere else; the
+process setup before it (process group, device, CPU threads)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from anneal import model as modellib
+from anneal.config import RunConfig
+from anneal.dist import init_distributed, setup_logging, world_size
+from anneal.plan import Plan, resolve_plan
+from anneal.schedule import WarmupCosine
+
+
+def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
+    """Resolve this launch for the live world and device (see ``anneal.plan``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    return resolve_plan(
+        cfg,
+        overrides,
+        world_size=world_size(),
+        device_type="cuda" if device.type == "cuda" else "cpu",
+        fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
+    )
+
+
+def build_engine(plan: Plan):
+    """Model (partitioned at construction under ZeRO-3) -> the DeepSpeed engine."""
+    import deepspeed
+
+    ds = plan.ds_config
+    zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
+    preset = plan.preset
+    if zero3:
+        # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
+        # tensor construction; importing it inside fails with a dynamo signature mismatch.
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = modellib.build_model(preset)
+        gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
+    else:
+        model = modellib.build_model(preset)
+        gather = None
+    modellib.init_weights_(
+        model, std=preset.initializer_range, seed=plan.cfg.train.seed, gather=gather
+    )
+    if plan.cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt_params = ds["optimizer"]["params"]
+    sched = ds["scheduler"]["params"]
+    engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=modellib.param_groups(model, weight_decay=opt_params["weight_decay"]),
+        config=engine_config,
+        lr_scheduler=lambda opt: WarmupCosine(opt, **sched),
+    )
+    if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not plan.bf16:
+        _keep_fp32_clip_norm(engine)
+    return engine
+
+
+def _keep_fp32_clip_norm(engine) -> None:
+    """Without ZeRO in fp32, DeepSpeed clips through ``clip_fp32_gradients`` and drops the norm
+    it computed (``get_global_grad_norm()`` stays None); keep it, as its other paths do."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(),
+            max_norm=engine.gradient_clipping(),
+            mpu=engine.mpu,
+        )
+
+    engine.clip_fp32_gradients = clip
+
+
+def setup_process(collective_timeout_s: float = 1800.0) -> None:
+    import deepspeed
+
+    init_distributed(collective_timeout_s)
+    setup_logging()
+    accelerator = deepspeed.get_accelerator()
+    if accelerator.device_name() == "cpu":
+        _share_cpu_threads()
+    else:  # before anything asks for "the current device"
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _share_cpu_threads() -> None:
+    """On CPU, split the cores between the ranks on this host unless OMP_NUM_THREADS says."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

@@ -1,0 +1,163 @@
+"""One optimizer step (docs/training.md, "One optimizer step"): zero grads (DeepSpeed sets them
+to None after each step) -> forward (bf16 when the ds_config enables it) -> cross-entropy on next
+tokens -> backward (DeepSpeed divides the loss by the accumulation steps and reduces gradients
+only at the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on
+2-D+ weights -> warmup-cosine LR step. And validation on the fixed held-out windows.
+
+Nothing here is there for tests: fault injection (``anneal.faults``) wraps ``train_step`` from
+outside, through its ``stream`` and ``loss_fn`` arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from anneal import progress as live
+from anneal.data.stream import PackedSplit, TokenStream, validation_windows
+from anneal.dist import rank, world_size
+from anneal.plan import Plan
+from anneal.preempt import Preemption
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything that advances during training besides the engine's own state."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, T, V) logits against (B, T) next tokens, in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _step_collective(
+    loss: torch.Tensor,
+    device: torch.device,
+    preemption: Preemption | None,
+    *,
+    memory_per_rank: bool = False,
+) -> tuple[float, dict, bool]:
+    """The one collective (and the one host sync) of a step, on every rank: this rank's mean
+    loss, its memory and whether it got a preemption signal, gathered from all ranks. Returns
+    the mean loss over ranks, the memory fields of the row, and whether any rank was signalled.
+    """
+    flag = float(preemption is not None and preemption.signalled)
+    mem = float(live.local_memory_bytes(device))
+    mine = torch.stack([
+        loss.to(torch.float64),
+        torch.tensor(mem, dtype=torch.float64, device=device),
+        torch.tensor(flag, dtype=torch.float64, device=device),
+    ])  # fmt: skip
+    if world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(world_size())]
+        dist.all_gather(parts, mine)
+        mine = torch.stack(parts)
+    rows = mine.view(-1, 3).tolist()
+    memory = live.memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
+    loss_mean = sum(r[0] for r in rows) / len(rows)
+    return loss_mean, memory, any(r[2] > 0 for r in rows)
+
+
+def train_step(
+    engine,
+    stream: TokenStream,
+    state: TrainState,
+    plan: Plan,
+    preemption: Preemption | None = None,
+    loss_fn=next_token_loss,
+) -> dict:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; advances ``state``
+    and returns the step's train row. ``preemption``: the run's ``Preemption``; this step's
+    collective sets its ``requested_by_any`` on every rank. ``loss_fn(logits, targets)``: the
+    loss of one micro-batch.
+
+    The micro-batch losses stay on the device and are read once, at the end of the step, in
+    the step's one collective (``_step_collective``)."""
+    start = time.perf_counter()
+    device = engine.device
+    lr = engine.get_lr()[0]  # the LR this step applies
+    loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
+    for _ in range(plan.grad_accum):
+        t0 = time.perf_counter()
+        x, y = stream.next_batch()
+        wait_s += time.perf_counter() - t0
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = loss_fn(engine(input_ids=x).logits, y)
+        engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
+        engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
+        loss_sum += loss.detach()
+    loss_mean, memory, preempt = _step_collective(
+        loss_sum / plan.grad_accum,
+        device,
+        preemption,
+        memory_per_rank=plan.cfg.train.memory_per_rank,
+    )
+    if preemption is not None:
+        preemption.requested_by_any = preempt
+    state.step += 1
+    state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
+    grad_norm = engine.get_global_grad_norm()
+    elapsed = time.perf_counter() - start
+    return {
+        "kind": "train",
+        "step": state.step,
+        "tokens": state.tokens,
+        "loss": loss_mean,
+        "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens_per_s": plan.ds_config["train_batch_size"] * plan.seq_len / elapsed,
+        "data_wait_s": round(wait_s, 6),
+        "data_wait_share": round(wait_s / elapsed, 6),  # of step time; prefetch keeps it < 1%
+        **memory,
+        "time": round(time.time(), 3),  # wall clock at the end of the step
+    }
+
+
+@torch.no_grad()
+def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> dict:
+    """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
+    engine.eval()
+    device = engine.device
+    byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+    for windows in validation_windows(
+        val.n_windows,
+        n_samples=plan.cfg.train.eval_samples,
+        rank=rank(),
+        world_size=world_size(),
+        micro_batch=plan.micro_batch,
+    ):
+        x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
+        x, y = x.to(device), y.to(device)
+        weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
+        logits = engine(input_ids=x).logits.float()
+        nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
+        sums += torch.stack([
+            (nats.double().sum(1) * weight).sum(),
+            weight.sum() * y.size(1),
+            (byte_table[y].sum(1) * weight).sum(),
+        ])  # fmt: skip
+    if world_size() > 1:
+        dist.all_reduce(sums)
+    engine.train()
+    nats, tokens, n_bytes = sums.tolist()
+    val_loss = nats / tokens
+    return {
+        "kind": "val",
+        "step": 0,
+        "val_loss": val_loss,
+        "val_ppl": math.exp(val_loss),
+        "val_bpb": nats / math.log(2) / n_bytes,
+    }
