@@ -124,13 +124,21 @@ def claim_output(
                 f"so --force will not delete it. Choose a new directory, or move its contents "
                 f"away yourself."
             )
-    parent = real.parent
+    check_creatable(out, flag=flag)
+
+
+def check_creatable(path: Path, *, flag: str = "--out") -> None:
+    """UserError unless ``path`` can be created: its nearest existing ancestor is a directory
+    this process may write to (a path under a file, or in a read-only place, is refused)."""
+    from anneal.errors import UserError
+
+    parent = _resolved(path).parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(
-            f"{flag} {out}: cannot create it, {parent} is not a writable directory. Choose a "
-            f"directory you can write to."
+            f"{flag} {path}: cannot create it, {parent} is not a writable directory. Choose a "
+            f"place you can write to."
         )
 
 

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
 from anneal.dist import free_port  # noqa: E402
+from anneal.hardware import process_memory_bytes  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
@@ -68,27 +69,15 @@ class PeakRss:
     """Peak of the RSS summed over a process and its descendants, sampled every 0.2 s."""
 
     def __init__(self, pid: int):
-        import psutil
-
-        self.root = psutil.Process(pid)
+        self.pid = pid
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.is_set():
-            total = 0
-            try:
-                for p in [self.root, *self.root.children(recursive=True)]:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-            except psutil.Error:
-                pass
+            total = process_memory_bytes(self.pid, tree=True)
             self.peak = max(self.peak, total)
             self._stop.wait(0.2)
 

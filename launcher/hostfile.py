@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.files import write_atomic
+from anneal.files import check_creatable, write_atomic
 
 HOST = re.compile(r"[A-Za-z0-9_.\-]+")
 _LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>\S+)")
@@ -140,14 +140,7 @@ def _claim(path: Path, *, force: bool) -> None:
                 f"--out {path}: exists and is not a hostfile ({e}), so --force will not "
                 f"replace it. Choose a new file, or move that one away yourself."
             ) from None
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(
-            f"--out {path}: cannot create it, {parent} is not a writable directory. Choose a "
-            f"file in a directory you can write to."
-        )
+    check_creatable(path)
 
 
 def write(path: str | Path, hosts: dict[str, int], *, force: bool = False) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.errors import UserError
-from anneal.files import is_matplotlib_png
+from anneal.files import check_creatable, is_matplotlib_png
 from anneal.scaling.law import FIT_FORMAT, FIT_VERSION, PARAM_NAMES, ChinchillaFit
 from anneal.scaling.runs import RunPoint
 
@@ -278,14 +278,7 @@ def claim_fit_outputs(out: Path, plot: Path | None, *, force: bool) -> None:
                 f"{flag} {path}: a directory is there. Name a file, e.g. {path / out.name}."
             )
         if not (path.exists() or path.is_symlink()):
-            parent = Path(os.path.realpath(path)).parent
-            while not parent.exists():
-                parent = parent.parent
-            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                raise UserError(
-                    f"{flag} {path}: cannot create it, {parent} is not a writable directory. "
-                    f"Choose a path you can write to."
-                )
+            check_creatable(path, flag=flag)
             continue
         if not force:
             raise UserError(
