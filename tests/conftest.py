@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -80,6 +81,24 @@ def run_process(
             f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}"
         )
     return done
+
+
+def tree(*roots: Path) -> dict[str, str]:
+    """{path: what is there} for every entry under ``roots``, the roots included: a link's
+    target (and the hash of the file it leads to), ``dir``, a file's sha256, or ``other``.
+    The hostile-input tests compare it before and after a command to show that nothing
+    outside the command's own output changed."""
+    out: dict[str, str] = {}
+    for root in map(Path, roots):
+        if not (root.exists() or root.is_symlink()):
+            continue
+        for p in [root, *sorted(root.rglob("*"))]:
+            if p.is_dir() and not p.is_symlink():
+                out[str(p)] = "dir"
+                continue
+            what = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "other"
+            out[str(p)] = f"link -> {os.readlink(p)} {what}" if p.is_symlink() else what
+    return out
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -16,7 +16,6 @@ around it as it was (the tree is hashed before and after).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import random
@@ -35,26 +34,13 @@ from anneal.data.prepared import check_prepared, read_meta
 from anneal.data.sources import parse_inputs
 from anneal.errors import UserError
 from anneal.scaling.law import FIT_FORMAT
+from tests.conftest import tree
 
 SEQ = 16
 PARTIAL_MARKER = ".anneal-prepare-partial"  # anneal.data.prepare.PARTIAL_MARKER
 TEXT = "".join(
     f"line {i}: the quick brown fox jumps over the lazy dog {i * 7}\n" for i in range(60)
 )
-
-
-def tree(root: Path) -> dict[str, str]:
-    """{relative path: sha256 of a file, 'dir', or 'link -> target'} of everything below root."""
-    out = {}
-    for p in sorted(Path(root).rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_symlink():
-            out[rel] = f"link -> {os.readlink(p)}"
-        elif p.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def refused(argv: list[str], capsys, *, root: Path, names: tuple[str, ...]) -> str:
@@ -236,7 +222,7 @@ def test_stale_partial_cleanup_deletes_only_a_dead_prepares_own_directory(tmp_pa
     prepare_module._remove_stale_partials(tmp_path / "da*a")
     after = tree(tmp_path)
     assert not own.exists()
-    gone = [k for k in before if k == own.name or k.startswith(own.name + "/")]
+    gone = [k for k in before if k == str(own) or k.startswith(f"{own}/")]
     assert after == {k: v for k, v in before.items() if k not in gone}
     assert keep_file.is_file() and link.is_symlink() and (elsewhere / PARTIAL_MARKER).exists()
 

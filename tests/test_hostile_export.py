@@ -19,7 +19,6 @@ through `anneal.cli.main` or `anneal.hf.export.export`, and only one test conver
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import tree
 
 TAG = "step00000002"
 
@@ -45,15 +46,6 @@ class Payload:
 def run(tiny_run, tmp_path) -> Path:
     """A copy of the tiny run, for a test that damages it or that might delete it."""
     return Path(shutil.copytree(tiny_run, tmp_path / "run", symlinks=True))
-
-
-def tree(*roots: Path) -> dict[str, str]:
-    """{path: sha256 of a file, or 'dir'} of everything under ``roots``."""
-    found = {}
-    for root in roots:
-        for p in [root, *Path(root).rglob("*")]:
-            found[str(p)] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-    return found
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:

@@ -22,7 +22,6 @@ Proves, one surface at a time:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shlex
 import stat
@@ -36,24 +35,11 @@ import pytest
 from anneal.errors import UserError
 from launcher import dsenv, slurm
 from launcher.__main__ import main as launcher_main
+from tests.conftest import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "recipes" / "pretrain_tiny.py")
 GPU_SH = ROOT / "bench" / "gpu.sh"
-
-
-def tree(root: Path) -> dict[str, str]:
-    """{relative path: sha256 of the file, or 'dir'} for everything under ``root``."""
-    out = {}
-    for p in sorted(Path(root).rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "link:" + os.readlink(p)
-        elif p.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def launch(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -98,7 +84,7 @@ def test_slots_zero_is_refused_not_taken_for_the_default(tmp_path, capsys):
         "at least 1",
         "e.g. 8",
     )
-    assert tree(tmp_path) == {}
+    assert tree(tmp_path) == {str(tmp_path): "dir"}
 
 
 def test_negative_slots_write_nothing(tmp_path, capsys):
@@ -110,7 +96,7 @@ def test_negative_slots_write_nothing(tmp_path, capsys):
         "at least 1",
     )
     assert "line 1" not in err  # the flag is blamed, not a file it should not have written
-    assert tree(tmp_path) == {}
+    assert tree(tmp_path) == {str(tmp_path): "dir"}
 
 
 @pytest.mark.parametrize(
@@ -239,7 +225,7 @@ def test_a_directory_or_a_device_is_not_a_hostfile(tmp_path, capsys):
             ["run", RECIPE, "--hostfile", str(path), "--device", "cpu", "--dry-run"],
             f"hostfile {path}: not a regular file",
         )
-    assert tree(tmp_path) == {}
+    assert tree(tmp_path) == {str(tmp_path): "dir"}
 
 
 def test_the_sbatch_script_replaces_the_hostfile_of_its_previous_run():

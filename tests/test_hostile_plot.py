@@ -9,10 +9,10 @@ hashed before and after. In-process through `anneal.cli.main`; about a second.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
+from tests.conftest import tree
 from tests.test_observe import good_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,13 +27,6 @@ SCHEDULE = [
     "--warmup-steps",
     "10",
 ]
-
-
-def tree(root: Path) -> dict[str, str]:
-    return {
-        str(p): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in [root, *root.rglob("*")]
-    }
 
 
 def cli(capsys, *argv) -> tuple[int, str]:

@@ -23,7 +23,6 @@ cases) and copied.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -34,19 +33,10 @@ import pytest
 from anneal import checkpoint
 from anneal.errors import UserError
 from anneal.files import confined
-from tests.conftest import ROOT, SMALL, env, run_process, run_recipe
+from tests.conftest import ROOT, SMALL, env, run_process, run_recipe, tree
 
 RECIPE = "recipes/pretrain_tiny.py"
 TAG = "step00000002"
-
-
-def tree(*roots: Path) -> dict[str, str]:
-    """{path: sha256 or "dir"} of every entry under ``roots`` (the roots included)."""
-    out = {}
-    for root in roots:
-        for p in [root, *sorted(root.rglob("*"))] if root.exists() else []:
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-    return out
 
 
 @pytest.fixture
