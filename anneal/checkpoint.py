@@ -124,8 +124,9 @@ def _hash_share(tag_dir: Path, names: list[str]) -> dict[str, dict]:
     mine = [n for n in names if owner_of(n, world_size()) == rank()]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as pool:
         synced = [pool.submit(fsync_path, tag_dir / n) for n in mine]
-        share = {n: {"size": (tag_dir / n).stat().st_size, HASH: file_hash(tag_dir / n)}
-                 for n in mine}  # fmt: skip
+        share = {
+            n: {"size": (tag_dir / n).stat().st_size, HASH: file_hash(tag_dir / n)} for n in mine
+        }
         for done in synced:
             done.result()  # an fsync error (EIO, ENOSPC) fails the save here
     return share
@@ -469,8 +470,11 @@ def _load_universal(engine, tag_dir: Path, saved_ranks: int):
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     log.warning(
         "%s was saved by %d ranks, this job has %d: loading its universal form %s",
-        tag_dir, saved_ranks, world_size(), universal,
-    )  # fmt: skip
+        tag_dir,
+        saved_ranks,
+        world_size(),
+        universal,
+    )
     engine._config.load_universal_checkpoint = True  # for this one load
     try:
         loaded = engine.load_checkpoint(
@@ -493,9 +497,19 @@ def to_universal(tag_dir: Path) -> Path:
     if is_main_process() and not out.is_dir():
         tmp = tag_dir / f".{UNIVERSAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-               "--input_folder", str(tag_dir), "--output_folder", str(tmp),
-               "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(tag_dir),
+            "--output_folder",
+            str(tmp),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(

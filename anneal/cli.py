@@ -491,8 +491,12 @@ def _export(args: argparse.Namespace) -> int:
     from anneal.hf import export
 
     run = Path(args.run)
-    kwargs = dict(dtype=args.dtype, shard_size=args.shard_size, force=args.force,
-                  tokenizer=Path(args.tokenizer) if args.tokenizer else None)  # fmt: skip
+    kwargs = dict(
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        force=args.force,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+    )
     if args.every_save:
         if args.tag:
             raise UserError("anneal export: --every-save exports every tag; drop --tag.")
@@ -522,8 +526,9 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     if not args.run:
         raise UserError("anneal plot: give a RUN directory, or --schedule CONFIG --steps N.")
-    for path in plots.plot_run(Path(args.run), out_dir=Path(args.out) if args.out else None,
-                               dark=args.dark):  # fmt: skip
+    for path in plots.plot_run(
+        Path(args.run), out_dir=Path(args.out) if args.out else None, dark=args.dark
+    ):
         print(f"wrote {path}")
     return 0
 

@@ -72,9 +72,13 @@ def make(
     est = memory.estimate(
         preset,
         memory.ZeroSetup.from_ds_config(ds_config),
-        memory.Workload(micro_batch=micro, seq_len=preset.seq_len, n_gpus=world_size,
-                        activation_checkpointing=activation_checkpointing),
-    )  # fmt: skip
+        memory.Workload(
+            micro_batch=micro,
+            seq_len=preset.seq_len,
+            n_gpus=world_size,
+            activation_checkpointing=activation_checkpointing,
+        ),
+    )
     flops = modellib.flops_per_token(preset, seq_len=preset.seq_len)
     tokens = ds_config["train_batch_size"] * preset.seq_len
     return Forecast(
@@ -150,7 +154,12 @@ class Check:
         metrics.event(row["step"], "forecast", **fields)
         log.info(
             "forecast check at step %d: %.3g s per step (forecast %.3g, x%.2f); peak memory "
-            "%s (forecast %s, x%.2f)", row["step"], measured_s, self.forecast["step_s"],
-            fields["step_time_ratio"], memory.format_bytes(peak),
-            memory.format_bytes(self.forecast["memory_bytes_per_gpu"]), fields["memory_ratio"],
-        )  # fmt: skip
+            "%s (forecast %s, x%.2f)",
+            row["step"],
+            measured_s,
+            self.forecast["step_s"],
+            fields["step_time_ratio"],
+            memory.format_bytes(peak),
+            memory.format_bytes(self.forecast["memory_bytes_per_gpu"]),
+            fields["memory_ratio"],
+        )

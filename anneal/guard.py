@@ -132,9 +132,16 @@ class Guard:
                 return "ok"
             reason, verdict = "loss", "rewind"
         metrics.event(
-            step, "spike", reason=reason, loss=loss, grad_norm=grad_norm, threshold=threshold,
-            samples=list(samples), update_applied=step_applied, action=verdict,
-        )  # fmt: skip
+            step,
+            "spike",
+            reason=reason,
+            loss=loss,
+            grad_norm=grad_norm,
+            threshold=threshold,
+            samples=list(samples),
+            update_applied=step_applied,
+            action=verdict,
+        )
         print0(
             f"guard: step {step} spike ({reason}): loss {loss:.4f}"
             + (f" > threshold {threshold:.4f}" if threshold is not None else "")
@@ -199,8 +206,13 @@ class Guard:
         """After ``rewind`` and the restore: the log file, the events and the console line."""
         self._save_log()
         start, end = self._rewound_skip
-        metrics.event(spike_step, "rewind", to_step=client["step"], checkpoint=str(tag_dir),
-                      lr_scale=self.lr_scale)  # fmt: skip
+        metrics.event(
+            spike_step,
+            "rewind",
+            to_step=client["step"],
+            checkpoint=str(tag_dir),
+            lr_scale=self.lr_scale,
+        )
         metrics.event(spike_step, "skip", samples=[start, end], reason="rewind")
         print0(
             f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "

@@ -68,8 +68,15 @@ class Heartbeat:
 
     def _write_locked(self) -> None:
         self._beats += 1
-        doc = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "beat": self._beats,
-               "step": self.step, "status": self.status, "launch": self._launch}  # fmt: skip
+        doc = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "beat": self._beats,
+            "step": self.step,
+            "status": self.status,
+            "launch": self._launch,
+        }
         write_atomic(self._file(self.rank), json.dumps(doc))
 
     def _read(self, rank: int) -> dict | None:

@@ -121,8 +121,15 @@ def get_preset(name: str) -> ModelPreset:
     return PRESETS[name]
 
 
-SHAPE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "seq_len", "vocab_size")  # fmt: skip
+SHAPE_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "seq_len",
+    "vocab_size",
+)
 """The sizes a model document must give as positive integers."""
 
 

@@ -20,8 +20,14 @@ from anneal.errors import UserError
 from anneal.files import claim_output
 
 DEVICE_TYPES = ("cpu", "cuda")
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads")  # fmt: skip
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 """The model fields that decide the shape of its weights (a checkpoint loads only into these)."""
 
 

@@ -93,11 +93,23 @@ DARK = {
     "legend.edgecolor": "#334155",
 }
 COLORS = {
-    "light": {"main": "#1f77b4", "second": "#d62728", "warm": "#fde68a", "cos": "#bfdbfe",
-              "event": "#7c3aed", "clip": "#6b7280"},
-    "dark": {"main": "#22d3ee", "second": "#f472b6", "warm": "#f59e0b", "cos": "#38bdf8",
-             "event": "#a78bfa", "clip": "#94a3b8"},
-}  # fmt: skip
+    "light": {
+        "main": "#1f77b4",
+        "second": "#d62728",
+        "warm": "#fde68a",
+        "cos": "#bfdbfe",
+        "event": "#7c3aed",
+        "clip": "#6b7280",
+    },
+    "dark": {
+        "main": "#22d3ee",
+        "second": "#f472b6",
+        "warm": "#f59e0b",
+        "cos": "#38bdf8",
+        "event": "#a78bfa",
+        "clip": "#94a3b8",
+    },
+}
 DPI = 100
 SIZE = (8, 4.5)
 
@@ -161,8 +173,12 @@ def plot_schedule(
 
     plt, style, c = _pyplot(dark)
     steps = np.unique(np.linspace(1, total_steps, min(total_steps, 2000)).astype(int))
-    kw = dict(total_num_steps=total_steps, warmup_num_steps=warmup_steps,
-              warmup_min_ratio=warmup_min_ratio, cos_min_ratio=cos_min_ratio)  # fmt: skip
+    kw = dict(
+        total_num_steps=total_steps,
+        warmup_num_steps=warmup_steps,
+        warmup_min_ratio=warmup_min_ratio,
+        cos_min_ratio=cos_min_ratio,
+    )
     lr = [peak_lr * lr_ratio(int(t), **kw) for t in steps]
     with plt.rc_context(style):
         fig, ax = plt.subplots(figsize=SIZE)
@@ -170,10 +186,18 @@ def plot_schedule(
         ax.plot(steps, lr, color=c["main"], lw=2, label="learning rate")
         ax.axhline(peak_lr, color=c["clip"], ls=":", lw=1)
         ax.axhline(cos_min_ratio * peak_lr, color=c["clip"], ls=":", lw=1)
-        ax.annotate(f"peak {peak_lr:.2g}", (warmup_steps, peak_lr), textcoords="offset points",
-                    xytext=(6, -12))  # fmt: skip
-        ax.annotate(f"floor {cos_min_ratio:g} x peak", (total_steps, cos_min_ratio * peak_lr),
-                    textcoords="offset points", xytext=(-110, 6))  # fmt: skip
+        ax.annotate(
+            f"peak {peak_lr:.2g}",
+            (warmup_steps, peak_lr),
+            textcoords="offset points",
+            xytext=(6, -12),
+        )
+        ax.annotate(
+            f"floor {cos_min_ratio:g} x peak",
+            (total_steps, cos_min_ratio * peak_lr),
+            textcoords="offset points",
+            xytext=(-110, 6),
+        )
         ax.set_xlim(0, total_steps)
         ax.set_ylim(0, peak_lr * 1.1)
         ax.set_xlabel("optimizer step")
@@ -288,8 +312,13 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
     ax.plot(x, y, color=c["main"], lw=1, alpha=0.5 if len(y) > 50 else 1, label="train loss")
     if len(y) > 50:  # a running mean over ~2% of the run shows the trend through the noise
         k = max(2, len(y) // 50)
-        ax.plot(x[k - 1 :], np.convolve(y, np.ones(k) / k, "valid"), color=c["main"], lw=2,
-                label=f"train loss, mean of {k}")  # fmt: skip
+        ax.plot(
+            x[k - 1 :],
+            np.convolve(y, np.ones(k) / k, "valid"),
+            color=c["main"],
+            lw=2,
+            label=f"train loss, mean of {k}",
+        )
     vx = [tokens.get(r["step"]) for r in val if isinstance(r.get("val_loss"), int | float)]
     vy = [r["val_loss"] for r in val if isinstance(r.get("val_loss"), int | float)]
     pts = [(a, b) for a, b in zip(vx, vy, strict=True) if a]
@@ -297,8 +326,13 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
         ax.plot(*zip(*pts, strict=True), "o-", color=c["second"], lw=1.5, ms=4, label="dev loss")
     vocab = (cfg.get("model") or {}).get("vocab_size")
     if vocab:
-        ax.axhline(math.log(vocab), color=c["clip"], ls="--", lw=1,
-                   label=f"random baseline ln V = {math.log(vocab):.2f}")  # fmt: skip
+        ax.axhline(
+            math.log(vocab),
+            color=c["clip"],
+            ls="--",
+            lw=1,
+            label=f"random baseline ln V = {math.log(vocab):.2f}",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
@@ -321,8 +355,10 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
         _schedule_zones(ax, warmup=int(warm), total=int(total), colors=c)
         t = np.unique(np.linspace(1, total, min(int(total), 2000)).astype(int))
         kw = {k: sched[k] for k in ("warmup_min_ratio", "cos_min_ratio") if k in sched}
-        plan = [peak * lr_ratio(int(s), total_num_steps=int(total), warmup_num_steps=int(warm),
-                                **kw) for s in t]  # fmt: skip
+        plan = [
+            peak * lr_ratio(int(s), total_num_steps=int(total), warmup_num_steps=int(warm), **kw)
+            for s in t
+        ]
         ax.plot(t, plan, color=c["clip"], ls="--", lw=1, label="planned")
     x, y = _series(train, "lr")
     ax.plot(x, y, color=c["main"], lw=2, label="applied")
@@ -350,8 +386,13 @@ def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
         kind = e.get("event")
         if kind in ("spike", "rewind", "skip"):
             style = {"spike": ":", "rewind": "-", "skip": "--"}[kind]
-            ax.axvline(e["step"], color=c["event"], ls=style, lw=1.2,
-                       label=kind if kind not in marked else None)  # fmt: skip
+            ax.axvline(
+                e["step"],
+                color=c["event"],
+                ls=style,
+                lw=1.2,
+                label=kind if kind not in marked else None,
+            )
             marked.add(kind)
     if len(y) and top / max(float(np.nanmin(y[y > 0])) if (y > 0).any() else 1, 1e-12) > 50:
         ax.set_yscale("log")
@@ -369,8 +410,13 @@ def _plot_throughput(plt, c, train, path, name) -> Path:
     x, y = _series(train, "tokens_per_s")
     ax.plot(x, y, color=c["main"], lw=1.2)
     if len(y):
-        ax.axhline(float(np.median(y)), color=c["clip"], ls="--", lw=1,
-                   label=f"median {float(np.median(y)):,.0f}")  # fmt: skip
+        ax.axhline(
+            float(np.median(y)),
+            color=c["clip"],
+            ls="--",
+            lw=1,
+            label=f"median {float(np.median(y)):,.0f}",
+        )
         ax.legend(fontsize=8, loc="lower right")
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_ylim(bottom=0)

@@ -93,10 +93,21 @@ class Preemption:
         save_s = time.perf_counter() - start
         size = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
         name = signal.Signals(self.signum).name if self.signum else "peer"
-        metrics.event(step, "preempt", signal=name, save_s=round(save_s, 3),
-                      checkpoint_bytes=size, path=str(tag_dir))  # fmt: skip
-        log.warning("preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue",
-                    name, tag_dir, save_s, PREEMPTED_EXIT_CODE)  # fmt: skip
+        metrics.event(
+            step,
+            "preempt",
+            signal=name,
+            save_s=round(save_s, 3),
+            checkpoint_bytes=size,
+            path=str(tag_dir),
+        )
+        log.warning(
+            "preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue",
+            name,
+            tag_dir,
+            save_s,
+            PREEMPTED_EXIT_CODE,
+        )
         self.close()
         raise Preempted()
 

@@ -228,9 +228,10 @@ def finish_run(run_dir: Path) -> None:
     import anneal
 
     root = str(Path(anneal.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p
-    )}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     sys.stdout.flush()
     try:
         done = subprocess.run(

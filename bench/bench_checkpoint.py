@@ -124,14 +124,30 @@ def io_part(args, work: Path) -> dict:
     t0 = time.perf_counter()
     engine = build_engine(plan)
     build_s = time.perf_counter() - t0
-    stream = TokenStream(PackedSplit(Path(args.data), "train", seq_len=SEQ_LEN), seed=1, rank=0,
-                         world_size=1, micro_batch=plan.micro_batch, prefetch=0)  # fmt: skip
+    stream = TokenStream(
+        PackedSplit(Path(args.data), "train", seq_len=SEQ_LEN),
+        seed=1,
+        rank=0,
+        world_size=1,
+        micro_batch=plan.micro_batch,
+        prefetch=0,
+    )
     x, y = stream.next_batch()
     engine.backward(next_token_loss(engine(input_ids=x).logits, y))
     engine.step()  # the optimizer state exists from here on
 
-    r = {k: [] for k in ("save_s", "save_durable_s", "write_s", "write_durable_s",
-                         "verify_s", "load_s", "read_s")}  # fmt: skip
+    r = {
+        k: []
+        for k in (
+            "save_s",
+            "save_durable_s",
+            "write_s",
+            "write_durable_s",
+            "verify_s",
+            "load_s",
+            "read_s",
+        )
+    }
     n_bytes = 0
     for i in range(args.repeats):
         ckpt, plain = work / f"ckpt{i}", work / f"plain{i}.bin"
@@ -224,17 +240,40 @@ def leg(args, run_dir: Path, stop_at_step: int, resume: str) -> dict:
     """One recipe process up to step ``stop_at_step`` (saved there); its startup, in parts."""
     from anneal.metrics import read_metrics
 
-    recipe = [f"recipes/pretrain_{args.preset}.py", "--out", str(run_dir), "--data", args.data,
-              "--max-steps", "4", "--save-every", "1000", "--resume", resume,
-              "--ds-config", "cpu.json", "--set", f"model.seq_len={SEQ_LEN}",
-              "--set", f"optim.global_batch_tokens={4 * SEQ_LEN}", "--set", "train.eval_samples=0",
-              "--set", f"train.stop_at_step={stop_at_step}"]  # fmt: skip
+    recipe = [
+        f"recipes/pretrain_{args.preset}.py",
+        "--out",
+        str(run_dir),
+        "--data",
+        args.data,
+        "--max-steps",
+        "4",
+        "--save-every",
+        "1000",
+        "--resume",
+        resume,
+        "--ds-config",
+        "cpu.json",
+        "--set",
+        f"model.seq_len={SEQ_LEN}",
+        "--set",
+        f"optim.global_batch_tokens={4 * SEQ_LEN}",
+        "--set",
+        "train.eval_samples=0",
+        "--set",
+        f"train.stop_at_step={stop_at_step}",
+    ]
     marks_file = run_dir.parent / f"{run_dir.name}-{stop_at_step}.marks.json"
     env = {**child_env(), "ANNEAL_BENCH_MARKS": str(marks_file)}
     with open(run_dir.parent / f"{run_dir.name}-{stop_at_step}.log", "w") as log:
         launch = time.time()
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *recipe], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, *recipe],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             first_row = first_train_row(run_dir, stop_at_step - 1, proc)
         finally:
@@ -262,8 +301,17 @@ def leg(args, run_dir: Path, stop_at_step: int, resume: str) -> dict:
     }
 
 
-PARTS = ("total_s", "interpreter_s", "imports_s", "setup_s", "build_s", "verify_s", "load_s",
-         "step_s", "rest_s")  # fmt: skip
+PARTS = (
+    "total_s",
+    "interpreter_s",
+    "imports_s",
+    "setup_s",
+    "build_s",
+    "verify_s",
+    "load_s",
+    "step_s",
+    "rest_s",
+)
 
 
 def startup_part(args, work: Path) -> dict:
@@ -292,9 +340,7 @@ def summary(io: dict, st: dict | None) -> dict:
         ),
         "load_vs_read": statistics.median(
             rd / (v + ld)
-            for v, ld, rd in zip(
-                io["verify_s"], io["load_s"], io["read_s"], strict=True
-            )  # fmt: skip
+            for v, ld, rd in zip(io["verify_s"], io["load_s"], io["read_s"], strict=True)
         ),
     }
     if st is not None:
@@ -319,8 +365,10 @@ def fmt(xs: list[float], unit: str = "s", scale: float | None = None) -> str:
 def markdown(args, res: dict, io: dict, st: dict | None) -> str:
     gb = io["bytes"] / 1e9
     both = [v + ld for v, ld in zip(io["verify_s"], io["load_s"], strict=True)]
-    cmd = f"PYTHONPATH=. .venv/bin/python bench/bench_checkpoint.py --preset {args.preset} " \
-          f"--repeats {args.repeats} --startup-repeats {args.startup_repeats}"  # fmt: skip
+    cmd = (
+        f"PYTHONPATH=. .venv/bin/python bench/bench_checkpoint.py --preset {args.preset} "
+        f"--repeats {args.repeats} --startup-repeats {args.startup_repeats}"
+    )
     lines = [
         f"### Checkpoint save, load and resume ({args.preset}, {gb:.2f} GB)",
         "",

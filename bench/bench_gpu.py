@@ -101,14 +101,21 @@ class Row:
         cmd = [
             python,
             str(REPO / "recipes" / f"pretrain_{self.preset}.py"),
-            "--data", str(data),
-            "--out", str(out),
-            "--ds-config", self.ds_config or f"zero{self.zero}_bf16.json",
-            "--max-steps", "1000000",  # the driver stops it; the schedule's warmup stays long
-            "--save-every", "0",
-            "--eval-every", "0",
-            "--resume", "none",
-        ]  # fmt: skip
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--ds-config",
+            self.ds_config or f"zero{self.zero}_bf16.json",
+            "--max-steps",
+            "1000000",  # the driver stops it; the schedule's warmup stays long
+            "--save-every",
+            "0",
+            "--eval-every",
+            "0",
+            "--resume",
+            "none",
+        ]
         for item in [*self.sets(cpu=cpu), *inject]:
             cmd += ["--set", item]
         return cmd

@@ -58,11 +58,19 @@ MODELS = {
 }
 # (name, kind, ranks, ZeRO stage[, extra --set overrides]): the reference comes first.
 GROUPS = {
-    1: [("plain loop", "plain", 1, None), ("recipe ZeRO-0", "recipe", 1, 0),
-        ("recipe ZeRO-1", "recipe", 1, 1), ("recipe ZeRO-3", "recipe", 1, 3)],
-    2: [("torch DDP (gloo)", "plain", 2, None), ("recipe ZeRO-1", "recipe", 2, 1),
-        ("recipe ZeRO-2", "recipe", 2, 2), ("recipe ZeRO-3", "recipe", 2, 3)],
-}  # fmt: skip
+    1: [
+        ("plain loop", "plain", 1, None),
+        ("recipe ZeRO-0", "recipe", 1, 0),
+        ("recipe ZeRO-1", "recipe", 1, 1),
+        ("recipe ZeRO-3", "recipe", 1, 3),
+    ],
+    2: [
+        ("torch DDP (gloo)", "plain", 2, None),
+        ("recipe ZeRO-1", "recipe", 2, 1),
+        ("recipe ZeRO-2", "recipe", 2, 2),
+        ("recipe ZeRO-3", "recipe", 2, 3),
+    ],
+}
 
 
 class PeakRss:
@@ -95,8 +103,17 @@ def command(kind: str, ranks: int, stage: int | None, *, data, steps, out: Path,
         torchrun = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
         launch = [py] if ranks == 1 else [*torchrun, "--master_port", str(free_port())]
         return launch + ["bench/reference.py", RECIPE, *common, "--rows", str(out / "steps.jsonl")]
-    launch = [py] if ranks == 1 else [str(Path(py).parent / "deepspeed"), "--num_gpus",
-                                      str(ranks), "--master_port", str(free_port())]  # fmt: skip
+    launch = (
+        [py]
+        if ranks == 1
+        else [
+            str(Path(py).parent / "deepspeed"),
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(free_port()),
+        ]
+    )
     stage_set = [] if stage is None else [f"--set=ds.zero_optimization.stage={stage}"]
     return launch + [RECIPE, *common, "--out", str(out / "run"), "--resume", "none", *stage_set]
 
@@ -114,8 +131,14 @@ def parse_arm(text: str) -> tuple[str, int, list[str]]:
     label, eq, rest = text.partition("=")
     stage, colon, sets = rest.partition(":")
     overrides = [x.strip() for x in sets.split(";") if x.strip()]
-    if not (eq and colon and label.strip() and stage.strip() in ("0", "1", "2", "3")
-            and overrides and all("=" in x for x in overrides)):  # fmt: skip
+    if not (
+        eq
+        and colon
+        and label.strip()
+        and stage.strip() in ("0", "1", "2", "3")
+        and overrides
+        and all("=" in x for x in overrides)
+    ):
         raise SystemExit(
             f"bench_train: --arm {text!r} is not LABEL=STAGE:KEY=VALUE[;KEY=VALUE...]. The "
             "stage is 0-3 and each KEY=VALUE is a recipe --set override, for example "
@@ -202,23 +225,38 @@ def bench(args) -> dict:
                 for r in range(args.repeats):
                     order = group[r % len(group) :] + group[: r % len(group)]
                     for spec in order:
-                        res = run_one(spec, data=args.data, steps=steps, skip=skip, sets=sets,
-                                      tokens_per_step=tokens, scratch=scratch)  # fmt: skip
+                        res = run_one(
+                            spec,
+                            data=args.data,
+                            steps=steps,
+                            skip=skip,
+                            sets=sets,
+                            tokens_per_step=tokens,
+                            scratch=scratch,
+                        )
                         runs[spec[0]].append(res)
-                        print(f"  {model} {ranks} rank(s) {spec[0]}: "
-                              f"{res['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+                        print(
+                            f"  {model} {ranks} rank(s) {spec[0]}: "
+                            f"{res['tokens_per_s']:,.0f} tokens/s",
+                            flush=True,
+                        )
                 ref = statistics.median(x["tokens_per_s"] for x in runs[group[0][0]])
                 ref_loss = runs[group[0][0]][0]["loss"]
                 for name, rs in runs.items():
                     tps = [x["tokens_per_s"] for x in rs]
                     med = statistics.median(tps)
                     results[f"{model}|{ranks}|{name}"] = {
-                        "model": model, "ranks": ranks, "run": name,
-                        "tokens_per_s": round(med), "min": round(min(tps)), "max": round(max(tps)),
-                        "ratio": round(med / ref, 3), "mfu": round(fpt * med / peak, 4),
+                        "model": model,
+                        "ranks": ranks,
+                        "run": name,
+                        "tokens_per_s": round(med),
+                        "min": round(min(tps)),
+                        "max": round(max(tps)),
+                        "ratio": round(med / ref, 3),
+                        "mfu": round(fpt * med / peak, 4),
                         "peak_rss_mib": round(statistics.median(x["peak_rss_mib"] for x in rs)),
                         "step1_loss_diff": abs(rs[0]["loss"][0] - ref_loss[0]),
-                    }  # fmt: skip
+                    }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"peak_flops": peak, "rows": list(results.values())}
@@ -269,15 +307,22 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a few steps of tiny, no figures kept")
     p.add_argument("--report", help="write a markdown fragment here")
     p.add_argument("--stages", help="recipe ZeRO stages to run beside the reference, e.g. 2 or 1,3")
-    p.add_argument("--arm", action="append", default=[], metavar="LABEL=STAGE:KEY=VALUE[;...]",
-                   help="an extra recipe run with these --set overrides; repeatable")  # fmt: skip
+    p.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="LABEL=STAGE:KEY=VALUE[;...]",
+        help="an extra recipe run with these --set overrides; repeatable",
+    )
     args = p.parse_args()
     args.arm = [parse_arm(a) for a in args.arm]
     if args.stages is not None:
         given = [x.strip() for x in args.stages.split(",")]
         if not given or not all(x in ("0", "1", "2", "3") for x in given):
-            raise SystemExit(f"bench_train: --stages {args.stages!r}: give ZeRO stages 0-3, "
-                             "comma-separated, for example --stages 2 or --stages 1,3")  # fmt: skip
+            raise SystemExit(
+                f"bench_train: --stages {args.stages!r}: give ZeRO stages 0-3, "
+                "comma-separated, for example --stages 2 or --stages 1,3"
+            )
         args.stages = [int(x) for x in given]
     if args.smoke:
         args.models, args.ranks, args.repeats, args.steps, args.skip = "tiny", "1,2", 1, 3, 1

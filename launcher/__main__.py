@@ -84,32 +84,51 @@ def deepspeed_program() -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipes/pretrain_*.py")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
-    p.add_argument("--device", choices=("cuda", "cpu"),
-                   help="device of the ranks (default: cuda if this host has a GPU)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="device of the ranks (default: cuda if this host has a GPU)",
+    )
     p.add_argument("--mfu", type=float, help="assumed MFU for the forecast (default: 0.40 GPU)")
     p.add_argument("--gpu", help="GPU for the forecast: h100, h200, a100 (default: this one)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME",
-                   help="also pass this variable through .deepspeed_env")  # fmt: skip
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also pass this variable through .deepspeed_env",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m launcher", description=__doc__, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = _Parser(
+        prog="python -m launcher",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     hf = sub.add_parser("hostfile", help="write a hostfile", allow_abbrev=False)
     src = hf.add_mutually_exclusive_group(required=True)
     src.add_argument("--hosts", help="comma-separated host names")
-    src.add_argument("--from-slurm", action="store_true",
-                     help="the hosts of this Slurm allocation (SLURM_JOB_NODELIST)")  # fmt: skip
+    src.add_argument(
+        "--from-slurm",
+        action="store_true",
+        help="the hosts of this Slurm allocation (SLURM_JOB_NODELIST)",
+    )
     hf.add_argument("--slots", type=int, help="GPUs per host (default: SLURM_GPUS_ON_NODE, or 8)")
     hf.add_argument("--nodes", type=int, help="only the first N hosts")
     hf.add_argument("--out", required=True)
-    hf.add_argument("--force", action="store_true",
-                    help="replace an existing hostfile at --out (only a hostfile)")  # fmt: skip
+    hf.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing hostfile at --out (only a hostfile)",
+    )
     hf.add_argument("--dry-run", action="store_true", help="print the hostfile; write nothing")
 
-    run = sub.add_parser("run", help="pre-flight, then start the recipe with deepspeed",
-                         allow_abbrev=False)  # fmt: skip
+    run = sub.add_parser(
+        "run", help="pre-flight, then start the recipe with deepspeed", allow_abbrev=False
+    )
     _common(run)
     run.add_argument("--hostfile")
     run.add_argument("--num-gpus", type=int)
@@ -127,9 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--partition", required=True)
     sb.add_argument("--time", required=True, help="HH:MM:SS")
     sb.add_argument("--account")
-    sb.add_argument("--grace-s", type=int,
-                    help="seconds between the preemption signal and the end (default: from the "
-                    "checkpoint size, at least 120)")  # fmt: skip
+    sb.add_argument(
+        "--grace-s",
+        type=int,
+        help="seconds between the preemption signal and the end (default: from the "
+        "checkpoint size, at least 120)",
+    )
     sb.add_argument("--master-port", type=int, default=29500)
     return parser
 
@@ -197,17 +219,24 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
             f"--node-rank {ns.node_rank}: {ns.hostfile} has {len(hosts)} hosts, so it must be "
             f"0..{len(hosts) - 1}."
         )
-    world = preflight.world_size(hosts, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes,
-                                 source=ns.hostfile or "")  # fmt: skip
+    world = preflight.world_size(
+        hosts, num_gpus=ns.num_gpus, num_nodes=ns.num_nodes, source=ns.hostfile or ""
+    )
     remote = pdsh.is_remote(hosts, num_nodes=ns.num_nodes, no_ssh=ns.no_ssh)
     if remote:
         pdsh.check_remote_command(
             recipe=ns.recipe, recipe_args=recipe_args, cwd=os.getcwd(), python=sys.executable
         )
     local = max(hosts.values()) if hosts else world
-    launch = preflight.preflight(recipe=ns.recipe, recipe_args=recipe_args, world_size=world,
-                                 device_type=_device(ns), mfu=ns.mfu, gpu=ns.gpu,
-                                 ranks_per_host=min(local, ns.num_gpus or local))  # fmt: skip
+    launch = preflight.preflight(
+        recipe=ns.recipe,
+        recipe_args=recipe_args,
+        world_size=world,
+        device_type=_device(ns),
+        mfu=ns.mfu,
+        gpu=ns.gpu,
+        ranks_per_host=min(local, ns.num_gpus or local),
+    )
     active = list(hosts)[: ns.num_nodes or len(hosts)] if hosts else []
     if len(active) > 1 and not ns.no_ssh and not ns.no_ssh_check:
         preflight.check_ssh(active)
@@ -250,9 +279,15 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
     world = ns.nodes * ns.gpus_per_node
     if ns.nodes < 1 or ns.gpus_per_node < 1:
         raise UserError("--nodes and --gpus-per-node must be at least 1.")
-    launch = preflight.preflight(recipe=ns.recipe, recipe_args=recipe_args, world_size=world,
-                                 device_type=device, mfu=ns.mfu, gpu=ns.gpu,
-                                 ranks_per_host=ns.gpus_per_node)  # fmt: skip
+    launch = preflight.preflight(
+        recipe=ns.recipe,
+        recipe_args=recipe_args,
+        world_size=world,
+        device_type=device,
+        mfu=ns.mfu,
+        gpu=ns.gpu,
+        ranks_per_host=ns.gpus_per_node,
+    )
     out = Path(launch.plan.out).resolve()
     grace = ns.grace_s
     if grace is None:  # --grace-s 0 is refused by render_sbatch, not taken for the default

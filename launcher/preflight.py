@@ -66,8 +66,9 @@ def recipe_config(recipe: str, recipe_args: list[str], *, device_type: str):
         ) from None
 
 
-def world_size(hosts: dict[str, int] | None, *, num_gpus: int | None, num_nodes: int | None,
-               source: str = "") -> int:  # fmt: skip
+def world_size(
+    hosts: dict[str, int] | None, *, num_gpus: int | None, num_nodes: int | None, source: str = ""
+) -> int:
     """Ranks DeepSpeed's runner starts for this hostfile and flags."""
     if num_gpus is not None and num_gpus < 1:
         raise UserError(
@@ -141,8 +142,9 @@ def check_ssh(hosts: list[str], *, timeout_s: int = SSH_TIMEOUT_S) -> None:
     def probe(host: str) -> str | None:
         cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 5,
-                                  stdin=subprocess.DEVNULL)  # fmt: skip
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s + 5, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired:
             return f"{host}: no answer in {timeout_s + 5} s"
         if done.returncode != 0:
@@ -211,5 +213,10 @@ def preflight(
         peak_flops=peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host),
         activation_checkpointing=plan.cfg.model.activation_checkpointing,
     )
-    return Launch(plan=plan, world_size=world_size, device_type=device_type,
-                  checkpoint_bytes=ckpt, forecast=fc)  # fmt: skip
+    return Launch(
+        plan=plan,
+        world_size=world_size,
+        device_type=device_type,
+        checkpoint_bytes=ckpt,
+        forecast=fc,
+    )

@@ -29,11 +29,22 @@ def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) ->
     """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too)."""
     return [
         str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus", str(n_procs), "--master_port", str(port),
+        "--num_gpus",
+        str(n_procs),
+        "--master_port",
+        str(port),
         "recipes/pretrain_tiny.py",
-        "--out", out, "--data", data, "--max-steps", str(steps),
-        "--eval-every", str(max(1, steps // 4)), "--save-every", str(max(1, steps // 2)),
-    ]  # fmt: skip
+        "--out",
+        out,
+        "--data",
+        data,
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        str(max(1, steps // 4)),
+        "--save-every",
+        str(max(1, steps // 2)),
+    ]
 
 
 def main() -> int:

@@ -131,8 +131,7 @@ def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
     prepare(inputs=["stdlib"], out=first, vocab_size=2000, progress=False)
     prepare(inputs=["stdlib"], out=second, vocab_size=2000, model_type="unigram", progress=False)
     out = tmp_path / "run"
-    base = ["--out", str(out), "--max-steps", "4", "--eval-every", "2", "--save-every", "2",
-            *SMALL]  # fmt: skip
+    base = ["--out", str(out), "--max-steps", "4", "--eval-every", "2", "--save-every", "2", *SMALL]
     run_recipe([*base, "--data", str(first), "--set", "train.stop_at_step=2"])
     shutil.rmtree(first)
     err = fail([*base, "--data", str(second), "--resume", "auto"])
@@ -141,9 +140,17 @@ def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
 
 def test_warmup_longer_than_the_run(tiny_data, tmp_path):
     err = refused(
-        ["--out", str(tmp_path / "run"), "--data", str(tiny_data), "--max-steps", "20",
-         "--set", "ds.scheduler.params.warmup_num_steps=30"]
-    )  # fmt: skip
+        [
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(tiny_data),
+            "--max-steps",
+            "20",
+            "--set",
+            "ds.scheduler.params.warmup_num_steps=30",
+        ]
+    )
     assert "warmup_num_steps (30) exceeds --max-steps (20)" in err and '"auto"' in err
     assert len(err.strip().splitlines()) == 1  # one paragraph, no traceback
     assert not (tmp_path / "run").exists()

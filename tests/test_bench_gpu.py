@@ -172,14 +172,28 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
     e = {**env(), "ANNEAL_PYTHON": sys.executable, "ANNEAL_BENCH_WORK": str(tmp_path / "work")}
     e.pop("ANNEAL_BENCH_T0", None)
     out = run_process(
-        ["bash", str(GPU_SH), "--cpu-smoke", str(logdir), "--report", str(report),
-         "--inject-set", "tiny-z1-ckpt=model.bogus=1"],
-        timeout_s=600, cwd=ROOT, env=e,
-    )  # fmt: skip
+        [
+            "bash",
+            str(GPU_SH),
+            "--cpu-smoke",
+            str(logdir),
+            "--report",
+            str(report),
+            "--inject-set",
+            "tiny-z1-ckpt=model.bogus=1",
+        ],
+        timeout_s=600,
+        cwd=ROOT,
+        env=e,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a required row failed
     assert sorted(p.name for p in logdir.iterdir()) == [
-        "env.txt", "gpu_bench.log", "results.jsonl", "rows.log", "table.md",
-    ]  # fmt: skip
+        "env.txt",
+        "gpu_bench.log",
+        "results.jsonl",
+        "rows.log",
+        "table.md",
+    ]
     results = [json.loads(ln) for ln in (logdir / "results.jsonl").read_text().splitlines()]
     assert [(r["name"], r["status"]) for r in results] == [
         ("tiny-z1-nockpt", "ok"),
@@ -240,10 +254,22 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
 
 def test_past_the_deadline_no_row_starts_and_the_table_still_prints(tmp_path, stdlib_data):
     out = run_process(
-        [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), str(tmp_path / "logs"),
-         "--smoke", "--budget-s", "0", "--data", str(stdlib_data), "--work", str(tmp_path)],
-        timeout_s=300, cwd=ROOT, env={**env(), "ANNEAL_BENCH_T0": ""},
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_gpu.py"),
+            str(tmp_path / "logs"),
+            "--smoke",
+            "--budget-s",
+            "0",
+            "--data",
+            str(stdlib_data),
+            "--work",
+            str(tmp_path),
+        ],
+        timeout_s=300,
+        cwd=ROOT,
+        env={**env(), "ANNEAL_BENCH_T0": ""},
+    )
     assert out.returncode == 1  # nothing was measured
     results = [
         json.loads(ln) for ln in (tmp_path / "logs" / "results.jsonl").read_text().splitlines()

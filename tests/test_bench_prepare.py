@@ -66,8 +66,11 @@ def test_only_memory_keeps_the_recorded_throughput_part(tmp_path):
     args += ["--json", str(record), "--report", str(frag)]
     proc = subprocess.run(
         [sys.executable, "bench/bench_prepare.py", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     out = json.loads(record.read_text())

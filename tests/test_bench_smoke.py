@@ -19,8 +19,11 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     before = (ROOT / "docs" / "benchmarks.md").read_text()
     proc = subprocess.run(
         [sys.executable, "bench/run_all.py", "--smoke", "--data", str(data)],
-        cwd=ROOT, capture_output=True, text=True, timeout=2400,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert f"== preparing {data}" in proc.stdout and (data / "meta.json").is_file()
@@ -35,6 +38,10 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
         if line.startswith("{") and '"bench": "train"' in line
     )
     sides = {(r["ranks"], r["run"]) for r in train["rows"]}
-    assert sides == {(1, "plain loop"), (1, "recipe ZeRO-3"), (2, "torch DDP (gloo)"),
-                     (2, "recipe ZeRO-3")}  # fmt: skip
+    assert sides == {
+        (1, "plain loop"),
+        (1, "recipe ZeRO-3"),
+        (2, "torch DDP (gloo)"),
+        (2, "recipe ZeRO-3"),
+    }
     assert all(r["tokens_per_s"] > 0 and r["step1_loss_diff"] < 1e-4 for r in train["rows"])

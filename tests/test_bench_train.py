@@ -33,8 +33,9 @@ def runs(tiny_data, tmp_path_factory):
     for name, kind, stage in sides:
         d = scratch / name
         d.mkdir()
-        cmd = bench_train.command(kind, 1, stage, data=str(tiny_data), steps=STEPS, out=d,
-                                  sets=SETS)  # fmt: skip
+        cmd = bench_train.command(
+            kind, 1, stage, data=str(tiny_data), steps=STEPS, out=d, sets=SETS
+        )
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         out[name] = bench_train.step_rows(kind, d)
@@ -68,8 +69,9 @@ def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
     group = bench_train.plan_group(2, [2], [(label, stage, sets)])
     assert [g[0] for g in group] == ["torch DDP (gloo)", "recipe ZeRO-2", "recipe ZeRO-2 overlap"]
     arm = group[-1]
-    cmd = bench_train.command("recipe", 2, arm[3], data="d", steps=3, out=tmp_path,
-                              sets=[*SETS, *arm[4]])  # fmt: skip
+    cmd = bench_train.command(
+        "recipe", 2, arm[3], data="d", steps=3, out=tmp_path, sets=[*SETS, *arm[4]]
+    )
     assert "--set=ds.zero_optimization.overlap_comm=true" in cmd
     assert "--set=ds.zero_optimization.stage=2" in cmd
     # Without --stages the group's own stages run; --smoke keeps the reference and the last.
@@ -77,8 +79,9 @@ def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
     assert [g[3] for g in bench_train.plan_group(2, None, [], smoke=True)] == [None, 3]
 
 
-@pytest.mark.parametrize("bad", ["overlap", "overlap=2", "overlap=5:a=b", "overlap=2:a", "=2:a=b",
-                                 "x=12:a=b"])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad", ["overlap", "overlap=2", "overlap=5:a=b", "overlap=2:a", "=2:a=b", "x=12:a=b"]
+)
 def test_a_malformed_arm_says_what_it_takes(bad):
     with pytest.raises(SystemExit, match="LABEL=STAGE:KEY=VALUE"):
         bench_train.parse_arm(bad)
@@ -88,11 +91,21 @@ def test_the_report_names_the_command_that_reruns_it():
     import argparse
 
     arm = [("overlap", 2, ["a.b=true", "c=1"])]
-    args = argparse.Namespace(models=["tiny"], ranks=[2], repeats=4, steps=24, small_steps=10,
-                              skip=3, stages=[2], arm=arm)  # fmt: skip
-    row = {"model": "tiny", "ranks": 2, "run": "recipe ZeRO-2 overlap", "tokens_per_s": 1000,
-           "min": 900, "max": 1100, "ratio": 0.9, "mfu": 0.5, "peak_rss_mib": 100,
-           "step1_loss_diff": 0.0}  # fmt: skip
+    args = argparse.Namespace(
+        models=["tiny"], ranks=[2], repeats=4, steps=24, small_steps=10, skip=3, stages=[2], arm=arm
+    )
+    row = {
+        "model": "tiny",
+        "ranks": 2,
+        "run": "recipe ZeRO-2 overlap",
+        "tokens_per_s": 1000,
+        "min": 900,
+        "max": 1100,
+        "ratio": 0.9,
+        "mfu": 0.5,
+        "peak_rss_mib": 100,
+        "step1_loss_diff": 0.0,
+    }
     text = bench_train.report(args, {"peak_flops": 1e11, "rows": [row]})
     assert "--models tiny --ranks 2 --repeats 4" in text
     assert '--stages 2 --arm "overlap=2:a.b=true;c=1"`' in text

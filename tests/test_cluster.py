@@ -39,16 +39,25 @@ SSH_BLOCK = (
 
 def ensure(binaries: dict[str, str]) -> None:
     """Install the Debian packages that provide missing binaries, or skip naming them."""
-    missing = sorted({pkg for exe, pkg in binaries.items() if shutil.which(exe) is None
-                      and not Path(exe).exists()})  # fmt: skip
+    missing = sorted(
+        {
+            pkg
+            for exe, pkg in binaries.items()
+            if shutil.which(exe) is None and not Path(exe).exists()
+        }
+    )
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip(f"{', '.join(missing)} absent and not root with apt-get to install them")
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
     for cmd in (["apt-get", "update", "-qq"], install):
-        done = subprocess.run(cmd, capture_output=True, text=True,
-                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
         if done.returncode != 0:
             pytest.skip(f"could not install {', '.join(missing)}: {done.stderr[-500:]}")
 
@@ -142,13 +151,19 @@ def sshd():
         if not Path("/etc/ssh/ssh_host_ed25519_key").exists():
             subprocess.run(["ssh-keygen", "-A"], check=True)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        subprocess.run(["/usr/sbin/sshd", "-f", str(state / "sshd_config"), "-E",
-                        str(state / "sshd.log")], check=True)  # fmt: skip
+        subprocess.run(
+            ["/usr/sbin/sshd", "-f", str(state / "sshd_config"), "-E", str(state / "sshd.log")],
+            check=True,
+        )
         started = True
     try:
         for host in ("127.0.0.1", "127.0.0.2"):
-            done = subprocess.run(["ssh", "-o", "BatchMode=yes", host, "true"],
-                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            done = subprocess.run(
+                ["ssh", "-o", "BatchMode=yes", host, "true"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if done.returncode != 0:
                 pytest.skip(f"ssh to {host} does not work here: {done.stderr.strip()}")
         yield state
@@ -172,8 +187,19 @@ def test_users_exact_deepspeed_command_through_pdsh(sshd, stdlib_data, tmp_path)
     hf = tmp_path / "hostfile"
     hf.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     out = tmp_path / "run"
-    cmd = [str(BIN / "deepspeed"), "--hostfile", str(hf), "recipes/pretrain_tiny.py",
-           "--out", str(out), "--data", str(stdlib_data), "--max-steps", "2", *SMALL]  # fmt: skip
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--hostfile",
+        str(hf),
+        "recipes/pretrain_tiny.py",
+        "--out",
+        str(out),
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        "2",
+        *SMALL,
+    ]
     done = run_process(cmd, timeout_s=300, cwd=ROOT, env=env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "pdsh" in done.stdout + done.stderr
@@ -186,10 +212,27 @@ def test_failing_rank_on_second_host_reaches_the_user(sshd, stdlib_data, tmp_pat
     hf = tmp_path / "hostfile"
     hf.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "launcher", "run", "tests/scripts/fail_on_second_host.py",
-           "--hostfile", str(hf), "--device", "cpu", "--master-port", "29731",
-           "--", "--out", str(out), "--data", str(stdlib_data), "--max-steps", "20",
-           *SMALL]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "run",
+        "tests/scripts/fail_on_second_host.py",
+        "--hostfile",
+        str(hf),
+        "--device",
+        "cpu",
+        "--master-port",
+        "29731",
+        "--",
+        "--out",
+        str(out),
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        "20",
+        *SMALL,
+    ]
     done = run_process(cmd, timeout_s=300, cwd=ROOT, env=env())
     log = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode not in (0, 2), log  # 2 would be a pre-flight refusal
@@ -219,8 +262,13 @@ class Slurm:
 
 @pytest.fixture(scope="module")
 def slurm():
-    ensure({"/usr/sbin/slurmctld": "slurm-wlm", "/usr/sbin/slurmd": "slurm-wlm",
-            "/usr/sbin/munged": "munge"})  # fmt: skip
+    ensure(
+        {
+            "/usr/sbin/slurmctld": "slurm-wlm",
+            "/usr/sbin/slurmd": "slurm-wlm",
+            "/usr/sbin/munged": "munge",
+        }
+    )
     state = daemon_dir("slurm")
     munge_dir = state / "munge"  # munged runs as the munge user
     munge_dir.mkdir()
@@ -252,15 +300,30 @@ KillWait=5
 NodeName=node[1-2] NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 \
 Port=[{node}-{node + 1}] CPUs=2 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-""")  # fmt: skip
+""")
     (state / "ctld").mkdir()
     s = Slurm(state)
-    pid_files = [state / "slurmctld.pid", state / "slurmd-node1.pid", state / "slurmd-node2.pid",
-                 munge_dir / "munged.pid"]  # fmt: skip
+    pid_files = [
+        state / "slurmctld.pid",
+        state / "slurmd-node1.pid",
+        state / "slurmd-node2.pid",
+        munge_dir / "munged.pid",
+    ]
     try:
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={sock}",
-                        f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/log",
-                        f"--seed-file={munge_dir}/seed"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "/usr/sbin/munged",
+                f"--socket={sock}",
+                f"--pid-file={munge_dir}/munged.pid",
+                f"--log-file={munge_dir}/log",
+                f"--seed-file={munge_dir}/seed",
+            ],
+            check=True,
+        )
         subprocess.run(["/usr/sbin/slurmctld", "-i"], env=s.env, check=True)
         for name in ("node1", "node2"):
             subprocess.run(["/usr/sbin/slurmd", "-N", name], env=s.env, check=True)
@@ -282,11 +345,39 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) -> str:
-    cmd = [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py", "--nodes", "2",
-           "--gpus-per-node", "1", "--partition", "debug", "--time", "00:15:00", "--device",
-           "cpu", "--grace-s", "60", "--master-port", str(port), "--", "--out", str(run),
-           "--data", str(data), "--max-steps", str(max_steps), "--eval-every", "1000",
-           "--save-every", "1000", *SMALL]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "submit",
+        "recipes/pretrain_tiny.py",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--partition",
+        "debug",
+        "--time",
+        "00:15:00",
+        "--device",
+        "cpu",
+        "--grace-s",
+        "60",
+        "--master-port",
+        str(port),
+        "--",
+        "--out",
+        str(run),
+        "--data",
+        str(data),
+        "--max-steps",
+        str(max_steps),
+        "--eval-every",
+        "1000",
+        "--save-every",
+        "1000",
+        *SMALL,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.split("Submitted batch job")[1].split()[0]
@@ -324,22 +415,39 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
         assert state not in ("FAILED", "CANCELLED", "COMPLETED"), f"job {job}: {state}" + logs(run)
         return trained(run) >= 1
 
-    wait_for(lambda: started(pre, pre_job), timeout_s=240, what="the first step of the second job",
-             on_timeout=lambda: logs(pre) + slurm("scontrol", "show", "job", pre_job, check=False)
-             + (slurm.state / "slurmctld.log").read_text()[-2000:])  # fmt: skip
+    wait_for(
+        lambda: started(pre, pre_job),
+        timeout_s=240,
+        what="the first step of the second job",
+        on_timeout=lambda: (
+            logs(pre)
+            + slurm("scontrol", "show", "job", pre_job, check=False)
+            + (slurm.state / "slurmctld.log").read_text()[-2000:]
+        ),
+    )
     slurm("scancel", "--signal=USR1", "--batch", pre_job)
-    wait_for(lambda: slurm.job(pre_job).get("Restarts") == "1", timeout_s=120,
-             what="the requeue", on_timeout=lambda: logs(pre))  # fmt: skip
-    wait_for(lambda: slurm.job(pre_job).get("JobState") == "PENDING", timeout_s=60,
-             what="the requeued job pending")  # fmt: skip
+    wait_for(
+        lambda: slurm.job(pre_job).get("Restarts") == "1",
+        timeout_s=120,
+        what="the requeue",
+        on_timeout=lambda: logs(pre),
+    )
+    wait_for(
+        lambda: slurm.job(pre_job).get("JobState") == "PENDING",
+        timeout_s=60,
+        what="the requeued job pending",
+    )
     # Skip the requeue's 120 s BeginTime, a little after it: slurmd refuses a job credential
     # made in the same second as the old one's revocation ("Job credential revoked").
     time.sleep(2)
     slurm("scontrol", "update", f"jobid={pre_job}", "StartTime=now")
     for job, run in ((ref_job, ref), (pre_job, pre)):
-        wait_for(lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
-                 timeout_s=300, what=f"the end of job {job}",
-                 on_timeout=lambda run=run: logs(run))  # fmt: skip
+        wait_for(
+            lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
+            timeout_s=300,
+            what=f"the end of job {job}",
+            on_timeout=lambda run=run: logs(run),
+        )
         info = slurm.job(job)
         assert info["JobState"] == "COMPLETED", logs(run)
     assert slurm.job(ref_job)["Restarts"] == "0"  # completed jobs are not requeued
@@ -373,5 +481,7 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
     assert check["step"] == 20 and check["step_s"] > 0 and check["peak_memory_bytes"] > 0
     log = (pre / "logs" / f"slurm-{pre_job}.out").read_text()
     assert "requeueing job" in log and "restart 1" in log
-    print(f"preemption checkpoint: {preempt[0]['checkpoint_bytes']:,} bytes saved in "
-          f"{preempt[0]['save_s']} s")  # fmt: skip
+    print(
+        f"preemption checkpoint: {preempt[0]['checkpoint_bytes']:,} bytes saved in "
+        f"{preempt[0]['save_s']} s"
+    )

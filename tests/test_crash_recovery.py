@@ -19,17 +19,42 @@ SAMPLES_PER_STEP = 16  # micro 4 x accumulation 2 x 2 ranks
 
 
 def _args(data, out):
-    return ["--out", str(out), "--data", str(data), "--max-steps", str(STEPS),
-            "--save-every", "2", "--eval-every", "0", *SMALL,
-            "--set", "train.eval_samples=0"]  # fmt: skip
+    return [
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        "2",
+        "--eval-every",
+        "0",
+        *SMALL,
+        "--set",
+        "train.eval_samples=0",
+    ]
 
 
 def _kill_after_step(args, run_dir, step: int, timeout_s: float = 400) -> None:
     """Start the 2-rank job and SIGKILL its whole process group once ``step`` is logged."""
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           "recipes/pretrain_tiny.py", *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "recipes/pretrain_tiny.py",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and proc.poll() is None:

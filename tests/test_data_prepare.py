@@ -335,8 +335,10 @@ def test_unigram_tokenizer_trains_after_torch_ran_in_the_same_process(corpus, tm
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(corpus), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model_type unigram" in proc.stdout
     assert toklib.load(tmp_path / "out").vocab_size == 500

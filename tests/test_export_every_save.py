@@ -36,9 +36,19 @@ def test_each_save_of_a_run_is_exported(tiny_data, tmp_path):
     out = tmp_path / "run"
     stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
     done = run_recipe(
-        ["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL,
-         "--set", "train.export_every_save=true"]
-    )  # fmt: skip
+        [
+            "--out",
+            str(out),
+            "--data",
+            str(tiny_data),
+            "--save-every",
+            "1",
+            *stop,
+            *SMALL,
+            "--set",
+            "train.export_every_save=true",
+        ]
+    )
     for step in (1, 2):
         hf = out / "hf" / f"step{step:08d}"
         assert (hf / "model.safetensors").is_file(), sorted(out.rglob("*"))

@@ -63,8 +63,11 @@ def test_claim_output_refuses_what_it_did_not_make(tmp_path, monkeypatch):
         with pytest.raises(UserError) as e:
             claim_output(
                 tmp_path / out if out not in (".", "/") else out,
-                force=True, made_by_us=_ours, what="thing", inputs=[tmp_path / "in"],
-            )  # fmt: skip
+                force=True,
+                made_by_us=_ours,
+                what="thing",
+                inputs=[tmp_path / "in"],
+            )
         msg = str(e.value)
         assert "--out" in msg and (why in msg or "parents or the root" in msg), (out, msg)
     with pytest.raises(UserError, match="not a writable directory"):

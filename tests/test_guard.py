@@ -115,9 +115,24 @@ def test_fault_specs():
 
 
 def _run(data, out, spec, *extra, check=True):
-    args = ["--out", str(out), "--data", str(data), "--max-steps", "10", "--save-every", "2",
-            "--eval-every", "0", *SMALL, "--set", "train.eval_samples=0",
-            "--set", "guard.min_history=3", *extra]  # fmt: skip
+    args = [
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-steps",
+        "10",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "0",
+        *SMALL,
+        "--set",
+        "train.eval_samples=0",
+        "--set",
+        "guard.min_history=3",
+        *extra,
+    ]
     return run_recipe(args, timeout_s=400, check=check, extra_env={"ANNEAL_FAULTS": spec})
 
 
@@ -151,9 +166,16 @@ def test_nan_is_skipped_and_a_bad_sample_is_rewound_and_skipped(stdlib_data, tmp
 
 @pytest.mark.slow
 def test_applied_nan_rewinds_and_repeated_spikes_stop(stdlib_data, tmp_path):
-    done = _run(stdlib_data, tmp_path, "nan_loss@sample=20,spike@step=7", "--set",
-                "ds.zero_optimization.stage=0", "--set", "guard.max_rewinds=2",
-                check=False)  # fmt: skip
+    done = _run(
+        stdlib_data,
+        tmp_path,
+        "nan_loss@sample=20,spike@step=7",
+        "--set",
+        "ds.zero_optimization.stage=0",
+        "--set",
+        "guard.max_rewinds=2",
+        check=False,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "fault: nan_loss at step 3: weights CHANGED on rank 0" in done.stderr
     actions = [(s["step"], s["reason"], s["action"]) for s in _events(tmp_path, "spike")]

@@ -44,10 +44,18 @@ def test_done_is_quiet_and_failed_is_named(beats):
 def test_a_dead_process_is_named_and_old_launches_ignored(beats, tmp_path):
     b0, b1 = beats
     b1.close()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    doc = {"rank": 1, "host": b0.host, "pid": int(dead), "beat": 9, "step": 3,
-           "status": "running", "launch": "launch-0"}  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    doc = {
+        "rank": 1,
+        "host": b0.host,
+        "pid": int(dead),
+        "beat": 9,
+        "step": 3,
+        "status": "running",
+        "launch": "launch-0",
+    }
     (tmp_path / "heartbeat" / "rank1.json").write_text(json.dumps(doc))
     assert b0.silent() == []  # an earlier launch's file
     doc["launch"], doc["status"] = "launch-1", "done"

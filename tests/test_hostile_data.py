@@ -244,8 +244,9 @@ def test_a_shard_damaged_at_the_same_size_is_named_when_read(data, prefetch):
     shard = _damage(data)
     check_prepared(data)  # sizes match: only the ids tell
     split = PackedSplit(data, "train", seq_len=SEQ)
-    stream = TokenStream(split, seed=0, rank=0, world_size=1, micro_batch=split.n_windows,
-                         prefetch=prefetch)  # fmt: skip
+    stream = TokenStream(
+        split, seed=0, rank=0, world_size=1, micro_batch=split.n_windows, prefetch=prefetch
+    )
     try:
         with pytest.raises(UserError) as info:
             stream.next_batch()
@@ -402,14 +403,22 @@ def test_fit_out_replaces_only_a_fit_file(tmp_path, capsys):
     notes.write_text('{"mine": true}')
     args = ["fit", "--csv", str(csv), "--starts", "4", "--bootstrap", "0"]
     refused([*args, "--out", str(notes)], capsys, root=tmp_path, names=("exists", "--force"))
-    refused([*args, "--out", str(notes), "--force"], capsys, root=tmp_path,
-            names=("not a fit file", "will not replace"))  # fmt: skip
+    refused(
+        [*args, "--out", str(notes), "--force"],
+        capsys,
+        root=tmp_path,
+        names=("not a fit file", "will not replace"),
+    )
     refused([*args, "--out", str(tmp_path)], capsys, root=tmp_path, names=("a directory",))
     photo = tmp_path / "fit.png"
     photo.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     fit = tmp_path / "fit.json"
-    refused([*args, "--out", str(fit), "--force"], capsys, root=tmp_path,
-            names=(f"--plot {photo}", "not a PNG written by Matplotlib"))  # fmt: skip
+    refused(
+        [*args, "--out", str(fit), "--force"],
+        capsys,
+        root=tmp_path,
+        names=(f"--plot {photo}", "not a PNG written by Matplotlib"),
+    )
     photo.unlink()
     fit.write_text(json.dumps({"format": FIT_FORMAT, "version": 0}))  # an earlier fit's file
     assert main([*args, "--out", str(fit), "--force", "--seed", "3"]) == 0  # its own: replaced

@@ -26,10 +26,35 @@ ROOT = Path(__file__).resolve().parent.parent
 N = 150  # mutations per reader; all in-process, well under a second each
 
 ODD = [
-    None, True, False, 0, -1, -(2**63), 2**64, 1e308, -1e-308, math.nan, math.inf, "", " ",
-    "nan", "-inf", "0x10", "../../etc/passwd", "/etc/passwd", "a\nb", "%s%n", "é" * 3,
-    "x" * 5000, [], [1, "a"], {}, {"": None}, 3.5, "1e999",
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    -1,
+    -(2**63),
+    2**64,
+    1e308,
+    -1e-308,
+    math.nan,
+    math.inf,
+    "",
+    " ",
+    "nan",
+    "-inf",
+    "0x10",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "a\nb",
+    "%s%n",
+    "é" * 3,
+    "x" * 5000,
+    [],
+    [1, "a"],
+    {},
+    {"": None},
+    3.5,
+    "1e999",
+]
 
 
 def _paths(doc, prefix=()):

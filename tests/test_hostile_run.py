@@ -134,8 +134,11 @@ def test_restart_moves_the_old_run_aside_and_a_failed_start_puts_it_back(trained
 def test_restart_cannot_continue_the_run_it_moves_aside(trained, data, tmp_path):
     out = copy_run(trained, tmp_path / "run")
     for resume in ("auto", str(out / "checkpoints" / TAG)):
-        refused(small(data, out, "--restart", "--resume", resume), tmp_path,
-                expect=["--restart", "Drop --restart", "drop --resume"])  # fmt: skip
+        refused(
+            small(data, out, "--restart", "--resume", resume),
+            tmp_path,
+            expect=["--restart", "Drop --restart", "drop --resume"],
+        )
 
 
 class _Engine:
@@ -249,8 +252,13 @@ def test_the_launchers_preflight_runs_the_same_checks(data, tmp_path):
     for item, expect in cases:
         before = tree(tmp_path)
         with pytest.raises(UserError, match=expect):
-            preflight(recipe=RECIPE, recipe_args=small(data, tmp_path / "run", "--set", item),
-                      world_size=1, device_type="cpu", mfu=None)  # fmt: skip
+            preflight(
+                recipe=RECIPE,
+                recipe_args=small(data, tmp_path / "run", "--set", item),
+                world_size=1,
+                device_type="cpu",
+                mfu=None,
+            )
         assert tree(tmp_path) == before
 
 
@@ -386,21 +394,34 @@ def test_a_ds_config_with_wrong_types_or_bytes(data, tmp_path):
     cfg["zero_optimization"]["stage"] = "3"
     typed = tmp_path / "typed.json"
     typed.write_text(json.dumps(cfg))
-    refused(small(data, tmp_path / "run", "--ds-config", str(typed)), tmp_path,
-            expect=[str(typed), "'zero_optimization.stage' must be an integer"])  # fmt: skip
+    refused(
+        small(data, tmp_path / "run", "--ds-config", str(typed)),
+        tmp_path,
+        expect=[str(typed), "'zero_optimization.stage' must be an integer"],
+    )
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe{\x00}")
-    refused(small(data, tmp_path / "run", "--ds-config", str(binary)), tmp_path,
-            expect=[str(binary), "not UTF-8"])  # fmt: skip
+    refused(
+        small(data, tmp_path / "run", "--ds-config", str(binary)),
+        tmp_path,
+        expect=[str(binary), "not UTF-8"],
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_resume_from_something_that_is_not_a_checkpoint(trained, data, tmp_path):
     for target in (data, data / "meta.json", trained):
-        refused(small(data, tmp_path / "run", "--resume", str(target)), tmp_path, data,
-                expect=[f"--resume {target}", "not an intact checkpoint", "'auto'"])  # fmt: skip
-    refused(small(data, tmp_path / "run", "--resume", " "), tmp_path,
-            expect=["--resume is empty", "auto", "none"])  # fmt: skip
+        refused(
+            small(data, tmp_path / "run", "--resume", str(target)),
+            tmp_path,
+            data,
+            expect=[f"--resume {target}", "not an intact checkpoint", "'auto'"],
+        )
+    refused(
+        small(data, tmp_path / "run", "--resume", " "),
+        tmp_path,
+        expect=["--resume is empty", "auto", "none"],
+    )
 
 
 def test_data_that_is_not_prepared(trained, data, tmp_path):
@@ -425,8 +446,11 @@ def test_out_that_must_not_be_written(data, tmp_path, monkeypatch):
         refused(args, tmp_path, data, expect=[f"--out {out}", expect])
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text('{"model_type": "llama"}')  # not a run's
-    refused(small(data, tmp_path / "cfg"), tmp_path,
-            expect=["config.json is not the config of an Anneal run", "new --out"])  # fmt: skip
+    refused(
+        small(data, tmp_path / "cfg"),
+        tmp_path,
+        expect=["config.json is not the config of an Anneal run", "new --out"],
+    )
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     refused(small(data, tmp_path / "dangling"), tmp_path, expect=["a link to no directory"])
     (tmp_path / "scratch").mkdir()  # a run directory linked to a larger file system is fine
@@ -438,8 +462,10 @@ def test_the_recipe_exits_2_with_one_paragraph(data, tmp_path):
     """The entry point end to end, for a refusal before any engine (a few seconds)."""
     proc = run_process(
         [sys.executable, RECIPE, *small(data, tmp_path / "run", "--set", "optim.lr=nan")],
-        timeout_s=120, cwd=ROOT, env=env(),
-    )  # fmt: skip
+        timeout_s=120,
+        cwd=ROOT,
+        env=env(),
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "optim.lr is nan" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []

@@ -64,8 +64,10 @@ def test_bad_hostfiles(tmp_path, text, match):
 
 
 NODELISTS = [
-    ("gpu[001-003,007],cpu-a[1-2]-ib",
-     ["gpu001", "gpu002", "gpu003", "gpu007", "cpu-a1-ib", "cpu-a2-ib"]),
+    (
+        "gpu[001-003,007],cpu-a[1-2]-ib",
+        ["gpu001", "gpu002", "gpu003", "gpu007", "cpu-a1-ib", "cpu-a2-ib"],
+    ),
     ("a[1-2]b[3-4]", ["a1b3", "a1b4", "a2b3", "a2b4"]),
     ("n[098-101]", ["n098", "n099", "n100", "n101"]),
     ("n[8-11]", ["n8", "n9", "n10", "n11"]),
@@ -75,7 +77,7 @@ NODELISTS = [
     ("n[1-3]x[05-06]", ["n1x05", "n1x06", "n2x05", "n2x06", "n3x05", "n3x06"]),
     ("rack1-n[1,3-4]", ["rack1-n1", "rack1-n3", "rack1-n4"]),
     ("node[1-2]", ["node1", "node2"]),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +161,9 @@ def test_command_line_split():
     ],
 )
 def test_exact_deepspeed_arguments(name, kwargs):
-    args = deepspeed_args(recipe="recipes/pretrain_1b.py", recipe_args=["--out", "runs/1b"],
-                          **kwargs)  # fmt: skip
+    args = deepspeed_args(
+        recipe="recipes/pretrain_1b.py", recipe_args=["--out", "runs/1b"], **kwargs
+    )
     golden(f"deepspeed_args.{name}.txt", "\n".join(args) + "\n")
 
 
@@ -169,8 +172,22 @@ def test_dry_run_prints_the_exact_command(stdlib_data, tmp_path, capsys, monkeyp
     out = tmp_path / "run"
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    argv = ["run", "recipes/pretrain_tiny.py", "--num-gpus", "2", "--dry-run", "--device", "cpu",
-            "--", "--out", str(out), "--data", str(stdlib_data), "--max-steps", "10"]  # fmt: skip
+    argv = [
+        "run",
+        "recipes/pretrain_tiny.py",
+        "--num-gpus",
+        "2",
+        "--dry-run",
+        "--device",
+        "cpu",
+        "--",
+        "--out",
+        str(out),
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        "10",
+    ]
     assert launcher_main(argv) == 0
     printed = capsys.readouterr().out
     assert (
@@ -225,32 +242,44 @@ def test_deepspeed_env(tmp_path):
 )
 def test_rendered_sbatch(name, kwargs):
     text = slurm.render_sbatch(
-        job_name="anneal-1b", partition="debug", time="04:00:00", run_dir=Path("/runs/1b"),
-        workdir=Path("/code/anneal"), python="/code/anneal/.venv/bin/python",
-        recipe="recipes/pretrain_1b.py", recipe_args=["--out", "/runs/1b", "--max-steps", "9"],
+        job_name="anneal-1b",
+        partition="debug",
+        time="04:00:00",
+        run_dir=Path("/runs/1b"),
+        workdir=Path("/code/anneal"),
+        python="/code/anneal/.venv/bin/python",
+        recipe="recipes/pretrain_1b.py",
+        recipe_args=["--out", "/runs/1b", "--max-steps", "9"],
         **kwargs,
-    )  # fmt: skip
+    )
     golden(f"sbatch.{name}.txt", text)
     if shutil.which("bash"):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
 def _launch(argv):
-    return subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *argv],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 BAD_LAUNCHES = {
     "ds_config_missing": (["--", "--ds-config=missing.json"], "--ds-config missing.json"),
     "ds_config_trailing": (["--", "--ds-config"], "expected one argument"),
     "ds_config_typo": (["--", "--set", "ds.zero_optimization.stag=2"], "stag"),
-    "batch_not_dividing": (["--num-gpus", "3", "--"],
-                           "does not divide"),
+    "batch_not_dividing": (["--num-gpus", "3", "--"], "does not divide"),
     "recipe_flag_before_dashes": (["--max-steps", "5"], "Recipe flags go after '--'"),
-    "nodes_over_hostfile": (["--hostfile", "hostfiles/loopback", "--num-nodes", "3"],
-                            "lists 2 hosts"),
+    "nodes_over_hostfile": (
+        ["--hostfile", "hostfiles/loopback", "--num-nodes", "3"],
+        "lists 2 hosts",
+    ),
     "disk_for_two_checkpoints": (["--", "--set", "model.preset=7b"], "two checkpoints"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_LAUNCHES, ids=list(BAD_LAUNCHES))
@@ -266,8 +295,19 @@ def test_bad_launches(case, stdlib_data, tmp_path, capsys, monkeypatch):
     before = extra[: extra.index("--")] if "--" in extra else extra
     after = extra[extra.index("--") + 1 :] if "--" in extra else []
     base = ["--out", str(out), "--data", str(stdlib_data), "--max-steps", "10"]
-    code = launcher_main(["run", "recipes/pretrain_tiny.py", "--device", "cpu", "--no-ssh-check",
-                          *before, "--", *base, *after])  # fmt: skip
+    code = launcher_main(
+        [
+            "run",
+            "recipes/pretrain_tiny.py",
+            "--device",
+            "cpu",
+            "--no-ssh-check",
+            *before,
+            "--",
+            *base,
+            *after,
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 2, printed.out + printed.err
     assert match in printed.err and printed.err.startswith("launcher: error: ")
@@ -283,8 +323,22 @@ def test_unreachable_hosts_are_listed_together(stdlib_data, tmp_path):
     hf.write_text("127.0.0.3 slots=1\n127.0.0.4 slots=1\n")  # nothing listens there
     out = tmp_path / "run"
     data = ["--data", str(stdlib_data)]
-    done = _launch(["run", "recipes/pretrain_tiny.py", "--hostfile", str(hf), "--device", "cpu",
-                    "--", "--out", str(out), *data, "--max-steps", "10"])  # fmt: skip
+    done = _launch(
+        [
+            "run",
+            "recipes/pretrain_tiny.py",
+            "--hostfile",
+            str(hf),
+            "--device",
+            "cpu",
+            "--",
+            "--out",
+            str(out),
+            *data,
+            "--max-steps",
+            "10",
+        ]
+    )
     assert done.returncode == 2, done.stderr
     assert "2 of 2 hosts do not answer ssh" in done.stderr
     assert "127.0.0.3:" in done.stderr and "127.0.0.4:" in done.stderr
@@ -337,7 +391,7 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             for k in (0, 1)
         ]
         try:

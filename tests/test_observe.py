@@ -27,8 +27,9 @@ def anneal(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     e = env()
     e.pop("DISPLAY", None)
     e.pop("MPLBACKEND", None)
-    return run_process([sys.executable, "-m", "anneal.cli", *args], timeout_s=300, check=check,
-                       cwd=ROOT, env=e)  # fmt: skip
+    return run_process(
+        [sys.executable, "-m", "anneal.cli", *args], timeout_s=300, check=check, cwd=ROOT, env=e
+    )
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -68,7 +69,7 @@ def write_run(run: Path, train: list[dict], val=(), events=(), vocab=8192) -> Pa
                     "warmup_num_steps": 10,
                     "warmup_min_ratio": 0.0,
                     "cos_min_ratio": 0.1,
-                }  # fmt: skip
+                }
             },
         },
     }
@@ -92,7 +93,7 @@ def good_run(run: Path) -> Path:
             "tokens_per_s": 5000 + 10 * (s % 7),
             "mfu": 0.3,
             "data_wait_share": 0.001,
-        }  # fmt: skip
+        }
         for s in range(1, n + 1)
     ]
     val = [{"step": s, "val_loss": 9.0 * math.exp(-s / 40) + 3.1} for s in (25, 50, 75, 100)]
@@ -111,7 +112,7 @@ def bad_run(run: Path) -> Path:
             "tokens_per_s": 5000,
             "mfu": 0.3,
             "data_wait_share": 0.001,
-        }  # fmt: skip
+        }
         for s in range(1, n + 1)
     ]
     for r in train:
@@ -144,8 +145,14 @@ def test_health_report_flags_a_bad_run(tmp_path, capsys):
     table = format_table(list(signals.values()), run_dir=run)
     assert table.count("PROBLEM") == 3 and "3 problem(s)" in table
 
-    slow = [{"step": s, "tokens_per_s": 5000 if s < 90 else 5000 * TPUT_DROP / 2,
-             "data_wait_share": 0.0} for s in range(1, 101)]  # fmt: skip
+    slow = [
+        {
+            "step": s,
+            "tokens_per_s": 5000 if s < 90 else 5000 * TPUT_DROP / 2,
+            "data_wait_share": 0.0,
+        }
+        for s in range(1, 101)
+    ]
     assert throughput_signal(slow).status == PROBLEM
     stall = [{"step": s, "tokens_per_s": 5000, "data_wait_share": 0.4} for s in range(1, 101)]
     assert "stalls" in throughput_signal(stall).detail
@@ -202,12 +209,25 @@ def test_progress_bar_plain_lines_when_not_a_terminal():
     bar = ProgressBar(max_steps=25, log_every=10, stream=out, enabled=True)
     assert not bar.interactive
     for s in range(1, 26):
-        bar.update({"step": s, "loss": 5.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1e4,
-                    "mfu": 0.1, "mem_max_gib": 1.5})  # fmt: skip
+        bar.update(
+            {
+                "step": s,
+                "loss": 5.0,
+                "lr": 1e-3,
+                "grad_norm": 0.5,
+                "tokens_per_s": 1e4,
+                "mfu": 0.1,
+                "mem_max_gib": 1.5,
+            }
+        )
     bar.close()
     lines = out.getvalue().splitlines()
     assert [ln.split(" |")[0] for ln in lines] == [
-        "step  1/25", "step 10/25", "step 20/25", "step 25/25"]  # fmt: skip
+        "step  1/25",
+        "step 10/25",
+        "step 20/25",
+        "step 25/25",
+    ]
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
     assert all("ETA " in ln and "tok/s" in ln and "loss 5.0000" in ln for ln in lines)
 
@@ -223,8 +243,21 @@ def test_progress_bar_plain_lines_when_not_a_terminal():
 @pytest.fixture(scope="module")
 def real_run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("observe") / "run"
-    proc = run_recipe(["--out", str(out), "--data", str(tiny_data), "--max-steps", "4",
-                       "--eval-every", "2", *SMALL, "--set", "train.log_every=2"])  # fmt: skip
+    proc = run_recipe(
+        [
+            "--out",
+            str(out),
+            "--data",
+            str(tiny_data),
+            "--max-steps",
+            "4",
+            "--eval-every",
+            "2",
+            *SMALL,
+            "--set",
+            "train.log_every=2",
+        ]
+    )
     return out, proc
 
 
@@ -235,9 +268,19 @@ def test_tensorboard_reader_sees_the_expected_tags(real_run):
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                "train/tokens", "train/mem_min_gib", "train/mem_max_gib", "train/mem_max_rank",
-                "val/val_loss", "val/val_bpb"}  # fmt: skip
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/mfu",
+        "train/tokens",
+        "train/mem_min_gib",
+        "train/mem_max_gib",
+        "train/mem_max_rank",
+        "val/val_loss",
+        "val/val_bpb",
+    }
     assert expected <= tags, expected - tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
     assert all(e.value > 0.05 for e in acc.Scalars("train/mem_max_gib"))  # RSS, GiB

@@ -18,10 +18,25 @@ TIMEOUT_S = 20
 
 def test_a_killed_rank_is_named_and_every_process_exits(stdlib_data, tmp_path):
     port = free_port()
-    args = ["--out", str(tmp_path), "--data", str(stdlib_data), "--max-steps", "8",
-            "--save-every", "0", "--eval-every", "0", *SMALL, "--set", "train.eval_samples=0",
-            "--set", f"train.heartbeat_timeout_s={TIMEOUT_S}",
-            "--set", "train.collective_timeout_s=120"]  # fmt: skip
+    args = [
+        "--out",
+        str(tmp_path),
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        "8",
+        "--save-every",
+        "0",
+        "--eval-every",
+        "0",
+        *SMALL,
+        "--set",
+        "train.eval_samples=0",
+        "--set",
+        f"train.heartbeat_timeout_s={TIMEOUT_S}",
+        "--set",
+        "train.collective_timeout_s=120",
+    ]
     e = {**env(), "ANNEAL_FAULTS": "kill@step=4:rank=1"}
     nodes = [
         subprocess.Popen(
@@ -38,14 +53,14 @@ def test_a_killed_rank_is_named_and_every_process_exits(stdlib_data, tmp_path):
                 str(port),
                 "recipes/pretrain_tiny.py",
                 *args,
-            ],  # fmt: skip
+            ],
             cwd=ROOT,
             env=e,
             start_new_session=True,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-        )  # fmt: skip
+        )
         for k in (0, 1)
     ]
     ended: dict[int, float] = {}

@@ -110,12 +110,33 @@ def test_big_recipes_checkpoint_activations():
 def test_recipe_flags():
     spec = load_recipe(ROOT / "recipes" / "pretrain_tiny.py")
     cfg, overrides = config_from_args(
-        ["--out", "o", "--data", "d", "--ds-config", "cpu.json", "--max-steps", "9",
-         "--resume", "none", "--eval-every", "3", "--save-every", "4", "--seed", "5",
-         "--set", "ds.gradient_clipping=0.5", "--set", "optim.lr=1e-3", "--local_rank", "0"],
+        [
+            "--out",
+            "o",
+            "--data",
+            "d",
+            "--ds-config",
+            "cpu.json",
+            "--max-steps",
+            "9",
+            "--resume",
+            "none",
+            "--eval-every",
+            "3",
+            "--save-every",
+            "4",
+            "--seed",
+            "5",
+            "--set",
+            "ds.gradient_clipping=0.5",
+            "--set",
+            "optim.lr=1e-3",
+            "--local_rank",
+            "0",
+        ],
         prog="x.py",
         **spec,
-    )  # fmt: skip
+    )
     assert (cfg.out, cfg.data.path, cfg.ds_config, cfg.resume) == ("o", "d", "cpu.json", "none")
     assert cfg.resume_explicit and cfg.optim.lr == 1e-3
     t = cfg.train

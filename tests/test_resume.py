@@ -18,8 +18,18 @@ pytestmark = pytest.mark.slow
 def runs(request, stdlib_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"resume-{request.param}")
     precision = ["--set", f"train.precision={request.param}"]
-    common = ["--data", str(stdlib_data), "--max-steps", str(2 * N), "--eval-every", str(N),
-              "--save-every", str(N), *SMALL, *precision]  # fmt: skip
+    common = [
+        "--data",
+        str(stdlib_data),
+        "--max-steps",
+        str(2 * N),
+        "--eval-every",
+        str(N),
+        "--save-every",
+        str(N),
+        *SMALL,
+        *precision,
+    ]
     run_recipe(["--out", str(tmp / "full"), *common], ranks=2)
     first = run_recipe(
         ["--out", str(tmp / "split"), *common, "--set", f"train.stop_at_step={N}"], ranks=2

@@ -64,13 +64,16 @@ def test_what_checkpoints_hold_passes_and_loads_weights_only(tmp_path):
 
     state = {
         "module": collections.OrderedDict(w=torch.nn.Parameter(torch.randn(3, 2))),
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()},
+        "rng": {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        },
         "arr": np.arange(5, dtype=np.uint32),
         "stage": ZeroStageEnum.weights,
         "scaler": LossScaler(1.0),
         "bf": torch.ones(2, dtype=torch.bfloat16),
-    }  # fmt: skip
+    }
     tag = tmp_path / "step00000001"
     tag.mkdir()
     torch.save(state, tag / "mp_rank_00_model_states.pt")

@@ -19,9 +19,24 @@ BASE = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for
 
 def _args(data, out, ranks, *extra):
     accum = 4 // ranks  # 16 samples per step whatever the number of ranks (micro-batch 4)
-    return ["--out", str(out), "--data", str(data), "--max-steps", str(2 * N),
-            "--save-every", str(N), "--eval-every", "0", *BASE, "--set", "train.eval_samples=0",
-            "--set", f"ds.gradient_accumulation_steps={accum}", *extra]  # fmt: skip
+    return [
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-steps",
+        str(2 * N),
+        "--save-every",
+        str(N),
+        "--eval-every",
+        "0",
+        *BASE,
+        "--set",
+        "train.eval_samples=0",
+        "--set",
+        f"ds.gradient_accumulation_steps={accum}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +50,9 @@ def reference(stdlib_data, tmp_path_factory):
 def test_resume_on_another_number_of_ranks(stdlib_data, tmp_path, reference, before, after):
     stop = ["--set", f"train.stop_at_step={N}"]
     run_recipe(_args(stdlib_data, tmp_path, before, *stop), ranks=before, timeout_s=400)
-    done = run_recipe(_args(stdlib_data, tmp_path, after, "--resume", "auto"), ranks=after,
-                      timeout_s=400)  # fmt: skip
+    done = run_recipe(
+        _args(stdlib_data, tmp_path, after, "--resume", "auto"), ranks=after, timeout_s=400
+    )
     tag = tmp_path / "checkpoints" / f"step{N:08d}"
     assert f"resumed from {tag} at step {N}" in done.stdout
     assert f"was saved by {before} ranks, this job has {after}" in done.stderr

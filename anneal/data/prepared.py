@@ -54,8 +54,13 @@ def _typed(obj: dict, key: str, kind, *, meta_path: Path, at: str, required: boo
     else:
         ok = isinstance(value, kind)
     if not ok:
-        name = {int: "an integer", float: "a finite number", str: "a string",
-                dict: "an object", list: "a list"}[kind]  # fmt: skip
+        name = {
+            int: "an integer",
+            float: "a finite number",
+            str: "a string",
+            dict: "an object",
+            list: "a list",
+        }[kind]
         raise _meta_error(meta_path, at, f"is {_short(value)}, not {name}")
     return value
 

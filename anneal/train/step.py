@@ -55,11 +55,13 @@ def _step_collective(
     """
     flag = float(preemption is not None and preemption.signalled)
     mem = float(live.local_memory_bytes(device))
-    mine = torch.stack([
-        loss.to(torch.float64),
-        torch.tensor(mem, dtype=torch.float64, device=device),
-        torch.tensor(flag, dtype=torch.float64, device=device),
-    ])  # fmt: skip
+    mine = torch.stack(
+        [
+            loss.to(torch.float64),
+            torch.tensor(mem, dtype=torch.float64, device=device),
+            torch.tensor(flag, dtype=torch.float64, device=device),
+        ]
+    )
     if world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(world_size())]
         dist.all_gather(parts, mine)
@@ -144,11 +146,13 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> d
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         logits = engine(input_ids=x).logits.float()
         nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
-        sums += torch.stack([
-            (nats.double().sum(1) * weight).sum(),
-            weight.sum() * y.size(1),
-            (byte_table[y].sum(1) * weight).sum(),
-        ])  # fmt: skip
+        sums += torch.stack(
+            [
+                (nats.double().sum(1) * weight).sum(),
+                weight.sum() * y.size(1),
+                (byte_table[y].sum(1) * weight).sum(),
+            ]
+        )
     if world_size() > 1:
         dist.all_reduce(sums)
     engine.train()
