@@ -1,7 +1,7 @@
 """The one exception for what the user can fix.
 
 Library code raises ``UserError`` with one paragraph that names the file, line, flag or key and
-says how to fix it. Only the entry points (``recipes/*`` through ``anneal.recipe``, the
+says how to fix it. Only the entry points (``recipes/*`` through ``anneal.cli.recipe``, the
 ``anneal`` CLI and ``python -m launcher``) catch it: they print the paragraph and exit 2.
 Every other exception is a bug or an environment failure and keeps its traceback.
 """

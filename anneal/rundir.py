@@ -5,9 +5,10 @@ its ``config.json``, the one reader of its ``metrics.jsonl``, and a launch's wri
 ```
 RUN/
   config.json      the resolved run config and ds_config, as launched (read_config/write_config)
-  metrics.jsonl    one JSON object per line (anneal.metrics writes it; read_metrics reads it)
-  guard.json       the spike guard's record (anneal.guard)
-  checkpoints/     <tag>/ + latest (anneal.checkpoint)
+  metrics.jsonl    one JSON object per line (anneal.observe.metrics writes it; read_metrics reads
+  it)
+  guard.json       the spike guard's record (anneal.resilience.guard)
+  checkpoints/     <tag>/ + latest (anneal.resilience.checkpoint)
   tb/ plots/ report.txt hf/<tag>/ heartbeat/ preempt/ previous-<time>/
 ```
 
@@ -231,9 +232,9 @@ class RunDir:
         checkpoints_dir(self.out).mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def for_launch(cls, plan) -> RunDir:
-        """The writes of launch ``plan`` (an ``anneal.plan.Plan``)."""
-        return cls(plan.out, plan.config_document(), restart=plan.cfg.restart)
+    def for_launch(cls, launch) -> RunDir:
+        """The writes of launch ``launch`` (an ``anneal.config.launch.Launch``)."""
+        return cls(launch.out, launch.config_document(), restart=launch.cfg.restart)
 
     def undo(self) -> None:
         """Rank 0, before any step completed: remove what this launch created in the run

@@ -4,7 +4,8 @@ plain sequential write and read of the same number of bytes, and launch-to-first
 
 Part 1 (one process, one rank, ZeRO-3 fp32 ``cpu.json`` after one optimizer step), per repeat in
 alternating order:
-- anneal save: ``anneal.checkpoint.save`` (DeepSpeed's save, hashes, manifest, ``latest``); timed
+- anneal save: ``anneal.resilience.checkpoint.save`` (DeepSpeed's save, hashes, manifest,
+  ``latest``); timed
   to its return and to "durable", after this script fsyncs every file of the tag directory
   (nearly free when the save already did).
 - plain write: the same number of bytes written in 32 MiB chunks to one file in the same
@@ -104,11 +105,11 @@ def stats(xs: list[float]) -> dict:
 
 
 def io_part(args, work: Path) -> dict:
-    from anneal import checkpoint
-    from anneal.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+    from anneal.cli.recipe import _single_process_env
+    from anneal.config.run import DataConfig, ModelConfig, RunConfig, TrainConfig
     from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.recipe import _single_process_env
-    from anneal.train import build_engine, next_token_loss, plan_run, setup_process
+    from anneal.resilience import checkpoint
+    from anneal.train import build_engine, next_token_loss, resolve_run, setup_process
 
     cfg = RunConfig(
         out=str(work / "run"),
@@ -120,7 +121,7 @@ def io_part(args, work: Path) -> dict:
     )
     _single_process_env()
     setup_process()
-    plan = plan_run(cfg, ["ds.gradient_accumulation_steps=1"])
+    plan = resolve_run(cfg, ["ds.gradient_accumulation_steps=1"])
     t0 = time.perf_counter()
     engine = build_engine(plan)
     build_s = time.perf_counter() - t0
@@ -207,7 +208,7 @@ def io_part(args, work: Path) -> dict:
 DRIVER = """
 import json, os, runpy, sys, time
 marks = {"start": time.time()}
-import anneal.recipe, anneal.train, deepspeed, transformers.models.llama.modeling_llama
+import anneal.cli.recipe, anneal.train, deepspeed, transformers.models.llama.modeling_llama
 marks["imported"] = time.time()
 build_engine = anneal.train.engine.build_engine
 def timed_build(plan):
@@ -238,7 +239,7 @@ def first_train_row(run_dir: Path, after_rows: int, proc: subprocess.Popen) -> f
 
 def leg(args, run_dir: Path, stop_at_step: int, resume: str) -> dict:
     """One recipe process up to step ``stop_at_step`` (saved there); its startup, in parts."""
-    from anneal.metrics import read_metrics
+    from anneal.observe.metrics import read_metrics
 
     recipe = [
         f"recipes/pretrain_{args.preset}.py",

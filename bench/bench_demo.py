@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
 
-from anneal.metrics import read_metrics  # noqa: E402
+from anneal.observe.metrics import read_metrics  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, help="optimizer steps (default: the demo's)")

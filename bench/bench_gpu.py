@@ -209,10 +209,10 @@ def flops_per_token(model_doc: dict) -> float:
 
 
 def memory_estimate_gib(doc: dict) -> float:
-    """``anneal.memory``'s peak per GPU for a run's config.json, in GiB (compared with the
+    """``anneal.scaling.memory``'s peak per GPU for a run's config.json, in GiB (compared with the
     measured peak in results.jsonl)."""
-    from anneal.memory import Workload, ZeroSetup, estimate
     from anneal.model import preset_from_dict
+    from anneal.scaling.memory import Workload, ZeroSetup, estimate
 
     preset = preset_from_dict(doc["model"], source="config.json", prefix="model.")
     ds = doc["ds_config"]

@@ -121,7 +121,7 @@ def command(kind: str, ranks: int, stage: int | None, *, data, steps, out: Path,
 def step_rows(kind: str, out: Path) -> list[dict]:
     if kind == "plain":
         return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    from anneal.metrics import read_metrics
+    from anneal.observe.metrics import read_metrics
 
     return read_metrics(out / "run", "train")
 
@@ -198,7 +198,7 @@ def cpu_peak_flops() -> float:
 
 
 def flops_per_token(model: str, data: str) -> float:
-    from anneal.config import ModelConfig, RunConfig, apply_overrides
+    from anneal.config.run import ModelConfig, RunConfig, apply_overrides
     from anneal.model import flops_per_token as fpt
 
     meta = json.loads((Path(data) / "meta.json").read_text())

@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from anneal import model as modellib
+    from anneal.cli.recipe import config_from_args, load_recipe
+    from anneal.config.schedule import lr_ratio
     from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.recipe import config_from_args, load_recipe
-    from anneal.schedule import lr_ratio
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
             on_cpu=True,
             **defaults,
         )
-        from anneal.plan import resolve_plan
+        from anneal.config.launch import resolve_launch
 
-        plan = resolve_plan(cfg, overrides, world_size=world, device_type="cpu")
+        plan = resolve_launch(cfg, overrides, world_size=world, device_type="cpu")
     if plan.bf16:
         raise SystemExit("the reference loop trains in fp32; pass an fp32 ds_config")
     ds = plan.ds_config

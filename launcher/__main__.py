@@ -251,7 +251,7 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
         master_addr=ns.master_addr,
         master_port=ns.master_port,
     )
-    out = Path(launch.plan.out)
+    out = Path(launch.launch.out)
     left_out = dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
     env = {**os.environ}
     if remote:  # DeepSpeed's runner exports some of its own environment through pdsh too
@@ -288,7 +288,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         gpu=ns.gpu,
         ranks_per_host=ns.gpus_per_node,
     )
-    out = Path(launch.plan.out).resolve()
+    out = Path(launch.launch.out).resolve()
     grace = ns.grace_s
     if grace is None:  # --grace-s 0 is refused by render_sbatch, not taken for the default
         grace = max(

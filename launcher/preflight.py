@@ -17,18 +17,18 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from anneal import forecast, memory
 from anneal import model as modellib
 from anneal.errors import UserError
+from anneal.scaling import forecast, memory
 
 SSH_TIMEOUT_S = 10
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Launch:
-    """What pre-flight resolved: the plan the ranks will make, and the forecast."""
+class Preflight:
+    """What pre-flight resolved: the launch the ranks will make, and the forecast."""
 
-    plan: object  # anneal.plan.Plan
+    launch: object  # anneal.config.launch.Preflight
     world_size: int
     device_type: str
     checkpoint_bytes: int
@@ -36,17 +36,17 @@ class Launch:
 
 
 def load_recipe(path: str) -> dict:
-    """The recipe file's ``RECIPE`` dict (the arguments it passes to ``anneal.recipe.main``)."""
+    """The recipe file's ``RECIPE`` dict (the arguments it passes to ``anneal.cli.recipe.main``)."""
     if not Path(path).is_file():
         raise UserError(f"recipe {path}: no such file (see recipes/).")
-    from anneal.recipe import load_recipe as load
+    from anneal.cli.recipe import load_recipe as load
 
     return load(path)
 
 
 def recipe_config(recipe: str, recipe_args: list[str], *, device_type: str):
     """(RunConfig, overrides) exactly as the recipe will build them from ``recipe_args``."""
-    from anneal.recipe import config_from_args
+    from anneal.cli.recipe import config_from_args
 
     spec = load_recipe(recipe)
     err = io.StringIO()
@@ -100,18 +100,18 @@ def world_size(
 
 
 def resolve(cfg, overrides, *, world_size: int, device_type: str):
-    """``anneal.plan.resolve_plan``: the ranks' own resolution, for this world size."""
-    from anneal.plan import resolve_plan
+    """``anneal.config.launch.resolve_launch``: the ranks' own resolution, for this world size."""
+    from anneal.config.launch import resolve_launch
 
-    return resolve_plan(cfg, overrides, world_size=world_size, device_type=device_type)
+    return resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
 
 
-def checkpoint_bytes(plan) -> int:
+def checkpoint_bytes(launch) -> int:
     """Bytes of one checkpoint: 16-bit (or fp32) weights plus fp32 master weights and Adam's
-    two moments, over all ranks (anneal/memory.py's model states without gradients)."""
-    zero = memory.ZeroSetup.from_ds_config(plan.ds_config)
+    two moments, over all ranks (anneal/scaling/memory.py's model states without gradients)."""
+    zero = memory.ZeroSetup.from_ds_config(launch.ds_config)
     weights, _, optimizer, _ = memory.model_state_bytes(
-        modellib.count_params(plan.preset), dataclasses.replace(zero, stage=0), 1
+        modellib.count_params(launch.preset), dataclasses.replace(zero, stage=0), 1
     )
     return int(weights + optimizer)
 
@@ -125,7 +125,8 @@ def check_disk(out: Path, *, need_bytes: int) -> None:
         raise UserError(
             f"--out {out}: {memory.format_bytes(free)} free on its file system ({probe}), but "
             f"two checkpoints of this model need {memory.format_bytes(need_bytes)} (weights and "
-            f"optimizer state, anneal/memory.py). Free space, or choose an --out on a larger "
+            f"optimizer state, anneal/scaling/memory.py). Free space, or choose an --out on a "
+            f"larger "
             f"file system."
         )
 
@@ -189,32 +190,32 @@ def preflight(
     mfu: float | None,
     gpu: str | None = None,
     ranks_per_host: int = 1,
-) -> Launch:
+) -> Preflight:
     """Resolve and check the launch; UserError before anything is written or started."""
     cfg, overrides = recipe_config(recipe, recipe_args, device_type=device_type)
-    plan = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
-    ckpt = checkpoint_bytes(plan)
-    check_disk(Path(plan.out), need_bytes=2 * ckpt)
+    launch = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
+    ckpt = checkpoint_bytes(launch)
+    check_disk(Path(launch.out), need_bytes=2 * ckpt)
     mfu = forecast.DEFAULT_MFU[device_type] if mfu is None else mfu
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu}: a fraction of peak in (0, 1]; 40% is --mfu 0.4.")
     start = 0
-    if plan.resume_from is not None:
-        from anneal import checkpoint
+    if launch.resume_from is not None:
+        from anneal.resilience import checkpoint
 
-        start = (checkpoint.read_manifest(Path(plan.resume_from)) or {}).get("step", 0)
+        start = (checkpoint.read_manifest(Path(launch.resume_from)) or {}).get("step", 0)
     fc = forecast.make(
-        preset=plan.preset,
-        ds_config=plan.ds_config,
+        preset=launch.preset,
+        ds_config=launch.ds_config,
         world_size=world_size,
-        max_steps=plan.cfg.train.max_steps,
+        max_steps=launch.cfg.train.max_steps,
         start_step=start,
         mfu=mfu,
         peak_flops=peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host),
-        activation_checkpointing=plan.cfg.model.activation_checkpointing,
+        activation_checkpointing=launch.cfg.model.activation_checkpointing,
     )
-    return Launch(
-        plan=plan,
+    return Preflight(
+        launch=launch,
         world_size=world_size,
         device_type=device_type,
         checkpoint_bytes=ckpt,

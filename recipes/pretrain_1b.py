@@ -8,8 +8,8 @@ wants) is chosen per machine; its "auto" values take these.
 deepspeed --num_gpus N recipes/pretrain_1b.py --out runs/1b --data data/stdlib
 """
 
-from anneal.config import ModelConfig, OptimConfig, TrainConfig
-from anneal.recipe import main
+from anneal.cli.recipe import main
+from anneal.config.run import ModelConfig, OptimConfig, TrainConfig
 
 RECIPE = dict(
     preset="1b",

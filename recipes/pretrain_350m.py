@@ -8,8 +8,8 @@ cluster wants) is chosen per machine; its "auto" values take these.
 deepspeed --num_gpus N recipes/pretrain_350m.py --out runs/350m --data data/stdlib
 """
 
-from anneal.config import OptimConfig, TrainConfig
-from anneal.recipe import main
+from anneal.cli.recipe import main
+from anneal.config.run import OptimConfig, TrainConfig
 
 RECIPE = dict(
     preset="350m",

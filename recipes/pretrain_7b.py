@@ -8,8 +8,8 @@ is chosen per machine; its "auto" values take these.
 deepspeed --num_gpus N recipes/pretrain_7b.py --out runs/7b --data data/stdlib
 """
 
-from anneal.config import ModelConfig, OptimConfig, TrainConfig
-from anneal.recipe import main
+from anneal.cli.recipe import main
+from anneal.config.run import ModelConfig, OptimConfig, TrainConfig
 
 RECIPE = dict(
     preset="7b",

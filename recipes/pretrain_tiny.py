@@ -10,8 +10,8 @@ shipped micro-batches, so this recipe is also the smoke test of a new cluster.
 deepspeed --num_gpus N recipes/pretrain_tiny.py --out runs/tiny --data data/stdlib
 """
 
-from anneal.config import OptimConfig, TrainConfig
-from anneal.recipe import main
+from anneal.cli.recipe import main
+from anneal.config.run import OptimConfig, TrainConfig
 
 RECIPE = dict(
     preset="tiny",

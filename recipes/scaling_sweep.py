@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from anneal.config import (
+from anneal.config.run import (
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(run_dir: Path) -> bool:
     """A run counts as done once it validated after its last step."""
-    from anneal.metrics import read_metrics
+    from anneal.observe.metrics import read_metrics
 
     if not (run_dir / "metrics.jsonl").is_file():
         return False
@@ -133,14 +133,14 @@ def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> i
     launch plan), resolved for a long run in a directory that holds no run."""
     import torch
 
+    from anneal.config.launch import resolve_launch
     from anneal.dist import world_size
-    from anneal.plan import resolve_plan
 
     probe = dataclasses.replace(
         cfg, out=str(probe_dir), train=dataclasses.replace(cfg.train, max_steps=10**9)
     )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_plan(
+    return resolve_launch(
         probe, overrides, world_size=world_size(), device_type=device_type
     ).tokens_per_step
 
@@ -148,8 +148,8 @@ def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> i
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from anneal.cli.recipe import _single_process_env, print_once
     from anneal.dist import is_main_process
-    from anneal.recipe import _single_process_env, print_once
 
     args = build_parser().parse_args(argv)
     grid = GRIDS[args.grid]
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from anneal import scaling
-    from anneal.plots import plot_fit
+    from anneal.observe.plots import plot_fit
 
     run_dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
     points = [scaling.read_run(d) for d in run_dirs]

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from anneal.data.prepared import unigram_entropy_bits_per_byte  # noqa: E402
 from anneal.dist import free_port  # noqa: E402
-from anneal.metrics import read_metrics  # noqa: E402
+from anneal.observe.metrics import read_metrics  # noqa: E402
 
 DEFAULT_STEPS = 50
 """Optimizer steps of the demo: 50 x 16,384 tokens, a quarter of an epoch of the corpus."""

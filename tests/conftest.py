@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from anneal.dist import free_port  # noqa: F401 (the tests take ports through it)
-from anneal.metrics import read_metrics  # noqa: F401 (the tests read runs through it)
+from anneal.observe.metrics import read_metrics  # noqa: F401 (the tests read runs through it)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -4,7 +4,7 @@ exist, an unknown --set key, and an --out that holds a different run.
 
 One refusal goes through a real recipe process (exit 2, the paragraph on stderr, nothing
 written); the others are the same launch resolution run in this process (the recipe's parser,
-then ``resolve_plan``, as every rank runs it before its engine), where the UserError that the
+then ``resolve_launch``, as every rank runs it before its engine), where the UserError that the
 entry point prints is caught directly: a process start each (3 s here) bought nothing more.
 How the entry point prints a UserError by rank is checked in processes below."""
 
@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
+from anneal.cli.recipe import config_from_args, load_recipe
+from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
-from anneal.plan import resolve_plan
-from anneal.recipe import config_from_args, load_recipe
 from tests.conftest import ROOT, SMALL, run_recipe
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
@@ -27,7 +27,7 @@ def refused(args) -> str:
     raises; any other exception, or none, fails the test."""
     with pytest.raises(UserError) as caught:
         cfg, overrides = config_from_args(args, prog=str(TINY), on_cpu=True, **load_recipe(TINY))
-        resolve_plan(cfg, overrides, world_size=1, device_type="cpu")
+        resolve_launch(cfg, overrides, world_size=1, device_type="cpu")
     return str(caught.value)
 
 
@@ -55,7 +55,7 @@ def test_ds_config_not_json(tiny_data, tmp_path):
 
 
 def test_ds_config_typo(tiny_data, tmp_path):
-    from anneal.ds_config import DS_CONFIG_DIR
+    from anneal.config.ds import DS_CONFIG_DIR
 
     cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
     cfg["gradient_clipp1ng"] = cfg.pop("gradient_clipping")
@@ -178,7 +178,7 @@ def test_entry_point_prints_user_errors_by_rank(rank, monkeypatch, capsys):
     the entry point, for Python to print). The recipe's entry point runs here, as rank 0 or 1
     of two, with a training that fails at once in place of anneal.train.run."""
     import anneal.train
-    from anneal.recipe import main
+    from anneal.cli.recipe import main
 
     for name, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}.items():
         monkeypatch.setenv(name, value)

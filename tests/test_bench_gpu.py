@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from anneal.cli.recipe import config_from_args, load_recipe
+from anneal.config.launch import resolve_launch
 from anneal.hardware import GPUS
-from anneal.memory import Workload, ZeroSetup, estimate
-from anneal.plan import resolve_plan
-from anneal.recipe import config_from_args, load_recipe
+from anneal.scaling.memory import Workload, ZeroSetup, estimate
 from bench import bench_gpu
 from tests.conftest import ROOT, env, run_process
 
@@ -73,7 +73,7 @@ def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
     assert argv[:2] == [sys.executable, str(path)]
     spec = load_recipe(path)
     cfg, overrides = config_from_args(argv[2:], prog=str(path), on_cpu=False, **spec)
-    plan = resolve_plan(cfg, overrides, world_size=1, device_type="cuda", fast_bf16=True)
+    plan = resolve_launch(cfg, overrides, world_size=1, device_type="cuda", fast_bf16=True)
     ds = plan.ds_config
     assert plan.cfg.ds_config == f"zero{row.zero}_bf16.json"
     assert ds["zero_optimization"]["stage"] == row.zero

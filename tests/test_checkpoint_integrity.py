@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from anneal import checkpoint
 from anneal.errors import UserError
+from anneal.resilience import checkpoint
 
 
 class FakeEngine:

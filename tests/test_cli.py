@@ -14,7 +14,8 @@ import inspect
 
 import pytest
 
-from anneal import cli, hardware, memory, scaling
+from anneal import cli, hardware, scaling
+from anneal.scaling import memory
 
 
 def signature_default(fn, name: str):

@@ -3,8 +3,8 @@ the one batch-arithmetic function, and which config differences block a relaunch
 
 import pytest
 
-from anneal import config as cfglib
-from anneal.config import RunConfig
+from anneal.config import run as cfglib
+from anneal.config.run import RunConfig
 from anneal.errors import UserError
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from anneal import checkpoint
+from anneal.resilience import checkpoint
 from tests.conftest import BIN, ROOT, SMALL, env, free_port, kill_tree, read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow

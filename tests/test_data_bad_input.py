@@ -174,15 +174,15 @@ def prepared(tmp_path, tokenizer_model) -> Path:
 
 
 def test_changed_tokenizer_is_refused_at_training_time(prepared, tmp_path):
-    """check_prepared is what plan_run calls (asserted through plan_run below)."""
+    """check_prepared is what resolve_run calls (asserted through resolve_run below)."""
     assert check_prepared(prepared)["vocab_size"] == 400
     other = tmp_path / "other.model"
     toklib.train_sentencepiece(_texts()[::-1], vocab_size=401, out_path=other)
     (prepared / "tokenizer.model").write_bytes(other.read_bytes())
     with pytest.raises(UserError, match=r"tokenizer\.model: its sha256 .* differs from the tok"):
         check_prepared(prepared)
-    from anneal.recipe import config_from_args
-    from anneal.train import plan_run
+    from anneal.cli.recipe import config_from_args
+    from anneal.train import resolve_run
 
     cfg, overrides = config_from_args(
         ["--data", str(prepared), "--out", str(tmp_path / "run")],
@@ -191,7 +191,7 @@ def test_changed_tokenizer_is_refused_at_training_time(prepared, tmp_path):
         ds_config="cpu.json",
     )
     with pytest.raises(UserError, match="differs from the tokenizer the shards were made with"):
-        plan_run(cfg, overrides)
+        resolve_run(cfg, overrides)
 
 
 def test_resuming_with_another_vocabulary_is_refused(prepared, tmp_path):

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON (anneal.ds_config) is read strictly: typos, wrong types, duplicate keys and
+"""DeepSpeed JSON (anneal.config.ds) is read strictly: typos, wrong types, duplicate keys and
 broken JSON are errors that name the file and key; ``--set ds.*`` overrides go through the same
 schema. The run-dependent values written ``"auto"`` are filled from the run config by the
 documented rules (batch from the recipe's global batch, LR from the recipe, warmup capped at a
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from anneal import ds_config as dslib
-from anneal.config import OptimConfig
+from anneal.config import ds as dslib
+from anneal.config.run import OptimConfig
 from anneal.errors import UserError
 
 OPTIM = OptimConfig(lr=6e-4, global_batch_tokens=2**19, warmup_tokens=375_000_000)

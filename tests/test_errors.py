@@ -18,31 +18,31 @@ from pathlib import Path
 
 import pytest
 
-from anneal.ds_config import load_ds_config
+from anneal.config.ds import load_ds_config
 from anneal.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 INTERNAL_VALUE_ERRORS = {
-    ("anneal/config.py", "batch_arithmetic"): (
+    ("anneal/config/run.py", "batch_arithmetic"): (
         "its one caller, ds_config.resolve_ds_config, always passes the accumulation or the "
         "global batch (a missing key reads as auto, and auto/auto computes the batch)"
     ),
-    ("anneal/schedule.py", "WarmupCosine.__init__"): (
+    ("anneal/config/schedule.py", "WarmupCosine.__init__"): (
         "warmup_type reaches it only through the strict loader, whose RANGES refuse all but "
         "'linear' (test_warmup_type_is_refused_by_the_loader)"
     ),
-    ("anneal/plan.py", "_resolve"): (
+    ("anneal/config/launch.py", "_resolve"): (
         "device_type comes from torch or from the launcher's --device, an argparse choice of "
         "cuda/cpu"
     ),
     ("anneal/data/stream.py", "TokenStream.__init__"): (
         "rank and world size come from torch.distributed, never from the user"
     ),
-    ("anneal/safeload.py", "pickle_globals.pop"): (
+    ("anneal/resilience/safeload.py", "pickle_globals.pop"): (
         "caught by safeload._check, which raises a UserError naming the file"
     ),
-    ("anneal/safeload.py", "pickle_globals"): (
+    ("anneal/resilience/safeload.py", "pickle_globals"): (
         "caught by safeload._check, which raises a UserError naming the file"
     ),
 }

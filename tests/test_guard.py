@@ -18,10 +18,10 @@ import random
 
 import pytest
 
-from anneal import faults
-from anneal.config import GuardConfig
+from anneal.config.run import GuardConfig
 from anneal.errors import UserError
-from anneal.guard import Guard
+from anneal.resilience import faults
+from anneal.resilience.guard import Guard
 from tests.conftest import SMALL, read_metrics, run_recipe
 
 

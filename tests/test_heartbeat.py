@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from anneal import heartbeat
+from anneal.resilience import heartbeat
 
 
 @pytest.fixture

@@ -76,7 +76,7 @@ def refused(capsys, *argv, names: list[str], untouched: list[Path]) -> str:
 
 def rehash(tag_dir: Path) -> None:
     """Rewrite the manifest to match the files as they are now (what an attacker does)."""
-    from anneal.checkpoint import file_hash
+    from anneal.resilience.checkpoint import file_hash
 
     path = tag_dir / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -87,7 +87,7 @@ def rehash(tag_dir: Path) -> None:
 
 def plant(path: Path, marker: Path) -> None:
     """Add a payload to a checkpoint file, read here without running anything."""
-    from anneal.safeload import safe_globals
+    from anneal.resilience.safeload import safe_globals
 
     with torch.serialization.safe_globals(safe_globals()):
         state = torch.load(path, weights_only=True)
@@ -422,7 +422,7 @@ def test_broken_run_directory_and_config(run, tmp_path, capsys):
 
 
 def test_frozen_parameters_are_refused_clearly(run, tmp_path, capsys):
-    from anneal.safeload import safe_globals
+    from anneal.resilience.safeload import safe_globals
 
     path = run / "checkpoints" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     with torch.serialization.safe_globals(safe_globals()):

@@ -114,7 +114,7 @@ def _must_be_clear(fn, what: str, source: str | None = None):
 
 
 def test_run_config_overrides():
-    from anneal.config import RunConfig, apply_overrides
+    from anneal.config.run import RunConfig, apply_overrides
 
     rng = random.Random(1)
     cfg = RunConfig(out="runs/x", ds_config="cpu.json")
@@ -131,7 +131,7 @@ def test_run_config_overrides():
 
 
 def test_ds_config_loader(tmp_path):
-    from anneal.ds_config import load_ds_config
+    from anneal.config.ds import load_ds_config
 
     rng = random.Random(2)
     shipped = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
@@ -161,7 +161,7 @@ def test_hostfile_parser():
 @pytest.fixture(scope="module")
 def checkpoint_tree(tmp_path_factory) -> Path:
     """A checkpoints/ directory shaped like a real one (manifest, files, latest), tiny files."""
-    from anneal.checkpoint import HASH, file_hash
+    from anneal.resilience.checkpoint import HASH, file_hash
 
     ckpt = tmp_path_factory.mktemp("run") / "checkpoints"
     tag = ckpt / "step00000002"
@@ -176,7 +176,7 @@ def checkpoint_tree(tmp_path_factory) -> Path:
 
 
 def test_checkpoint_manifest(tmp_path, checkpoint_tree):
-    from anneal import checkpoint
+    from anneal.resilience import checkpoint
 
     rng = random.Random(4)
     ckpt = tmp_path / "checkpoints"

@@ -16,7 +16,7 @@ leaves no config.json behind.
 - Item 14: manifest entries and a ``latest`` that lead out of their directory are refused by
   one function, ``anneal.files.confined``.
 
-Most cases resolve the launch in-process (``resolve_plan``, which every rank and the pre-flight
+Most cases resolve the launch in-process (``resolve_launch``, which every rank and the pre-flight
 run); one real run is trained once for the session (shared with the export's hostile
 cases) and copied.
 """
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from anneal import checkpoint
 from anneal.errors import UserError
 from anneal.files import confined
+from anneal.resilience import checkpoint
 from tests.conftest import ROOT, SMALL, env, run_process, run_recipe, tree
 
 RECIPE = "recipes/pretrain_tiny.py"
@@ -59,12 +59,12 @@ def copy_run(trained: Path, dest: Path) -> Path:
 
 def plan_for(args: list[str], *, world_size: int = 1):
     """The launch as every rank (and the pre-flight) resolves it, from recipe flags."""
-    from anneal.plan import resolve_plan
-    from anneal.recipe import config_from_args, load_recipe
+    from anneal.cli.recipe import config_from_args, load_recipe
+    from anneal.config.launch import resolve_launch
 
     spec = load_recipe(ROOT / RECIPE)
     cfg, overrides = config_from_args(args, prog=RECIPE, on_cpu=True, **spec)
-    return resolve_plan(cfg, overrides, world_size=world_size, device_type="cpu")
+    return resolve_launch(cfg, overrides, world_size=world_size, device_type="cpu")
 
 
 def refused(args: list[str], *roots: Path, expect: list[str]) -> str:
@@ -388,7 +388,7 @@ def test_set_garbage(data, tmp_path, item, expect):
 
 
 def test_a_ds_config_with_wrong_types_or_bytes(data, tmp_path):
-    from anneal.ds_config import DS_CONFIG_DIR
+    from anneal.config.ds import DS_CONFIG_DIR
 
     cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
     cfg["zero_optimization"]["stage"] = "3"
@@ -474,7 +474,7 @@ def test_the_recipe_exits_2_with_one_paragraph(data, tmp_path):
 def test_every_numeric_key_has_a_range():
     import dataclasses
 
-    from anneal import config as cfglib
+    from anneal.config import run as cfglib
 
     numeric = {
         f"{name}.{f.name}"

@@ -130,9 +130,14 @@ GROUND = ("anneal.errors", "anneal.files", "anneal.dist", "anneal.hardware")
 # set of flat modules is named by those modules.
 FORBIDDEN = [
     (GROUND, lambda m: _in(m, "anneal") and not _in(m, *GROUND)),
-    (("anneal.hf",), lambda m: _in(m, "anneal.train", "anneal.cli", "anneal.recipe")),
-    (("anneal.hf",), lambda m: _in(m, "anneal.metrics", "anneal.progress", "anneal.plots")),
-    (("anneal.hf",), lambda m: _in(m, "anneal.report")),
+    (("anneal.hf",), lambda m: _in(m, "anneal.train", "anneal.cli", "anneal.cli.recipe")),
+    (
+        ("anneal.hf",),
+        lambda m: _in(
+            m, "anneal.observe.metrics", "anneal.observe.progress", "anneal.observe.plots"
+        ),
+    ),
+    (("anneal.hf",), lambda m: _in(m, "anneal.observe.report")),
     (("anneal.train",), lambda m: _in(m, "anneal.hf")),
 ]
 

@@ -1,4 +1,4 @@
-"""The per-GPU memory estimator (anneal/memory.py, `anneal estimate`).
+"""The per-GPU memory estimator (anneal/scaling/memory.py, `anneal estimate`).
 
 Proves the ZeRO model-state formulas (stage 1 4P+12P/n, stage 2 2P+14P/n, stage 3 16P/n,
 offload), agreement with DeepSpeed's own estimators where both count the same thing, the
@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from anneal import cli, memory
-from anneal.ds_config import find_ds_config, load_ds_config
+from anneal import cli
+from anneal.config.ds import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
+from anneal.scaling import memory
 from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""A new command-line flag is a deliberate change: the recipe's flags (`anneal.recipe.
+"""A new command-line flag is a deliberate change: the recipe's flags (`anneal.cli.recipe.
 build_parser`, shared by every recipes/pretrain_*.py) and the options of `python -m launcher`
 (each subcommand's) are frozen here as literal lists, as torchtitan's test_no_new_cli_options.py
 freezes its own. Adding, renaming or removing one fails this test until the list below is
@@ -7,7 +7,7 @@ edited in the same change, where review sees it (and the docs and golden command
 
 import argparse
 
-from anneal.recipe import build_parser as recipe_parser
+from anneal.cli.recipe import build_parser as recipe_parser
 from launcher.__main__ import build_parser as launcher_parser
 
 RECIPE_FLAGS = [

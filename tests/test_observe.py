@@ -124,7 +124,7 @@ def bad_run(run: Path) -> Path:
 
 
 def test_health_report_passes_a_good_run(tmp_path):
-    from anneal.report import HEALTHY, health
+    from anneal.observe.report import HEALTHY, health
 
     signals = {s.name: s for s in health(good_run(tmp_path / "good"))}
     assert {n: s.status for n, s in signals.items()} == dict.fromkeys(signals, HEALTHY)
@@ -132,7 +132,7 @@ def test_health_report_passes_a_good_run(tmp_path):
 
 
 def test_health_report_flags_a_bad_run(tmp_path, capsys):
-    from anneal.report import PROBLEM, TPUT_DROP, format_table, health, throughput_signal
+    from anneal.observe.report import PROBLEM, TPUT_DROP, format_table, health, throughput_signal
 
     run = bad_run(tmp_path / "bad")
     signals = {s.name: s for s in health(run)}
@@ -203,7 +203,7 @@ def test_plot_and_report_of_a_run_without_metrics(tmp_path, capsys):
 
 
 def test_progress_bar_plain_lines_when_not_a_terminal():
-    from anneal.progress import ProgressBar
+    from anneal.observe.progress import ProgressBar
 
     out = io.StringIO()  # not a tty
     bar = ProgressBar(max_steps=25, log_every=10, stream=out, enabled=True)
@@ -291,7 +291,7 @@ def test_tensorboard_reader_sees_the_expected_tags(real_run):
 
 
 def test_memory_is_summarised_unless_per_rank_is_asked_for():
-    from anneal.progress import GiB, memory_fields
+    from anneal.observe.progress import GiB, memory_fields
 
     per_rank = [2 * GiB, 5 * GiB, 3 * GiB]
     assert memory_fields(per_rank) == {"mem_min_gib": 2.0, "mem_max_gib": 5.0, "mem_max_rank": 1}

@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
-from anneal import checkpoint
-from anneal.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from anneal.resilience import checkpoint
+from anneal.resilience.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 
 
 class Events:

@@ -1,4 +1,4 @@
-"""`anneal.metrics.read_metrics`, the one reader of metrics.jsonl (the planner, the fitter,
+"""`anneal.observe.metrics.read_metrics`, the one reader of metrics.jsonl (the planner, the fitter,
 the scaling sweep, the demo and the tests all go through it).
 
 Proves that it returns the rows in order, filtered by kind; that a torn last line, as a killed
@@ -15,7 +15,7 @@ import math
 import pytest
 
 from anneal.errors import UserError
-from anneal.metrics import MetricsLogger, read_metrics
+from anneal.observe.metrics import MetricsLogger, read_metrics
 
 ROWS = [
     {"kind": "train", "step": 1, "tokens": 512, "loss": 9.0},

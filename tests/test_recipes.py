@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from anneal.plan import resolve_plan
-from anneal.recipe import config_from_args, load_recipe
+from anneal.cli.recipe import config_from_args, load_recipe
+from anneal.config.launch import resolve_launch
 from launcher import hostfile
 from tests.conftest import ROOT, read_metrics, run_recipe
 
@@ -35,7 +35,7 @@ def test_recipes_exist():
 def plan_for(path: Path, argv: list[str], *, device: str, world: int):
     spec = load_recipe(path)
     cfg, overrides = config_from_args(argv, prog=str(path), on_cpu=device == "cpu", **spec)
-    return spec, resolve_plan(cfg, overrides, world_size=world, device_type=device)
+    return spec, resolve_launch(cfg, overrides, world_size=world, device_type=device)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from anneal.errors import UserError
-from anneal.safeload import pickle_globals, safe_globals, scan_checkpoint, scan_file
+from anneal.resilience.safeload import pickle_globals, safe_globals, scan_checkpoint, scan_file
 
 
 class Payload:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from anneal.schedule import lr_ratio
+from anneal.config.schedule import lr_ratio
 from tests.conftest import SMALL, read_metrics, run_recipe
 
 

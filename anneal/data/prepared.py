@@ -348,7 +348,7 @@ def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return
     if not isinstance(old_vocab, int):
-        return  # not a config.json Anneal wrote; plan_run's own checks of it apply
+        return  # not a config.json Anneal wrote; resolve_run's own checks of it apply
     fix = (
         f"Resume with the data the run was started with (--data {old_data}), or start a "
         f"new run with another --out."

@@ -33,7 +33,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from anneal import checkpoint, rundir
+from anneal import rundir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
 from anneal.hf.source import (
@@ -47,6 +47,7 @@ from anneal.hf.source import (
 from anneal.hf.verify import ExportMismatch, verify_export
 from anneal.hf.writer import DTYPES, convert, parse_size
 from anneal.hf.zero import open_checkpoint
+from anneal.resilience import checkpoint
 
 MARKER = "anneal_export.json"
 
@@ -113,7 +114,7 @@ def export(
 
     Everything is checked before anything is written: the run's config.json, ``tag`` (one
     checkpoint of this run), the manifest (confined names), ``out`` (``_claim_out``), the
-    checkpoint's bytes against its manifest and its pickles by ``anneal.safeload``. With
+    checkpoint's bytes against its manifest and its pickles by ``anneal.resilience.safeload``. With
     ``force``, only an earlier export (its ``anneal_export.json``) or an empty directory is
     replaced, once the new one is verified."""
     run_dir, out = Path(run_dir), Path(out)

@@ -1,7 +1,7 @@
 """What an export reads from a run directory, and the checks made before anything of it is
 unpickled: the run's config (its model preset), the checkpoint chosen (``--tag``, or the
 newest intact one), the run's tokenizer, and the checkpoint's files (listed in its manifest,
-sizes and hashes as recorded, pickles scanned by ``anneal.safeload``).
+sizes and hashes as recorded, pickles scanned by ``anneal.resilience.safeload``).
 
 A run directory and its checkpoints are read as input from elsewhere: --tag and every name in
 a manifest are confined (checkpoint.read_manifest), every file's bytes are checked against the
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from anneal import checkpoint, rundir, safeload
 from anneal import model as modellib
+from anneal import rundir
 from anneal.errors import UserError
 from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
+from anneal.resilience import checkpoint, safeload
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
 def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
     """Before anything of ``tag_dir`` is unpickled: every file export reads is listed in the
     manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
-    included), and no pickle in it names a global outside ``anneal.safeload``'s allow-list."""
+    included), and no pickle in it names a global outside ``anneal.resilience.safeload``'s
+    allow-list."""
     model_files, optim_files = checkpoint_files(tag_dir)
     listed = set(manifest["files"])
     unlisted = [f.name for f in model_files + optim_files if f.name not in listed]

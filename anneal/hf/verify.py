@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from anneal import checkpoint
 from anneal import model as modellib
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
+from anneal.resilience import checkpoint
 
 # Logits of the exported model vs the reference (both in fp32, identical weights): any
 # difference beyond float noise is a bug. Relative to max(1, largest |logit|).

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from anneal import safeload
 from anneal.errors import UserError
 from anneal.hf.reader import LazyTensor, _Archive
+from anneal.resilience import safeload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +235,8 @@ def _with_buffers_and_aliases(sources: list[TensorSource], model_state) -> list[
 
 
 def _load_weights_only(path: Path) -> dict:
-    """``torch.load(weights_only=True)``: tensors and the few types of ``anneal.safeload``'s
+    """``torch.load(weights_only=True)``: tensors and the few types of
+    ``anneal.resilience.safeload``'s
     allow-list are built, any other global is refused before it is imported."""
     try:
         with torch.serialization.safe_globals(safeload.safe_globals()):

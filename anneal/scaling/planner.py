@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.forecast import format_duration
 from anneal.hardware import DEFAULT_GPU, get_gpu
+from anneal.scaling.forecast import format_duration
 from anneal.scaling.law import DEFAULT_FIT, FITS, ChinchillaFit
 
 DEFAULT_MFU = 0.40

@@ -2,7 +2,7 @@
 call of ``deepspeed.initialize``), one optimizer step and validation (``step``), and what
 watches a run (``observers``). Recipes call ``run(cfg)``."""
 
-from anneal.train.engine import build_engine, plan_run, setup_process
+from anneal.train.engine import build_engine, resolve_run, setup_process
 from anneal.train.observers import ExportAfterSave
 from anneal.train.step import TrainState, next_token_loss, train_step, validate
 from anneal.train.trainer import Trainer, run
@@ -13,7 +13,7 @@ __all__ = [
     "Trainer",
     "build_engine",
     "next_token_loss",
-    "plan_run",
+    "resolve_run",
     "run",
     "setup_process",
     "train_step",

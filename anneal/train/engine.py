@@ -1,4 +1,5 @@
-"""Building the engine: resolve a launch for the live world (``plan_run``), the model (partitioned
+"""Building the engine: resolve a launch for the live world (``resolve_run``), the model
+(partitioned
 at construction under ZeRO-3) and ``deepspeed.initialize``, called here and nowhere else; the
 process setup before it (process group, device, CPU threads)."""
 
@@ -9,18 +10,18 @@ import os
 import torch
 
 from anneal import model as modellib
-from anneal.config import RunConfig
+from anneal.config.launch import Launch, resolve_launch
+from anneal.config.run import RunConfig
+from anneal.config.schedule import WarmupCosine
 from anneal.dist import init_distributed, setup_logging, world_size
-from anneal.plan import Plan, resolve_plan
-from anneal.schedule import WarmupCosine
 
 
-def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
-    """Resolve this launch for the live world and device (see ``anneal.plan``)."""
+def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
+    """Resolve this launch for the live world and device (see ``anneal.config.launch``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    return resolve_plan(
+    return resolve_launch(
         cfg,
         overrides,
         world_size=world_size(),
@@ -29,13 +30,13 @@ def plan_run(cfg: RunConfig, overrides: list[str] = ()) -> Plan:
     )
 
 
-def build_engine(plan: Plan):
+def build_engine(launch: Launch):
     """Model (partitioned at construction under ZeRO-3) -> the DeepSpeed engine."""
     import deepspeed
 
-    ds = plan.ds_config
+    ds = launch.ds_config
     zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
-    preset = plan.preset
+    preset = launch.preset
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.
@@ -48,9 +49,9 @@ def build_engine(plan: Plan):
         model = modellib.build_model(preset)
         gather = None
     modellib.init_weights_(
-        model, std=preset.initializer_range, seed=plan.cfg.train.seed, gather=gather
+        model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
     )
-    if plan.cfg.model.activation_checkpointing:
+    if launch.cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt_params = ds["optimizer"]["params"]
     sched = ds["scheduler"]["params"]
@@ -61,7 +62,7 @@ def build_engine(plan: Plan):
         config=engine_config,
         lr_scheduler=lambda opt: WarmupCosine(opt, **sched),
     )
-    if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not plan.bf16:
+    if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not launch.bf16:
         _keep_fp32_clip_norm(engine)
     return engine
 

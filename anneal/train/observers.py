@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from anneal import forecast, heartbeat, rundir
-from anneal import progress as live
+from anneal import rundir
 from anneal.dist import is_main_process, print0, rank, world_size
-from anneal.metrics import MetricsLogger
-from anneal.preempt import Preemption
+from anneal.observe import progress as live
+from anneal.observe.metrics import MetricsLogger
+from anneal.resilience import heartbeat
+from anneal.resilience.preempt import Preemption
+from anneal.scaling import forecast
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ class Metrics(Observer):
 
 
 class ForecastCheck(Observer):
-    """The launcher's forecast against the measured step time and memory (``anneal.forecast``)."""
+    """The launcher's forecast against the measured step time and memory
+    (``anneal.scaling.forecast``)."""
 
     def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, device, metrics):
         self.check = forecast.Check(run_dir, start_step=start_step)
@@ -66,7 +69,7 @@ class ForecastCheck(Observer):
 
 
 class LiveView(Observer):
-    """The progress bar and Weights & Biases (``anneal.progress``)."""
+    """The progress bar and Weights & Biases (``anneal.observe.progress``)."""
 
     def __init__(self, view: live.LiveView):
         self.view = view
@@ -81,7 +84,7 @@ class LiveView(Observer):
 
 
 class Heartbeat(Observer):
-    """This rank's liveness, and the peers' watched (``anneal.heartbeat``)."""
+    """This rank's liveness, and the peers' watched (``anneal.resilience.heartbeat``)."""
 
     def __init__(self, run_dir: Path, *, timeout_s: float):
         self.beat = heartbeat.start(
@@ -99,7 +102,7 @@ class Heartbeat(Observer):
 
 
 class PreemptionSignals(Observer):
-    """SIGUSR1/SIGTERM caught for the run (``anneal.preempt``); put back at the end."""
+    """SIGUSR1/SIGTERM caught for the run (``anneal.resilience.preempt``); put back at the end."""
 
     def __init__(self, preemption: Preemption):
         self.preemption = preemption

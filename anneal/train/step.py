@@ -4,7 +4,8 @@ tokens -> backward (DeepSpeed divides the loss by the accumulation steps and red
 only at the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on
 2-D+ weights -> warmup-cosine LR step. And validation on the fixed held-out windows.
 
-Nothing here is there for tests: fault injection (``anneal.faults``) wraps ``train_step`` from
+Nothing here is there for tests: fault injection (``anneal.resilience.faults``) wraps
+``train_step`` from
 outside, through its ``stream`` and ``loss_fn`` arguments.
 """
 
@@ -19,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from anneal import progress as live
+from anneal.config.launch import Launch
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import rank, world_size
-from anneal.plan import Plan
-from anneal.preempt import Preemption
+from anneal.observe import progress as live
+from anneal.resilience.preempt import Preemption
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ def train_step(
     engine,
     stream: TokenStream,
     state: TrainState,
-    plan: Plan,
+    launch: Launch,
     preemption: Preemption | None = None,
     loss_fn=next_token_loss,
 ) -> dict:
@@ -91,7 +92,7 @@ def train_step(
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
-    for _ in range(plan.grad_accum):
+    for _ in range(launch.grad_accum):
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
@@ -101,15 +102,15 @@ def train_step(
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         loss_sum += loss.detach()
     loss_mean, memory, preempt = _step_collective(
-        loss_sum / plan.grad_accum,
+        loss_sum / launch.grad_accum,
         device,
         preemption,
-        memory_per_rank=plan.cfg.train.memory_per_rank,
+        memory_per_rank=launch.cfg.train.memory_per_rank,
     )
     if preemption is not None:
         preemption.requested_by_any = preempt
     state.step += 1
-    state.tokens += plan.ds_config["train_batch_size"] * plan.seq_len
+    state.tokens += launch.ds_config["train_batch_size"] * launch.seq_len
     grad_norm = engine.get_global_grad_norm()
     elapsed = time.perf_counter() - start
     return {
@@ -119,7 +120,7 @@ def train_step(
         "loss": loss_mean,
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "tokens_per_s": plan.ds_config["train_batch_size"] * plan.seq_len / elapsed,
+        "tokens_per_s": launch.ds_config["train_batch_size"] * launch.seq_len / elapsed,
         "data_wait_s": round(wait_s, 6),
         "data_wait_share": round(wait_s / elapsed, 6),  # of step time; prefetch keeps it < 1%
         **memory,
@@ -128,7 +129,7 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> dict:
+def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) -> dict:
     """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
     engine.eval()
     device = engine.device
@@ -136,10 +137,10 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, plan: Plan) -> d
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
     for windows in validation_windows(
         val.n_windows,
-        n_samples=plan.cfg.train.eval_samples,
+        n_samples=launch.cfg.train.eval_samples,
         rank=rank(),
         world_size=world_size(),
-        micro_batch=plan.micro_batch,
+        micro_batch=launch.micro_batch,
     ):
         x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
         x, y = x.to(device), y.to(device)

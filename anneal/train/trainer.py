@@ -17,18 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anneal import checkpoint, faults, rundir
 from anneal import model as modellib
-from anneal import progress as live
-from anneal.config import RunConfig, check_ranges
+from anneal import rundir
+from anneal.config.launch import Launch
+from anneal.config.run import RunConfig, check_ranges
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
-from anneal.guard import Guard
 from anneal.hardware import device_peak_flops
-from anneal.metrics import MetricsLogger
-from anneal.plan import Plan
-from anneal.preempt import Preemption
+from anneal.observe import progress as live
+from anneal.observe.metrics import MetricsLogger
+from anneal.resilience import checkpoint, faults
+from anneal.resilience.guard import Guard
+from anneal.resilience.preempt import Preemption
 from anneal.rundir import RunDir
 from anneal.train import engine as enginelib
 from anneal.train import observers
@@ -41,36 +42,36 @@ log = logging.getLogger(__name__)
 def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory).
 
-    Everything is checked (``resolve_plan``), the engine built and the checkpoint loaded before
+    Everything is checked (``resolve_launch``), the engine built and the checkpoint loaded before
     anything is written to the run directory; a launch that fails after that but before its
     first step puts the directory back as it found it (``RunDir``), so the corrected relaunch
     starts cleanly instead of meeting the config of a run that never trained."""
     check_ranges(cfg)  # before the process group: collective_timeout_s goes there
     enginelib.setup_process(cfg.train.collective_timeout_s)
-    plan = enginelib.plan_run(cfg, overrides)
-    for note in plan.notes:
+    launch = enginelib.resolve_run(cfg, overrides)
+    for note in launch.notes:
         log.warning(note)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
-    data = Data.open(plan)
-    print0(plan.describe())
-    engine = enginelib.build_engine(plan)
+    data = Data.open(launch)
+    print0(launch.describe())
+    engine = enginelib.build_engine(launch)
     recompute = getattr(engine.module, "is_gradient_checkpointing", False)
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     t0 = time.perf_counter()
-    resume_from = plan.resume_from and checkpoint.verified_resume(
-        plan.resume_from, fallback=cfg.resume == "auto"
+    resume_from = launch.resume_from and checkpoint.verified_resume(
+        launch.resume_from, fallback=cfg.resume == "auto"
     )
     resumed = {"verify_s": round(time.perf_counter() - t0, 3)}
-    guard = Guard(cfg.guard, run_dir=plan.out, resuming=resume_from is not None)
+    guard = Guard(cfg.guard, run_dir=launch.out, resuming=resume_from is not None)
     client = None
     if resume_from is not None:
         t0 = time.perf_counter()
-        client = checkpoint.load(engine, resume_from)  # scanned first (anneal.safeload)
+        client = checkpoint.load(engine, resume_from)  # scanned first (anneal.resilience.safeload)
         resumed.update(checkpoint=str(resume_from), load_s=round(time.perf_counter() - t0, 3))
-    run_dir = RunDir.for_launch(plan)
+    run_dir = RunDir.for_launch(launch)
     try:
-        return Trainer(plan, engine, guard, run_dir, data).train(client, resumed)
+        return Trainer(launch, engine, guard, run_dir, data).train(client, resumed)
     except BaseException:
         run_dir.undo()
         raise
@@ -83,9 +84,9 @@ class Data:
     token_bytes: np.ndarray
 
     @classmethod
-    def open(cls, plan: Plan) -> Data:
-        path, seq_len = Path(plan.cfg.data.path), plan.seq_len
-        val = PackedSplit(path, "val", seq_len=seq_len) if plan.cfg.train.eval_samples else None
+    def open(cls, launch: Launch) -> Data:
+        path, seq_len = Path(launch.cfg.data.path), launch.seq_len
+        val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.eval_samples else None
         train = PackedSplit(path, "train", seq_len=seq_len)
         return cls(train, val, np.load(path / "token_bytes.npy"))
 
@@ -93,18 +94,18 @@ class Data:
 class Trainer:
     """Owns the engine, the token stream, the train state, the guard and the run directory."""
 
-    def __init__(self, plan: Plan, engine, guard: Guard, run_dir: RunDir, data: Data):
-        self.plan, self.cfg, self.engine, self.guard = plan, plan.cfg, engine, guard
+    def __init__(self, launch: Launch, engine, guard: Guard, run_dir: RunDir, data: Data):
+        self.launch, self.cfg, self.engine, self.guard = launch, launch.cfg, engine, guard
         self.run_dir, self.data = run_dir, data
         self.state, self.stream = TrainState(), None
-        self.metrics = MetricsLogger(plan.out)
-        self.preemption = Preemption(plan.out)  # SIGUSR1/SIGTERM: checkpoint, then exit 75
+        self.metrics = MetricsLogger(launch.out)
+        self.preemption = Preemption(launch.out)  # SIGUSR1/SIGTERM: checkpoint, then exit 75
         self.exports = observers.ExportAfterSave(self.cfg.train.export_every_save)
         fault = faults.from_env(rank())  # ANNEAL_FAULTS: drills and tests only
         base = steplib.train_step
         self.train_step = fault.wrap(base, steplib.next_token_loss) if fault else base
-        self.samples_per_step = plan.ds_config["train_batch_size"]
-        flops = modellib.flops_per_token(plan.preset, seq_len=plan.seq_len)
+        self.samples_per_step = launch.ds_config["train_batch_size"]
+        flops = modellib.flops_per_token(launch.preset, seq_len=launch.seq_len)
         self.flops_per_s = flops / (device_peak_flops(engine.device) * world_size())
         self.last_train, self.last_val = None, None
         self.watchers: list[observers.Observer] = []
@@ -133,7 +134,7 @@ class Trainer:
             seed=self.cfg.train.seed,
             rank=rank(),
             world_size=world_size(),
-            micro_batch=self.plan.micro_batch,
+            micro_batch=self.launch.micro_batch,
             position=position,
             prefetch=self.cfg.data.prefetch_batches,
         )
@@ -158,7 +159,7 @@ class Trainer:
                 if self.preemption.requested_by_any:  # any rank (the step's collective)
                     self.preemption.stop(
                         step=self.state.step,
-                        ckpt_dir=rundir.checkpoints_dir(self.plan.out),
+                        ckpt_dir=rundir.checkpoints_dir(self.launch.out),
                         metrics=self.metrics,
                         save=lambda: self.checkpoint(force=True),
                     )
@@ -172,7 +173,7 @@ class Trainer:
                 watcher.close()
             self.stream.close()
         if self.state.step >= self.cfg.train.max_steps:
-            live.finish_run(self.plan.out)  # rank 0: RUN/plots/*.png, the health report
+            live.finish_run(self.launch.out)  # rank 0: RUN/plots/*.png, the health report
         return self.summary()
 
     def restore(self, client: dict | None, resumed: dict) -> None:
@@ -184,18 +185,18 @@ class Trainer:
             self.load_state_dict(client)
             self.metrics.event(self.state.step, "resume", position=self.stream.position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
-        out, start = self.plan.out, self.state.step
+        out, start = self.launch.out, self.state.step
         self.watchers += [
             observers.ForecastCheck(
                 out,
                 start_step=start,
                 device=self.engine.device,
-                tokens_per_step=self.plan.tokens_per_step,
+                tokens_per_step=self.launch.tokens_per_step,
                 metrics=self.metrics,
             ),
             observers.LiveView(
                 live.LiveView(
-                    out, cfg=self.cfg, start_step=start, config_doc=self.plan.config_document()
+                    out, cfg=self.cfg, start_step=start, config_doc=self.launch.config_document()
                 )
             ),
             observers.Heartbeat(out, timeout_s=self.cfg.train.heartbeat_timeout_s),
@@ -208,7 +209,7 @@ class Trainer:
             getattr(watcher, event)(arg)
 
     def step(self) -> dict:
-        row = self.train_step(self.engine, self.stream, self.state, self.plan, self.preemption)
+        row = self.train_step(self.engine, self.stream, self.state, self.launch, self.preemption)
         row["mfu"] = self.flops_per_s * row["tokens_per_s"]
         self.last_train = row
         return row
@@ -223,7 +224,7 @@ class Trainer:
         spike_step, spike_end = self.state.step, self.stream.position
         client, tag_dir = self.guard.rewind(
             self.engine,
-            rundir.checkpoints_dir(self.plan.out),
+            rundir.checkpoints_dir(self.launch.out),
             spike_step=spike_step,
             spike_end=spike_end,
             samples_per_step=self.samples_per_step,
@@ -236,7 +237,7 @@ class Trainer:
         train = self.cfg.train
         if self.data.val is None or not _due(self.state.step, train.eval_every, train.max_steps):
             return
-        row = steplib.validate(self.engine, self.data.val, self.data.token_bytes, self.plan)
+        row = steplib.validate(self.engine, self.data.val, self.data.token_bytes, self.launch)
         self.last_val = {**row, "step": self.state.step}
         self.observe("on_val", self.last_val)
 
@@ -250,12 +251,12 @@ class Trainer:
         self.exports.wait()  # the previous export reads its tag; keep-K may remove it now
         tag_dir = checkpoint.save(
             self.engine,
-            rundir.checkpoints_dir(self.plan.out),
+            rundir.checkpoints_dir(self.launch.out),
             step=step,
             client_state=self.state_dict(),
             keep_last=train.keep_last,
             keep_every=train.keep_every,
-            model=dataclasses.asdict(self.plan.preset),
+            model=dataclasses.asdict(self.launch.preset),
         )
         self.metrics.event(step, "checkpoint", path=str(tag_dir))
         self.observe("on_checkpoint", tag_dir)
@@ -263,14 +264,14 @@ class Trainer:
     def summary(self) -> dict:
         train, val = self.last_train or {}, self.last_val or {}
         return {
-            "run_dir": str(self.plan.out),
+            "run_dir": str(self.launch.out),
             "step": self.state.step,
             "tokens": self.state.tokens,
             "train_loss": train.get("loss"),
             "tokens_per_s": train.get("tokens_per_s"),
             "val_loss": val.get("val_loss"),
             "val_bpb": val.get("val_bpb"),
-            "params": modellib.count_params(self.plan.preset),
+            "params": modellib.count_params(self.launch.preset),
         }
 
 

@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 import anneal.train.step  # noqa: E402
-from anneal.recipe import load_recipe, main  # noqa: E402
+from anneal.cli.recipe import load_recipe, main  # noqa: E402
 
 RECIPE = load_recipe(os.path.join(os.getcwd(), "recipes", "pretrain_tiny.py"))
 

@@ -14,10 +14,10 @@ import deepspeed
 import torch
 
 from anneal import model as modellib
-from anneal.config import ModelConfig, RunConfig, TrainConfig, apply_overrides
+from anneal.config.run import ModelConfig, RunConfig, TrainConfig, apply_overrides
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import init_distributed, rank, world_size
-from anneal.train import TrainState, build_engine, next_token_loss, plan_run, train_step
+from anneal.train import TrainState, build_engine, next_token_loss, resolve_run, train_step
 
 
 def gathered_state(module) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def main() -> None:
         train=TrainConfig(max_steps=10, seed=7),
     )
     cfg = apply_overrides(dataclasses_replace_data(cfg, data_dir), overrides)
-    plan = plan_run(cfg, overrides)
+    plan = resolve_run(cfg, overrides)
     engine = build_engine(plan)
     before = gathered_state(engine.module)
     decayed = sorted(n for n, p in engine.module.named_parameters() if modellib.is_decayed(p))

@@ -213,9 +213,10 @@ def write_report(run_dir: Path) -> str:
 
 
 def end_of_run(run_dir: Path) -> None:
-    """What a run does after its last step (``anneal.progress.finish_run`` runs it in a child
+    """What a run does after its last step (``anneal.observe.progress.finish_run`` runs it in a
+    child
     process): its plots, then its health report, printed and saved."""
-    from anneal import plots
+    from anneal.observe import plots
 
     plots.plot_run(run_dir)
     print(write_report(run_dir), flush=True)
@@ -225,5 +226,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3 or sys.argv[2] != "--end-of-run":
-        sys.exit("usage: python -m anneal.report RUN --end-of-run (or: anneal report RUN)")
+        sys.exit("usage: python -m anneal.observe.report RUN --end-of-run (or: anneal report RUN)")
     end_of_run(Path(sys.argv[1]))

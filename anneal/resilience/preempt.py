@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anneal import checkpoint, rundir
+from anneal import rundir
 from anneal.dist import world_size
+from anneal.resilience import checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -230,7 +230,7 @@ def _add_data_commands(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: plan, fit, estimate (anneal/scaling/, anneal/memory.py; docs/planning.md).
+# Planning: plan, fit, estimate (anneal/scaling/, anneal/scaling/memory.py; docs/planning.md).
 # Every default below is read from the library (a signature or a module constant), never typed
 # again here; tests/test_cli.py checks that.
 
@@ -285,7 +285,7 @@ def _fit(args: argparse.Namespace) -> int:
     out = scaling.write_fit(result, out)
     try:
         result.to_fit()
-        from anneal.plots import plot_fit
+        from anneal.observe.plots import plot_fit
 
         plot_fit(result, plot)
     except UserError as e:  # no compute-optimal frontier to draw
@@ -302,9 +302,9 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from anneal import memory
-    from anneal.ds_config import find_ds_config, load_ds_config
+    from anneal.config.ds import find_ds_config, load_ds_config
     from anneal.hardware import get_gpu
+    from anneal.scaling import memory
 
     preset = memory.load_model(args.model)
     if args.vocab_size:
@@ -364,9 +364,10 @@ def _estimate(args: argparse.Namespace) -> int:
 def _add_planning_commands(sub) -> None:
     import math
 
-    from anneal import memory, scaling
+    from anneal import scaling
     from anneal.hardware import DEFAULT_GPU, GPUS
     from anneal.model import NOMINAL_VOCAB
+    from anneal.scaling import memory
 
     gpus = " | ".join(GPUS)
     plan = sub.add_parser(
@@ -509,7 +510,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from anneal import plots
+    from anneal.observe import plots
 
     if args.schedule:
         if args.run:
@@ -536,7 +537,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import json
 
-    from anneal import report
+    from anneal.observe import report
 
     signals = report.health(Path(args.run))
     if args.json:

@@ -12,7 +12,8 @@ whose files were never written.
 On resume, ``verify`` re-hashes the chosen checkpoint (the files spread over the ranks): a
 checkpoint whose bytes changed after the save (a torn copy, a bad disk, a same-size truncation)
 is reported and, with ``--resume auto``, the newest intact older one is used instead. Before
-DeepSpeed unpickles anything, every pickle of the checkpoint is scanned (``anneal.safeload``):
+DeepSpeed unpickles anything, every pickle of the checkpoint is scanned
+(``anneal.resilience.safeload``):
 a file that names a global outside the allow-list stops the run, with no fallback.
 
 Nothing read from a checkpoint directory is trusted as a path: every file name in a manifest
@@ -425,13 +426,13 @@ def load(engine, tag_dir: Path) -> dict:
 
 
 def scan(tag_dir: Path) -> None:
-    """``anneal.safeload.scan_file`` for every ``*.pt`` under ``tag_dir`` (``universal/``
+    """``anneal.resilience.safeload.scan_file`` for every ``*.pt`` under ``tag_dir`` (``universal/``
     included; not a hidden leftover such as an interrupted conversion's ``.universal.tmp``,
     which nothing loads), on every rank: each reads these files anyway, and the verdict is the
     same everywhere. A refusal stops the run: there is no fallback to an older checkpoint,
     because files whose hashes match their manifest were not damaged by a crash or a disk, they
     were written so."""
-    from anneal import safeload
+    from anneal.resilience import safeload
 
     tag_dir = Path(tag_dir)
     try:

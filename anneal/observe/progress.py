@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal.dist import is_main_process
-from anneal.forecast import format_duration
 from anneal.hardware import process_memory_bytes
+from anneal.scaling.forecast import format_duration
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +218,8 @@ class LiveView:
 
 def finish_run(run_dir: Path) -> None:
     """Rank 0, after the last step: plots to ``RUN/plots`` and the health report (printed and
-    written to ``RUN/report.txt``). Drawn in a child process (``python -m anneal.report RUN``,
+    written to ``RUN/report.txt``). Drawn in a child process (``python -m anneal.observe.report
+    RUN``,
     no torch in it) so that matplotlib's memory never adds to the training process's peak, and
     never fails the run: a problem here is logged."""
     if not is_main_process():
@@ -235,7 +236,7 @@ def finish_run(run_dir: Path) -> None:
     sys.stdout.flush()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "anneal.report", str(run_dir), "--end-of-run"],
+            [sys.executable, "-m", "anneal.observe.report", str(run_dir), "--end-of-run"],
             env=env,
             timeout=600,
             check=False,

@@ -168,8 +168,8 @@ def plot_schedule(
     dark: bool = False,
     title: str = "",
 ) -> Path:
-    """The warmup-cosine schedule alone (``anneal.schedule.lr_ratio``), zones shaded."""
-    from anneal.schedule import lr_ratio
+    """The warmup-cosine schedule alone (``anneal.config.schedule.lr_ratio``), zones shaded."""
+    from anneal.config.schedule import lr_ratio
 
     plt, style, c = _pyplot(dark)
     steps = np.unique(np.linspace(1, total_steps, min(total_steps, 2000)).astype(int))
@@ -226,7 +226,7 @@ def plot_schedule_file(
     ``"auto"`` values need ``--peak-lr`` / ``--warmup-steps``; flags override numbers."""
     import json
 
-    from anneal.ds_config import find_ds_config
+    from anneal.config.ds import find_ds_config
     from anneal.errors import UserError
 
     path = find_ds_config(str(config))
@@ -350,7 +350,7 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     warm = sched.get("warmup_num_steps")
     peak = (ds.get("optimizer") or {}).get("params", {}).get("lr")
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
-        from anneal.schedule import lr_ratio
+        from anneal.config.schedule import lr_ratio
 
         _schedule_zones(ax, warmup=int(warm), total=int(total), colors=c)
         t = np.unique(np.linspace(1, total, min(int(total), 2000)).astype(int))

@@ -1,6 +1,6 @@
-"""Resolve a launch into a ``Plan`` before anything is written or any engine is built.
+"""Resolve a launch into a ``Launch`` before anything is written or any engine is built.
 
-``resolve_plan`` is pure apart from reading files (the ds_config, the data directory's
+``resolve_launch`` is pure apart from reading files (the ds_config, the data directory's
 ``meta.json``, checkpoint manifests, the run's ``config.json``): it takes the world size and the
 device kind as arguments, so the launcher's pre-flight and the tests resolve the GPU path of a
 launch on a machine without a GPU, exactly as the ranks will.
@@ -13,11 +13,13 @@ import json
 import os
 from pathlib import Path
 
-from anneal import checkpoint, ds_config, rundir
 from anneal import model as modellib
-from anneal.config import AUTO, RunConfig, check_ranges, config_differences, optim_keys_set
+from anneal import rundir
+from anneal.config import ds as ds_config
+from anneal.config.run import AUTO, RunConfig, check_ranges, config_differences, optim_keys_set
 from anneal.errors import UserError
 from anneal.files import claim_output
+from anneal.resilience import checkpoint
 
 DEVICE_TYPES = ("cpu", "cuda")
 SHAPE_KEYS = (
@@ -32,7 +34,7 @@ SHAPE_KEYS = (
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
+class Launch:
     """A launch, resolved and validated."""
 
     cfg: RunConfig
@@ -124,14 +126,14 @@ def _precision(cfg: RunConfig, ds: dict, *, fast_bf16: bool, device_type: str):
     return ds, None
 
 
-def resolve_plan(
+def resolve_launch(
     cfg: RunConfig,
     overrides: list[str] = (),
     *,
     world_size: int,
     device_type: str,
     fast_bf16: bool | None = None,
-) -> Plan:
+) -> Launch:
     """Resolve and check everything a launch needs on ``world_size`` ranks of ``device_type``.
 
     ``fast_bf16`` defaults to ``device_type == "cuda"``; a rank passes what its device reports.
@@ -149,7 +151,7 @@ def resolve_plan(
         raise UserError(str(e), every_rank=True) from None
 
 
-def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
+def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     from anneal.data.prepared import check_matches_run, check_prepared
 
     if device_type not in DEVICE_TYPES:
@@ -189,7 +191,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
             world_size=world_size,
             zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
         )
-    plan = Plan(
+    launch = Launch(
         cfg=cfg,
         ds_config=ds,
         resolved_from=resolved_from,
@@ -201,15 +203,15 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
         meta=meta,
         notes=notes,
     )
-    if not plan.has_validation and cfg.train.eval_samples > 0:
+    if not launch.has_validation and cfg.train.eval_samples > 0:
         raise UserError(
-            f"--data {data_dir}: has no validation windows of {plan.seq_len + 1} tokens (its val "
+            f"--data {data_dir}: has no validation windows of {launch.seq_len + 1} tokens (its val "
             f"split holds {meta['splits']['val']['tokens']:,} tokens), so validation cannot run. "
             f"Prepare it again with a larger --val-fraction, or train without evaluation: "
             f"--set train.eval_samples=0."
         )
     if old_config is not None and not cfg.restart:
-        diffs = config_differences(old_config, plan.config_document())
+        diffs = config_differences(old_config, launch.config_document())
         if diffs and not cfg.resume_explicit:
             raise UserError(
                 f"--out {out} holds a different run (its config.json differs: "
@@ -217,7 +219,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Plan:
                 f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "
                 f"that run with the new settings."
             )
-    return plan
+    return launch
 
 
 def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:

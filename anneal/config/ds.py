@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from anneal.config import AUTO, REPO_ROOT, OptimConfig, batch_arithmetic, suggest
+from anneal.config.run import AUTO, REPO_ROOT, OptimConfig, batch_arithmetic, suggest
 from anneal.errors import UserError
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -161,7 +161,7 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("scheduler", "params", "cos_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
     ("scheduler", "params", "warmup_type"): (
         lambda v: v == "linear",
-        '"linear": DeepSpeed\'s WarmupCosineLR also takes "log", which anneal/schedule.py '
+        '"linear": DeepSpeed\'s WarmupCosineLR also takes "log", which anneal/config/schedule.py '
         "does not implement",
     ),
 }

@@ -13,7 +13,7 @@ import runpy
 import socket
 import sys
 
-from anneal.config import (
+from anneal.config.run import (
     AUTO,
     DataConfig,
     ModelConfig,

@@ -28,12 +28,16 @@ import logging
 import math
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from anneal import checkpoint, rundir
-from anneal.config import GuardConfig
+from anneal import rundir
 from anneal.dist import is_main_process, print0
 from anneal.errors import UserError
 from anneal.files import write_atomic
+from anneal.resilience import checkpoint
+
+if TYPE_CHECKING:  # the type only: resilience sits below config (docs/architecture.md)
+    from anneal.config.run import GuardConfig
 
 log = logging.getLogger(__name__)
 
@@ -225,5 +229,5 @@ def _step(tag_dir: Path) -> int:
 
 
 def _scale_peak_lr(engine, factor: float) -> None:
-    """Multiply the schedule's peak LRs (``anneal.schedule.WarmupCosine``) by ``factor``."""
+    """Multiply the schedule's peak LRs (``anneal.config.schedule.WarmupCosine``) by ``factor``."""
     engine.lr_scheduler.scale_peak(factor)

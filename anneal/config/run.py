@@ -1,7 +1,7 @@
 """The typed run config (one small frozen dataclass per concern) and the batch arithmetic.
 
 What a model size wants (preset, peak LR, warmup, global batch, run length) lives here, with
-the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.ds_config``).
+the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.config.ds``).
 ``--set section.key=value`` overrides go through these types. User mistakes raise
 ``anneal.errors.UserError`` with one paragraph naming the flag or key and how to fix it.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from anneal.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO = "auto"
 
 
@@ -123,7 +123,7 @@ class TrainConfig:
     only, so a row has the same size at any number of ranks."""
     heartbeat_timeout_s: float = 180.0
     """A rank whose heartbeat stops for this long (or whose process is gone) is reported by
-    the others, which then exit non-zero (``anneal.heartbeat``); 0: no heartbeat."""
+    the others, which then exit non-zero (``anneal.resilience.heartbeat``); 0: no heartbeat."""
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (``deepspeed.init_distributed``): the backstop for a hang
     the heartbeat does not see. Keep it above the longest checkpoint save or validation."""
@@ -139,7 +139,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GuardConfig:
-    """The loss-spike guard (``anneal.guard``; docs/resilience.md). A step is a spike when its
+    """The loss-spike guard (``anneal.resilience.guard``; docs/resilience.md). A step is a spike
+    when its
     loss or global grad norm is not finite, or when its loss (mean over ranks) exceeds both
     ``median + mad_k * 1.4826 * MAD`` and ``median * (1 + min_jump)`` of the last ``window``
     good steps. A non-finite step whose update DeepSpeed skipped is logged and passed over; any
