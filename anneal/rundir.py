@@ -99,11 +99,16 @@ def preempt_dir(run_dir: str | Path) -> Path:
 # -- config.json ---------------------------------------------------------------------------------
 
 
-def read_config(run_dir: str | Path) -> dict:
-    """The run's ``config.json``: a UserError naming the file when there is none, it cannot be
-    read, or it is not a run's (a JSON object with a "run" section)."""
+def read_config(run_dir: str | Path, *, section: str = "run", missing_ok: bool = False):
+    """The run's ``config.json``: a UserError naming the file when it cannot be read or is not
+    a run's (a JSON object with a ``section`` object: "run" for the launcher and the runs,
+    "model" for the exporter, which needs only the shape). When there is none: None with
+    ``missing_ok``, else a UserError. The one reader of a run's config; a Hugging Face model
+    directory's own ``config.json`` is ``anneal.hf``'s."""
     path = config_path(run_dir)
     if not path.is_file():
+        if missing_ok and not path.exists():
+            return None
         raise UserError(
             f"{run_dir}: no {CONFIG}; not an Anneal run directory (give the --out of a run)."
         )
@@ -114,8 +119,10 @@ def read_config(run_dir: str | Path) -> dict:
             f"{path}: cannot be read as JSON ({e}); it is not as the run wrote it. Give a run "
             f"directory whose {CONFIG} is intact, or restore this one."
         ) from None
-    if not (isinstance(doc, dict) and isinstance(doc.get("run"), dict)):
-        raise UserError(f"{path}: not a run's {CONFIG} (no \"run\" section). Give a run's --out.")
+    if not (isinstance(doc, dict) and isinstance(doc.get(section), dict)):
+        raise UserError(
+            f'{path}: not a run\'s {CONFIG} (no "{section}" section). Give the --out of a run.'
+        )
     return doc
 
 

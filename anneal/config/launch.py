@@ -9,7 +9,6 @@ launch on a machine without a GPU, exactly as the ranks will.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -268,20 +267,14 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
 
 def _read_run_config(out: Path) -> dict | None:
     """``out/config.json`` when it is a run's (a JSON object with a "run" section)."""
-    path = rundir.config_path(out)
-    if not path.exists():
-        return None
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        doc = None
-    if not (isinstance(doc, dict) and isinstance(doc.get("run"), dict)):
+        return rundir.read_config(out, missing_ok=True)
+    except UserError:
         raise UserError(
             f"--out {out}: its config.json is not the config of an Anneal run (not JSON, or no "
             f'"run" section), so a run will not write over it. Choose a new --out, or move '
             f"that file away."
-        )
-    return doc
+        ) from None
 
 
 def check_checkpoint_fits(
@@ -294,10 +287,7 @@ def check_checkpoint_fits(
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
         source = rundir.config_path(rundir.of_checkpoint(tag_dir))
-        try:
-            saved = json.loads(source.read_text()).get("model")
-        except (OSError, ValueError, RecursionError, AttributeError):
-            saved = None
+        saved = rundir.config_or_empty(rundir.of_checkpoint(tag_dir)).get("model")
     if isinstance(saved, dict):
         diffs = [
             f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"

@@ -10,7 +10,6 @@ manifest and every pickle scanned before anything of it is unpickled (docs/secur
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -74,23 +73,8 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
 
 
 def run_config(run_dir: Path) -> dict:
-    path = rundir.config_path(run_dir)
-    if not path.is_file():
-        raise UserError(
-            f"{run_dir}: no config.json; not an Anneal run directory (give the --out of a run)."
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise UserError(
-            f"{path}: not readable as JSON ({e}). A run writes it when it starts; give the "
-            f"run directory whose config.json is intact, or restore this one."
-        ) from None
-    if not (isinstance(doc, dict) and isinstance(doc.get("model"), dict)):
-        raise UserError(
-            f"{path}: not a run's config.json (no 'model' section). Give the --out of a run."
-        )
-    return doc
+    """The run's ``config.json`` (``anneal.rundir.read_config``); the export needs its model."""
+    return rundir.read_config(run_dir, section="model")
 
 
 def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
