@@ -30,8 +30,8 @@ from anneal.config.run import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    apply_overrides,
 )
+from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
 from anneal.scaling import fit_points
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from anneal import scaling
-    from anneal.observe.plots import plot_fit
+    from anneal.observe.formula_plots import plot_fit
 
     run_dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
     points = [scaling.read_run(d) for d in run_dirs]

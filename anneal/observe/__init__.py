@@ -1,2 +1,3 @@
 """Watching a run: metrics rows and TensorBoard (``metrics``), the live view (``progress``),
-charts (``plots``) and the end-of-run health report (``report``)."""
+charts (``plots`` for a run's, ``formula_plots`` for the schedule and a scaling-law fit,
+``plot_style`` for the look they share) and the end-of-run health report (``report``)."""

@@ -1,4 +1,9 @@
-"""PNG charts (matplotlib, headless Agg backend)."""
+"""A run's charts (``anneal plot RUN``, and the end of every run): loss against tokens with
+the dev loss and the random baseline, the learning rate planned and applied, the gradient norm
+with the guard's events, and throughput with MFU, all read from ``RUN/metrics.jsonl``.
+
+The schedule and fit charts live in ``formula_plots`` and the shared look in ``plot_style``;
+the CLI imports all three kinds of chart from here."""
 
 from __future__ import annotations
 
@@ -7,265 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.scaling.fit import FitResult
+from anneal.observe.formula_plots import plot_fit, plot_schedule, plot_schedule_file
+from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
 
-
-def plot_fit(result: FitResult, path: str | Path, *, title: str = "") -> Path:
-    """Two panels: iso-FLOP curves of the fitted law with the runs on them, and the fitted
-    compute-optimal frontier N*(C) with the runs and the 20-tokens-per-parameter rule."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fit = result.to_fit()
-    n = np.array([p.params for p in result.points])
-    d = np.array([p.tokens for p in result.points])
-    loss = np.array([p.loss for p in result.points])
-    c = 6 * n * d
-    c_lo, c_hi = math.log10(c.min()), math.log10(c.max())
-    # One curve per run's compute when there are few (each run then sits on its own curve).
-    distinct = np.unique(np.round(np.log10(c), 2))
-    levels = 10**distinct if len(distinct) <= 12 else np.logspace(c_lo, c_hi, 6)
-    cmap = plt.get_cmap("viridis")
-    norm = matplotlib.colors.Normalize(vmin=c_lo, vmax=max(c_hi, c_lo + 1e-9))
-
-    fig, (ax_iso, ax_front) = plt.subplots(1, 2, figsize=(12, 4.8))
-    n_grid = np.logspace(math.log10(n.min()) - 0.7, math.log10(n.max()) + 0.7, 200)
-    for level in levels:
-        color = cmap(norm(math.log10(level)))
-        ax_iso.plot(n_grid, fit.loss(n_grid, level / (6 * n_grid)), color=color, lw=1.2)
-        n_opt = fit.optimal_params(level)
-        ax_iso.plot([n_opt], [fit.loss(n_opt, level / (6 * n_opt))], "o", mfc="none", mec=color)
-    points = ax_iso.scatter(n, loss, c=np.log10(c), cmap=cmap, norm=norm, edgecolor="k", zorder=3)
-    ax_iso.set_xscale("log")
-    ax_iso.set_xlabel("parameters N")
-    ax_iso.set_ylabel("final loss (nats/token)")
-    ax_iso.set_title("iso-FLOP curves of the fit (open circles: optimum)")
-    lo, hi = loss.min(), loss.max()
-    ax_iso.set_ylim(max(fit.E, lo - 0.3 * (hi - lo + 0.1)), hi + 0.3 * (hi - lo + 0.1))
-    fig.colorbar(points, ax=ax_iso, label="log10 C = 6ND (FLOPs)")
-
-    c_grid = np.logspace(c_lo - 1, c_hi + 1, 100)
-    ax_front.plot(
-        c_grid, fit.optimal_params(c_grid), "k-", label=f"fit: N* = {fit.G:.3g} (C/6)^{fit.a:.3f}"
-    )
-    ax_front.plot(c_grid, np.sqrt(c_grid / 120), "k:", label="20 tokens per parameter")
-    ax_front.scatter(
-        c, n, c=loss, cmap="magma", edgecolor="k", zorder=3, label="runs (colour: loss)"
-    )
-    ax_front.set_xscale("log")
-    ax_front.set_yscale("log")
-    ax_front.set_xlabel("compute C = 6ND (FLOPs)")
-    ax_front.set_ylabel("parameters N")
-    ax_front.set_title("compute-optimal frontier")
-    ax_front.legend(loc="upper left", fontsize=8)
-    fig.suptitle(
-        title
-        or (
-            f"L = {fit.E:.3g} + {fit.A:.3g}/N^{fit.alpha:.3f} + {fit.B:.3g}/D^{fit.beta:.3f}"
-            f"  ({len(result.points)} runs)"
-        )
-    )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# --- a run's charts ----------------------------------------------------------------------------
-
-# The seed's chart: dark slate, white text, cyan accents, zones highlighted.
-DARK = {
-    "figure.facecolor": "#0f172a",
-    "axes.facecolor": "#0f172a",
-    "savefig.facecolor": "#0f172a",
-    "axes.edgecolor": "#94a3b8",
-    "axes.labelcolor": "#e2e8f0",
-    "axes.titlecolor": "#f8fafc",
-    "text.color": "#e2e8f0",
-    "xtick.color": "#cbd5e1",
-    "ytick.color": "#cbd5e1",
-    "grid.color": "#334155",
-    "legend.facecolor": "#1e293b",
-    "legend.edgecolor": "#334155",
-}
-COLORS = {
-    "light": {
-        "main": "#1f77b4",
-        "second": "#d62728",
-        "warm": "#fde68a",
-        "cos": "#bfdbfe",
-        "event": "#7c3aed",
-        "clip": "#6b7280",
-    },
-    "dark": {
-        "main": "#22d3ee",
-        "second": "#f472b6",
-        "warm": "#f59e0b",
-        "cos": "#38bdf8",
-        "event": "#a78bfa",
-        "clip": "#94a3b8",
-    },
-}
-DPI = 100
-SIZE = (8, 4.5)
-
-
-def _pyplot(dark: bool):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt, (DARK if dark else {}), COLORS["dark" if dark else "light"]
-
-
-def claim_pngs(paths: list[Path], *, flag: str = "--out") -> None:
-    """Before drawing: each chart's path is new, or a PNG that Matplotlib wrote (an earlier
-    chart, replaced); never a directory, a link or any other file. UserError naming the file."""
-    from anneal.errors import UserError
-    from anneal.files import is_matplotlib_png
-
-    for path in map(Path, paths):
-        if not (path.exists() or path.is_symlink()):
-            continue
-        if path.is_symlink() or not path.is_file() or not is_matplotlib_png(path):
-            raise UserError(
-                f"{flag}: {path} is there and is not a chart Anneal drew (a PNG written by "
-                f"Matplotlib), so it is not replaced. Choose another {flag}, or move it away."
-            )
-
-
-def _save(fig, path: Path) -> Path:
-    """Write the figure as a PNG and close it (pyplot keeps every open figure alive)."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
-
-
-def _schedule_zones(ax, *, warmup: int, total: int, colors: dict) -> None:
-    if warmup > 0:
-        ax.axvspan(0, warmup, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
-    ax.axvspan(warmup, total, color=colors["cos"], alpha=0.18, lw=0, label="cosine decay")
-
-
-def plot_schedule(
-    *,
-    total_steps: int,
-    warmup_steps: int,
-    peak_lr: float,
-    path: Path,
-    cos_min_ratio: float = 0.1,
-    warmup_min_ratio: float = 0.0,
-    dark: bool = False,
-    title: str = "",
-) -> Path:
-    """The warmup-cosine schedule alone (``anneal.config.schedule.lr_ratio``), zones shaded."""
-    from anneal.config.schedule import lr_ratio
-
-    plt, style, c = _pyplot(dark)
-    steps = np.unique(np.linspace(1, total_steps, min(total_steps, 2000)).astype(int))
-    kw = dict(
-        total_num_steps=total_steps,
-        warmup_num_steps=warmup_steps,
-        warmup_min_ratio=warmup_min_ratio,
-        cos_min_ratio=cos_min_ratio,
-    )
-    lr = [peak_lr * lr_ratio(int(t), **kw) for t in steps]
-    with plt.rc_context(style):
-        fig, ax = plt.subplots(figsize=SIZE)
-        _schedule_zones(ax, warmup=warmup_steps, total=total_steps, colors=c)
-        ax.plot(steps, lr, color=c["main"], lw=2, label="learning rate")
-        ax.axhline(peak_lr, color=c["clip"], ls=":", lw=1)
-        ax.axhline(cos_min_ratio * peak_lr, color=c["clip"], ls=":", lw=1)
-        ax.annotate(
-            f"peak {peak_lr:.2g}",
-            (warmup_steps, peak_lr),
-            textcoords="offset points",
-            xytext=(6, -12),
-        )
-        ax.annotate(
-            f"floor {cos_min_ratio:g} x peak",
-            (total_steps, cos_min_ratio * peak_lr),
-            textcoords="offset points",
-            xytext=(-110, 6),
-        )
-        ax.set_xlim(0, total_steps)
-        ax.set_ylim(0, peak_lr * 1.1)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("learning rate")
-        ax.set_title(title or f"warmup {warmup_steps:,} steps, cosine to {total_steps:,}")
-        ax.grid(alpha=0.4)
-        ax.legend(loc="upper right", fontsize=8)
-        out = _save(fig, path)
-    return out
-
-
-def _auto(value) -> bool:
-    return isinstance(value, str) and value.lower() == "auto"
-
-
-def plot_schedule_file(
-    config: Path,
-    *,
-    steps: int | None,
-    peak_lr: float | None = None,
-    warmup_steps: int | None = None,
-    out: Path | None = None,
-    dark: bool = False,
-) -> Path:
-    """``anneal plot --schedule CONFIG --steps N``: the ds_config's WarmupCosineLR block.
-    ``"auto"`` values need ``--peak-lr`` / ``--warmup-steps``; flags override numbers."""
-    import json
-
-    from anneal.config.ds import find_ds_config
-    from anneal.errors import UserError
-
-    path = find_ds_config(str(config))
-    try:
-        ds = json.loads(Path(path).read_text())
-    except ValueError as e:
-        raise UserError(f"--schedule {config}: not valid JSON ({e}).") from None
-    if not steps or steps < 1:
-        raise UserError(f"--schedule {config}: give the run length, --steps N (N >= 1).")
-    sched = (ds.get("scheduler") or {}).get("params")
-    if sched is None:
-        raise UserError(f"--schedule {path}: no scheduler.params block (WarmupCosineLR) in it.")
-    lr = peak_lr if peak_lr is not None else (ds.get("optimizer") or {}).get("params", {}).get("lr")
-    warm = warmup_steps if warmup_steps is not None else sched.get("warmup_num_steps")
-    needed = [
-        (lr, "optimizer.params.lr", "--peak-lr"),
-        (warm, "scheduler.params.warmup_num_steps", "--warmup-steps"),
-    ]
-    for value, key, flag in needed:
-        if value is None or _auto(value):
-            raise UserError(
-                f"--schedule {path}: {key} is {json.dumps(value)}; a run fills it in from its "
-                f"recipe. Give the value with {flag}."
-            )
-    if warm > steps:
-        raise UserError(f"--warmup-steps {warm} is longer than --steps {steps}.")
-    out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
-    claim_pngs([out])
-    return plot_schedule(
-        total_steps=steps,
-        warmup_steps=int(warm),
-        peak_lr=float(lr),
-        cos_min_ratio=float(sched.get("cos_min_ratio", 0.1)),
-        warmup_min_ratio=float(sched.get("warmup_min_ratio", 0.0)),
-        path=out,
-        dark=dark,
-        title=f"{Path(path).name}: warmup {int(warm):,} steps, then cosine to "
-        f"{float(sched.get('cos_min_ratio', 0.1)):g} x peak over {steps:,} steps",
-    )
+__all__ = ["plot_fit", "plot_run", "plot_schedule", "plot_schedule_file"]
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -292,7 +42,7 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
     claim_pngs([out_dir / n for n in names])
-    plt, style, c = _pyplot(dark)
+    plt, style, c = pyplot(dark)
     name = run_dir.name
     paths = []
     loss, lr, grad_norm, throughput = (out_dir / n for n in names)
@@ -339,7 +89,7 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
     ax.set_title(f"{name}: loss")
     ax.grid(alpha=0.4, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _plot_lr(plt, c, train, cfg, path, name) -> Path:
@@ -352,7 +102,7 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import lr_ratio
 
-        _schedule_zones(ax, warmup=int(warm), total=int(total), colors=c)
+        schedule_zones(ax, warmup=int(warm), total=int(total), colors=c)
         t = np.unique(np.linspace(1, total, min(int(total), 2000)).astype(int))
         kw = {k: sched[k] for k in ("warmup_min_ratio", "cos_min_ratio") if k in sched}
         plan = [
@@ -367,7 +117,7 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     ax.set_title(f"{name}: learning rate")
     ax.grid(alpha=0.4)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
@@ -401,7 +151,7 @@ def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
     ax.set_title(f"{name}: gradient norm")
     ax.grid(alpha=0.4)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _plot_throughput(plt, c, train, path, name) -> Path:
@@ -428,4 +178,4 @@ def _plot_throughput(plt, c, train, path, name) -> Path:
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("optimizer step")
     ax2.grid(alpha=0.4)
-    return _save(fig, path)
+    return save(fig, path)
