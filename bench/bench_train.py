@@ -198,7 +198,8 @@ def cpu_peak_flops() -> float:
 
 
 def flops_per_token(model: str, data: str) -> float:
-    from anneal.config.run import ModelConfig, RunConfig, apply_overrides
+    from anneal.config.run import ModelConfig, RunConfig
+    from anneal.config.run_checks import apply_overrides
     from anneal.model import flops_per_token as fpt
 
     meta = json.loads((Path(data) / "meta.json").read_text())

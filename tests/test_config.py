@@ -3,29 +3,30 @@ the one batch-arithmetic function, and which config differences block a relaunch
 
 import pytest
 
-from anneal.config import run as cfglib
-from anneal.config.run import RunConfig
+from anneal.config.ds_resolve import batch_arithmetic
+from anneal.config.run import RunConfig, config_differences
+from anneal.config.run_checks import apply_overrides, optim_keys_set
 from anneal.errors import UserError
 
 
 def test_batch_arithmetic_from_accumulation():
-    b = cfglib.batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
+    b = batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=64)
     assert (b.train_batch_size, b.grad_accum_steps) == (2048, 8)
     with pytest.raises(UserError, match="gradient_accumulation_steps must be at least 1"):
-        cfglib.batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
+        batch_arithmetic(micro_batch_per_gpu=4, grad_accum_steps=0, data_parallel_size=1)
 
 
 def test_batch_arithmetic_from_global_batch():
-    b = cfglib.batch_arithmetic(micro_batch_per_gpu=8, train_batch_size=256, data_parallel_size=16)
+    b = batch_arithmetic(micro_batch_per_gpu=8, train_batch_size=256, data_parallel_size=16)
     assert (b.train_batch_size, b.grad_accum_steps) == (256, 2)
-    b = cfglib.batch_arithmetic(micro_batch_per_gpu=4, train_batch_size=64, data_parallel_size=16)
+    b = batch_arithmetic(micro_batch_per_gpu=4, train_batch_size=64, data_parallel_size=16)
     assert b.grad_accum_steps == 1
 
 
 @pytest.mark.parametrize("total,micro,world", [(64, 8, 16), (100, 4, 8), (256, 8, 24)])
 def test_a_batch_that_does_not_divide_is_an_error(total, micro, world):
     with pytest.raises(UserError) as e:
-        cfglib.batch_arithmetic(
+        batch_arithmetic(
             micro_batch_per_gpu=micro, train_batch_size=total, data_parallel_size=world
         )
     msg = str(e.value)
@@ -35,35 +36,35 @@ def test_a_batch_that_does_not_divide_is_an_error(total, micro, world):
 
 def test_both_given_must_agree():
     with pytest.raises(UserError, match="train_batch_size is 100 .* = 64"):
-        cfglib.batch_arithmetic(
+        batch_arithmetic(
             micro_batch_per_gpu=4, grad_accum_steps=8, data_parallel_size=2, train_batch_size=100
         )
 
 
 def test_overrides_are_typed_and_strict():
     cfg = RunConfig(out="o", ds_config="cpu.json")
-    cfg = cfglib.apply_overrides(
+    cfg = apply_overrides(
         cfg,
         ["train.max_steps=7", "model.activation_checkpointing=true", "ds.gradient_clipping=0.5"],
     )
     assert cfg.train.max_steps == 7 and cfg.model.activation_checkpointing is True
     with pytest.raises(UserError, match="did you mean 'max_steps'"):
-        cfglib.apply_overrides(cfg, ["train.max_step=7"])
+        apply_overrides(cfg, ["train.max_step=7"])
     with pytest.raises(UserError, match="expected int"):
-        cfglib.apply_overrides(cfg, ["train.max_steps=many"])
+        apply_overrides(cfg, ["train.max_steps=many"])
     with pytest.raises(UserError, match="section.key=value"):
-        cfglib.apply_overrides(cfg, ["max_steps"])
+        apply_overrides(cfg, ["max_steps"])
     with pytest.raises(UserError, match="one of auto, bf16, fp32"):
-        cfglib.apply_overrides(cfg, ["train.precision=fp8"])
+        apply_overrides(cfg, ["train.precision=fp8"])
 
 
 def test_optim_overrides_are_typed():
-    cfg = cfglib.apply_overrides(
+    cfg = apply_overrides(
         RunConfig(out="o", ds_config="cpu.json"),
         ["optim.lr=6e-4", "optim.global_batch_tokens=1048576"],
     )
     assert cfg.optim.lr == 6e-4 and cfg.optim.global_batch_tokens == 2**20
-    assert cfglib.optim_keys_set(["optim.lr=1", "train.seed=2", "ds.x=3"]) == {"lr"}
+    assert optim_keys_set(["optim.lr=1", "train.seed=2", "ds.x=3"]) == {"lr"}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_optim_overrides_are_typed():
 )
 def test_malformed_set_is_one_paragraph(item, expect):
     with pytest.raises(UserError) as e:
-        cfglib.apply_overrides(RunConfig(out="o", ds_config="cpu.json"), [item])
+        apply_overrides(RunConfig(out="o", ds_config="cpu.json"), [item])
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
@@ -91,4 +92,4 @@ def test_config_differences_ignore_resume_keys():
         "run": {"resume": "none", "train": {"max_steps": 20, "log_every": 5}},
         "launch": {"world_size": 4},
     }
-    assert cfglib.config_differences(a, b) == ["run.train.max_steps: 10 -> 20"]
+    assert config_differences(a, b) == ["run.train.max_steps: 10 -> 20"]

@@ -1,9 +1,9 @@
-"""DeepSpeed JSON (anneal.config.ds) is read strictly: typos, wrong types, duplicate keys and
-broken JSON are errors that name the file and key; ``--set ds.*`` overrides go through the same
-schema. The run-dependent values written ``"auto"`` are filled from the run config by the
-documented rules (batch from the recipe's global batch, LR from the recipe, warmup capped at a
-share of the run), explicit values in the file are kept, and a warmup longer than the run is an
-error that says how to fix it."""
+"""DeepSpeed JSON (anneal.config.ds, ds_schema, ds_resolve) is read strictly: typos, wrong
+types, duplicate keys and broken JSON are errors that name the file and key; ``--set ds.*``
+overrides go through the same schema. The run-dependent values written ``"auto"`` are filled
+from the run config by the documented rules (batch from the recipe's global batch, LR from the
+recipe, warmup capped at a share of the run), explicit values in the file are kept, and a warmup
+longer than the run is an error that says how to fix it."""
 
 import json
 import math
@@ -11,6 +11,7 @@ import math
 import pytest
 
 from anneal.config import ds as dslib
+from anneal.config.ds_schema import DS_SCHEMA
 from anneal.config.run import OptimConfig
 from anneal.errors import UserError
 
@@ -156,7 +157,7 @@ def test_zero_keys_outside_the_schema_are_checked_by_deepspeeds_own_model(tmp_pa
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     key = "stage3_use_all_reduce_for_fetch_params"  # an alias of use_all_reduce_for_fetch_params
-    assert key not in dslib.DS_SCHEMA["zero_optimization"]
+    assert key not in DS_SCHEMA["zero_optimization"]
     base["zero_optimization"]["zero_hpz_partition_size"] = 2  # a field name, no alias
     cfg = dslib.load_ds_config(write(tmp_path, base))
     over = dslib.override_ds_config(cfg, [(["zero_optimization", key], "true")], source="c")

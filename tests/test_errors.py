@@ -24,8 +24,8 @@ from anneal.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 
 INTERNAL_VALUE_ERRORS = {
-    ("anneal/config/run.py", "batch_arithmetic"): (
-        "its one caller, ds_config.resolve_ds_config, always passes the accumulation or the "
+    ("anneal/config/ds_resolve.py", "batch_arithmetic"): (
+        "its one caller, resolve_ds_config, always passes the accumulation or the "
         "global batch (a missing key reads as auto, and auto/auto computes the batch)"
     ),
     ("anneal/config/schedule.py", "WarmupCosine.__init__"): (

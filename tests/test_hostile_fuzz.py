@@ -114,7 +114,8 @@ def _must_be_clear(fn, what: str, source: str | None = None):
 
 
 def test_run_config_overrides():
-    from anneal.config.run import RunConfig, apply_overrides
+    from anneal.config.run import RunConfig
+    from anneal.config.run_checks import apply_overrides
 
     rng = random.Random(1)
     cfg = RunConfig(out="runs/x", ds_config="cpu.json")

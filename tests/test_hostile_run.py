@@ -474,7 +474,7 @@ def test_the_recipe_exits_2_with_one_paragraph(data, tmp_path):
 def test_every_numeric_key_has_a_range():
     import dataclasses
 
-    from anneal.config import run as cfglib
+    from anneal.config import run_checks as cfglib
 
     numeric = {
         f"{name}.{f.name}"

@@ -20,8 +20,8 @@ from anneal.config.run import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    apply_overrides,
 )
+from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
 
 

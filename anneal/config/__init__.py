@@ -1,4 +1,5 @@
-"""Configuration: the run config and its strict loader (``run``), DeepSpeed JSON configs and
-their checks (``ds``), the learning-rate schedule their ``scheduler`` section describes
-(``schedule``), and resolving one launch for a world size and device before anything is
-written (``launch``)."""
+"""Configuration: the typed run config (``run``) and its ``--set`` overrides and ranges
+(``run_checks``); DeepSpeed JSON configs, read strictly (``ds``) against their schema
+(``ds_schema``), with the run's values filled in where they say ``"auto"`` (``ds_resolve``); the
+learning-rate schedule their ``scheduler`` section describes (``schedule``); and resolving one
+launch for a world size and device before anything is written (``launch``)."""

@@ -15,7 +15,8 @@ from pathlib import Path
 from anneal import model as modellib
 from anneal import rundir
 from anneal.config import ds as ds_config
-from anneal.config.run import AUTO, RunConfig, check_ranges, config_differences, optim_keys_set
+from anneal.config.run import AUTO, RunConfig, config_differences
+from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.resilience import checkpoint

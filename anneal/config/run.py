@@ -1,17 +1,16 @@
-"""The typed run config (one small frozen dataclass per concern) and the batch arithmetic.
+"""The typed run config: one small frozen dataclass per concern, and which of its keys may
+change between launches of one run.
 
 What a model size wants (preset, peak LR, warmup, global batch, run length) lives here, with
 the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.config.ds``).
-``--set section.key=value`` overrides go through these types. User mistakes raise
-``anneal.errors.UserError`` with one paragraph naming the flag or key and how to fix it.
+``--set section.key=value`` overrides go through these types and the range of every numeric key
+is checked (``anneal.config.run_checks``). User mistakes raise ``anneal.errors.UserError`` with
+one paragraph naming the flag or key and how to fix it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from anneal.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO = "auto"
-
 
 # ---------------------------------------------------------------------------------------------
 # Run config: one small frozen dataclass per concern.
@@ -139,12 +137,13 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GuardConfig:
-    """The loss-spike guard (``anneal.resilience.guard``; docs/resilience.md). A step is a spike
-    when its
-    loss or global grad norm is not finite, or when its loss (mean over ranks) exceeds both
-    ``median + mad_k * 1.4826 * MAD`` and ``median * (1 + min_jump)`` of the last ``window``
-    good steps. A non-finite step whose update DeepSpeed skipped is logged and passed over; any
-    other spike rewinds to the newest checkpoint before it and skips the samples in between."""
+    """The loss-spike guard (``anneal.resilience.guard``; docs/resilience.md).
+
+    A step is a spike when its loss or global grad norm is not finite, or when its loss (mean
+    over ranks) exceeds both ``median + mad_k * 1.4826 * MAD`` and ``median * (1 + min_jump)``
+    of the last ``window`` good steps. A non-finite step whose update DeepSpeed skipped is
+    logged and passed over; any other spike rewinds to the newest checkpoint before it and
+    skips the samples in between."""
 
     enabled: bool = True
     """Watch every step; false: log nothing, rewind nothing."""
@@ -189,235 +188,6 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-_SECTIONS = {
-    "model": ModelConfig,
-    "optim": OptimConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "guard": GuardConfig,
-}
-_CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
-
-
-def _shown(text: str, limit: int = 40) -> str:
-    """``text`` quoted for a message, cut to ``limit`` characters."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def _coerce(text: str, typ: Any, where: str) -> Any:
-    if typ is bool:
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise UserError(f"{where}: expected true or false, got {_shown(text)}.")
-    try:
-        return typ(text)
-    except ValueError:
-        example = "an integer such as 100" if typ is int else "a number such as 3e-4"
-        raise UserError(
-            f"{where}: expected {typ.__name__} ({example}), got {_shown(text)}."
-        ) from None
-
-
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply ``section.key=value`` strings through the dataclass types.
-
-    Unknown sections or keys are errors with a suggestion; values are parsed to the field's
-    type. ``ds.*`` overrides are not handled here (see ``override_ds_config``).
-    """
-    sections = {name: getattr(cfg, name) for name in _SECTIONS}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, field = key.partition(".")
-        where = f"--set {key}={_shown(value)[1:-1]}"
-        if not sep or not dot:
-            raise UserError(
-                f"{where}: overrides look like section.key=value, e.g. "
-                f"train.max_steps=100 or ds.gradient_clipping=0.5."
-            )
-        if section == "ds":
-            continue
-        if section not in _SECTIONS:
-            raise UserError(
-                f"{where}: unknown section {section!r}"
-                f"{suggest(section, [*_SECTIONS, 'ds'])}; sections are "
-                f"{', '.join([*_SECTIONS, 'ds'])}."
-            )
-        fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
-        if field not in fields:
-            raise UserError(
-                f"{where}: {section} has no key {field!r}"
-                f"{suggest(field, fields)}; keys are {', '.join(fields)}."
-            )
-        typ = typing.get_type_hints(_SECTIONS[section])[field]
-        parsed = _coerce(value, typ, where)
-        choices = _CHOICES.get((section, field))
-        if choices and parsed not in choices:
-            raise UserError(f"{where}: must be one of {', '.join(choices)}.")
-        sections[section] = dataclasses.replace(sections[section], **{field: parsed})
-    return dataclasses.replace(cfg, **sections)
-
-
-# ---------------------------------------------------------------------------------------------
-# Ranges: every numeric key, checked before anything is written or any engine is built.
-
-MAX_DIM = 2**20
-"""Largest model dimension (and context length) accepted: beyond any real model, and it keeps
-every shape product inside the integer range of torch."""
-_INT64 = 2**63 - 1
-_YEAR_S = 365 * 24 * 3600
-
-_SIZE = (lambda v: 0 <= v <= MAX_DIM, f"0 (keep the preset's) or a positive size up to {MAX_DIM:,}")
-_AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
-_STEPS = (lambda v: v >= 0, "0 (off) or a positive number of steps")
-_RANGES: dict[str, tuple[Any, str]] = {
-    "model.seq_len": (
-        lambda v: 0 <= v <= MAX_DIM,
-        f"0 (the preset's context) or a positive number of tokens up to {MAX_DIM:,}",
-    ),
-    "model.hidden_size": _SIZE,
-    "model.intermediate_size": _SIZE,
-    "model.num_hidden_layers": _SIZE,
-    "model.num_attention_heads": _SIZE,
-    "data.prefetch_batches": (lambda v: 0 <= v <= 1024, "0 (no read-ahead) to 1024 micro-batches"),
-    "optim.lr": (lambda v: v > 0, "a finite number above 0 (the peak learning rate)"),
-    "optim.global_batch_tokens": (lambda v: v >= 1, "a positive number of tokens"),
-    "optim.warmup_tokens": (lambda v: v >= 0, "0 or a positive number of tokens"),
-    "optim.warmup_max_share": (lambda v: 0 <= v <= 1, "a share of the run between 0 and 1"),
-    "train.max_steps": _AT_LEAST_1,
-    "train.stop_at_step": _STEPS,
-    "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
-    "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
-    "train.save_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
-    "train.keep_last": (lambda v: v >= 0, "0 (keep every checkpoint) or a number of checkpoints"),
-    "train.keep_every": _STEPS,
-    "train.log_every": _AT_LEAST_1,
-    "train.heartbeat_timeout_s": (
-        lambda v: 0 <= v <= _YEAR_S,
-        f"0 (no heartbeat) or a number of seconds up to {_YEAR_S:,}",
-    ),
-    "train.collective_timeout_s": (
-        lambda v: 0 < v <= _YEAR_S,
-        f"a positive number of seconds up to {_YEAR_S:,}",
-    ),
-    "train.seed": (lambda v: 0 <= v < 2**32, f"an integer from 0 to {2**32 - 1:,} (numpy's range)"),
-    "guard.window": _AT_LEAST_1,
-    "guard.min_history": (lambda v: v >= 0, "0 or a number of steps"),
-    "guard.mad_k": (lambda v: v > 0, "a number above 0"),
-    "guard.min_jump": (lambda v: v >= 0, "0 or a positive share"),
-    "guard.skip_margin_steps": (lambda v: v >= 0, "0 or a number of steps"),
-    "guard.max_rewinds": (lambda v: v >= 0, "0 or a number of incidents"),
-    "guard.span_steps": _AT_LEAST_1,
-    "guard.lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]: above 0 and at most 1 (1 keeps the LR)"),
-}
-FLAGS = {
-    "train.max_steps": "--max-steps",
-    "train.eval_every": "--eval-every",
-    "train.save_every": "--save-every",
-    "train.seed": "--seed",
-}
-"""Keys that a recipe flag sets; a message names the flag, the fix is the flag."""
-
-
-def check_ranges(cfg: RunConfig) -> None:
-    """UserError for the first numeric key outside its range (every one has a rule in
-    ``_RANGES``): not finite, past the integer range, or out of the key's own bounds. Pure, so
-    the launcher's pre-flight and every rank run the same check before anything starts."""
-    for section in _SECTIONS:
-        values = getattr(cfg, section)
-        for f in dataclasses.fields(values):
-            value = getattr(values, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            key = f"{section}.{f.name}"
-            ok, want = _RANGES[key]
-            finite = math.isfinite(value) and abs(value) <= _INT64
-            if finite and ok(value):
-                continue
-            flag = FLAGS.get(key)
-            fix = (
-                f"Pass {flag} with a value {want}"
-                if flag
-                else f"Give --set {key}=VALUE with a value {want} (its default is {f.default!r})"
-            )
-            raise UserError(
-                f"{key} is {value!r}{f' ({flag})' if flag else ''}: it must be {want}"
-                f"{'' if finite else ', and a finite number'}. {fix}."
-            )
-
-
-def optim_keys_set(overrides: list[str]) -> frozenset[str]:
-    """The ``optim.*`` fields given with ``--set`` (the ds_config resolution checks them)."""
-    return frozenset(
-        item.partition("=")[0].removeprefix("optim.")
-        for item in overrides
-        if item.startswith("optim.")
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    train_batch_size: int
-    """Samples per optimizer step over all ranks."""
-    grad_accum_steps: int
-    micro_batch_per_gpu: int
-    data_parallel_size: int
-
-
-def batch_arithmetic(
-    *,
-    micro_batch_per_gpu: int,
-    data_parallel_size: int,
-    grad_accum_steps: int | None = None,
-    train_batch_size: int | None = None,
-    source: str = "the ds_config",
-) -> Batch:
-    """``train_batch_size = micro x accumulation x data-parallel size``, the one place it is
-    computed. Give the accumulation, the global batch, or both (then they must agree)."""
-    for name, value in (
-        ("train_micro_batch_size_per_gpu", micro_batch_per_gpu),
-        ("data-parallel size", data_parallel_size),
-        ("gradient_accumulation_steps", grad_accum_steps),
-        ("train_batch_size", train_batch_size),
-    ):
-        if value is not None and value < 1:
-            raise UserError(f"{source}: {name} must be at least 1, got {value}.")
-    per_step = micro_batch_per_gpu * data_parallel_size
-    if grad_accum_steps is not None:
-        want = per_step * grad_accum_steps
-        if train_batch_size is not None and train_batch_size != want:
-            raise UserError(
-                f"{source}: train_batch_size is {train_batch_size} but "
-                f"train_micro_batch_size_per_gpu ({micro_batch_per_gpu}) x "
-                f"gradient_accumulation_steps ({grad_accum_steps}) x data-parallel size "
-                f'({data_parallel_size}) = {want}. Set train_batch_size to {want} or to "auto".'
-            )
-        return Batch(want, grad_accum_steps, micro_batch_per_gpu, data_parallel_size)
-    if train_batch_size is None:
-        raise ValueError("batch_arithmetic needs grad_accum_steps or train_batch_size")
-    if train_batch_size % per_step:
-        lower = max(per_step, train_batch_size // per_step * per_step)
-        raise UserError(
-            f"{source}: a global batch of {train_batch_size} samples does not divide across "
-            f"train_micro_batch_size_per_gpu ({micro_batch_per_gpu}) x data-parallel size "
-            f"({data_parallel_size}) = {per_step} samples per accumulation step. Use a global "
-            f"batch that is a multiple of {per_step} (e.g. {lower} or {lower + per_step}: --set "
-            f"optim.global_batch_tokens=SAMPLES*seq_len), or a micro-batch that divides "
-            f"{train_batch_size // data_parallel_size or 1}, or another number of ranks."
-        )
-    return Batch(
-        train_batch_size, train_batch_size // per_step, micro_batch_per_gpu, data_parallel_size
-    )
-
-
-def suggest(word: str, candidates) -> str:
-    """`` (did you mean 'x'?)`` for the closest candidate, else an empty string."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import torch
 from anneal import model as modellib
 from anneal import rundir
 from anneal.config.launch import Launch
-from anneal.config.run import RunConfig, check_ranges
+from anneal.config.run import RunConfig
+from anneal.config.run_checks import check_ranges
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError

@@ -14,7 +14,8 @@ import deepspeed
 import torch
 
 from anneal import model as modellib
-from anneal.config.run import ModelConfig, RunConfig, TrainConfig, apply_overrides
+from anneal.config.run import ModelConfig, RunConfig, TrainConfig
+from anneal.config.run_checks import apply_overrides
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import init_distributed, rank, world_size
 from anneal.train import TrainState, build_engine, next_token_loss, resolve_run, train_step

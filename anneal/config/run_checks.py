@@ -1,0 +1,198 @@
+"""What a user gives the run config, checked: ``--set section.key=value`` overrides parsed
+through the dataclass types of ``anneal.config.run``, and the range of every numeric key.
+
+Both run before anything is written or any engine is built: the launcher's pre-flight and every
+rank apply the same overrides and the same checks, so a mistake is one paragraph naming the flag
+or key and its fix (``anneal.errors.UserError``) rather than a failure minutes into the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import Any
+
+from anneal.config.run import (
+    DataConfig,
+    GuardConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+)
+from anneal.errors import UserError
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "guard": GuardConfig,
+}
+_CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _coerce(text: str, typ: Any, where: str) -> Any:
+    if typ is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"{where}: expected true or false, got {_shown(text)}.")
+    try:
+        return typ(text)
+    except ValueError:
+        example = "an integer such as 100" if typ is int else "a number such as 3e-4"
+        raise UserError(
+            f"{where}: expected {typ.__name__} ({example}), got {_shown(text)}."
+        ) from None
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``section.key=value`` strings through the dataclass types.
+
+    Unknown sections or keys are errors with a suggestion; values are parsed to the field's
+    type. ``ds.*`` overrides are not handled here (``anneal.config.ds.override_ds_config``).
+    """
+    sections = {name: getattr(cfg, name) for name in _SECTIONS}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        where = f"--set {key}={_shown(value)[1:-1]}"
+        if not sep or not dot:
+            raise UserError(
+                f"{where}: overrides look like section.key=value, e.g. "
+                f"train.max_steps=100 or ds.gradient_clipping=0.5."
+            )
+        if section == "ds":
+            continue
+        if section not in _SECTIONS:
+            raise UserError(
+                f"{where}: unknown section {section!r}"
+                f"{suggest(section, [*_SECTIONS, 'ds'])}; sections are "
+                f"{', '.join([*_SECTIONS, 'ds'])}."
+            )
+        fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
+        if field not in fields:
+            raise UserError(
+                f"{where}: {section} has no key {field!r}"
+                f"{suggest(field, fields)}; keys are {', '.join(fields)}."
+            )
+        typ = typing.get_type_hints(_SECTIONS[section])[field]
+        parsed = _coerce(value, typ, where)
+        choices = _CHOICES.get((section, field))
+        if choices and parsed not in choices:
+            raise UserError(f"{where}: must be one of {', '.join(choices)}.")
+        sections[section] = dataclasses.replace(sections[section], **{field: parsed})
+    return dataclasses.replace(cfg, **sections)
+
+
+def optim_keys_set(overrides: list[str]) -> frozenset[str]:
+    """The ``optim.*`` fields given with ``--set`` (the ds_config resolution checks them)."""
+    return frozenset(
+        item.partition("=")[0].removeprefix("optim.")
+        for item in overrides
+        if item.startswith("optim.")
+    )
+
+
+def suggest(word: str, candidates) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, else an empty string."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges: every numeric key, checked before anything is written or any engine is built.
+
+MAX_DIM = 2**20
+"""Largest model dimension (and context length) accepted: beyond any real model, and it keeps
+every shape product inside the integer range of torch."""
+_INT64 = 2**63 - 1
+_YEAR_S = 365 * 24 * 3600
+
+_SIZE = (lambda v: 0 <= v <= MAX_DIM, f"0 (keep the preset's) or a positive size up to {MAX_DIM:,}")
+_AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+_STEPS = (lambda v: v >= 0, "0 (off) or a positive number of steps")
+_RANGES: dict[str, tuple[Any, str]] = {
+    "model.seq_len": (
+        lambda v: 0 <= v <= MAX_DIM,
+        f"0 (the preset's context) or a positive number of tokens up to {MAX_DIM:,}",
+    ),
+    "model.hidden_size": _SIZE,
+    "model.intermediate_size": _SIZE,
+    "model.num_hidden_layers": _SIZE,
+    "model.num_attention_heads": _SIZE,
+    "data.prefetch_batches": (lambda v: 0 <= v <= 1024, "0 (no read-ahead) to 1024 micro-batches"),
+    "optim.lr": (lambda v: v > 0, "a finite number above 0 (the peak learning rate)"),
+    "optim.global_batch_tokens": (lambda v: v >= 1, "a positive number of tokens"),
+    "optim.warmup_tokens": (lambda v: v >= 0, "0 or a positive number of tokens"),
+    "optim.warmup_max_share": (lambda v: 0 <= v <= 1, "a share of the run between 0 and 1"),
+    "train.max_steps": _AT_LEAST_1,
+    "train.stop_at_step": _STEPS,
+    "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
+    "train.save_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.keep_last": (lambda v: v >= 0, "0 (keep every checkpoint) or a number of checkpoints"),
+    "train.keep_every": _STEPS,
+    "train.log_every": _AT_LEAST_1,
+    "train.heartbeat_timeout_s": (
+        lambda v: 0 <= v <= _YEAR_S,
+        f"0 (no heartbeat) or a number of seconds up to {_YEAR_S:,}",
+    ),
+    "train.collective_timeout_s": (
+        lambda v: 0 < v <= _YEAR_S,
+        f"a positive number of seconds up to {_YEAR_S:,}",
+    ),
+    "train.seed": (lambda v: 0 <= v < 2**32, f"an integer from 0 to {2**32 - 1:,} (numpy's range)"),
+    "guard.window": _AT_LEAST_1,
+    "guard.min_history": (lambda v: v >= 0, "0 or a number of steps"),
+    "guard.mad_k": (lambda v: v > 0, "a number above 0"),
+    "guard.min_jump": (lambda v: v >= 0, "0 or a positive share"),
+    "guard.skip_margin_steps": (lambda v: v >= 0, "0 or a number of steps"),
+    "guard.max_rewinds": (lambda v: v >= 0, "0 or a number of incidents"),
+    "guard.span_steps": _AT_LEAST_1,
+    "guard.lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]: above 0 and at most 1 (1 keeps the LR)"),
+}
+FLAGS = {
+    "train.max_steps": "--max-steps",
+    "train.eval_every": "--eval-every",
+    "train.save_every": "--save-every",
+    "train.seed": "--seed",
+}
+"""Keys that a recipe flag sets; a message names the flag, the fix is the flag."""
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """UserError for the first numeric key outside its range (every one has a rule in
+    ``_RANGES``): not finite, past the integer range, or out of the key's own bounds. Pure, so
+    the launcher's pre-flight and every rank run the same check before anything starts."""
+    for section in _SECTIONS:
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            key = f"{section}.{f.name}"
+            ok, want = _RANGES[key]
+            finite = math.isfinite(value) and abs(value) <= _INT64
+            if finite and ok(value):
+                continue
+            flag = FLAGS.get(key)
+            fix = (
+                f"Pass {flag} with a value {want}"
+                if flag
+                else f"Give --set {key}=VALUE with a value {want} (its default is {f.default!r})"
+            )
+            raise UserError(
+                f"{key} is {value!r}{f' ({flag})' if flag else ''}: it must be {want}"
+                f"{'' if finite else ', and a finite number'}. {fix}."
+            )
