@@ -15,6 +15,7 @@ import inspect
 import pytest
 
 from anneal import cli, hardware, scaling
+from anneal.cli import planning
 from anneal.scaling import memory
 
 
@@ -91,6 +92,6 @@ def test_main_lets_any_other_exception_keep_its_traceback(monkeypatch, exc):
     def broken(args):
         raise exc
 
-    monkeypatch.setattr(cli, "_plan", broken)
+    monkeypatch.setattr(planning, "_plan", broken)
     with pytest.raises(type(exc)):
         cli.main(["plan", "--flops", "1e21"])

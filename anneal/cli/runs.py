@@ -1,0 +1,162 @@
+"""``anneal export``, ``plot``, ``report``, ``generate``: a run, after (or while) it trains
+(anneal/hf/, anneal/observe/; docs/observability.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from anneal.errors import UserError
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from anneal.hf import export
+
+    run = Path(args.run)
+    kwargs = dict(
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        force=args.force,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+    )
+    if args.every_save:
+        if args.tag:
+            raise UserError("anneal export: --every-save exports every tag; drop --tag.")
+        reports = export.export_every_save(run, out=Path(args.out), **kwargs)
+    else:
+        reports = [export.export(run, out=Path(args.out), tag=args.tag, **kwargs)]
+    for r in reports:
+        print(json.dumps(r) if args.json else export.format_report(r))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from anneal.observe import plots
+
+    if args.schedule:
+        if args.run:
+            raise UserError("anneal plot: give a RUN directory or --schedule CONFIG, not both.")
+        path = plots.plot_schedule_file(
+            Path(args.schedule),
+            steps=args.steps,
+            peak_lr=args.peak_lr,
+            warmup_steps=args.warmup_steps,
+            out=Path(args.out) if args.out else None,
+            dark=args.dark,
+        )
+        print(f"wrote {path}")
+        return 0
+    if not args.run:
+        raise UserError("anneal plot: give a RUN directory, or --schedule CONFIG --steps N.")
+    for path in plots.plot_run(
+        Path(args.run), out_dir=Path(args.out) if args.out else None, dark=args.dark
+    ):
+        print(f"wrote {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from anneal.observe import report
+
+    signals = report.health(Path(args.run))
+    if args.json:
+        print(json.dumps([s.to_dict() for s in signals]))
+    else:
+        print(report.format_table(signals, run_dir=Path(args.run)))
+    return 1 if args.strict and any(s.status == report.PROBLEM for s in signals) else 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from anneal.hf import generate
+
+    text = generate.sample(
+        Path(args.model_dir),
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """``export``, ``plot``, ``report`` and ``generate``, on the top-level subparsers ``sub``."""
+    _add_export(sub)
+    _add_plot(sub)
+    _add_report(sub)
+    _add_generate(sub)
+
+
+def _add_export(sub) -> None:
+    exp = sub.add_parser(
+        "export",
+        help="write a verified Hugging Face model directory from a run's checkpoint",
+        description="Convert a ZeRO checkpoint (any stage) to config.json, safetensors shards, "
+        "generation_config.json and the tokenizer, one tensor at a time, then load it with "
+        "transformers and compare logits with the checkpoint. See docs/observability.md.",
+    )
+    exp.add_argument("run", metavar="RUN", help="run directory (the recipe's --out)")
+    exp.add_argument("--out", required=True, help="directory to write (must be new or empty)")
+    exp.add_argument("--tag", help="checkpoint tag, e.g. step00000300 (default: the newest)")
+    exp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    exp.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    exp.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    exp.add_argument(
+        "--tokenizer", help="prepared data directory with the run's tokenizer (default: the run's)"
+    )
+    exp.add_argument(
+        "--every-save", action="store_true", help="export every intact checkpoint to OUT/<tag>"
+    )
+    exp.add_argument("--json", action="store_true", help="print one JSON object per export")
+    exp.set_defaults(func=_export)
+
+
+def _add_plot(sub) -> None:
+    plot = sub.add_parser(
+        "plot",
+        help="PNG charts of a run (RUN/plots/) or of an LR schedule",
+        description="`anneal plot RUN` writes loss, LR, grad-norm and throughput charts to "
+        "RUN/plots/. `anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
+        "the warmup-cosine schedule alone.",
+    )
+    plot.add_argument("run", metavar="RUN", nargs="?", help="run directory")
+    plot.add_argument(
+        "--schedule", metavar="CONFIG", help="a ds_config JSON (or a name in ds_configs/)"
+    )
+    plot.add_argument("--steps", type=int, help="total optimizer steps (with --schedule)")
+    plot.add_argument("--peak-lr", type=float, help='peak LR when the config says "auto"')
+    plot.add_argument("--warmup-steps", type=int, help='warmup steps when the config says "auto"')
+    plot.add_argument("--out", help="output directory (RUN) or PNG file (--schedule)")
+    plot.add_argument("--dark", action="store_true", help="dark theme")
+    plot.set_defaults(func=_plot)
+
+
+def _add_report(sub) -> None:
+    rep = sub.add_parser(
+        "report",
+        help="health of a run: each signal of the seed's table marked healthy or problem",
+    )
+    rep.add_argument("run", metavar="RUN", help="run directory")
+    rep.add_argument("--json", action="store_true", help="print one JSON list")
+    rep.add_argument("--strict", action="store_true", help="exit 1 when a signal is a problem")
+    rep.set_defaults(func=_report)
+
+
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="sample text from an exported model directory")
+    gen.add_argument("model_dir", metavar="DIR", help="a directory written by `anneal export`")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="at most (stops at EOS)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0: no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]; 1: off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
