@@ -3,8 +3,7 @@ and the host memory of a process tree (through psutil).
 
 MFU (``anneal.observe.metrics``), the planner (``anneal.scaling``) and the memory estimator
 (``anneal.scaling.memory``) read their hardware numbers here and nowhere else. docs/planning.md
-lists
-the table and how the CPU peak is measured.
+lists the table and how the CPU peak is measured.
 """
 
 from __future__ import annotations

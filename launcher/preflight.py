@@ -28,7 +28,7 @@ SSH_TIMEOUT_S = 10
 class Preflight:
     """What pre-flight resolved: the launch the ranks will make, and the forecast."""
 
-    launch: object  # anneal.config.launch.Preflight
+    launch: object  # anneal.config.launch.Launch
     world_size: int
     device_type: str
     checkpoint_bytes: int

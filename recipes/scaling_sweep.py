@@ -129,8 +129,8 @@ def _finished(run_dir: Path) -> bool:
 
 
 def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
-    """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution (the
-    launch plan), resolved for a long run in a directory that holds no run."""
+    """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution
+    (``anneal.config.launch.resolve_launch``), for a long run in a directory that holds no run."""
     import torch
 
     from anneal.config.launch import resolve_launch

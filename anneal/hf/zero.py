@@ -236,8 +236,8 @@ def _with_buffers_and_aliases(sources: list[TensorSource], model_state) -> list[
 
 def _load_weights_only(path: Path) -> dict:
     """``torch.load(weights_only=True)``: tensors and the few types of
-    ``anneal.resilience.safeload``'s
-    allow-list are built, any other global is refused before it is imported."""
+    ``anneal.resilience.safeload``'s allow-list are built, any other global is refused before
+    it is imported."""
     try:
         with torch.serialization.safe_globals(safeload.safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -197,7 +197,8 @@ class WandbSink:
 
 
 class LiveView:
-    """What train.py calls: ``update(row)`` for every metrics row, ``close()`` at the end."""
+    """What the Trainer's observers (``anneal.train.observers``) call: ``update(row)`` for
+    every metrics row, ``close()`` at the end."""
 
     def __init__(self, run_dir: Path, *, cfg, config_doc: dict, start_step: int = 0):
         wandb = cfg.train.wandb or os.environ.get("ANNEAL_WANDB") == "1"
@@ -218,10 +219,9 @@ class LiveView:
 
 def finish_run(run_dir: Path) -> None:
     """Rank 0, after the last step: plots to ``RUN/plots`` and the health report (printed and
-    written to ``RUN/report.txt``). Drawn in a child process (``python -m anneal.observe.report
-    RUN``,
-    no torch in it) so that matplotlib's memory never adds to the training process's peak, and
-    never fails the run: a problem here is logged."""
+    written to ``RUN/report.txt``). Drawn in a child process
+    (``python -m anneal.observe.report RUN``, no torch in it) so that matplotlib's memory never
+    adds to the training process's peak, and never fails the run: a problem here is logged."""
     if not is_main_process():
         return
     import subprocess

@@ -214,8 +214,7 @@ def write_report(run_dir: Path) -> str:
 
 def end_of_run(run_dir: Path) -> None:
     """What a run does after its last step (``anneal.observe.progress.finish_run`` runs it in a
-    child
-    process): its plots, then its health report, printed and saved."""
+    child process): its plots, then its health report, printed and saved."""
     from anneal.observe import plots
 
     plots.plot_run(run_dir)

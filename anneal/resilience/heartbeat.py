@@ -5,8 +5,9 @@ Each rank of a multi-rank run keeps ``<run>/heartbeat/rank<R>.json`` fresh from 
 The thread is the only writer while the run goes on: one small file every ``interval_s``
 (``heartbeat_timeout_s / 10``, between 0.2 and 10 s) per rank, whatever the step rate, so a
 shared filesystem sees a bounded rate at any number of ranks, not one write per rank per step.
-The step in the file is therefore at most ``interval_s`` old; failing and finishing are
-written at once.
+The step in the file is therefore at most ``interval_s`` old; failing and finishing are written
+at once.
+
 A rank whose beat counter has not moved for ``train.heartbeat_timeout_s`` seconds (as this rank
 sees it: no clocks are compared across hosts), or whose process is gone on this host, is silent:
 this rank prints which rank and host went silent and the last step each rank completed, and

@@ -4,11 +4,11 @@ with ``PREEMPTED_EXIT_CODE`` so that the batch script requeues the job.
 The signal handler only sets a flag. Every optimizer step's one collective (the all-gather of
 ``anneal.train.step``) carries each rank's flag, so a signal that reached one rank stops them
 all after the same step. They then save a checkpoint at that step (unless the Trainer's regular
-save just did) and raise ``Preempted``, a
-``SystemExit`` with status 75 (``EX_TEMPFAIL``: try again). DeepSpeed's per-node launcher and
-its runner pass that status on, ``srun`` returns it, and ``launcher/templates/*.sbatch`` calls
-``scontrol requeue`` for it and for nothing else. The requeued job starts the same command with
-``--resume auto`` (the default), which finds that checkpoint.
+save just did) and raise ``Preempted``, a ``SystemExit`` with status 75 (``EX_TEMPFAIL``: try
+again). DeepSpeed's per-node launcher and its runner pass that status on, ``srun`` returns it,
+and ``launcher/templates/*.sbatch`` calls ``scontrol requeue`` for it and for nothing else. The
+requeued job starts the same command with ``--resume auto`` (the default), which finds that
+checkpoint.
 
 A second signal during the save sets the flag again and nothing more: the save is never
 interrupted from Python. (A SIGKILL still can be; the checkpoint manifest, written last, makes

@@ -1,8 +1,7 @@
 """The forecast printed before a launch, and the check of it after ``CHECK_AT_STEP`` steps.
 
 Before: per-GPU memory by ``anneal.scaling.memory.estimate``, and time per optimizer step and to
-the end
-of the run at an assumed MFU (``--mfu``)::
+the end of the run at an assumed MFU (``--mfu``)::
 
     step_s = flops_per_token x train_batch_size x seq_len / (mfu x peak_flops x world_size)
 

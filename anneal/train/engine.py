@@ -1,7 +1,6 @@
 """Building the engine: resolve a launch for the live world (``resolve_run``), the model
-(partitioned
-at construction under ZeRO-3) and ``deepspeed.initialize``, called here and nowhere else; the
-process setup before it (process group, device, CPU threads)."""
+(partitioned at construction under ZeRO-3) and ``deepspeed.initialize``, called here and nowhere
+else; the process setup before it (process group, device, CPU threads)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ only at the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with d
 2-D+ weights -> warmup-cosine LR step. And validation on the fixed held-out windows.
 
 Nothing here is there for tests: fault injection (``anneal.resilience.faults``) wraps
-``train_step`` from
-outside, through its ``stream`` and ``loss_fn`` arguments.
+``train_step`` from outside, through its ``stream`` and ``loss_fn`` arguments.
 """
 
 from __future__ import annotations
