@@ -24,7 +24,7 @@ import torch
 from anneal import cli
 from anneal.config.ds import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
-from anneal.scaling import memory
+from anneal.scaling import memory, memory_io, memory_levers
 from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def test_levers_fit_and_are_the_largest_that_do():
     w = memory.Workload(micro_batch=8, seq_len=4096, n_gpus=8)
     capacity = 80 * 2**30
     assert memory.estimate(preset, zero, w, capacity=capacity).fits is False
-    found = memory.levers(preset, zero, w, capacity=capacity, runtime_bytes=memory.GiB)
+    found = memory_levers.levers(preset, zero, w, capacity=capacity, runtime_bytes=memory.GiB)
     assert [lever.name for lever in found] == ["micro-batch", "context length", "layers", "width"]
     by_name = {lever.name: lever for lever in found}
 
@@ -252,7 +252,7 @@ def test_model_file_that_is_not_a_model(tmp_path, capsys):
         "max_position_embeddings": 256,
     }
     path.write_text(json.dumps(hf))
-    preset = memory.load_model(str(path))
+    preset = memory_io.load_model(str(path))
     assert (preset.seq_len, preset.vocab_size, count_params(preset)) == (256, 8192, 1147712)
 
 

@@ -24,17 +24,18 @@ A peak happens in one of two phases: forward/backward (activations, logits, comm
 buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam). ``total``
 lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
 ``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
+
+What to change when a run does not fit is ``memory_levers``; what ``anneal estimate`` reads (a
+preset or a config file) and prints is ``memory_io``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.model import ModelPreset, count_params, get_preset, preset_from_dict
+from anneal.model import ModelPreset, count_params
 
 GiB = 2**30
 
@@ -363,219 +364,5 @@ def estimate(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Levers: what to change for a run that does not fit, in order of preference: first what
-# costs no quality (micro-batch, with more accumulation), then context, then model shape.
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Lever:
-    name: str
-    """micro-batch | context length | layers | width"""
-    setting: str | None
-    """The largest value that fits, as the flag or key to set; None when nothing does."""
-    total: int | None
-    """Peak bytes per GPU at that setting."""
-    note: str = ""
-
-
-def _largest(lo: int, hi: int, fits) -> int | None:
-    """Largest x in [lo, hi] with fits(x), for fits monotone (true up to some x)."""
-    if hi < lo or not fits(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def levers(
-    preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
-) -> list[Lever]:
-    """Each lever alone, from the given setup: micro-batch, context length, layers, width."""
-
-    def total(p: ModelPreset, w: Workload) -> int:
-        return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
-
-    out = []
-    b = _largest(
-        1, work.micro_batch - 1, lambda x: total(preset, _w(work, micro_batch=x)) <= capacity
-    )
-    out.append(
-        Lever(
-            name="micro-batch",
-            setting=None
-            if b is None
-            else f"train_micro_batch_size_per_gpu {b} (raise "
-            f"gradient_accumulation_steps x{work.micro_batch / b:g} to keep the global batch)",
-            total=None if b is None else total(preset, _w(work, micro_batch=b)),
-            note="" if b else "even micro-batch 1 does not fit",
-        )
-    )
-    step = 128 if work.seq_len > 128 else 1
-    t = _largest(
-        1,
-        (work.seq_len - 1) // step,
-        lambda x: total(preset, _w(work, seq_len=x * step)) <= capacity,
-    )
-    out.append(
-        Lever(
-            name="context length",
-            setting=None if t is None else f"model.seq_len={t * step}",
-            total=None if t is None else total(preset, _w(work, seq_len=t * step)),
-            note="" if t else f"even {step} tokens do not fit",
-        )
-    )
-    n_layers = _largest(
-        1,
-        preset.num_hidden_layers - 1,
-        lambda x: total(dataclasses.replace(preset, num_hidden_layers=x), work) <= capacity,
-    )
-    out.append(
-        Lever(
-            name="layers",
-            setting=None if n_layers is None else f"model.num_hidden_layers={n_layers}",
-            total=None
-            if n_layers is None
-            else total(dataclasses.replace(preset, num_hidden_layers=n_layers), work),
-            note="" if n_layers else "even one layer does not fit",
-        )
-    )
-    unit = math.lcm(64, preset.num_attention_heads)
-
-    def narrower(k: int) -> ModelPreset:
-        h = k * unit
-        f = max(64, round(preset.intermediate_size * h / preset.hidden_size / 64) * 64)
-        return dataclasses.replace(preset, hidden_size=h, intermediate_size=f)
-
-    k = _largest(
-        1, (preset.hidden_size - 1) // unit, lambda x: total(narrower(x), work) <= capacity
-    )
-    out.append(
-        Lever(
-            name="width",
-            setting=None
-            if k is None
-            else f"model.hidden_size={narrower(k).hidden_size} "
-            f"model.intermediate_size={narrower(k).intermediate_size}",
-            total=None if k is None else total(narrower(k), work),
-            note="" if k else f"even hidden size {unit} does not fit",
-        )
-    )
-    return out
-
-
-def _w(work: Workload, **changes) -> Workload:
-    return dataclasses.replace(work, **changes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs: a preset name or a config file.
-
-
-def load_model(spec: str) -> ModelPreset:
-    """A preset name, or a JSON file: an Anneal run's ``config.json`` (its resolved ``model``),
-    a Hugging Face ``config.json``, or a flat object with the preset's fields."""
-    from anneal.model import PRESETS
-
-    if spec in PRESETS:
-        return get_preset(spec)
-    path = Path(spec)
-    if not path.is_file():
-        raise UserError(
-            f"--model {spec}: neither a preset ({', '.join(PRESETS)}) nor a file. Give a preset "
-            f"name, a run's config.json or a Hugging Face config.json."
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--model {spec}: cannot read it as JSON ({e}).") from None
-    if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
-        doc = doc["model"]  # an Anneal run's config.json
-    return preset_from_dict(
-        doc if isinstance(doc, dict) else {},
-        source=f"--model {spec}",
-        hint="The file must describe a Llama-style model (an Anneal run's config.json or a "
-        "Hugging Face config.json).",
-        name=path.stem,
-    )
-
-
-def run_ds_config(spec: str) -> dict | None:
-    """The resolved ds_config inside an Anneal run's config.json, else None."""
-    path = Path(spec)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ds = doc.get("ds_config") if isinstance(doc, dict) else None
-    return ds if isinstance(ds, dict) else None
-
-
 def format_bytes(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
-
-
-def format_estimate(
-    est: MemoryEstimate,
-    *,
-    preset: ModelPreset,
-    zero: ZeroSetup,
-    work: Workload,
-    capacity_name: str,
-    lever_list: list[Lever] = (),
-) -> str:
-    """The table ``anneal estimate`` prints."""
-    p = count_params(preset)
-    n = work.n_gpus
-    precision = "bf16 mixed precision (2+2+12 bytes/param)" if zero.bf16 else "fp32 (4+4+12)"
-    offload = [
-        k for k, v in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if v
-    ]
-
-    def row(label: str, value: int, note: str = "") -> str:
-        return f"  {label:<36} {format_bytes(value):>12}{'   ' + note if note else ''}"
-
-    lines = [
-        f"model {preset.name}: {p:,} parameters; ZeRO stage {zero.stage} over {n} GPUs, "
-        f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
-        f"micro-batch {work.micro_batch} x {work.seq_len} tokens, activation checkpointing "
-        f"{'on' if work.activation_checkpointing else 'off'}",
-        "",
-        "per GPU:",
-        row("weights", est.params),
-        row("gradients", est.grads),
-        row("optimizer state", est.optimizer),
-        row("= model states", est.model_states, f"({est.model_states * n / p:.3g}P/n)"),
-        row("activations", est.activations),
-        row("logits and loss", est.logits),
-        *(row(f"{k} (fwd/bwd)", v) for k, v in est.buffers.items()),
-        *(row(f"{k} (step)", v) for k, v in est.step_buffers.items()),
-        row("runtime", est.runtime),
-        row("peak", est.total),
-    ]
-    if est.host_bytes:
-        lines.append(row("host memory per GPU (offloaded)", est.host_bytes))
-    if est.capacity is not None:
-        verdict = "fits" if est.fits else "does NOT fit"
-        lines.append(
-            f"\n{verdict} in {capacity_name} ({format_bytes(est.capacity)}): "
-            f"{100 * est.total / est.capacity:.0f}% used"
-        )
-    if lever_list:
-        lines.append("levers, each alone, in order of preference:")
-        for lever in lever_list:
-            if lever.setting:
-                lines.append(f"  {lever.name:<15} {lever.setting} -> {format_bytes(lever.total)}")
-            else:
-                lines.append(f"  {lever.name:<15} no: {lever.note}")
-        if est.model_states + est.runtime > est.capacity:
-            lines.append(
-                f"  model states and runtime alone need "
-                f"{format_bytes(est.model_states + est.runtime)}: more GPUs "
-                f"(ZeRO-3 divides them by n) or offload_optimizer help where micro-batch and "
-                f"context cannot."
-            )
-    return "\n".join(lines)

@@ -171,6 +171,73 @@ def plan(
 
     fit = fit or FITS[DEFAULT_FIT]
     spec = get_gpu(gpu)
+    _check_inputs(
+        flops=flops,
+        params=params,
+        tokens=tokens,
+        gpus=gpus,
+        hours=hours,
+        mfu=mfu,
+        tokens_per_param=tokens_per_param,
+        global_batch=global_batch,
+        seq_len=seq_len,
+    )
+    mfu_source = mfu_source or ("--mfu" if mfu is not None else "assumed (docs/planning.md)")
+    mfu = mfu if mfu is not None else DEFAULT_MFU
+    if hours is not None:
+        if flops is not None:
+            raise UserError(
+                "--flops and --gpus/--hours both set a compute budget; give one of them."
+            )
+        flops = gpus * hours * 3600 * spec.peak_flops * mfu
+    _check_one_budget(flops=flops, params=params, tokens=tokens, target_loss=target_loss)
+    if tokens_per_param is not None:
+        params, tokens, basis = _by_rule(
+            fit,
+            tokens_per_param,
+            flops=flops,
+            params=params,
+            tokens=tokens,
+            target_loss=target_loss,
+        )
+    else:
+        params, tokens, basis = _on_frontier(
+            fit, flops=flops, params=params, tokens=tokens, target_loss=target_loss
+        )
+    preset, preset_params = nearest_preset(params)
+    return ComputePlan(
+        params=params,
+        tokens=tokens,
+        flops=6 * params * tokens,
+        loss=fit.loss(params, tokens),
+        fit=fit,
+        basis=basis,
+        preset=preset,
+        preset_params=preset_params,
+        seq_len=seq_len or get_preset(preset).seq_len,
+        global_batch=global_batch,
+        gpu=gpu.lower(),
+        gpu_peak_flops=spec.peak_flops,
+        mfu=mfu,
+        mfu_source=mfu_source,
+        gpus=gpus,
+    )
+
+
+def _check_inputs(
+    *,
+    flops: float | None,
+    params: float | None,
+    tokens: float | None,
+    gpus: int | None,
+    hours: float | None,
+    mfu: float | None,
+    tokens_per_param: float | None,
+    global_batch: int,
+    seq_len: int | None,
+) -> None:
+    """Each of ``plan``'s numbers on its own: positive, whole where it counts things, MFU a
+    fraction, and hours only with GPUs to multiply them by."""
     for flag, value in (
         ("--flops", flops),
         ("--params", params),
@@ -190,15 +257,16 @@ def plan(
         )
     if hours is not None and gpus is None:
         raise UserError(f"--hours {hours}: give --gpus too (the budget is GPUs x hours).")
-    mfu_source = mfu_source or ("--mfu" if mfu is not None else "assumed (docs/planning.md)")
-    mfu = mfu if mfu is not None else DEFAULT_MFU
-    if hours is not None:
-        flops_budget = gpus * hours * 3600 * spec.peak_flops * mfu
-        if flops is not None:
-            raise UserError(
-                "--flops and --gpus/--hours both set a compute budget; give one of them."
-            )
-        flops = flops_budget
+
+
+def _check_one_budget(
+    *,
+    flops: float | None,
+    params: float | None,
+    tokens: float | None,
+    target_loss: float | None,
+) -> None:
+    """A plan answers one question: the budgets would otherwise disagree with each other."""
     given = {
         k: v
         for k, v in (
@@ -216,53 +284,55 @@ def plan(
             f"or --params N, or --tokens D, or --target-loss L."
         )
 
-    r = tokens_per_param
-    if r is not None:
-        basis = f"rule: {r:g} tokens per parameter"
-        if flops is not None:
-            params = math.sqrt(flops / (6 * r))
-        elif tokens is not None:
-            params = tokens / r
-        elif target_loss is not None:
-            fit.check_reachable(target_loss)
-            if fit.loss(1e30, r * 1e30) >= target_loss:
-                raise UserError(
-                    f"--target-loss {target_loss}: so close to E = {fit.E:.4f} that even 1e30 "
-                    f"parameters at {r:g} tokens each do not reach it; ask for a higher loss."
-                )
-            params = _solve_log(lambda n: target_loss - fit.loss(n, r * n), 1.0, 1e30)
-        tokens = r * params
+
+def _by_rule(
+    fit: ChinchillaFit,
+    r: float,
+    *,
+    flops: float | None,
+    params: float | None,
+    tokens: float | None,
+    target_loss: float | None,
+) -> tuple[float, float, str]:
+    """(N, D, basis) with D = r N, from the one budget given; ``fit`` only predicts the loss
+    (and tells whether a target loss is reachable)."""
+    basis = f"rule: {r:g} tokens per parameter"
+    if flops is not None:
+        params = math.sqrt(flops / (6 * r))
+    elif tokens is not None:
+        params = tokens / r
+    elif target_loss is not None:
+        fit.check_reachable(target_loss)
+        if fit.loss(1e30, r * 1e30) >= target_loss:
+            raise UserError(
+                f"--target-loss {target_loss}: so close to E = {fit.E:.4f} that even 1e30 "
+                f"parameters at {r:g} tokens each do not reach it; ask for a higher loss."
+            )
+        params = _solve_log(lambda n: target_loss - fit.loss(n, r * n), 1.0, 1e30)
+    return params, r * params, basis
+
+
+def _on_frontier(
+    fit: ChinchillaFit,
+    *,
+    flops: float | None,
+    params: float | None,
+    tokens: float | None,
+    target_loss: float | None,
+) -> tuple[float, float, str]:
+    """(N, D, basis) on ``fit``'s compute-optimal frontier, from the one budget given."""
+    basis = f"compute-optimal under the {fit.name} fit"
+    if flops is not None:
+        params, tokens = fit.optimal_params(flops), fit.optimal_tokens(flops)
+    elif tokens is not None:
+        # C/6 = N D with D*(C) = (C/6)**b / G inverted: C/6 = (D G)**(1/b).
+        params = (tokens * fit.G) ** (1 / fit.b) / tokens
     else:
-        basis = f"compute-optimal under the {fit.name} fit"
-        if flops is not None:
-            params, tokens = fit.optimal_params(flops), fit.optimal_tokens(flops)
-        elif tokens is not None:
-            # C/6 = N D with D*(C) = (C/6)**b / G inverted: C/6 = (D G)**(1/b).
-            params = (tokens * fit.G) ** (1 / fit.b) / tokens
-        else:
-            if target_loss is not None:
-                params = fit.frontier_params_for_loss(target_loss)
-            # C/6 = N D with N*(C) = G (C/6)**a inverted: C/6 = (N / G)**(1/a).
-            tokens = (params / fit.G) ** (1 / fit.a) / params
-    flops = 6 * params * tokens
-    preset, preset_params = nearest_preset(params)
-    return ComputePlan(
-        params=params,
-        tokens=tokens,
-        flops=flops,
-        loss=fit.loss(params, tokens),
-        fit=fit,
-        basis=basis,
-        preset=preset,
-        preset_params=preset_params,
-        seq_len=seq_len or get_preset(preset).seq_len,
-        global_batch=global_batch,
-        gpu=gpu.lower(),
-        gpu_peak_flops=spec.peak_flops,
-        mfu=mfu,
-        mfu_source=mfu_source,
-        gpus=gpus,
-    )
+        if target_loss is not None:
+            params = fit.frontier_params_for_loss(target_loss)
+        # C/6 = N D with N*(C) = G (C/6)**a inverted: C/6 = (N / G)**(1/a).
+        tokens = (params / fit.G) ** (1 / fit.a) / params
+    return params, tokens, basis
 
 
 def _si(x: float) -> str:

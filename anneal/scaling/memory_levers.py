@@ -1,0 +1,114 @@
+"""Levers: what to change for a run that does not fit in GPU memory, in order of preference:
+first what costs no quality (micro-batch, with more accumulation), then context, then model
+shape. Each lever is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
+bisection, since the estimate grows with each of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from anneal.model import ModelPreset
+from anneal.scaling.memory import Workload, ZeroSetup, estimate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lever:
+    name: str
+    """micro-batch | context length | layers | width"""
+    setting: str | None
+    """The largest value that fits, as the flag or key to set; None when nothing does."""
+    total: int | None
+    """Peak bytes per GPU at that setting."""
+    note: str = ""
+
+
+def _largest(lo: int, hi: int, fits) -> int | None:
+    """Largest x in [lo, hi] with fits(x), for fits monotone (true up to some x)."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def levers(
+    preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
+) -> list[Lever]:
+    """Each lever alone, from the given setup: micro-batch, context length, layers, width."""
+
+    def total(p: ModelPreset, w: Workload) -> int:
+        return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
+
+    out = []
+    b = _largest(
+        1, work.micro_batch - 1, lambda x: total(preset, _w(work, micro_batch=x)) <= capacity
+    )
+    out.append(
+        Lever(
+            name="micro-batch",
+            setting=None
+            if b is None
+            else f"train_micro_batch_size_per_gpu {b} (raise "
+            f"gradient_accumulation_steps x{work.micro_batch / b:g} to keep the global batch)",
+            total=None if b is None else total(preset, _w(work, micro_batch=b)),
+            note="" if b else "even micro-batch 1 does not fit",
+        )
+    )
+    step = 128 if work.seq_len > 128 else 1
+    t = _largest(
+        1,
+        (work.seq_len - 1) // step,
+        lambda x: total(preset, _w(work, seq_len=x * step)) <= capacity,
+    )
+    out.append(
+        Lever(
+            name="context length",
+            setting=None if t is None else f"model.seq_len={t * step}",
+            total=None if t is None else total(preset, _w(work, seq_len=t * step)),
+            note="" if t else f"even {step} tokens do not fit",
+        )
+    )
+    n_layers = _largest(
+        1,
+        preset.num_hidden_layers - 1,
+        lambda x: total(dataclasses.replace(preset, num_hidden_layers=x), work) <= capacity,
+    )
+    out.append(
+        Lever(
+            name="layers",
+            setting=None if n_layers is None else f"model.num_hidden_layers={n_layers}",
+            total=None
+            if n_layers is None
+            else total(dataclasses.replace(preset, num_hidden_layers=n_layers), work),
+            note="" if n_layers else "even one layer does not fit",
+        )
+    )
+    unit = math.lcm(64, preset.num_attention_heads)
+
+    def narrower(k: int) -> ModelPreset:
+        h = k * unit
+        f = max(64, round(preset.intermediate_size * h / preset.hidden_size / 64) * 64)
+        return dataclasses.replace(preset, hidden_size=h, intermediate_size=f)
+
+    k = _largest(
+        1, (preset.hidden_size - 1) // unit, lambda x: total(narrower(x), work) <= capacity
+    )
+    out.append(
+        Lever(
+            name="width",
+            setting=None
+            if k is None
+            else f"model.hidden_size={narrower(k).hidden_size} "
+            f"model.intermediate_size={narrower(k).intermediate_size}",
+            total=None if k is None else total(narrower(k), work),
+            note="" if k else f"even hidden size {unit} does not fit",
+        )
+    )
+    return out
+
+
+def _w(work: Workload, **changes) -> Workload:
+    return dataclasses.replace(work, **changes)
