@@ -24,8 +24,9 @@ from anneal.cli import build_parser, main
 from anneal.data import tokenizer as toklib
 from anneal.data.prepare import SEQ_LEN, PrepareConfig, prepare
 from anneal.data.prepared import has_validation, read_meta
-from anneal.data.readers import DOC_BYTES, ReadOptions, starts_document
+from anneal.data.readers import ReadOptions
 from anneal.data.stream import PackedSplit
+from anneal.data.text_readers import DOC_BYTES, starts_document
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 from anneal.data import tokenizer as toklib
+from anneal.data import tokenizer_hf
 from anneal.data.pack import is_validation
 from anneal.data.prepare import prepare
-from anneal.data.readers import Problems, ReadOptions, read_unit
-from anneal.data.sources import list_units, parse_inputs
+from anneal.data.readers import Problems, ReadOptions
+from anneal.data.sources import parse_inputs
+from anneal.data.units import list_units, read_unit
 from anneal.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -57,7 +59,7 @@ def trained(request, tmp_path_factory) -> Path:
         out_path=out / "tokenizer.model",
         model_type=request.param,
     )
-    toklib.save_hf_files(out / "tokenizer.model", out)
+    tokenizer_hf.save_hf_files(out / "tokenizer.model", out)
     return out
 
 
@@ -273,6 +275,6 @@ def test_reused_hf_tokenizer_gives_its_ids(tmp_path):
 def test_tokenizer_path_that_is_not_one_is_a_clear_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(UserError, match="not a SentencePiece model"):
-        toklib.install(tmp_path / "notes.txt", tmp_path)
+        tokenizer_hf.install(tmp_path / "notes.txt", tmp_path)
     with pytest.raises(UserError, match="nor a directory with"):
-        toklib.install(tmp_path / "missing", tmp_path)
+        tokenizer_hf.install(tmp_path / "missing", tmp_path)

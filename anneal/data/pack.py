@@ -3,21 +3,33 @@
 A worker turns one unit into, per split, one array of ids with EOS after every document, the
 offsets where documents end, and byte and document counts. The writer appends these arrays in
 unit order to fixed-size shard files of the unit's (split, source), so the shards are the same
-for any number of workers.
+for any number of workers. :func:`pack_all` drives both, with at most two units per worker in
+flight (bounded memory), and shows the progress (:class:`Progress`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from anneal.data import tokenizer as toklib
 from anneal.data.prepared import SPLITS
-from anneal.data.readers import Problems, ReadOptions, Unit, read_unit
+from anneal.data.readers import Problems, ReadOptions, Unit
+from anneal.data.sources import Source
+from anneal.data.units import read_unit, units_of
+
+if TYPE_CHECKING:
+    from anneal.data.prepare import PrepareConfig
 
 ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 
@@ -184,3 +196,137 @@ class ShardWriter:
             "shards": self.shards,
             "doc_index": self._docs_name if self._docs is not None else None,
         }
+
+
+class Progress:
+    """MB read, MB/s and tokens on stderr: a tqdm bar on a terminal, else a plain line every
+    10 s and one at the end, so logs stay readable."""
+
+    def __init__(self, total_bytes: int | None, *, enabled: bool, workers: int):
+        self.total = total_bytes
+        self.enabled = enabled
+        self.workers = workers
+        self.start = time.time()
+        self.done = 0
+        self.tokens = 0
+        self._last = self.start
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_bytes,
+                desc="tokenize+pack",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                postfix=f"0 tokens, {workers} workers",
+            )
+
+    def update(self, nbytes: int, tokens: int) -> None:
+        self.done += nbytes
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self.tokens:,} tokens, {self.workers} workers", False)
+            self._bar.update(nbytes)
+            return
+        now = time.time()
+        if self.enabled and now - self._last >= 10.0:
+            self._last = now
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        dt = max(time.time() - self.start, 1e-9)
+        total = f"/{self.total / 1e6:,.1f}" if self.total else ""
+        pct = f" {100 * self.done / self.total:3.0f}%" if self.total else ""
+        return (
+            f"tokenize+pack{pct} {self.done / 1e6:,.1f}{total} MB | "
+            f"{self.done / 1e6 / dt:,.1f} MB/s ({self.workers} workers) | "
+            f"{self.tokens:,} tokens | {dt:,.1f} s"
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(self.line(), file=sys.stderr, flush=True)
+
+
+def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Iterator:
+    """``fn`` over ``units`` in order, in ``workers`` processes with at most two units per
+    worker in flight (bounded memory), or in this process for one worker."""
+    if workers <= 1:
+        init_worker(*initargs)
+        for unit in units:
+            yield fn(unit)
+        return
+    # fork is cheap and shares the unit lists. Forking a process that has threads can hang the
+    # child (it gets their locks and pools, not the threads); the workers only encode, with no
+    # thread pool, and the tokenizer, which has one, trains in a fresh interpreter (make_tokenizer).
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    with ctx.Pool(workers, initializer=init_worker, initargs=initargs) as pool:
+        pending: deque = deque()
+        for unit in units:
+            pending.append(pool.apply_async(fn, (unit,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+        pool.close()
+        pool.join()  # workers end here, so their CPU time is counted (pack_cpu_seconds)
+
+
+def pack_all(
+    partial: Path,
+    cfg: PrepareConfig,
+    sources: list[Source],
+    units: dict,
+    dtype: np.dtype,
+    problems: Problems,
+    *,
+    workers: int,
+) -> tuple[dict, dict, int]:
+    """Tokenize every unit of ``sources`` in ``workers`` processes and write the shards of
+    each (split, source) under ``partial``. Returns the splits' totals and shard lists, the
+    counts per split and source, and the input bytes read. ``units`` maps each source's index
+    to its :func:`anneal.data.units.unit_list`; skipped records are added to ``problems``."""
+    writers = {
+        (split, s.index): ShardWriter(
+            partial / split, source=s.index, dtype=dtype, shard_tokens=cfg.shard_tokens
+        )
+        for split in SPLITS
+        for s in sources
+    }
+    listed = [units[s.index] for s in sources]
+    total = (
+        sum(u.nbytes for us in listed for u in us)
+        if all(isinstance(us, list) for us in listed)
+        else None
+    )
+    progress = Progress(total, enabled=cfg.progress, workers=workers)
+    all_units = (u for s in sources for u in units_of(units[s.index]))
+    initargs = (str(partial), cfg.read, cfg.val_fraction, dtype.name)
+    for result in _ordered(tokenize_unit, all_units, workers=workers, initargs=initargs):
+        for split, part in result.parts.items():
+            writers[split, result.source].add(part)
+        problems.skipped += result.skipped
+        problems.examples += result.examples[: max(0, 20 - len(problems.examples))]
+        progress.update(result.nbytes, sum(len(p.ids) for p in result.parts.values()))
+    progress.close()
+    splits, per_source = {}, {}
+    for split in SPLITS:
+        groups = [(s, writers[split, s.index].close()) for s in sources]
+        splits[split] = {
+            "tokens": sum(g["tokens"] for _, g in groups),
+            "bytes": sum(g["bytes"] for _, g in groups),
+            "documents": sum(g["documents"] for _, g in groups),
+            "shards": [sh for _, g in groups for sh in g["shards"]],
+        }
+        per_source[split] = {
+            s.name: {k: g[k] for k in ("tokens", "bytes", "documents", "doc_index")}
+            for s, g in groups
+        }
+    return splits, per_source, progress.done
