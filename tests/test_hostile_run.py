@@ -33,6 +33,7 @@ import pytest
 from anneal.errors import UserError
 from anneal.files import confined
 from anneal.resilience import checkpoint
+from anneal.resilience.resume import read_latest
 from tests.conftest import ROOT, SMALL, env, run_process, run_recipe, tree
 
 RECIPE = "recipes/pretrain_tiny.py"
@@ -353,7 +354,7 @@ def test_latest_must_name_a_plain_tag(trained, tmp_path, name):
     with pytest.raises(UserError, match="latest") as info:
         checkpoint.find_resume("auto", out / "checkpoints")
     assert "tag" in str(info.value)
-    assert checkpoint.read_latest(trained / "checkpoints") == trained / "checkpoints" / TAG
+    assert read_latest(trained / "checkpoints") == trained / "checkpoints" / TAG
 
 
 def test_confined(tmp_path):

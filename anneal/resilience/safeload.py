@@ -181,9 +181,17 @@ def _check(path: Path, member: str, data: bytes) -> None:
         )
 
 
-def scan_checkpoint(tag_dir: Path) -> None:
-    """:func:`scan_file` for every ``*.pt`` file in a checkpoint's tag directory."""
-    for path in sorted(Path(tag_dir).rglob("*.pt")):
+def scan_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
+    """:func:`scan_file` for every ``*.pt`` file in a checkpoint's tag directory.
+
+    ``skip_hidden``: not a file under a hidden name, such as the leftover of an interrupted
+    universal conversion (``.universal.tmp``), for a reader that loads only what DeepSpeed names
+    and so never reads it (resume). Export reads what its glob finds, hidden names included, so
+    it scans them all."""
+    tag_dir = Path(tag_dir)
+    for path in sorted(tag_dir.rglob("*.pt")):
+        if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
+            continue
         scan_file(path)
 
 
