@@ -20,6 +20,8 @@ from tests.conftest import ROOT, SMALL, env, run_process, run_recipe
 
 
 def anneal(*args: str, check: bool = True, timeout_s: int = 300) -> subprocess.CompletedProcess:
+    """``anneal ARGS`` as a process (the slow test's 120M-parameter export, whose memory is
+    measured in a process of its own)."""
     return run_process(
         [sys.executable, "-m", "anneal.cli", *args],
         timeout_s=timeout_s,
@@ -29,23 +31,37 @@ def anneal(*args: str, check: bool = True, timeout_s: int = 300) -> subprocess.C
     )
 
 
+@pytest.fixture()
+def cli(capsys):
+    """``anneal ARGS`` run in this process through ``anneal.cli.main``, as the console script
+    runs it: (exit code, stdout, stderr). A process start per command (3-5 s here, importing
+    torch and transformers) bought these tests nothing; the entry point as a process is
+    checked by tests/test_cli.py and, for export, by ExportAfterSave's child below."""
+    from anneal.cli import main
+
+    def call(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        if check:
+            assert code == 0, f"anneal {' '.join(args)} failed ({code}):\n{out}\n{err}"
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return call
+
+
 @pytest.fixture(scope="module")
-def zero3_run(stdlib_data, tmp_path_factory) -> Path:
+def zero3_run(tiny_data, tmp_path_factory) -> Path:
+    """2 ranks, ZeRO-3, checkpoints at steps 1 and 2, stopped after step 2 of 3 (as a
+    preemption leaves a run: no last validation, plots or report process, which the export
+    never reads)."""
     out = tmp_path_factory.mktemp("export") / "run"
+    stop = ["--max-steps", "3", "--eval-every", "0", "--set", "train.stop_at_step=2"]
     run_recipe(
-        [
-            "--out",
-            str(out),
-            "--data",
-            str(stdlib_data),
-            "--max-steps",
-            "2",
-            "--save-every",
-            "1",
-            "--eval-every",
-            "2",
-            *SMALL,
-        ],
+        ["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL],
         ranks=2,
     )
     return out
@@ -68,12 +84,12 @@ def reference_logits(run: Path, tag: str, batch: torch.Tensor, dtype=None) -> to
         return model(input_ids=batch).logits
 
 
-def test_zero3_export_loads_in_transformers_and_matches_logits(zero3_run, tmp_path):
+def test_zero3_export_loads_in_transformers_and_matches_logits(zero3_run, tmp_path, cli):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"
-    done = anneal(
+    done = cli(
         "export",
         str(zero3_run),
         "--out",
@@ -81,7 +97,7 @@ def test_zero3_export_loads_in_transformers_and_matches_logits(zero3_run, tmp_pa
         "--dtype",
         "fp32",
         "--shard-size",
-        "1MB",
+        "100KB",
         "--json",
     )
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -116,7 +132,7 @@ def test_zero3_export_loads_in_transformers_and_matches_logits(zero3_run, tmp_pa
     )
 
 
-def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
+def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path, cli):
     from safetensors import safe_open
 
     from anneal.errors import UserError
@@ -125,7 +141,7 @@ def test_bf16_export_of_an_older_tag_and_the_out_dir_rules(zero3_run, tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("someone's file")
-    refused = anneal("export", str(zero3_run), "--out", str(out), check=False)
+    refused = cli("export", str(zero3_run), "--out", str(out), check=False)
     assert refused.returncode == 2
     assert "exists and is not empty" in refused.stderr and "--force" in refused.stderr
     assert (out / "keep.txt").is_file()
@@ -192,8 +208,8 @@ def assert_reference_matches_deepspeed(tag_dir: Path, stage: int) -> None:
         assert torch.equal(ours[name], t.float()), name
 
 
-def test_every_save_exports_each_checkpoint(zero3_run, tmp_path):
-    done = anneal("export", str(zero3_run), "--every-save", "--out", str(tmp_path / "all"))
+def test_every_save_exports_each_checkpoint(zero3_run, tmp_path, cli):
+    done = cli("export", str(zero3_run), "--every-save", "--out", str(tmp_path / "all"))
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [
         "step00000001",
         "step00000002",
@@ -201,22 +217,22 @@ def test_every_save_exports_each_checkpoint(zero3_run, tmp_path):
     assert done.stdout.count("verified") == 2
 
 
-def test_bad_input_messages(zero3_run, tmp_path):
+def test_bad_input_messages(zero3_run, tmp_path, cli):
     fresh = tmp_path / "fresh"
     (fresh / "checkpoints").mkdir(parents=True)
     (fresh / "config.json").write_text((zero3_run / "config.json").read_text())
-    no_ckpt = anneal("export", str(fresh), "--out", str(tmp_path / "a"), check=False)
+    no_ckpt = cli("export", str(fresh), "--out", str(tmp_path / "a"), check=False)
     assert no_ckpt.returncode == 2 and "no intact checkpoint" in no_ckpt.stderr
     assert "Traceback" not in no_ckpt.stderr
 
-    bad_tag = anneal(
+    bad_tag = cli(
         "export", str(zero3_run), "--tag", "step99", "--out", str(tmp_path / "b"), check=False
     )
     assert bad_tag.returncode == 2
     assert "--tag step99: no such checkpoint" in bad_tag.stderr
     assert "step00000001, step00000002" in bad_tag.stderr
 
-    not_a_run = anneal("export", str(tmp_path), "--out", str(tmp_path / "c"), check=False)
+    not_a_run = cli("export", str(tmp_path), "--out", str(tmp_path / "c"), check=False)
     assert not_a_run.returncode == 2 and "no config.json" in not_a_run.stderr
 
 
@@ -266,17 +282,17 @@ def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
     assert grew < 4 * r["largest_tensor_bytes_fp32"] + 32 * 2**20
 
 
-def test_generate_samples_from_the_export(zero3_run, tmp_path):
+def test_generate_samples_from_the_export(zero3_run, tmp_path, cli):
     out = tmp_path / "hf"
-    anneal("export", str(zero3_run), "--out", str(out))
+    cli("export", str(zero3_run), "--out", str(out))
     greedy = [
-        anneal(
+        cli(
             "generate", str(out), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"
         ).stdout
         for _ in range(2)
     ]
     assert greedy[0].startswith("def ") and greedy[0] == greedy[1]
-    sampled = anneal(
+    sampled = cli(
         "generate",
         str(out),
         "--prompt",
@@ -289,9 +305,9 @@ def test_generate_samples_from_the_export(zero3_run, tmp_path):
         "1",
     )
     assert sampled.stdout.startswith("import ")
-    bad = anneal("generate", str(out), "--prompt", "x", "--max-new-tokens", "0", check=False)
+    bad = cli("generate", str(out), "--prompt", "x", "--max-new-tokens", "0", check=False)
     assert bad.returncode == 2 and "--max-new-tokens 0" in bad.stderr
-    missing = anneal("generate", str(tmp_path), "--prompt", "x", check=False)
+    missing = cli("generate", str(tmp_path), "--prompt", "x", check=False)
     assert missing.returncode == 2 and "not an exported model directory" in missing.stderr
 
 
