@@ -121,7 +121,7 @@ def read_config(run_dir: str | Path, *, section: str = "run", missing_ok: bool =
         ) from None
     if not (isinstance(doc, dict) and isinstance(doc.get(section), dict)):
         raise UserError(
-            f'{path}: not a run\'s {CONFIG} (no "{section}" section). Give the --out of a run.'
+            f"{path}: not a run's {CONFIG} (no '{section}' section). Give the --out of a run."
         )
     return doc
 

@@ -341,11 +341,11 @@ def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
     with the run's ``config.json`` (the vocabulary size, and the tokenizer hash of the data
     directory it was started with, when that still exists); UserError on a mismatch."""
     config_path = rundir.config_path(run_dir)
+    config = rundir.config_or_empty(run_dir)
     try:
-        config = json.loads(config_path.read_text())
         old_vocab = config["model"]["vocab_size"]
         old_data = Path(config["run"]["data"]["path"])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (KeyError, TypeError):
         return
     if not isinstance(old_vocab, int):
         return  # not a config.json Anneal wrote; resolve_run's own checks of it apply
