@@ -38,7 +38,3 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # anything else is a bug or the environment: keep its traceback
         print(f"anneal {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -66,7 +66,7 @@ def _fit(args: argparse.Namespace) -> int:
     out = scaling.write_fit(result, out)
     try:
         result.to_fit()
-        from anneal.observe.plots import plot_fit
+        from anneal.observe.formula_plots import plot_fit
 
         plot_fit(result, plot)
     except UserError as e:  # no compute-optimal frontier to draw

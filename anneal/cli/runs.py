@@ -34,12 +34,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from anneal.observe import plots
+    from anneal.observe import formula_plots, plots
 
     if args.schedule:
         if args.run:
             raise UserError("anneal plot: give a RUN directory or --schedule CONFIG, not both.")
-        path = plots.plot_schedule_file(
+        path = formula_plots.plot_schedule_file(
             Path(args.schedule),
             steps=args.steps,
             peak_lr=args.peak_lr,

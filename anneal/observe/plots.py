@@ -12,10 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.observe.formula_plots import plot_fit, plot_schedule, plot_schedule_file
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
-
-__all__ = ["plot_fit", "plot_run", "plot_schedule", "plot_schedule_file"]
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

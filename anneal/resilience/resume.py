@@ -42,7 +42,7 @@ def read_latest(ckpt_dir: Path) -> Path | None:
 
 
 def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | None) -> None:
-    """ValueError when the checkpoint was trained on ids of another tokenizer than the data's.
+    """UserError when the checkpoint was trained on ids of another tokenizer than the data's.
     Read from the manifest, so resume refuses before any engine is built."""
     saved = (read_manifest(tag_dir) or {}).get("tokenizer_sha256")
     if saved and tokenizer_sha256 and saved != tokenizer_sha256:
