@@ -148,6 +148,59 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def same_seed_runs(tiny_data, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """{name: (run directory, its stdout and stderr)} for four 4-step runs on ``tiny_data`` from
+    the same seed and SMALL shapes, started together (one process imports while another
+    computes): ``fp32`` (cpu.json), ``bf16`` (train.precision=bf16), ``ac`` (fp32 with
+    activation checkpointing on) and ``auto`` (the shipped zero3_bf16.json, which a CPU
+    switches to fp32). tests/test_precision.py and tests/test_activation_checkpointing.py
+    compare them; one fp32 reference serves both."""
+    tmp = tmp_path_factory.mktemp("same_seed")
+    common = [
+        "--data",
+        str(tiny_data),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "0",
+        *SMALL,
+    ]
+    extra = {
+        "fp32": [],
+        "bf16": ["--set", "train.precision=bf16"],
+        "ac": ["--set", "model.activation_checkpointing=true"],
+        "auto": [
+            "--ds-config",
+            "zero3_bf16.json",
+            "--set",
+            "ds.optimizer.params.torch_adam=true",
+            "--set",
+            "ds.train_micro_batch_size_per_gpu=4",
+            "--set",
+            "ds.gradient_accumulation_steps=2",
+        ],
+    }
+    done = run_recipes([["--out", str(tmp / name), *common, *more] for name, more in extra.items()])
+    return {name: (tmp / name, d.stdout + d.stderr) for name, d in zip(extra, done, strict=True)}
+
+
+def run_recipes(arg_lists: list[list[str]], *, parallel: int = 2, **kwargs):
+    """``run_recipe`` for each argument list, ``parallel`` at a time (a process spends seconds
+    importing torch and DeepSpeed on one core while the other computes); their results in
+    order. The first failure is raised once all have ended. Each process computes on one
+    thread (OMP_NUM_THREADS=1): two processes of two spinning threads each on two cores took
+    a quarter more CPU time here, and these tiny runs gain nothing from a second thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kwargs["extra_env"] = {"OMP_NUM_THREADS": "1", **(kwargs.get("extra_env") or {})}
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = [pool.submit(run_recipe, args, **kwargs) for args in arg_lists]
+        return [f.result() for f in futures]
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.pop("RANK", None)

@@ -4,28 +4,17 @@ without it (recompute changes memory, never the math)."""
 
 import json
 
-from tests.conftest import SMALL, read_metrics, run_recipe
+from tests.conftest import read_metrics
 
 
-def test_recompute_gives_the_same_training(tiny_data, tmp_path):
-    common = [
-        "--data",
-        str(tiny_data),
-        "--max-steps",
-        "3",
-        "--eval-every",
-        "3",
-        "--save-every",
-        "0",
-        *SMALL,
-    ]
-    off = run_recipe(["--out", str(tmp_path / "plain"), *common])
-    on = run_recipe(
-        ["--out", str(tmp_path / "ac"), *common, "--set", "model.activation_checkpointing=true"]
-    )
-    assert "activation checkpointing off" in off.stdout
-    assert "activation checkpointing on" in on.stdout
-    plain, ac = read_metrics(tmp_path / "plain", "train"), read_metrics(tmp_path / "ac", "train")
+def test_recompute_gives_the_same_training(same_seed_runs):
+    """The session's fp32 run and the same run with activation checkpointing on (4 steps each,
+    tests/conftest.py: same_seed_runs)."""
+    (plain_dir, off), (ac_dir, on) = same_seed_runs["fp32"], same_seed_runs["ac"]
+    assert "activation checkpointing off" in off
+    assert "activation checkpointing on" in on
+    plain, ac = read_metrics(plain_dir, "train"), read_metrics(ac_dir, "train")
+    assert len(plain) == 4
     assert [(r["loss"], r["grad_norm"]) for r in ac] == [(r["loss"], r["grad_norm"]) for r in plain]
-    cfg = json.loads((tmp_path / "ac" / "config.json").read_text())
+    cfg = json.loads((ac_dir / "config.json").read_text())
     assert cfg["run"]["model"]["activation_checkpointing"] is True

@@ -6,47 +6,19 @@ import json
 
 import pytest
 
-from tests.conftest import SMALL, read_metrics, run_recipe
-
-STEPS = 4
+from tests.conftest import read_metrics
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("precision")
-    common = [
-        "--data",
-        str(tiny_data),
-        "--max-steps",
-        str(STEPS),
-        "--eval-every",
-        str(STEPS),
-        "--save-every",
-        "0",
-        *SMALL,
-    ]
-    out = {}
-    for name, extra in (("fp32", []), ("bf16", ["--set", "train.precision=bf16"])):
-        run_recipe(["--out", str(tmp / name), *common, *extra])
-        out[name] = tmp / name
-    auto = run_recipe(
-        [
-            "--out",
-            str(tmp / "auto"),
-            *common,
-            "--ds-config",
-            "zero3_bf16.json",
-            "--set",
-            "ds.optimizer.params.torch_adam=true",
-            "--set",
-            "ds.train_micro_batch_size_per_gpu=4",
-            "--set",
-            "ds.gradient_accumulation_steps=2",
-        ]
-    )
-    out["auto"] = tmp / "auto"
-    out["auto_log"] = auto.stdout + auto.stderr
-    return out
+def runs(same_seed_runs):
+    """The session's same-seed runs (tests/conftest.py): fp32, bf16, and the shipped bf16
+    config on this CPU ("auto"), with its log."""
+    return {
+        "fp32": same_seed_runs["fp32"][0],
+        "bf16": same_seed_runs["bf16"][0],
+        "auto": same_seed_runs["auto"][0],
+        "auto_log": same_seed_runs["auto"][1],
+    }
 
 
 def test_bf16_is_really_bf16(runs):
