@@ -6,7 +6,7 @@ import math
 import pytest
 
 from anneal.config.schedule import lr_ratio
-from tests.conftest import SMALL, read_metrics, run_recipe
+from tests.conftest import read_metrics
 
 
 def seed_lr(t, *, a_max, t_warm, t_max):
@@ -31,31 +31,14 @@ def test_shape_landmarks():
     assert lr_ratio(150, **kw) == pytest.approx(0.1)  # held at the floor past T_max
 
 
-def test_engine_applies_the_formula(tiny_data, tmp_path):
-    out = tmp_path / "run"
-    run_recipe(
-        [
-            "--out",
-            str(out),
-            "--data",
-            str(tiny_data),
-            "--max-steps",
-            "12",
-            "--set",
-            "train.eval_samples=8",
-            "--eval-every",
-            "0",
-            "--save-every",
-            "0",
-            *SMALL,
-            "--set",
-            "ds.scheduler.params.warmup_num_steps=4",
-        ]
-    )
-    rows = read_metrics(out, "train")
+def test_engine_applies_the_formula(same_seed_runs):
+    """The session's fp32 run (tests/conftest.py: 4 steps, warmup 2): the learning rate the
+    engine logged at every step is the seed's formula: the linear warmup, its peak at step 2,
+    the cosine's midpoint at step 3 and the floor (0.1 of the peak) at the last step."""
+    rows = read_metrics(same_seed_runs["fp32"][0], "train")
     a_max = 3e-3  # the tiny recipe's optim.lr (cpu.json says "auto")
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["lr"] == pytest.approx(
-            seed_lr(r["step"], a_max=a_max, t_warm=4, t_max=12), rel=1e-9
+            seed_lr(r["step"], a_max=a_max, t_warm=2, t_max=4), rel=1e-9
         ), r["step"]
