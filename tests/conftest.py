@@ -149,6 +149,35 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_rank_run(tiny_data, tmp_path_factory) -> dict:
+    """One 2-rank ZeRO-3 run through the deepspeed runner on ``tiny_data`` (SMALL shapes,
+    checkpoints at steps 1 and 2, stopped after step 2 of 3 as a preemption leaves it: no last
+    validation, plots or report process), started with a stale torch-extension lock in its
+    TORCH_EXTENSIONS_DIR: {"out", "lock", "shm_before", "shm_after"} (/dev/shm's names around
+    it). tests/test_export.py exports it; tests/test_stale_state.py checks that it neither
+    waited on the lock nor left files in /dev/shm. One launch (15-30 s here) serves both."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    lock = tmp / "torch_extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    out = tmp / "run"
+    stop = ["--max-steps", "3", "--eval-every", "0", "--set", "train.stop_at_step=2"]
+    shm_before = shm_files()
+    run_recipe(
+        ["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL],
+        ranks=2,
+        timeout_s=180,
+        extra_env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)},
+    )
+    return {"out": out, "lock": lock, "shm_before": shm_before, "shm_after": shm_files()}
+
+
+def shm_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
+
+
+@pytest.fixture(scope="session")
 def same_seed_runs(tiny_data, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """{name: (run directory, its stdout and stderr)} for four 4-step runs on ``tiny_data`` from
     the same seed and SMALL shapes, started together (one process imports while another

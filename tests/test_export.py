@@ -54,17 +54,9 @@ def cli(capsys):
 
 
 @pytest.fixture(scope="module")
-def zero3_run(tiny_data, tmp_path_factory) -> Path:
-    """2 ranks, ZeRO-3, checkpoints at steps 1 and 2, stopped after step 2 of 3 (as a
-    preemption leaves a run: no last validation, plots or report process, which the export
-    never reads)."""
-    out = tmp_path_factory.mktemp("export") / "run"
-    stop = ["--max-steps", "3", "--eval-every", "0", "--set", "train.stop_at_step=2"]
-    run_recipe(
-        ["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL],
-        ranks=2,
-    )
-    return out
+def zero3_run(two_rank_run) -> Path:
+    """The session's 2-rank ZeRO-3 run (tests/conftest.py: checkpoints at steps 1 and 2)."""
+    return two_rank_run["out"]
 
 
 def reference_logits(run: Path, tag: str, batch: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -7,23 +7,28 @@ every process; a process killed while holding that lock once hung every later ru
 use the op, so a stale lock is harmless and a run leaves /dev/shm as it found it.
 """
 
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import SMALL, read_metrics, run_recipe
+from tests.conftest import SMALL, read_metrics, run_recipe, shm_files
 
 
 # The two-rank launch (20-30 s here) starts every process that could meet the lock or leave a
-# file; one rank alone checks nothing more and runs with the slow tests.
+# file; it is the session's two_rank_run (tests/conftest.py), which tests/test_export.py
+# exports. One rank alone checks nothing more and runs with the slow tests.
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks):
+def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks, request):
+    if ranks == 2:
+        run = request.getfixturevalue("two_rank_run")
+        assert [r["step"] for r in read_metrics(run["out"], "train")] == [1, 2]
+        assert run["lock"].exists()  # nobody had to clear it
+        assert run["shm_after"] - run["shm_before"] == set()
+        return
     extensions = tmp_path / "torch_extensions"
     lock = extensions / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
     out = tmp_path / "run"
-    shm_before = _shm_files()
+    shm_before = shm_files()
     run_recipe(
         ["--out", str(out), "--data", str(tiny_data), "--max-steps", "2", "--eval-every", "0"]
         + SMALL,
@@ -33,9 +38,4 @@ def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks):
     )
     assert [r["step"] for r in read_metrics(out, "train")] == [1, 2]
     assert lock.exists()  # nobody had to clear it
-    assert _shm_files() - shm_before == set()
-
-
-def _shm_files() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
+    assert shm_files() - shm_before == set()
