@@ -178,13 +178,17 @@ def shm_files() -> set[str]:
 
 
 @pytest.fixture(scope="session")
-def same_seed_runs(tiny_data, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """{name: (run directory, its stdout and stderr)} for four 4-step runs on ``tiny_data`` from
-    the same seed and SMALL shapes, started together (one process imports while another
-    computes): ``fp32`` (cpu.json), ``bf16`` (train.precision=bf16), ``ac`` (fp32 with
-    activation checkpointing on) and ``auto`` (the shipped zero3_bf16.json, which a CPU
-    switches to fp32). tests/test_precision.py and tests/test_activation_checkpointing.py
-    compare them; one fp32 reference serves both."""
+def same_seed_runs(
+    tiny_data, tmp_path_factory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """{name: (run directory, its finished process)} for four 4-step runs on ``tiny_data`` from
+    the same seed and SMALL shapes (validation at steps 2 and 4, a progress line every 2
+    steps), started together (one process imports while another computes): ``fp32``
+    (cpu.json), ``bf16`` (train.precision=bf16), ``ac`` (fp32 with activation checkpointing
+    on) and ``auto`` (the shipped zero3_bf16.json, which a CPU switches to fp32).
+    tests/test_precision.py and tests/test_activation_checkpointing.py compare them;
+    tests/test_schedule.py and tests/test_observe.py read the fp32 one. One fp32 run serves
+    all four files."""
     tmp = tmp_path_factory.mktemp("same_seed")
     common = [
         "--data",
@@ -192,10 +196,12 @@ def same_seed_runs(tiny_data, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         "--max-steps",
         "4",
         "--eval-every",
-        "4",
+        "2",
         "--save-every",
         "0",
         *SMALL,
+        "--set",
+        "train.log_every=2",
     ]
     extra = {
         "fp32": [],
@@ -213,7 +219,7 @@ def same_seed_runs(tiny_data, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         ],
     }
     done = run_recipes([["--out", str(tmp / name), *common, *more] for name, more in extra.items()])
-    return {name: (tmp / name, d.stdout + d.stderr) for name, d in zip(extra, done, strict=True)}
+    return {name: (tmp / name, d) for name, d in zip(extra, done, strict=True)}
 
 
 def run_recipes(arg_lists: list[list[str]], *, parallel: int = 2, **kwargs):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SMALL, env, run_process, run_recipe
+from tests.conftest import ROOT, env, run_process
 
 PLOTS = ["loss.png", "lr.png", "grad_norm.png", "throughput.png"]
 
@@ -241,24 +241,10 @@ def test_progress_bar_plain_lines_when_not_a_terminal():
 
 
 @pytest.fixture(scope="module")
-def real_run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("observe") / "run"
-    proc = run_recipe(
-        [
-            "--out",
-            str(out),
-            "--data",
-            str(tiny_data),
-            "--max-steps",
-            "4",
-            "--eval-every",
-            "2",
-            *SMALL,
-            "--set",
-            "train.log_every=2",
-        ]
-    )
-    return out, proc
+def real_run(same_seed_runs):
+    """The session's fp32 run (tests/conftest.py: 4 steps, validation at 2 and 4, a progress
+    line every 2 steps) and its process."""
+    return same_seed_runs["fp32"]
 
 
 def test_tensorboard_reader_sees_the_expected_tags(real_run):

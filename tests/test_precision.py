@@ -17,7 +17,7 @@ def runs(same_seed_runs):
         "fp32": same_seed_runs["fp32"][0],
         "bf16": same_seed_runs["bf16"][0],
         "auto": same_seed_runs["auto"][0],
-        "auto_log": same_seed_runs["auto"][1],
+        "auto_log": same_seed_runs["auto"][1].stdout + same_seed_runs["auto"][1].stderr,
     }
 
 
