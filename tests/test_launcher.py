@@ -167,7 +167,7 @@ def test_exact_deepspeed_arguments(name, kwargs):
     golden(f"deepspeed_args.{name}.txt", "\n".join(args) + "\n")
 
 
-def test_dry_run_prints_the_exact_command(stdlib_data, tmp_path, capsys, monkeypatch):
+def test_dry_run_prints_the_exact_command(tiny_data, tmp_path, capsys, monkeypatch):
     """Launcher options after RECIPE count (issue 7: this once started a real launch)."""
     out = tmp_path / "run"
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
@@ -184,7 +184,7 @@ def test_dry_run_prints_the_exact_command(stdlib_data, tmp_path, capsys, monkeyp
         "--out",
         str(out),
         "--data",
-        str(stdlib_data),
+        str(tiny_data),
         "--max-steps",
         "10",
     ]
@@ -192,7 +192,7 @@ def test_dry_run_prints_the_exact_command(stdlib_data, tmp_path, capsys, monkeyp
     printed = capsys.readouterr().out
     assert (
         f"{Path(sys.executable).parent / 'deepspeed'} --num_gpus 2 recipes/pretrain_tiny.py "
-        f"--out {out} --data {stdlib_data} --max-steps 10" in printed
+        f"--out {out} --data {tiny_data} --max-steps 10" in printed
     )
     assert "NCCL_DEBUG=INFO" in printed and "hf_secret" not in printed
     assert "forecast:" in printed and "per GPU" in printed
@@ -278,12 +278,16 @@ BAD_LAUNCHES = {
         ["--hostfile", "hostfiles/loopback", "--num-nodes", "3"],
         "lists 2 hosts",
     ),
-    "disk_for_two_checkpoints": (["--", "--set", "model.preset=7b"], "two checkpoints"),
+    # tiny_data has no validation window of the 7b's 4,097 tokens: evaluation off
+    "disk_for_two_checkpoints": (
+        ["--", "--set", "model.preset=7b", "--set", "train.eval_samples=0"],
+        "two checkpoints",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", BAD_LAUNCHES, ids=list(BAD_LAUNCHES))
-def test_bad_launches(case, stdlib_data, tmp_path, capsys, monkeypatch):
+def test_bad_launches(case, tiny_data, tmp_path, capsys, monkeypatch):
     """One paragraph on stderr, exit 2, nothing written, nothing started (no --dry-run)."""
 
     def start(*args, **kwargs):
@@ -294,7 +298,7 @@ def test_bad_launches(case, stdlib_data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     before = extra[: extra.index("--")] if "--" in extra else extra
     after = extra[extra.index("--") + 1 :] if "--" in extra else []
-    base = ["--out", str(out), "--data", str(stdlib_data), "--max-steps", "10"]
+    base = ["--out", str(out), "--data", str(tiny_data), "--max-steps", "10"]
     code = launcher_main(
         [
             "run",
@@ -316,13 +320,13 @@ def test_bad_launches(case, stdlib_data, tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
-def test_unreachable_hosts_are_listed_together(stdlib_data, tmp_path):
+def test_unreachable_hosts_are_listed_together(tiny_data, tmp_path):
     if shutil.which("ssh") is None:
         pytest.skip("ssh (Debian package openssh-client) is absent")
     hf = tmp_path / "hf"
     hf.write_text("127.0.0.3 slots=1\n127.0.0.4 slots=1\n")  # nothing listens there
     out = tmp_path / "run"
-    data = ["--data", str(stdlib_data)]
+    data = ["--data", str(tiny_data)]
     done = _launch(
         [
             "run",
