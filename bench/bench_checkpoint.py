@@ -25,307 +25,31 @@ the engine build timed in part 1, and the wall time of a process that only impor
         [--report PATH] [--smoke]
 
 Prints one JSON line; ``--report`` also writes a markdown fragment for docs/benchmarks.md.
+
+The parts: ``checkpoint_io`` (part 1), ``checkpoint_startup`` (part 2) and
+``checkpoint_driver`` (the script part 2 runs the recipe through); this file takes the
+summary and writes the fragment.
 """
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from checkpoint_io import io_part  # noqa: E402
+from checkpoint_startup import startup_part  # noqa: E402
 from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
-
-from anneal.files import fsync_path  # noqa: E402
-
-CHUNK = 32 << 20
-SEQ_LEN = 64
-# Set in this process by part 1's world of one; a child must make its own.
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    return {**env, "PYTHONPATH": str(ROOT)}
-
-
-def fsync_tree(path: Path) -> None:
-    for p in [path, *path.rglob("*")]:
-        fsync_path(p)
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a file's (or a tree's) clean pages, so the next read comes from the disk."""
-    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def plain_write(path: Path, n_bytes: int) -> tuple[float, float]:
-    """Seconds to write ``n_bytes`` (random, 32 MiB chunks) and to have them fsync'd."""
-    buf = memoryview(os.urandom(CHUNK))
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        left = n_bytes
-        while left:
-            left -= f.write(buf[: min(CHUNK, left)])
-        f.flush()
-        written = time.perf_counter() - t0
-        os.fsync(f.fileno())
-    return written, time.perf_counter() - t0
-
-
-def plain_read(path: Path) -> float:
-    buf = bytearray(CHUNK)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    return time.perf_counter() - t0
 
 
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def io_part(args, work: Path) -> dict:
-    from anneal.cli.recipe import _single_process_env
-    from anneal.config.run import DataConfig, ModelConfig, RunConfig, TrainConfig
-    from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.resilience import checkpoint
-    from anneal.train import build_engine, next_token_loss, resolve_run, setup_process
-
-    cfg = RunConfig(
-        out=str(work / "run"),
-        ds_config="cpu.json",
-        resume="none",
-        model=ModelConfig(preset=args.preset, seq_len=SEQ_LEN),
-        data=DataConfig(path=args.data),
-        train=TrainConfig(max_steps=10, eval_samples=0),
-    )
-    _single_process_env()
-    setup_process()
-    plan = resolve_run(cfg, ["ds.gradient_accumulation_steps=1"])
-    t0 = time.perf_counter()
-    engine = build_engine(plan)
-    build_s = time.perf_counter() - t0
-    stream = TokenStream(
-        PackedSplit(Path(args.data), "train", seq_len=SEQ_LEN),
-        seed=1,
-        rank=0,
-        world_size=1,
-        micro_batch=plan.micro_batch,
-        prefetch=0,
-    )
-    x, y = stream.next_batch()
-    engine.backward(next_token_loss(engine(input_ids=x).logits, y))
-    engine.step()  # the optimizer state exists from here on
-
-    r = {
-        k: []
-        for k in (
-            "save_s",
-            "save_durable_s",
-            "write_s",
-            "write_durable_s",
-            "verify_s",
-            "load_s",
-            "read_s",
-        )
-    }
-    n_bytes = 0
-    for i in range(args.repeats):
-        ckpt, plain = work / f"ckpt{i}", work / f"plain{i}.bin"
-        ckpt.mkdir()
-
-        def save(ckpt=ckpt):
-            nonlocal n_bytes
-            os.sync()
-            t0 = time.perf_counter()
-            client = {"step": 1, "tokens": 0, "data": {}}
-            tag_dir = checkpoint.save(engine, ckpt, step=1, keep_last=3, client_state=client)
-            r["save_s"].append(time.perf_counter() - t0)
-            fsync_tree(ckpt)
-            r["save_durable_s"].append(time.perf_counter() - t0)
-            n_bytes = tree_bytes(ckpt)
-            return tag_dir
-
-        def write(plain=plain):
-            os.sync()
-            written, durable = plain_write(plain, n_bytes)
-            r["write_s"].append(written)
-            r["write_durable_s"].append(durable)
-
-        def load(tag_dir):
-            t0 = time.perf_counter()
-            assert checkpoint.verified_resume(tag_dir, fallback=False) == tag_dir
-            t1 = time.perf_counter()
-            checkpoint.load(engine, tag_dir)
-            r["verify_s"].append(t1 - t0)
-            r["load_s"].append(time.perf_counter() - t1)
-
-        def read(plain=plain):
-            r["read_s"].append(plain_read(plain))
-
-        if i % 2 == 0:  # alternate the order: neither side always goes first
-            tag_dir = save()
-            write()
-        else:  # the same size as repeat 0's, checked below
-            write()
-            tag_dir = save()
-        assert tree_bytes(ckpt) == plain.stat().st_size
-        drop_cache(ckpt)
-        drop_cache(plain)
-        if i % 2 == 0:
-            load(tag_dir)
-            read()
-        else:
-            read()
-            load(tag_dir)
-        shutil.rmtree(ckpt)
-        plain.unlink()
-    return {"bytes": n_bytes, "build_s": build_s, **r}
-
-
-# Runs a recipe (argv[1:]) as ``python recipes/...`` would, noting wall-clock marks on the way:
-# interpreter up, heavy imports done, engine build begun and ended (build_engine wrapped).
-DRIVER = """
-import json, os, runpy, sys, time
-marks = {"start": time.time()}
-import anneal.cli.recipe, anneal.train, deepspeed, transformers.models.llama.modeling_llama
-marks["imported"] = time.time()
-build_engine = anneal.train.engine.build_engine
-def timed_build(plan):
-    marks["build_start"] = time.time()
-    engine = build_engine(plan)
-    marks["build_end"] = time.time()
-    with open(os.environ["ANNEAL_BENCH_MARKS"], "w") as f:
-        json.dump(marks, f)
-    return engine
-anneal.train.engine.build_engine = timed_build
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def first_train_row(run_dir: Path, after_rows: int, proc: subprocess.Popen) -> float:
-    """time.time() when metrics.jsonl first holds a train row beyond the first ``after_rows``."""
-    path = run_dir / "metrics.jsonl"
-    while True:
-        if path.exists():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if sum(row["kind"] == "train" for row in rows) > after_rows:
-                return time.time()
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited {proc.returncode} before its first step")
-        time.sleep(0.02)
-
-
-def leg(args, run_dir: Path, stop_at_step: int, resume: str) -> dict:
-    """One recipe process up to step ``stop_at_step`` (saved there); its startup, in parts."""
-    from anneal.observe.metrics import read_metrics
-
-    recipe = [
-        f"recipes/pretrain_{args.preset}.py",
-        "--out",
-        str(run_dir),
-        "--data",
-        args.data,
-        "--max-steps",
-        "4",
-        "--save-every",
-        "1000",
-        "--resume",
-        resume,
-        "--ds-config",
-        "cpu.json",
-        "--set",
-        f"model.seq_len={SEQ_LEN}",
-        "--set",
-        f"optim.global_batch_tokens={4 * SEQ_LEN}",
-        "--set",
-        "train.eval_samples=0",
-        "--set",
-        f"train.stop_at_step={stop_at_step}",
-    ]
-    marks_file = run_dir.parent / f"{run_dir.name}-{stop_at_step}.marks.json"
-    env = {**child_env(), "ANNEAL_BENCH_MARKS": str(marks_file)}
-    with open(run_dir.parent / f"{run_dir.name}-{stop_at_step}.log", "w") as log:
-        launch = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, *recipe],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            first_row = first_train_row(run_dir, stop_at_step - 1, proc)
-        finally:
-            if proc.wait(timeout=600) != 0:
-                raise RuntimeError(f"{recipe} exited {proc.returncode}; see {log.name}")
-    m = json.loads(marks_file.read_text())
-    events = [e for e in read_metrics(run_dir, "event") if e["event"] == "resume"]
-    verify_s, load_s = (events[0]["verify_s"], events[0]["load_s"]) if events else (0.0, 0.0)
-    row = read_metrics(run_dir, "train")[-1]
-    return {
-        "total_s": first_row - launch,
-        "interpreter_s": m["start"] - launch,
-        "imports_s": m["imported"] - m["start"],
-        "setup_s": m["build_start"] - m["imported"],  # argv, distributed init, plan, data
-        "build_s": m["build_end"] - m["build_start"],
-        "verify_s": verify_s,
-        "load_s": load_s,
-        "step_s": row["tokens"] / row["step"] / row["tokens_per_s"],
-        # from the engine (or the load) to the first row, less the step itself
-        "rest_s": first_row
-        - m["build_end"]
-        - verify_s
-        - load_s
-        - row["tokens"] / row["step"] / row["tokens_per_s"],
-    }
-
-
-PARTS = (
-    "total_s",
-    "interpreter_s",
-    "imports_s",
-    "setup_s",
-    "build_s",
-    "verify_s",
-    "load_s",
-    "step_s",
-    "rest_s",
-)
-
-
-def startup_part(args, work: Path) -> dict:
-    """Cold start, then ``--resume auto`` on the same run directory, ``startup_repeats`` times."""
-    r = {"cold": {k: [] for k in PARTS}, "resume": {k: [] for k in PARTS}}
-    for i in range(args.startup_repeats):
-        run_dir = work / f"startup{i}"
-        run_dir.mkdir()
-        for kind, stop_at_step, resume in (("cold", 1, "none"), ("resume", 2, "auto")):
-            for k, v in leg(args, run_dir, stop_at_step, resume).items():
-                r[kind][k].append(v)
-        shutil.rmtree(run_dir)
-    return r
 
 
 def summary(io: dict, st: dict | None) -> dict:
@@ -396,30 +120,34 @@ def markdown(args, res: dict, io: dict, st: dict | None) -> str:
         f"{res['load_vs_read']:.0%}.",
     ]
     if st is not None:
-        names = {
-            "total_s": "**launch to the first train row**",
-            "interpreter_s": "interpreter start",
-            "imports_s": "imports (anneal, deepspeed, transformers' Llama)",
-            "setup_s": "arguments, distributed init, plan, data",
-            "build_s": "engine build (model under zero.Init, init, `deepspeed.initialize`)",
-            "verify_s": "hash verification (`resume` event's `verify_s`)",
-            "load_s": "DeepSpeed load (`resume` event's `load_s`)",
-            "step_s": "the first step itself",
-            "rest_s": "the rest (guard, data stream, metrics row)",
-        }
-        lines += [
-            "",
-            f"| startup ({args.startup_repeats} pairs, seconds) | cold start | `--resume auto` |",
-            "|---|---|---|",
-            *(
-                f"| {name} | {fmt(st['cold'][k])} | {fmt(st['resume'][k])} |"
-                for k, name in names.items()
-            ),
-            "",
-            f"Resume / cold start (per pair, median): {res['resume_vs_cold']:.2f}x (goal: under "
-            f"2x).",
-        ]
+        lines += startup_lines(args, res, st)
     return "\n".join(lines) + "\n"
+
+
+def startup_lines(args, res: dict, st: dict) -> list[str]:
+    """The fragment's second table: cold start against ``--resume auto``, part by part."""
+    names = {
+        "total_s": "**launch to the first train row**",
+        "interpreter_s": "interpreter start",
+        "imports_s": "imports (anneal, deepspeed, transformers' Llama)",
+        "setup_s": "arguments, distributed init, plan, data",
+        "build_s": "engine build (model under zero.Init, init, `deepspeed.initialize`)",
+        "verify_s": "hash verification (`resume` event's `verify_s`)",
+        "load_s": "DeepSpeed load (`resume` event's `load_s`)",
+        "step_s": "the first step itself",
+        "rest_s": "the rest (guard, data stream, metrics row)",
+    }
+    return [
+        "",
+        f"| startup ({args.startup_repeats} pairs, seconds) | cold start | `--resume auto` |",
+        "|---|---|---|",
+        *(
+            f"| {name} | {fmt(st['cold'][k])} | {fmt(st['resume'][k])} |"
+            for k, name in names.items()
+        ),
+        "",
+        f"Resume / cold start (per pair, median): {res['resume_vs_cold']:.2f}x (goal: under 2x).",
+    ]
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_prepare  # noqa: E402
+import prepare_record  # noqa: E402
 
 from anneal.data import tokenizer as toklib  # noqa: E402
 
@@ -23,13 +24,13 @@ def _part(command, **figures):
 
 def test_a_run_replaces_its_own_part_and_keeps_the_other_that_names_its_run():
     old = {"throughput": _part("earlier --only throughput", rows=[1]), "memory": _part("a", mb=9)}
-    record, dropped = bench_prepare.merge_record(old, {"memory": _part("now", mb=1)})
+    record, dropped = prepare_record.merge_record(old, {"memory": _part("now", mb=1)})
     assert record == {"throughput": old["throughput"], "memory": _part("now", mb=1)}
     assert dropped == []
 
     both = {"throughput": _part("now", rows=[2]), "memory": _part("now", mb=2)}
-    assert bench_prepare.merge_record(old, both) == (both, [])
-    assert bench_prepare.merge_record(None, {"memory": _part("now")}) == (
+    assert prepare_record.merge_record(old, both) == (both, [])
+    assert prepare_record.merge_record(None, {"memory": _part("now")}) == (
         {"memory": _part("now")},
         [],
     )
@@ -38,13 +39,13 @@ def test_a_run_replaces_its_own_part_and_keeps_the_other_that_names_its_run():
 def test_parts_that_do_not_say_which_run_they_came_from_are_dropped_and_named():
     # The layout before parts carried their own command and date: one command for the file.
     old = {"machine": {}, "input_mb": 24.0, "throughput": [{"workers": 1}], "memory": {"mb": 9}}
-    record, dropped = bench_prepare.merge_record(old, {"throughput": _part("now", rows=[])})
+    record, dropped = prepare_record.merge_record(old, {"throughput": _part("now", rows=[])})
     assert record == {"throughput": _part("now", rows=[])}
     assert dropped == ["memory", "input_mb", "machine"]
 
 
 def test_the_recorded_command_leaves_out_where_the_report_went():
-    cmd = bench_prepare.recorded_command
+    cmd = prepare_record.recorded_command
     assert cmd(["--mb", "24", "--report", "/tmp/x.md", "--workers", "2"]) == (
         "bench/bench_prepare.py --mb 24 --workers 2"
     )

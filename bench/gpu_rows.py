@@ -1,0 +1,159 @@
+"""The GPU benchmark's rows: one configuration each (preset, ZeRO stage, activation
+checkpointing, optimizer, batch), the command line that runs it as a recipe process, and the
+two tables of rows: the GPU matrix in order of importance and the CPU smoke of the same shape.
+
+A row is data only; ``gpu_measure`` runs one and ``bench_gpu`` decides which run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One configuration: one process, one line of the table."""
+
+    name: str
+    preset: str
+    zero: int
+    ckpt: bool
+    optimizer: str
+    """torch-foreach | torch-fused | ds-fused (DeepSpeed's FusedAdam, JIT-built with nvcc)."""
+    micro: int
+    global_tokens: int
+    seq_len: int
+    warmup: int
+    """Steps run and left out of the median (allocator growth, cuBLAS set-up, ZeRO-3 tracing)."""
+    measure: int
+    """Steps whose tokens/s make the median."""
+    est_s: float
+    """Expected wall time of the row, to decide whether it still fits before the deadline."""
+    timeout_s: float
+    precision: str = "bf16"
+    ds_config: str = ""
+    """A name in ds_configs/; empty: zero{stage}_bf16.json."""
+    optional: bool = False
+    """An extra row: its failure is reported but does not fail the script."""
+    needs_nvcc: bool = False
+
+    def sets(self, *, cpu: bool) -> list[str]:
+        sets = [
+            "train.eval_samples=0",  # no validation pass inside the measured steps
+            "train.log_every=1",
+            f"train.precision={self.precision}",
+            f"model.seq_len={self.seq_len}",
+            f"model.activation_checkpointing={str(self.ckpt).lower()}",
+            f"optim.global_batch_tokens={self.global_tokens}",
+            f"ds.train_micro_batch_size_per_gpu={self.micro}",
+            f"ds.zero_optimization.stage={self.zero}",
+            f"ds.optimizer.params.torch_adam={str(self.optimizer != 'ds-fused').lower()}",
+        ]
+        if self.optimizer == "torch-fused":
+            sets.append("ds.optimizer.params.fused=true")
+        return sets
+
+    def command(self, python: str, *, data: Path, out: Path, cpu: bool, inject=()) -> list[str]:
+        cmd = [
+            python,
+            str(REPO / "recipes" / f"pretrain_{self.preset}.py"),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--ds-config",
+            self.ds_config or f"zero{self.zero}_bf16.json",
+            "--max-steps",
+            "1000000",  # the driver stops it; the schedule's warmup stays long
+            "--save-every",
+            "0",
+            "--eval-every",
+            "0",
+            "--resume",
+            "none",
+        ]
+        for item in [*self.sets(cpu=cpu), *inject]:
+            cmd += ["--set", item]
+        return cmd
+
+
+def gpu_rows() -> list[Row]:
+    """Most important first: 1b ZeRO-1 (off, on), 1b ZeRO-3, then 125m, then the extras."""
+    rows = []
+    for preset, micro, tokens, est, timeout in (
+        # 1b: 64 sequences of 2048 per step (accumulation 8); ~2 s a step at 400 TFLOP/s.
+        ("1b", 8, 2**17, 75, 170),
+        # 125m: 128 sequences per step (accumulation 8); well under 1 s a step.
+        ("125m", 16, 2**18, 40, 110),
+    ):
+        for zero in (1, 3):
+            for ckpt in (False, True):
+                rows.append(
+                    Row(
+                        name=f"{preset}-z{zero}-{'ckpt' if ckpt else 'nockpt'}",
+                        preset=preset,
+                        zero=zero,
+                        ckpt=ckpt,
+                        optimizer="torch-foreach",
+                        micro=micro,
+                        global_tokens=tokens,
+                        seq_len=2048,
+                        warmup=3,
+                        measure=5,
+                        est_s=est,
+                        timeout_s=timeout,
+                    )
+                )
+    return rows + _extra_rows()
+
+
+def _extra_rows() -> list[Row]:
+    """The optional 1b ZeRO-1 rows: the other two optimizers and a micro batch of 16."""
+    base = dict(
+        preset="1b",
+        zero=1,
+        ckpt=False,
+        micro=8,
+        global_tokens=2**17,
+        seq_len=2048,
+        warmup=3,
+        measure=5,
+        est_s=75,
+        timeout_s=170,
+        optional=True,
+    )
+    return [
+        Row(name="1b-z1-nockpt-torchfused", optimizer="torch-fused", **base),
+        Row(
+            name="1b-z1-nockpt-dsfused",
+            optimizer="ds-fused",
+            needs_nvcc=True,
+            **{**base, "est_s": 180, "timeout_s": 300},  # + the FusedAdam JIT build
+        ),
+        Row(name="1b-z1-nockpt-micro16", optimizer="torch-foreach", **{**base, "micro": 16}),
+    ]
+
+
+def cpu_rows() -> list[Row]:
+    """The CPU smoke: the GPU rows' shape on the tiny preset in fp32 (ds_configs/cpu.json)."""
+    common = dict(
+        preset="tiny",
+        micro=2,
+        global_tokens=2 * 64,
+        seq_len=64,
+        warmup=1,
+        measure=2,
+        est_s=20,
+        timeout_s=240,
+        precision="fp32",
+        ds_config="cpu.json",
+        optimizer="torch-foreach",
+    )
+    return [
+        Row(name="tiny-z1-nockpt", zero=1, ckpt=False, **common),
+        Row(name="tiny-z1-ckpt", zero=1, ckpt=True, **common),
+        Row(name="tiny-z3-nockpt", zero=3, ckpt=False, **common),
+    ]

@@ -1,0 +1,114 @@
+"""What the GPU benchmark prints and leaves: the header (device, versions, how MFU is counted),
+the markdown table of the rows, the sentence that reads it against the 45% MFU goal and
+llm-foundry's figure, the fragment for docs/benchmarks.md and the closing JSON line.
+
+Pure formatting of result lines; nothing here runs a process.
+"""
+
+from __future__ import annotations
+
+H100_H200_PEAK = 989e12
+"""Dense bf16 peak of the H100 and H200 SXM, FLOP/s (what the issue measures MFU against)."""
+GOAL_MFU = 0.45
+LLM_FOUNDRY_1B_MFU = 0.418
+"""llm-foundry's published MFU for its 1B model on H100 (its README's throughput table)."""
+
+OPTIMIZER_NAMES = {
+    "torch-foreach": "torch AdamW (foreach)",
+    "torch-fused": "torch AdamW (fused)",
+    "ds-fused": "DeepSpeed FusedAdam",
+}
+SUMMARY_KEYS = ("name", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "reason")
+"""A row's keys in the closing JSON line."""
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else missing
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| row | model | ZeRO | act. ckpt | optimizer | precision | micro x accum | tokens/s "
+        "| TFLOP/s | MFU | peak mem GiB | step s | first step s | status |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        status = "ok" if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        status = status.replace("|", "/")
+        accum = r.get("accum")
+        lines.append(
+            f"| {r['name']} | {r['preset']} | {r['zero']} | {'on' if r['ckpt'] else 'off'} "
+            f"| {OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} | {r['precision']} "
+            f"| {r['micro']} x {accum if accum is not None else '?'} "
+            f"| {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('tflops'), '.1f')} "
+            f"| {_fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}{'%' if r.get('mfu') else ''} "
+            f"| {_fmt(r.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('step_s'), '.2f')} "
+            f"| {_fmt(r.get('first_step_s'), '.0f')} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def reading(results: list[dict], *, cpu: bool) -> str:
+    ok = [r for r in results if r["status"] == "ok"]
+    failed = [r["name"] for r in results if r["status"] not in ("ok", "skipped")]
+    parts = []
+    if cpu:
+        parts.append(
+            "CPU smoke of the GPU benchmark's code path (tiny preset, fp32, ds_configs/cpu.json); "
+            "MFU is against this CPU's measured fp32 peak and means nothing for GPUs."
+        )
+    one_b = [r for r in ok if r["preset"] == "1b"]
+    if one_b:
+        best = max(one_b, key=lambda r: r["mfu"])
+        verdict = "meets" if best["mfu"] >= GOAL_MFU else "misses"
+        parts.append(
+            f"Best 1b row: {best['name']} at {100 * best['mfu']:.1f}% MFU "
+            f"({best['tflops']:.0f} TFLOP/s, {best['tokens_per_s']:,.0f} tokens/s), which "
+            f"{verdict} the {100 * GOAL_MFU:.0f}% goal (llm-foundry: "
+            f"{100 * LLM_FOUNDRY_1B_MFU:.1f}% for 1B on H100)."
+        )
+    if failed:
+        parts.append(f"Rows that did not finish: {', '.join(failed)} (reasons in the table).")
+    if not ok:
+        parts.append("No row was measured.")
+    return " ".join(parts)
+
+
+def header(info: dict, results: list[dict], *, cpu: bool) -> str:
+    """The paragraph above the table: device, versions and how the figures were taken."""
+    versions = (
+        f"torch {info.get('torch')} (CUDA {info.get('torch_cuda')}), "
+        f"DeepSpeed {str(info.get('deepspeed')).split()[0]}, "
+        f"transformers {str(info.get('transformers')).split()[0]}, Python {info.get('python')}"
+    )
+    peaks = sorted({r["peak_flops"] for r in results if r.get("peak_flops")})
+    peak = info.get("peak_flops") or (peaks[0] if peaks else None)
+    seqs = sorted({r["seq_len"] for r in results})
+    text = (
+        f"Device: {info.get('device', '?')}; {versions}. Sequence {', '.join(map(str, seqs))}; "
+        f"SDPA attention (flash kernel: {info.get('sdpa_flash', 'n/a')}). MFU = (6N + "
+        f"12*L*H*Q*T) x tokens/s / peak, peak {_fmt(peak and peak / 1e12, ',.4g')} TFLOP/s"
+        f"{' (measured fp32 matmul rate of this CPU)' if cpu else ' (dense bf16)'}; tokens/s is "
+        f"the median of the measured steps after the warmup steps; peak memory is torch's peak "
+        f"allocated."
+    )
+    if not cpu and peaks and peaks != [peak]:
+        text += f" Warning: the runs divided by peaks {peaks}, not {peak}."
+    return text
+
+
+def report_fragment(device: str, text: str, *, cpu: bool) -> str:
+    """The section for docs/benchmarks.md: a heading, the command, then ``text``."""
+    cmd = "bash bench/gpu.sh " + ("--cpu-smoke " if cpu else "") + "LOGDIR"
+    return f"### GPU: 1b and 125m on one {device} (`bench/gpu.sh`)\n\n```\n{cmd}\n```\n\n{text}\n"
+
+
+def summary(results: list[dict], *, cpu: bool, device: str, logdir: str) -> dict:
+    """The closing JSON line (``bench/run_all.py`` and the tests read it)."""
+    return {
+        "bench": "gpu",
+        "cpu_smoke": cpu,
+        "device": device,
+        "logdir": logdir,
+        "rows": [{k: r.get(k) for k in SUMMARY_KEYS} for r in results],
+    }
