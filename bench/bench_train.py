@@ -1,4 +1,4 @@
-"""Training throughput: the recipe against a plain PyTorch loop of the same model, side by side.
+"""Training throughput: the recipe against a plain PyTorch loop (or a bare DeepSpeed engine).
 
 One process: the plain loop (``bench/reference.py``) against the recipe at ZeRO-0, 1 and 3.
 Two ranks: torch DDP with gloo (the same reference under ``torch.distributed.run``) against the
@@ -22,6 +22,16 @@ and without ``overlap_comm``, against DDP:
 
     .venv/bin/python bench/bench_train.py --models tiny --ranks 2 --stages 2 --repeats 6 \
         --arm "overlap=2:ds.zero_optimization.overlap_comm=true"
+
+``--bare``: what Anneal's loop costs on top of DeepSpeed. At each ZeRO stage (``--stages``,
+default 1,2,3) and rank count, the recipe against a bare DeepSpeed engine of the same model,
+batches, AdamW, clip and stage (``reference.py --engine deepspeed``; on 2 ranks both under
+``deepspeed --num_gpus 2``). A stage's two runs are a pair, run back to back, which one first
+alternating between rounds; the pairs rotate. The ratio is recipe / bare within a round, the
+median over rounds. ``--bare-zero shipped`` gives the bare engine the ds_config's whole
+``zero_optimization`` (by default only its stage), to tell the shipped settings from the loop.
+
+    .venv/bin/python bench/bench_train.py --bare [--repeats 2 --steps 8 --skip 2] [--report F]
 """
 
 from __future__ import annotations
@@ -31,21 +41,16 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
+from train_run import run_one  # noqa: E402
 
-from anneal.dist import free_port  # noqa: E402
-from anneal.hardware import process_memory_bytes  # noqa: E402
-
-RECIPE = "recipes/pretrain_tiny.py"
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
 MODELS = {
     "tiny": [],  # 7.4M parameters at vocab 8192, seq 256
@@ -56,6 +61,9 @@ MODELS = {
         "model.num_attention_heads=8",
     ],
 }
+DEFAULTS = {"models": "tiny,small", "repeats": 3, "steps": 24, "skip": 3}
+# --bare: 24 runs of 8 steps, about 11 minutes on 2 cores (the tiny model's step is compute).
+BARE_DEFAULTS = {"models": "tiny", "repeats": 2, "steps": 8, "skip": 2}
 # (name, kind, ranks, ZeRO stage[, extra --set overrides]): the reference comes first.
 GROUPS = {
     1: [
@@ -71,59 +79,6 @@ GROUPS = {
         ("recipe ZeRO-3", "recipe", 2, 3),
     ],
 }
-
-
-class PeakRss:
-    """Peak of the RSS summed over a process and its descendants, sampled every 0.2 s."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = process_memory_bytes(self.pid, tree=True)
-            self.peak = max(self.peak, total)
-            self._stop.wait(0.2)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def command(kind: str, ranks: int, stage: int | None, *, data, steps, out: Path, sets) -> list:
-    py = sys.executable
-    common = ["--data", data, "--max-steps", str(steps), "--ds-config", "cpu.json"]
-    common += [f"--set={s}" for s in sets]
-    if kind == "plain":
-        torchrun = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-        launch = [py] if ranks == 1 else [*torchrun, "--master_port", str(free_port())]
-        return launch + ["bench/reference.py", RECIPE, *common, "--rows", str(out / "steps.jsonl")]
-    launch = (
-        [py]
-        if ranks == 1
-        else [
-            str(Path(py).parent / "deepspeed"),
-            "--num_gpus",
-            str(ranks),
-            "--master_port",
-            str(free_port()),
-        ]
-    )
-    stage_set = [] if stage is None else [f"--set=ds.zero_optimization.stage={stage}"]
-    return launch + [RECIPE, *common, "--out", str(out / "run"), "--resume", "none", *stage_set]
-
-
-def step_rows(kind: str, out: Path) -> list[dict]:
-    if kind == "plain":
-        return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    from anneal.observe.metrics import read_metrics
-
-    return read_metrics(out / "run", "train")
 
 
 def parse_arm(text: str) -> tuple[str, int, list[str]]:
@@ -160,32 +115,22 @@ def plan_group(ranks: int, stages, arms, smoke: bool = False) -> list[tuple]:
     return [ref, *recipe, *extra]
 
 
-def run_one(spec, *, data, steps, skip, sets, tokens_per_step, scratch: Path) -> dict:
-    name, kind, ranks, stage, *extra = spec
-    out = Path(tempfile.mkdtemp(dir=scratch))
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
-    sets = [*sets, *(extra[0] if extra else ())]
-    cmd = command(kind, ranks, stage, data=data, steps=steps, out=out, sets=sets)
-    log = out / "log.txt"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        rss = PeakRss(proc.pid)
-        rc = proc.wait()
-        peak = rss.stop()
-    if rc != 0:
-        tail = log.read_text()[-3000:]
-        raise SystemExit(f"bench_train: {name} ({ranks} rank(s)) failed (exit {rc}):\n{tail}")
-    rows = step_rows(kind, out)
-    if len(rows) != steps:
-        raise SystemExit(f"bench_train: {name}: {len(rows)} step rows, expected {steps} ({log})")
-    span = rows[-1]["time"] - rows[skip - 1]["time"]
-    result = {
-        "tokens_per_s": tokens_per_step * (steps - skip) / span,
-        "peak_rss_mib": peak / 2**20,
-        "loss": [r["loss"] for r in rows],
-    }
-    shutil.rmtree(out, ignore_errors=True)
-    return result
+def plan_pairs(ranks: int, stages) -> list[tuple]:
+    """``--bare``: one (bare engine, recipe) pair per ZeRO stage, 1, 2 and 3 unless ``stages``."""
+    return [
+        ((f"bare ZeRO-{s}", "bare", ranks, s), (f"recipe ZeRO-{s}", "recipe", ranks, s))
+        for s in (stages or (1, 2, 3))
+    ]
+
+
+def round_order(group: list, pairs: list, r: int) -> list[tuple]:
+    """Round ``r``'s runs: the group rotated by ``r``; with ``pairs``, the pairs rotated by
+    ``r`` and each pair back to back, its bare run first in every other round."""
+    if not pairs:
+        return group[r % len(group) :] + group[: r % len(group)]
+    indexed = list(enumerate(pairs))
+    turned = indexed[r % len(pairs) :] + indexed[: r % len(pairs)]
+    return [x for k, pair in turned for x in (pair if (r + k) % 2 == 0 else pair[::-1])]
 
 
 def cpu_peak_flops() -> float:
@@ -209,79 +154,138 @@ def flops_per_token(model: str, data: str) -> float:
     return fpt(cfg.model.resolve(meta["vocab_size"]))
 
 
+def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Path) -> dict:
+    """Every run of one model and rank count, ``--repeats`` rounds in ``round_order``: each
+    run's name -> its results, one per round."""
+    steps = args.steps if model == "tiny" else args.small_steps
+    tokens = MICRO * ACCUM * ranks * 256
+    sets = [*MODELS[model], f"optim.global_batch_tokens={tokens}", "train.eval_samples=0"]
+    flags = ("--shipped-zero",) if args.bare_zero == "shipped" else ()
+    runs = {spec[0]: [] for spec in group}
+    for r in range(args.repeats):
+        for spec in round_order(group, pairs, r):
+            res = run_one(
+                spec,
+                data=args.data,
+                steps=steps,
+                skip=args.skip,
+                sets=sets,
+                tokens_per_step=tokens,
+                scratch=scratch,
+                flags=flags,
+            )
+            runs[spec[0]].append(res)
+            print(
+                f"  {model} {ranks} rank(s) {spec[0]}: {res['tokens_per_s']:,.0f} tokens/s",
+                flush=True,
+            )
+    return runs
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def against_reference(model: str, ranks: int, runs: dict, fpt: float, peak: float) -> list:
+    """The rows of the default comparison: each run against the group's first (the reference)."""
+    ref_runs = next(iter(runs.values()))
+    ref = statistics.median(x["tokens_per_s"] for x in ref_runs)
+    rows = []
+    for name, rs in runs.items():
+        tps = spread([x["tokens_per_s"] for x in rs])
+        med = tps["median"]
+        rows.append(
+            {
+                "model": model,
+                "ranks": ranks,
+                "run": name,
+                "tokens_per_s": round(med),
+                "min": round(tps["min"]),
+                "max": round(tps["max"]),
+                "ratio": round(med / ref, 3),
+                "mfu": round(fpt * med / peak, 4),
+                "peak_rss_mib": round(statistics.median(x["peak_rss_mib"] for x in rs)),
+                "step1_loss_diff": abs(rs[0]["loss"][0] - ref_runs[0]["loss"][0]),
+            }
+        )
+    return rows
+
+
+def against_bare(model: str, ranks: int, runs: dict, pairs: list, fpt: float, peak: float) -> list:
+    """The rows of ``--bare``: per stage, both sides' tokens/s, recipe / bare of each round and
+    the bare engine's MFU (how much of a step is compute)."""
+    rows = []
+    for (bare_name, *_, stage), (recipe_name, *_) in pairs:
+        bare, recipe = runs[bare_name], runs[recipe_name]
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for b, r in zip(bare, recipe, strict=True)]
+        rows.append(
+            {
+                "model": model,
+                "ranks": ranks,
+                "stage": stage,
+                "bare": spread([x["tokens_per_s"] for x in bare]),
+                "recipe": spread([x["tokens_per_s"] for x in recipe]),
+                "ratio": spread(ratios),
+                "bare_mfu": round(
+                    fpt * statistics.median(x["tokens_per_s"] for x in bare) / peak, 4
+                ),
+                "peak_rss_mib": [
+                    round(statistics.median(x["peak_rss_mib"] for x in side))
+                    for side in (bare, recipe)
+                ],
+                "step1_loss_diff": abs(recipe[0]["loss"][0] - bare[0]["loss"][0]),
+            }
+        )
+    return rows
+
+
 def bench(args) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="anneal-bench-train-"))
     peak = cpu_peak_flops()
-    results = {}
+    rows = []
     try:
         for model in args.models:
-            steps, skip = (args.steps if model == "tiny" else args.small_steps), args.skip
             fpt = flops_per_token(model, args.data)
             for ranks in args.ranks:
-                group = plan_group(ranks, args.stages, args.arm, args.smoke)
-                tokens = MICRO * ACCUM * ranks * 256
-                sets = [*MODELS[model], f"optim.global_batch_tokens={tokens}"]
-                sets.append("train.eval_samples=0")
-                runs = {spec[0]: [] for spec in group}
-                for r in range(args.repeats):
-                    order = group[r % len(group) :] + group[: r % len(group)]
-                    for spec in order:
-                        res = run_one(
-                            spec,
-                            data=args.data,
-                            steps=steps,
-                            skip=skip,
-                            sets=sets,
-                            tokens_per_step=tokens,
-                            scratch=scratch,
-                        )
-                        runs[spec[0]].append(res)
-                        print(
-                            f"  {model} {ranks} rank(s) {spec[0]}: "
-                            f"{res['tokens_per_s']:,.0f} tokens/s",
-                            flush=True,
-                        )
-                ref = statistics.median(x["tokens_per_s"] for x in runs[group[0][0]])
-                ref_loss = runs[group[0][0]][0]["loss"]
-                for name, rs in runs.items():
-                    tps = [x["tokens_per_s"] for x in rs]
-                    med = statistics.median(tps)
-                    results[f"{model}|{ranks}|{name}"] = {
-                        "model": model,
-                        "ranks": ranks,
-                        "run": name,
-                        "tokens_per_s": round(med),
-                        "min": round(min(tps)),
-                        "max": round(max(tps)),
-                        "ratio": round(med / ref, 3),
-                        "mfu": round(fpt * med / peak, 4),
-                        "peak_rss_mib": round(statistics.median(x["peak_rss_mib"] for x in rs)),
-                        "step1_loss_diff": abs(rs[0]["loss"][0] - ref_loss[0]),
-                    }
+                if args.bare:
+                    pairs = plan_pairs(ranks, args.stages)
+                    group = [spec for pair in pairs for spec in pair]
+                    runs = measure(args, model, ranks, group, pairs, scratch)
+                    rows += against_bare(model, ranks, runs, pairs, fpt, peak)
+                else:
+                    group = plan_group(ranks, args.stages, args.arm, args.smoke)
+                    runs = measure(args, model, ranks, group, [], scratch)
+                    rows += against_reference(model, ranks, runs, fpt, peak)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"peak_flops": peak, "rows": list(results.values())}
+    return {"peak_flops": peak, "rows": rows}
 
 
 def ab_flags(args) -> str:
-    flags = "" if args.stages is None else " --stages " + ",".join(map(str, args.stages))
+    flags = " --bare-zero shipped" if args.bare and args.bare_zero == "shipped" else ""
+    flags += "" if args.stages is None else " --stages " + ",".join(map(str, args.stages))
     for label, stage, sets in args.arm:
         flags += f' --arm "{label}={stage}:{";".join(sets)}"'
     return flags
 
 
 def report(args, out: dict) -> str:
-    load = open("/proc/loadavg").read().split()[:3]
+    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    cmd = (
+        f"`.venv/bin/python bench/bench_train.py{' --bare' if args.bare else ''} "
+        f"--models {','.join(args.models)} --ranks {','.join(map(str, args.ranks))} "
+        f"--repeats {args.repeats} --steps {args.steps} --small-steps {args.small_steps} "
+        f"--skip {args.skip}{ab_flags(args)}`; fp32, torch AdamW, micro-batch {MICRO} x "
+        f"accumulation {ACCUM} x seq 256 per rank"
+    )
+    if args.bare:
+        return report_bare(args, out, cmd, load)
     lines = [
         "### Training throughput: recipe vs a plain PyTorch loop (`bench/bench_train.py`)",
         "",
-        f"`.venv/bin/python bench/bench_train.py --models {','.join(args.models)} "
-        f"--ranks {','.join(map(str, args.ranks))} "
-        f"--repeats {args.repeats} --steps {args.steps} --small-steps {args.small_steps} "
-        f"--skip {args.skip}{ab_flags(args)}`; fp32, torch AdamW, micro-batch {MICRO} x "
-        f"accumulation {ACCUM} x seq 256 per rank; median of {args.repeats} alternating repeats "
+        f"{cmd}; median of {args.repeats} alternating repeats "
         f"(min-max); MFU against the measured fp32 matmul peak of "
-        f"{out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the end {' '.join(load)}.",
+        f"{out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the end {load}.",
         "",
         "| model | ranks | run | tokens/s (min-max) | vs reference | MFU | peak RSS MiB "
         "| step-1 loss diff |",
@@ -296,15 +300,58 @@ def report(args, out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_bare(args, out: dict, cmd: str, load: str) -> str:
+    zero = (
+        "the ds_config's whole `zero_optimization` section"
+        if args.bare_zero == "shipped"
+        else "DeepSpeed's defaults for the rest of `zero_optimization`"
+    )
+    lines = [
+        "### Training throughput: recipe vs a bare DeepSpeed engine (`bench_train.py --bare`)",
+        "",
+        f"{cmd}; the bare engine gets the ds_config's batch, clip, optimizer and ZeRO stage and "
+        f"{zero}; tokens/s: median of {args.repeats} rounds (min-max); recipe / bare: the median "
+        f"over rounds of the ratio within a round (min-max); MFU of the bare engine against the "
+        f"measured fp32 matmul peak of {out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the "
+        f"end {load}.",
+        "",
+        "| model | ranks | ZeRO | bare engine tokens/s | recipe tokens/s | recipe / bare "
+        "| bare MFU | peak RSS MiB bare / recipe | step-1 loss diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in out["rows"]:
+        b, c, q = r["bare"], r["recipe"], r["ratio"]
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['stage']} "
+            f"| {b['median']:,.0f} ({b['min']:,.0f}-{b['max']:,.0f}) "
+            f"| {c['median']:,.0f} ({c['min']:,.0f}-{c['max']:,.0f}) "
+            f"| {q['median']:.3f}x ({q['min']:.3f}-{q['max']:.3f}) | {r['bare_mfu']:.0%} "
+            f"| {r['peak_rss_mib'][0]:,} / {r['peak_rss_mib'][1]:,} | {r['step1_loss_diff']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_stages(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    given = [x.strip() for x in text.split(",")]
+    if not given or not all(x in ("0", "1", "2", "3") for x in given):
+        raise SystemExit(
+            f"bench_train: --stages {text!r}: give ZeRO stages 0-3, "
+            "comma-separated, for example --stages 2 or --stages 1,3"
+        )
+    return [int(x) for x in given]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
-    p.add_argument("--models", default="tiny,small")
+    p.add_argument("--models", help="tiny,small (--bare: tiny)")
     p.add_argument("--ranks", default="1,2")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=24, help="steps per run, tiny model")
+    p.add_argument("--repeats", type=int, help="rounds: 3 (--bare: 2)")
+    p.add_argument("--steps", type=int, help="steps per run, tiny model: 24 (--bare: 8)")
     p.add_argument("--small-steps", type=int, default=10, help="steps per run, small model")
-    p.add_argument("--skip", type=int, default=3, help="first steps left out of the rate")
+    p.add_argument("--skip", type=int, help="first steps left out of the rate: 3 (--bare: 2)")
     p.add_argument("--smoke", action="store_true", help="a few steps of tiny, no figures kept")
     p.add_argument("--report", help="write a markdown fragment here")
     p.add_argument("--stages", help="recipe ZeRO stages to run beside the reference, e.g. 2 or 1,3")
@@ -315,18 +362,24 @@ def main() -> None:
         metavar="LABEL=STAGE:KEY=VALUE[;...]",
         help="an extra recipe run with these --set overrides; repeatable",
     )
+    p.add_argument("--bare", action="store_true", help="recipe vs a bare DeepSpeed engine")
+    p.add_argument(
+        "--bare-zero",
+        choices=("defaults", "shipped"),
+        default="defaults",
+        help="--bare: the bare engine's zero_optimization besides the stage: DeepSpeed's "
+        "defaults, or the ds_config's whole section",
+    )
     args = p.parse_args()
+    for key, value in (BARE_DEFAULTS if args.bare else DEFAULTS).items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.arm = [parse_arm(a) for a in args.arm]
-    if args.stages is not None:
-        given = [x.strip() for x in args.stages.split(",")]
-        if not given or not all(x in ("0", "1", "2", "3") for x in given):
-            raise SystemExit(
-                f"bench_train: --stages {args.stages!r}: give ZeRO stages 0-3, "
-                "comma-separated, for example --stages 2 or --stages 1,3"
-            )
-        args.stages = [int(x) for x in given]
+    if args.bare and args.arm:
+        raise SystemExit("bench_train: --arm adds recipe runs beside the reference, not --bare")
+    args.stages = parse_stages(args.stages)
     if args.smoke:
         args.models, args.ranks, args.repeats, args.steps, args.skip = "tiny", "1,2", 1, 3, 1
+        args.stages = args.stages or ([3] if args.bare else None)
     args.models = args.models.split(",")
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.data = str(ensure_data(args.data))
@@ -334,7 +387,7 @@ def main() -> None:
     if args.smoke:
         bad = [r for r in out["rows"] if r["step1_loss_diff"] > 1e-4]
         if bad:
-            raise SystemExit(f"bench_train: step-1 losses differ from the reference: {bad}")
+            raise SystemExit(f"bench_train: step-1 losses differ between the sides: {bad}")
     print(json.dumps({"bench": "train", "machine": machine_line(), **out}))
     if args.report:
         Path(args.report).write_text(report(args, out))

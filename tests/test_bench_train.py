@@ -1,19 +1,26 @@
-"""The training benchmark compares like with like: the plain reference loop (bench/reference.py)
-and the recipe compute the same losses and gradient norms from the same weights and batches."""
+"""The training benchmark compares like with like: the plain PyTorch loop and the bare DeepSpeed
+engine of bench/reference.py and the recipe compute the same losses, gradient norms and LRs
+from the same weights and batches; and bench_train plans, launches and reports its arms as
+documented (the pairs of ``--bare``, the ``--arm`` A/B runs, the report's rerun command)."""
 
-import subprocess
+import argparse
+import json
 import sys
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, env, run_process
+
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_train  # noqa: E402
+import reference  # noqa: E402
+import train_run  # noqa: E402
 
 STEPS = 2
-# Micro 4 x accumulation 2 x 64 tokens, on conftest's SMALL shapes and its tiny corpus.
+# Micro 4 x accumulation 2 x 64 tokens on conftest's micro shapes and its tiny corpus; the run
+# stops after step 2 of 3 so that the recipe skips its end-of-run plots and report.
 SETS = [
     "optim.global_batch_tokens=512",
     "train.eval_samples=0",
@@ -22,28 +29,52 @@ SETS = [
     "model.num_hidden_layers=2",
     "model.intermediate_size=176",
     "model.num_attention_heads=4",
+    f"train.stop_at_step={STEPS}",
 ]
+# Both reference loops in one process (one import of torch, DeepSpeed and transformers).
+BOTH_REFERENCES = (
+    "import json, sys; sys.path.insert(0, 'bench'); import reference; "
+    "[reference.main(argv) for argv in json.loads(sys.argv[1])]"
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
+    """The recipe at ZeRO-0 and at ZeRO-3, and one process running the plain loop and then the
+    bare engine at ZeRO-3: three processes side by side, each on one thread.
+
+    Over 10 s: about 16 s on 2 idle cores (30 s of CPU between the three), as each process
+    spends 6-8 s importing torch, DeepSpeed and transformers and building its engines before
+    two micro steps. Fewer processes would drop an arm: the recipe trains one stage per run, and
+    ZeRO-0 (its own clip-norm path) and ZeRO-3 (the CPU default) are both checked against the
+    plain loop."""
     scratch = tmp_path_factory.mktemp("bench")
-    out = {}
-    sides = [("plain", "plain", None), ("zero0", "recipe", 0), ("zero3", "recipe", 3)]
-    for name, kind, stage in sides:
-        d = scratch / name
+    dirs = {name: scratch / name for name in ("plain", "bare3", "zero0", "zero3")}
+    for d in dirs.values():
         d.mkdir()
-        cmd = bench_train.command(
-            kind, 1, stage, data=str(tiny_data), steps=STEPS, out=d, sets=SETS
-        )
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        out[name] = bench_train.step_rows(kind, d)
-    return out
+    common = dict(data=str(tiny_data), steps=STEPS + 1)
+    cmds = [
+        train_run.command("recipe", 1, stage, out=dirs[f"zero{stage}"], sets=SETS, **common)
+        for stage in (0, 3)
+    ]
+    refs = [
+        train_run.command(kind, 1, stage, out=dirs[name], sets=SETS, **common)[2:]
+        for kind, stage, name in (("plain", None, "plain"), ("bare", 3, "bare3"))
+    ]
+    cmds.append([sys.executable, "-c", BOTH_REFERENCES, json.dumps(refs)])
+    e = {**env(), "OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        jobs = [pool.submit(run_process, c, timeout_s=600, cwd=ROOT, env=e) for c in cmds]
+        for job in jobs:
+            done = job.result()
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    kinds = {"plain": "plain", "bare3": "bare"}
+    return {name: train_run.step_rows(kinds.get(name, "recipe"), d) for name, d in dirs.items()}
 
 
-def test_both_sides_run_the_same_steps(runs):
-    assert [len(r) for r in runs.values()] == [STEPS] * 3
+def test_every_arm_runs_the_same_steps(runs):
+    """Over 10 s with the ``runs`` fixture's setup (its docstring says why)."""
+    assert [len(r) for r in runs.values()] == [STEPS] * 4
     assert all("time" in row for rows in runs.values() for row in rows)
 
 
@@ -64,12 +95,79 @@ def test_step_two_sees_the_same_update(runs, stage):
     assert rec["loss"] == pytest.approx(ref["loss"], abs=1e-4)
 
 
+def test_the_bare_engine_computes_what_the_recipe_computes(runs):
+    """The bare DeepSpeed engine (its own config, model partitioned by deepspeed.initialize)
+    against the recipe at the same stage: the same first loss, norm and LR, and the same update
+    (step 2), so that the --bare ratio compares two loops around one computation."""
+    bare, rec = runs["bare3"], runs["zero3"]
+    assert bare[0]["loss"] == pytest.approx(rec[0]["loss"], rel=1e-6)
+    assert bare[0]["grad_norm"] == pytest.approx(rec[0]["grad_norm"], rel=1e-4)
+    assert [r["lr"] for r in bare] == pytest.approx([r["lr"] for r in rec], rel=1e-12)
+    assert bare[1]["loss"] == pytest.approx(rec[1]["loss"], abs=1e-4)
+
+
+def test_the_bare_engine_gets_the_recipes_batch_clip_optimizer_and_stage():
+    ds = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": False},
+        "scheduler": {"type": "WarmupCosineLR", "params": {}},
+        "bf16": {"enabled": False},
+    }
+    bare = reference.bare_config(ds, shipped_zero=False)
+    assert bare["zero_optimization"] == {"stage": 2}
+    assert bare["optimizer"] == ds["optimizer"] and bare["gradient_clipping"] == 1.0
+    assert "scheduler" not in bare  # the LR comes from the same formula as the recipe's
+    shipped = reference.bare_config(ds, shipped_zero=True)
+    assert shipped["zero_optimization"] == ds["zero_optimization"]
+
+
+def test_bare_pairs_run_back_to_back_in_alternating_order(tmp_path):
+    pairs = bench_train.plan_pairs(2, None)
+    assert [(b[0], r[0]) for b, r in pairs] == [
+        (f"bare ZeRO-{s}", f"recipe ZeRO-{s}") for s in (1, 2, 3)
+    ]
+    orders = [[x[0] for x in bench_train.round_order([], pairs, r)] for r in range(2)]
+    assert orders[0][:4] == ["bare ZeRO-1", "recipe ZeRO-1", "recipe ZeRO-2", "bare ZeRO-2"]
+    assert orders[1] == [
+        *("bare ZeRO-2", "recipe ZeRO-2", "recipe ZeRO-3", "bare ZeRO-3"),
+        *("recipe ZeRO-1", "bare ZeRO-1"),
+    ]
+    # On 2 ranks both sides go through the deepspeed runner; the reference takes no --local_rank.
+    bare, recipe = (
+        train_run.command(k, 2, 3, data="d", steps=3, out=tmp_path, sets=[], flags=["--x"])
+        for k in ("bare", "recipe")
+    )
+    assert bare[1:3] == recipe[1:3] == ["--num_gpus", "2"]
+    assert "--no_local_rank" in bare and "--no_local_rank" not in recipe
+    assert bare[-3:] == ["--engine", "deepspeed", "--x"]
+    assert "--set=ds.zero_optimization.stage=3" in bare and "--out" not in bare
+
+
+def test_the_bare_report_gives_each_sides_rate_and_the_ratio_per_round():
+    def run(tps):
+        return {"tokens_per_s": tps, "peak_rss_mib": 1000, "loss": [5.0]}
+
+    pairs = bench_train.plan_pairs(1, [3])
+    runs = {"bare ZeRO-3": [run(100), run(200)], "recipe ZeRO-3": [run(99), run(196)]}
+    [row] = bench_train.against_bare("tiny", 1, runs, pairs, fpt=1e6, peak=1e9)
+    assert row["ratio"] == {"median": pytest.approx(0.985), "min": 0.98, "max": 0.99}
+    args = _args(bare=True, bare_zero="shipped", stages=[3], repeats=2)
+    text = bench_train.report(args, {"peak_flops": 1e9, "rows": [row]})
+    assert "bench_train.py --bare --models tiny" in text
+    assert "--bare-zero shipped --stages 3`" in text
+    assert "| tiny | 1 | 3 | 150 (100-200) | 148 (99-196) | 0.985x (0.980-0.990) | 15% |" in text
+
+
 def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
     label, stage, sets = bench_train.parse_arm("overlap=2:ds.zero_optimization.overlap_comm=true")
     group = bench_train.plan_group(2, [2], [(label, stage, sets)])
     assert [g[0] for g in group] == ["torch DDP (gloo)", "recipe ZeRO-2", "recipe ZeRO-2 overlap"]
     arm = group[-1]
-    cmd = bench_train.command(
+    cmd = train_run.command(
         "recipe", 2, arm[3], data="d", steps=3, out=tmp_path, sets=[*SETS, *arm[4]]
     )
     assert "--set=ds.zero_optimization.overlap_comm=true" in cmd
@@ -77,6 +175,9 @@ def test_an_arm_adds_a_recipe_run_with_its_overrides(tmp_path):
     # Without --stages the group's own stages run; --smoke keeps the reference and the last.
     assert [g[3] for g in bench_train.plan_group(1, None, [])] == [None, 0, 1, 3]
     assert [g[3] for g in bench_train.plan_group(2, None, [], smoke=True)] == [None, 3]
+    # The default comparison rotates the whole group each round.
+    order = [g[3] for g in bench_train.round_order(bench_train.plan_group(1, None, []), [], 1)]
+    assert order == [0, 1, 3, None]
 
 
 @pytest.mark.parametrize(
@@ -87,13 +188,13 @@ def test_a_malformed_arm_says_what_it_takes(bad):
         bench_train.parse_arm(bad)
 
 
-def test_the_report_names_the_command_that_reruns_it():
-    import argparse
+def _args(**kw) -> argparse.Namespace:
+    base = dict(models=["tiny"], ranks=[2], repeats=4, steps=24, small_steps=10, skip=3, stages=[2])
+    return argparse.Namespace(**{**base, "arm": [], "bare": False, "bare_zero": "defaults", **kw})
 
-    arm = [("overlap", 2, ["a.b=true", "c=1"])]
-    args = argparse.Namespace(
-        models=["tiny"], ranks=[2], repeats=4, steps=24, small_steps=10, skip=3, stages=[2], arm=arm
-    )
+
+def test_the_report_names_the_command_that_reruns_it():
+    args = _args(arm=[("overlap", 2, ["a.b=true", "c=1"])])
     row = {
         "model": "tiny",
         "ranks": 2,
