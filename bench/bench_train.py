@@ -62,7 +62,7 @@ MODELS = {
     ],
 }
 DEFAULTS = {"models": "tiny,small", "repeats": 3, "steps": 24, "skip": 3}
-# --bare: 24 runs of 8 steps, about 11 minutes on 2 cores (the tiny model's step is compute).
+# --bare: 24 runs of 8 steps, about 13 min on 2 quiet cores, half of it process start-up.
 BARE_DEFAULTS = {"models": "tiny", "repeats": 2, "steps": 8, "skip": 2}
 # (name, kind, ranks, ZeRO stage[, extra --set overrides]): the reference comes first.
 GROUPS = {
