@@ -134,42 +134,84 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tiny_data, tmp_path_factory) -> Path:
-    """One real run on ``tiny_data`` (1 rank, SMALL shapes, checkpoints at steps 1 and 2, stopped
-    after step 2 of 4 as a preemption leaves it), shared by the hostile-input tests of resume
-    and export, which copy it before they damage it.
+def shared_runs(tiny_data, tmp_path_factory) -> dict:
+    """The suite's shared short runs, all on ``tiny_data`` with SMALL shapes, started together
+    at first use, two at a time (one process imports torch and DeepSpeed on one core while
+    another computes): {name: (run directory, its finished process)}, plus "shm" (/dev/shm's
+    names before and after them all) and "lock" (the stale lock of the 2-rank run).
 
-    Takes 10-20 s on 2 cores: one process that imports torch, DeepSpeed and transformers
-    (about 5 s), builds a ZeRO-3 engine, trains two steps and saves twice. Stopping before the
-    last step skips validation, the plots and the report (another process)."""
-    out = tmp_path_factory.mktemp("tiny_run") / "run"
-    stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
-    run_recipe(["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL])
-    return out
+    - ``two_ranks``: 2 ranks through the deepspeed runner, ZeRO-3, checkpoints at steps 1 and
+      2, stopped after step 2 of 3 (as a preemption leaves a run: no last validation, plots or
+      report process), started with a stale torch-extension lock in its TORCH_EXTENSIONS_DIR.
+    - ``tiny_run``: the same on 1 rank, stopped after step 2 of 4.
+    - ``fp32``, ``bf16``, ``ac``, ``auto``: 4 steps from the same seed (validation at steps 2
+      and 4, a progress line every 2 steps): cpu.json, train.precision=bf16, activation
+      checkpointing on, and the shipped zero3_bf16.json (which a CPU switches to fp32).
+    - ``noval``: 2 steps with train.eval_samples=0 on a corpus prepared with no validation
+      split (its "data" directory beside it).
 
+    Their users are the fixtures below."""
+    from anneal.data.prepare import prepare
 
-@pytest.fixture(scope="session")
-def two_rank_run(tiny_data, tmp_path_factory) -> dict:
-    """One 2-rank ZeRO-3 run through the deepspeed runner on ``tiny_data`` (SMALL shapes,
-    checkpoints at steps 1 and 2, stopped after step 2 of 3 as a preemption leaves it: no last
-    validation, plots or report process), started with a stale torch-extension lock in its
-    TORCH_EXTENSIONS_DIR: {"out", "lock", "shm_before", "shm_after"} (/dev/shm's names around
-    it). tests/test_export.py exports it; tests/test_stale_state.py checks that it neither
-    waited on the lock nor left files in /dev/shm. One launch (15-30 s here) serves both."""
-    tmp = tmp_path_factory.mktemp("two_ranks")
+    tmp = tmp_path_factory.mktemp("shared_runs")
     lock = tmp / "torch_extensions" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
-    out = tmp / "run"
-    stop = ["--max-steps", "3", "--eval-every", "0", "--set", "train.stop_at_step=2"]
-    shm_before = shm_files()
-    run_recipe(
-        ["--out", str(out), "--data", str(tiny_data), "--save-every", "1", *stop, *SMALL],
-        ranks=2,
-        timeout_s=180,
-        extra_env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)},
+    noval = tmp / "noval_data"
+    text = tmp / "corpus.txt"
+    text.write_text(
+        "".join(f"line {i} of a small corpus, number {i * 7 % 13}\n" for i in range(4000))
     )
-    return {"out": out, "lock": lock, "shm_before": shm_before, "shm_after": shm_files()}
+    prepare(inputs=[str(text)], out=noval, vocab_size=300, val_fraction=0.0, progress=False)
+
+    stopped = ["--eval-every", "0", "--save-every", "1", "--set", "train.stop_at_step=2"]
+    same_seed = ["--max-steps", "4", "--eval-every", "2", "--save-every", "0"]
+    same_seed += [*SMALL, "--set", "train.log_every=2"]
+    auto = ["--ds-config", "zero3_bf16.json", "--set", "ds.optimizer.params.torch_adam=true"]
+    auto += ["--set", "ds.train_micro_batch_size_per_gpu=4"]
+    auto += ["--set", "ds.gradient_accumulation_steps=2"]
+    launches = {
+        "two_ranks": dict(
+            args=["--max-steps", "3", *stopped, *SMALL],
+            ranks=2,
+            timeout_s=180,
+            extra_env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)},
+        ),
+        "tiny_run": dict(args=["--max-steps", "4", *stopped, *SMALL]),
+        "fp32": dict(args=same_seed),
+        "bf16": dict(args=[*same_seed, "--set", "train.precision=bf16"]),
+        "ac": dict(args=[*same_seed, "--set", "model.activation_checkpointing=true"]),
+        "auto": dict(args=[*same_seed, *auto]),
+        "noval": dict(
+            args=["--max-steps", "2", *SMALL, "--set", "train.eval_samples=0"], data=noval
+        ),
+    }
+    for name, launch in launches.items():
+        data = launch.pop("data", tiny_data)
+        launch["args"] = ["--out", str(tmp / name), "--data", str(data), *launch["args"]]
+    shm_before = shm_files()
+    done = run_recipes(list(launches.values()))
+    runs = {name: (tmp / name, d) for name, d in zip(launches, done, strict=True)}
+    return {**runs, "shm": (shm_before, shm_files()), "lock": lock, "noval_data": noval}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(shared_runs) -> Path:
+    """One real run on ``tiny_data`` (1 rank, SMALL shapes, checkpoints at steps 1 and 2, stopped
+    after step 2 of 4 as a preemption leaves it), shared by the hostile-input tests of resume
+    and export, which copy it before they damage it."""
+    return shared_runs["tiny_run"][0]
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(shared_runs) -> dict:
+    """The 2-rank ZeRO-3 run of ``shared_runs``: {"out", "lock", "shm_before", "shm_after"}.
+    tests/test_export.py exports it; tests/test_stale_state.py checks that it neither waited on
+    the stale lock nor left files in /dev/shm (nor did any shared run: the listing after is
+    taken once they have all ended)."""
+    before, after = shared_runs["shm"]
+    out = shared_runs["two_ranks"][0]
+    return {"out": out, "lock": shared_runs["lock"], "shm_before": before, "shm_after": after}
 
 
 def shm_files() -> set[str]:
@@ -178,61 +220,32 @@ def shm_files() -> set[str]:
 
 
 @pytest.fixture(scope="session")
-def same_seed_runs(
-    tiny_data, tmp_path_factory
-) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """{name: (run directory, its finished process)} for four 4-step runs on ``tiny_data`` from
-    the same seed and SMALL shapes (validation at steps 2 and 4, a progress line every 2
-    steps), started together (one process imports while another computes): ``fp32``
-    (cpu.json), ``bf16`` (train.precision=bf16), ``ac`` (fp32 with activation checkpointing
-    on) and ``auto`` (the shipped zero3_bf16.json, which a CPU switches to fp32).
-    tests/test_precision.py and tests/test_activation_checkpointing.py compare them;
-    tests/test_schedule.py and tests/test_observe.py read the fp32 one. One fp32 run serves
-    all four files."""
-    tmp = tmp_path_factory.mktemp("same_seed")
-    common = [
-        "--data",
-        str(tiny_data),
-        "--max-steps",
-        "4",
-        "--eval-every",
-        "2",
-        "--save-every",
-        "0",
-        *SMALL,
-        "--set",
-        "train.log_every=2",
-    ]
-    extra = {
-        "fp32": [],
-        "bf16": ["--set", "train.precision=bf16"],
-        "ac": ["--set", "model.activation_checkpointing=true"],
-        "auto": [
-            "--ds-config",
-            "zero3_bf16.json",
-            "--set",
-            "ds.optimizer.params.torch_adam=true",
-            "--set",
-            "ds.train_micro_batch_size_per_gpu=4",
-            "--set",
-            "ds.gradient_accumulation_steps=2",
-        ],
-    }
-    done = run_recipes([["--out", str(tmp / name), *common, *more] for name, more in extra.items()])
-    return {name: (tmp / name, d) for name, d in zip(extra, done, strict=True)}
+def same_seed_runs(shared_runs) -> dict:
+    """{name: (run directory, its finished process)} for the four same-seed runs of
+    ``shared_runs``: fp32, bf16, ac, auto. tests/test_precision.py and
+    tests/test_activation_checkpointing.py compare them; tests/test_schedule.py and
+    tests/test_observe.py read the fp32 one."""
+    return {name: shared_runs[name] for name in ("fp32", "bf16", "ac", "auto")}
 
 
-def run_recipes(arg_lists: list[list[str]], *, parallel: int = 2, **kwargs):
-    """``run_recipe`` for each argument list, ``parallel`` at a time (a process spends seconds
-    importing torch and DeepSpeed on one core while the other computes); their results in
-    order. The first failure is raised once all have ended. Each process computes on one
-    thread (OMP_NUM_THREADS=1): two processes of two spinning threads each on two cores took
-    a quarter more CPU time here, and these tiny runs gain nothing from a second thread."""
+def run_recipes(launches: list[dict], *, parallel: int = 2) -> list[subprocess.CompletedProcess]:
+    """``run_recipe(**launch)`` for each launch, ``parallel`` at a time; their results in order.
+    The first failure is raised once all have ended. Each process computes on one thread
+    (OMP_NUM_THREADS=1): two processes of two spinning threads each on two cores took a
+    quarter more CPU time here, and these tiny runs gain nothing from a second thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    kwargs["extra_env"] = {"OMP_NUM_THREADS": "1", **(kwargs.get("extra_env") or {})}
     with ThreadPoolExecutor(parallel) as pool:
-        futures = [pool.submit(run_recipe, args, **kwargs) for args in arg_lists]
+        futures = [
+            pool.submit(
+                run_recipe,
+                **{
+                    **launch,
+                    "extra_env": {"OMP_NUM_THREADS": "1", **(launch.get("extra_env") or {})},
+                },
+            )
+            for launch in launches
+        ]
         return [f.result() for f in futures]
 
 

@@ -210,22 +210,17 @@ def test_entry_point_prints_user_errors_by_rank(rank, monkeypatch, capsys):
         main(preset="tiny", ds_config="cpu.json", argv=["--data", "d"])
 
 
-def test_data_without_validation_trains_only_with_evaluation_off(tmp_path):
+def test_data_without_validation_trains_only_with_evaluation_off(shared_runs, tmp_path):
     """A data directory prepared with --val-fraction 0 is refused while validation is on (one
-    paragraph, nothing written) and trains with train.eval_samples=0."""
-    from anneal.data.prepare import prepare
+    paragraph, nothing written) and trains with train.eval_samples=0 (the session's "noval"
+    run, tests/conftest.py: 2 steps on that directory)."""
     from tests.conftest import read_metrics
 
-    data = tmp_path / "noval"
-    text = tmp_path / "corpus.txt"
-    text.write_text(
-        "".join(f"line {i} of a small corpus, number {i * 7 % 13}\n" for i in range(4000))
-    )
-    prepare(inputs=[str(text)], out=data, vocab_size=300, val_fraction=0.0, progress=False)
+    data = shared_runs["noval_data"]
     base = ["--out", str(tmp_path / "run"), "--data", str(data), "--max-steps", "2", *SMALL]
     err = refused(base)
     assert "no validation windows" in err and "train.eval_samples=0" in err
     assert not (tmp_path / "run").exists()
-    run_recipe([*base, "--set", "train.eval_samples=0"])
-    assert len(read_metrics(tmp_path / "run", "train")) == 2
-    assert read_metrics(tmp_path / "run", "val") == []
+    run, _ = shared_runs["noval"]
+    assert len(read_metrics(run, "train")) == 2
+    assert read_metrics(run, "val") == []
