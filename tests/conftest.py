@@ -110,13 +110,28 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def stdlib_data(tmp_path_factory) -> Path:
-    """The embedded corpus, prepared once per test session (about 7 s)."""
-    from anneal.data.prepare import prepare
+def stdlib_prepared(tmp_path_factory) -> tuple[Path, str, str]:
+    """The embedded corpus, prepared once per test session through the command line (``anneal
+    data prepare --input stdlib``, in this process; about 7 s): (its directory, what the
+    command printed on stdout, on stderr). tests/test_data_prepare.py checks the command's
+    output and result on it; the other tests train on it (``stdlib_data``)."""
+    import contextlib
+    import io
+
+    from anneal.cli import main
 
     out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(inputs=["stdlib"], out=out, vocab_size=8192)
-    return out
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = main(["data", "prepare", "--input", "stdlib", "--out", str(out)])
+    assert code == 0, errors.getvalue()
+    return out, printed.getvalue(), errors.getvalue()
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(stdlib_prepared) -> Path:
+    """The embedded corpus, prepared once per test session (vocabulary 8,192)."""
+    return stdlib_prepared[0]
 
 
 @pytest.fixture(scope="session")

@@ -271,11 +271,11 @@ def test_weights_are_recorded(corpus, tokenizer_model, tmp_path):
         prepare(inputs=[f"{jsonl}:0.7", str(corpus)], out=tmp_path / "o2", progress=False)
 
 
-def test_stdlib_through_the_cli(tmp_path, capsys):
-    out = tmp_path / "stdlib"
-    assert main(["data", "prepare", "--input", "stdlib", "--out", str(out)]) == 0
-    printed = capsys.readouterr()
-    assert "prepared" in printed.out and "MB/s" in printed.err
+def test_stdlib_through_the_cli(stdlib_prepared, capsys):
+    """The session's stdlib corpus (tests/conftest.py) was prepared by ``anneal data prepare
+    --input stdlib`` through ``anneal.cli.main``; its output and result are checked here."""
+    out, printed_out, printed_err = stdlib_prepared
+    assert "prepared" in printed_out and "MB/s" in printed_err
     meta = _meta(out)
     assert meta["vocab_size"] == 8192 and meta["dtype"] == "uint16"
     assert meta["splits"]["train"]["documents"] > 500 and meta["splits"]["val"]["documents"] > 0
