@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -153,7 +154,8 @@ def shared_runs(tiny_data, tmp_path_factory) -> dict:
     """The suite's shared short runs, all on ``tiny_data`` with SMALL shapes, started together
     at first use, two at a time (one process imports torch and DeepSpeed on one core while
     another computes): {name: (run directory, its finished process)}, plus "shm" (/dev/shm's
-    names before and after them all) and "lock" (the stale lock of the 2-rank run).
+    names before and after them all), "lock" (the stale lock of the 2-rank run), "noval_data"
+    (a corpus prepared without validation) and "grad_check" (what that script wrote).
 
     - ``two_ranks``: 2 ranks through the deepspeed runner, ZeRO-3, checkpoints at steps 1 and
       2, stopped after step 2 of 3 (as a preemption leaves a run: no last validation, plots or
@@ -162,8 +164,10 @@ def shared_runs(tiny_data, tmp_path_factory) -> dict:
     - ``fp32``, ``bf16``, ``ac``, ``auto``: 4 steps from the same seed (validation at steps 2
       and 4, a progress line every 2 steps): cpu.json, train.precision=bf16, activation
       checkpointing on, and the shipped zero3_bf16.json (which a CPU switches to fp32).
-    - ``noval``: 2 steps with train.eval_samples=0 on a corpus prepared with no validation
-      split (its "data" directory beside it).
+    - ``noval``: 2 steps with train.eval_samples=0 on "noval_data".
+    - ``grad_check``: tests/scripts/grad_check.py on 2 ranks through the deepspeed runner (one
+      optimizer step against plain torch, ENGINE_REFERENCE_OVERRIDES), for
+      tests/test_engine_reference.py.
 
     Their users are the fixtures below."""
     from anneal.data.prepare import prepare
@@ -204,10 +208,41 @@ def shared_runs(tiny_data, tmp_path_factory) -> dict:
     for name, launch in launches.items():
         data = launch.pop("data", tiny_data)
         launch["args"] = ["--out", str(tmp / name), "--data", str(data), *launch["args"]]
+    grad_check = dict(
+        args=[str(tmp / "grad_check.json"), str(tiny_data), str(tmp / "grad_check")]
+        + ENGINE_REFERENCE_OVERRIDES,
+        ranks=2,
+        recipe="tests/scripts/grad_check.py",
+    )
+    launches = {"grad_check": grad_check, **launches}  # the 2-rank launches first
     shm_before = shm_files()
     done = run_recipes(list(launches.values()))
     runs = {name: (tmp / name, d) for name, d in zip(launches, done, strict=True)}
-    return {**runs, "shm": (shm_before, shm_files()), "lock": lock, "noval_data": noval}
+    return {
+        **runs,
+        "shm": (shm_before, shm_files()),
+        "lock": lock,
+        "noval_data": noval,
+        "grad_check": json.loads((tmp / "grad_check.json").read_text()),
+    }
+
+
+# tests/test_engine_reference.py's step: SMALL's model, micro-batch 2 x accumulation 2 on 2
+# ranks, a clip below the gradient norm and a large eps (so that the clip shows through AdamW),
+# and a weight decay large enough to tell decayed from undecayed weights.
+ENGINE_REFERENCE_OVERRIDES = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+    "model.seq_len=64",
+    "ds.train_micro_batch_size_per_gpu=2",
+    "ds.gradient_accumulation_steps=2",
+    "ds.scheduler.params.warmup_num_steps=2",
+    "ds.gradient_clipping=0.5",
+    "ds.optimizer.params.eps=0.0001",
+    "ds.optimizer.params.weight_decay=0.5",
+]
 
 
 @pytest.fixture(scope="session")

@@ -9,46 +9,14 @@ A large eps and a clip below the norm make the clip visible through AdamW, so th
 against an unclipped (or decay-everything) reference must and does fail.
 """
 
-import json
-
 import pytest
-
-from tests.conftest import BIN, ROOT, env, free_port, run_process
-
-OVERRIDES = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.intermediate_size=176",
-    "model.num_attention_heads=4",
-    "model.seq_len=64",
-    "ds.train_micro_batch_size_per_gpu=2",
-    "ds.gradient_accumulation_steps=2",
-    "ds.scheduler.params.warmup_num_steps=2",
-    "ds.gradient_clipping=0.5",
-    "ds.optimizer.params.eps=0.0001",
-    "ds.optimizer.params.weight_decay=0.5",
-]
 
 
 @pytest.fixture(scope="module")
-def result(tiny_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grad")
-    out = tmp / "result.json"
-    cmd = [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "tests/scripts/grad_check.py",
-        str(out),
-        str(tiny_data),
-        str(tmp / "run"),
-        *OVERRIDES,
-    ]
-    proc = run_process(cmd, timeout_s=300, cwd=ROOT, env=env())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+def result(shared_runs) -> dict:
+    """What tests/scripts/grad_check.py wrote, launched on 2 ranks by the deepspeed runner with
+    conftest's ENGINE_REFERENCE_OVERRIDES among the session's shared runs (tests/conftest.py)."""
+    return shared_runs["grad_check"]
 
 
 def test_setup_is_two_ranks_with_accumulation(result):
