@@ -36,15 +36,16 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 @pytest.fixture(autouse=True)
 def _tokenizer_step_in_this_process(monkeypatch):
-    """prepare's tokenizer step runs here instead of in a fresh interpreter (``_in_child``, which
-    imports the tokenizer libraries again: 1-5 s a prepare on 2 cores, most of this file's
-    time). What these tests check, the messages and counts of bad input, does not depend on
-    where that step runs; the child itself, and an error coming back from it, are checked by
-    the other prepare tests (tests/test_data_prepare.py, tests/test_hostile_data.py). The
-    interrupted prepares below are real ``anneal data prepare`` processes, children and all."""
-    from anneal.data import prepare as preplib
+    """prepare's tokenizer step runs here instead of in a fresh interpreter
+    (``anneal.data.make_tokenizer._in_child``, which imports the tokenizer libraries again:
+    1-5 s a prepare on 2 cores, most of this file's time). What these tests check, the
+    messages and counts of bad input, does not depend on where that step runs; the child
+    itself, and an error coming back from it, are checked by the other prepare tests
+    (tests/test_data_prepare.py, tests/test_hostile_data.py). The interrupted prepares below
+    are real ``anneal data prepare`` processes, children and all."""
+    from anneal.data import make_tokenizer
 
-    monkeypatch.setattr(preplib, "_in_child", lambda fn, *args: fn(*args))
+    monkeypatch.setattr(make_tokenizer, "_in_child", lambda fn, *args: fn(*args))
 
 
 def _texts() -> list[str]:
