@@ -293,6 +293,7 @@ def _has_gpu() -> bool:
     )
 
 
+@pytest.mark.slow  # two real bench_gpu.py processes (~9-20 s): make test-all
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
 def test_without_a_gpu(tmp_path):
     """`make bench` runs every bench script with no arguments: here that says why and exits 0.

@@ -1,7 +1,11 @@
 """The training benchmark compares like with like: the plain PyTorch loop and the bare DeepSpeed
 engine of bench/reference.py and the recipe compute the same losses, gradient norms and LRs
 from the same weights and batches; and bench_train plans, launches and reports its arms as
-documented (the pairs of ``--bare``, the ``--arm`` A/B runs, the report's rerun command)."""
+documented (the pairs of ``--bare``, the ``--arm`` A/B runs, the report's rerun command).
+
+The tests on the three real runs are marked slow (make test-all and CI run them): they check
+the benchmark's arms; make test keeps the recipe's step against torch's clip and AdamW in
+test_engine_reference, and the planning and reporting of the arms here."""
 
 import argparse
 import json
@@ -72,12 +76,14 @@ def runs(tiny_data, tmp_path_factory):
     return {name: train_run.step_rows(kinds.get(name, "recipe"), d) for name, d in dirs.items()}
 
 
+@pytest.mark.slow  # the bench's three real runs (~15-30 s): make test-all
 def test_every_arm_runs_the_same_steps(runs):
     """Over 10 s with the ``runs`` fixture's setup (its docstring says why)."""
     assert [len(r) for r in runs.values()] == [STEPS] * 4
     assert all("time" in row for rows in runs.values() for row in rows)
 
 
+@pytest.mark.slow  # the bench's three real runs (~15-30 s): make test-all
 @pytest.mark.parametrize("stage", ["zero0", "zero3"])
 def test_step_one_loss_and_grad_norm_equal_the_plain_loop(runs, stage):
     ref, rec = runs["plain"][0], runs[stage][0]
@@ -86,6 +92,7 @@ def test_step_one_loss_and_grad_norm_equal_the_plain_loop(runs, stage):
     assert rec["lr"] == pytest.approx(ref["lr"], rel=1e-12)
 
 
+@pytest.mark.slow  # the bench's three real runs (~15-30 s): make test-all
 @pytest.mark.parametrize("stage", ["zero0", "zero3"])
 def test_step_two_sees_the_same_update(runs, stage):
     # Step 2's loss depends on step 1's clipped AdamW update and LR: a different optimizer,
@@ -95,6 +102,7 @@ def test_step_two_sees_the_same_update(runs, stage):
     assert rec["loss"] == pytest.approx(ref["loss"], abs=1e-4)
 
 
+@pytest.mark.slow  # the bench's three real runs (~15-30 s): make test-all
 def test_the_bare_engine_computes_what_the_recipe_computes(runs):
     """The bare DeepSpeed engine (its own config, model partitioned by deepspeed.initialize)
     against the recipe at the same stage: the same first loss, norm and LR, and the same update
