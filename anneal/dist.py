@@ -46,6 +46,21 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def all_gather(obj) -> list:
+    """Every rank's ``obj``, in rank order; ``[obj]`` without a process group."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when there is a process group (a one-process run has none)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def is_main_process() -> bool:
     return rank() == 0
 

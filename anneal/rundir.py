@@ -218,9 +218,7 @@ class RunDir:
     def __init__(self, out: Path, config_doc: dict, *, restart: bool = False):
         """Rank 0: with ``restart``, move the run that is there to ``previous-<time>/``; then
         write the resolved config.json. Every rank waits for that, then has checkpoints/."""
-        import torch.distributed as dist
-
-        from anneal.dist import is_main_process
+        from anneal.dist import barrier, is_main_process
 
         self.out, self.stepped = Path(out), False
         self._existed: set[str] | None = None
@@ -234,8 +232,7 @@ class RunDir:
                 self._old_config = config.read_text() if config.is_file() else None
             self.out.mkdir(parents=True, exist_ok=True)
             write_config(self.out, config_doc)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         checkpoints_dir(self.out).mkdir(parents=True, exist_ok=True)
 
     @classmethod

@@ -287,8 +287,8 @@ def check_checkpoint_fits(
     manifest = checkpoint.read_manifest(tag_dir) or {}
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
-        source = rundir.config_path(rundir.of_checkpoint(tag_dir))
-        saved = rundir.config_or_empty(rundir.of_checkpoint(tag_dir)).get("model")
+        run_dir = rundir.of_checkpoint(tag_dir)
+        source, saved = rundir.config_path(run_dir), rundir.config_or_empty(run_dir).get("model")
     if isinstance(saved, dict):
         diffs = [
             f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"

@@ -38,15 +38,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anneal.dist import is_main_process, rank, world_size
+from anneal.dist import all_gather, barrier, is_main_process, rank, world_size
 from anneal.errors import UserError
 from anneal.files import write_atomic
 from anneal.resilience import safeload
 from anneal.resilience.manifest import (
     HASH,
     MANIFEST,
-    all_gather,
-    barrier,
     damaged_files,
     file_hash,
     is_intact,

@@ -19,30 +19,13 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch.distributed as dist
-
-from anneal.dist import is_main_process, rank, world_size
+from anneal.dist import all_gather, is_main_process, rank, world_size
 from anneal.files import confined, fsync_path, write_atomic
 
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 _CHUNK = 8 << 20
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
-
-
-def all_gather(obj) -> list:
-    """Every rank's ``obj``, in rank order; ``[obj]`` without a process group."""
-    if world_size() == 1:
-        return [obj]
-    out: list = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def barrier() -> None:
-    """``dist.barrier()`` when there is a process group (a one-process run has none)."""
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def file_hash(path: Path) -> str:

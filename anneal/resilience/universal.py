@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from anneal.dist import is_main_process, world_size
+from anneal.dist import barrier, is_main_process, world_size
 from anneal.errors import UserError
-from anneal.resilience.manifest import barrier
 
 log = logging.getLogger(__name__)
 
