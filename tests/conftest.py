@@ -38,7 +38,10 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: without it they skip, saying so, instead of failing."""
+    """The tests that read the shared runs go after the other fast tests, which run while those
+    runs train in the background (``shared_runs``); the slow tests go last, on a quiet machine,
+    as before. Tests marked ``gpu`` need CUDA: without it they skip, saying so."""
+    items.sort(key=_order)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
@@ -49,6 +52,23 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); torch sees none here")
     for item in gpu:
         item.add_marker(skip)
+
+
+def _uses_shared_runs(item) -> bool:
+    return "shared_runs" in getattr(item, "fixturenames", ())
+
+
+def _order(item) -> int:
+    """0: fast tests of their own; 1: readers of the shared runs; 2: slow tests of their own
+    (list.sort is stable: each group keeps the files' order)."""
+    if _uses_shared_runs(item):
+        return 1
+    return 2 if item.get_closest_marker("slow") else 0
+
+
+# The processes run_process has started and not yet seen end (the background shared runs are
+# killed through it if the session ends before them).
+_LIVE: set[subprocess.Popen] = set()
 
 
 def run_process(
@@ -67,6 +87,7 @@ def run_process(
         start_new_session=True,
         **kwargs,
     )
+    _LIVE.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -76,6 +97,8 @@ def run_process(
             f"{' '.join(map(str, cmd))} did not finish in {timeout_s:.0f} s and was killed; "
             f"its output ends:\n{out[-3000:]}\n{err[-3000:]}"
         )
+    finally:
+        _LIVE.discard(proc)
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -149,13 +172,41 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_runs_started(request, tmp_path_factory):
+    """Starts the shared runs (``shared_runs``) in the background at the session's first test,
+    when any collected test reads them: they train in their own processes while the fast tests
+    of their own run here (those readers are ordered after them: ``_order``), which took the
+    quick suite from about 3 min 30 s to under 3 min on 2 cores. A session that ends first
+    kills what is still running."""
+    if not any(map(_uses_shared_runs, request.session.items)):
+        yield None
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("shared_runs")
+    launches = shared_launches(request.getfixturevalue("tiny_data"), tmp)
+    shm_before = shm_files()
+    pool = ThreadPoolExecutor(1)
+    runs = pool.submit(run_recipes, list(launches.values()), parallel=RUNS_AT_ONCE)
+    yield tmp, launches, shm_before, runs
+    if not runs.done():
+        for proc in list(_LIVE):
+            kill_tree(proc)
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+# The background runs start this many at a time: the tests of their own use the other core.
+RUNS_AT_ONCE = 1
+
+
 @pytest.fixture(scope="session")
-def shared_runs(tiny_data, tmp_path_factory) -> dict:
-    """The suite's shared short runs, all on ``tiny_data`` with SMALL shapes, started together
-    at first use, two at a time (one process imports torch and DeepSpeed on one core while
-    another computes): {name: (run directory, its finished process)}, plus "shm" (/dev/shm's
-    names before and after them all), "lock" (the stale lock of the 2-rank run), "noval_data"
-    (a corpus prepared without validation) and "grad_check" (what that script wrote).
+def shared_runs(_shared_runs_started) -> dict:
+    """The suite's shared short runs, all on ``tiny_data`` with SMALL shapes, started in the
+    background at the session's first test (``_shared_runs_started``): {name: (run directory,
+    its finished process)}, plus "shm_before" (/dev/shm's names before them), "lock" (the stale
+    lock of the 2-rank run), "noval_data" (a corpus prepared without validation) and
+    "grad_check" (what that script wrote).
 
     - ``two_ranks``: 2 ranks through the deepspeed runner, ZeRO-3, checkpoints at steps 1 and
       2, stopped after step 2 of 3 (as a preemption leaves a run: no last validation, plots or
@@ -170,9 +221,23 @@ def shared_runs(tiny_data, tmp_path_factory) -> dict:
       tests/test_engine_reference.py.
 
     Their users are the fixtures below."""
+    tmp, launches, shm_before, runs = _shared_runs_started
+    done = runs.result()
+    return {
+        **{name: (tmp / name, d) for name, d in zip(launches, done, strict=True)},
+        "shm_before": shm_before,
+        "lock": tmp / "torch_extensions" / "deepspeed_shm_comm" / "lock",
+        "noval_data": tmp / "noval_data",
+        "grad_check": json.loads((tmp / "grad_check.json").read_text()),
+    }
+
+
+def shared_launches(tiny_data: Path, tmp: Path) -> dict[str, dict]:
+    """{name: run_recipe's arguments} for ``shared_runs``, in the order they start (the 2-rank
+    launches first), after preparing what they need under ``tmp`` (the stale lock, the corpus
+    without validation)."""
     from anneal.data.prepare import prepare
 
-    tmp = tmp_path_factory.mktemp("shared_runs")
     lock = tmp / "torch_extensions" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
@@ -214,17 +279,7 @@ def shared_runs(tiny_data, tmp_path_factory) -> dict:
         ranks=2,
         recipe="tests/scripts/grad_check.py",
     )
-    launches = {"grad_check": grad_check, **launches}  # the 2-rank launches first
-    shm_before = shm_files()
-    done = run_recipes(list(launches.values()))
-    runs = {name: (tmp / name, d) for name, d in zip(launches, done, strict=True)}
-    return {
-        **runs,
-        "shm": (shm_before, shm_files()),
-        "lock": lock,
-        "noval_data": noval,
-        "grad_check": json.loads((tmp / "grad_check.json").read_text()),
-    }
+    return {"grad_check": grad_check, **launches}
 
 
 # tests/test_engine_reference.py's step: SMALL's model, micro-batch 2 x accumulation 2 on 2
@@ -255,13 +310,12 @@ def tiny_run(shared_runs) -> Path:
 
 @pytest.fixture(scope="session")
 def two_rank_run(shared_runs) -> dict:
-    """The 2-rank ZeRO-3 run of ``shared_runs``: {"out", "lock", "shm_before", "shm_after"}.
+    """The 2-rank ZeRO-3 run of ``shared_runs``: {"out", "lock", "shm_before"}.
     tests/test_export.py exports it; tests/test_stale_state.py checks that it neither waited on
-    the stale lock nor left files in /dev/shm (nor did any shared run: the listing after is
-    taken once they have all ended)."""
-    before, after = shared_runs["shm"]
+    the stale lock nor left files in /dev/shm (nor did any shared run, nor any test before it:
+    the listing before was taken before them all)."""
     out = shared_runs["two_ranks"][0]
-    return {"out": out, "lock": shared_runs["lock"], "shm_before": before, "shm_after": after}
+    return {"out": out, "lock": shared_runs["lock"], "shm_before": shared_runs["shm_before"]}
 
 
 def shm_files() -> set[str]:
