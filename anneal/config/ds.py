@@ -140,7 +140,7 @@ def check_with_deepspeed(resolved: dict, *, source: str) -> None:
     precision, activation checkpointing, ... and its sanity checks) judge the resolved config
     now, as the engine will, so that what it refuses is a UserError before anything is written.
 
-    The scheduler is Anneal's (``WarmupCosine``), so it is left out as ``build_engine`` leaves
+    The scheduler is Anneal's (``WarmupDecay``), so it is left out as ``build_engine`` leaves
     it out; so is ``train_batch_size``, which DeepSpeed would check against the world size of
     this process (1 before the ranks start) while Anneal has already checked it against the
     run's (``batch_arithmetic``)."""

@@ -10,12 +10,19 @@ key                                 ``"auto"`` becomes
 ``train_batch_size``                ``optim.global_batch_tokens / seq_len`` samples
 ``gradient_accumulation_steps``     ``train_batch_size / (micro-batch x data-parallel size)``
 ``scheduler.params.total_num_steps`` ``--max-steps``
-``scheduler.params.warmup_num_steps`` the warmup rule, ``warmup_steps`` below
+``scheduler.params.warmup_num_steps`` the warmup rule, ``warmup_steps`` below (on a resume: the
+                                    warmup the run was resolved with, so a longer run keeps it)
+``scheduler.params.cos_min_ratio``  the floor: ``optim.min_lr_ratio``, else the schedule's
+                                    default (cosine 0.1, wsd 0.0)
 ==================================  =============================================================
 
 An explicit number in the file is the cluster owner's choice and is kept; ``--set`` beats both.
-``resolve_ds_config`` returns the resolved dict and, per filled key, where its value came from,
-which the run prints at start and writes to ``config.json``.
+Two exceptions: a global batch from the recipe (``optim.global_batch_tokens``) that does not
+divide across micro-batch x data-parallel size is rounded up to the next multiple, saying so,
+so that a recipe resolves at any number of ranks; and under ``optim.schedule = "wsd"`` the
+file's ``cos_min_ratio`` (the cosine's floor) gives way to the WSD floor. ``resolve_ds_config``
+returns the resolved dict and, per filled key, where its value came from, which the run prints
+at start and writes to ``config.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,17 @@ import math
 
 from anneal.config.ds_schema import value_or_auto
 from anneal.config.run import AUTO, OptimConfig
+from anneal.config.schedule import DEFAULT_FLOOR
 from anneal.errors import UserError
+
+
+class Notes(dict):
+    """For each run-dependent key, where its value came from (``config.json``'s
+    ``resolved_from``); ``messages``: one-line messages that the ranks log at start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +136,7 @@ class _Run:
 
 
 def _resolve_batch(
-    cfg: dict, notes: dict[str, str], run: _Run, *, data_parallel_size: int, seq_len: int
+    cfg: dict, notes: Notes, run: _Run, *, data_parallel_size: int, seq_len: int
 ) -> Batch:
     """``train_batch_size`` and ``gradient_accumulation_steps``, from the file or the run's
     ``optim.global_batch_tokens`` when both are ``"auto"``."""
@@ -128,8 +145,20 @@ def _resolve_batch(
     total = value_or_auto(cfg, ("train_batch_size",))
     tokens = run.optim.global_batch_tokens
     if accum == AUTO and total == AUTO:
-        samples = max(1, round(tokens / seq_len))
+        wanted = max(1, round(tokens / seq_len))
+        per_step = micro * data_parallel_size
+        samples = -(-wanted // per_step) * per_step  # rounded up to a multiple of per_step
         total_from = f"{run.origin('global_batch_tokens')}: {tokens:,} tokens / seq_len {seq_len}"
+        if samples != wanted:
+            total_from += (
+                f" = {wanted} samples, rounded up to a multiple of micro {micro} x "
+                f"{data_parallel_size} ranks"
+            )
+            notes.messages.append(
+                f"global batch rounded up from {wanted} to {samples} samples "
+                f"({samples * seq_len:,} tokens per step): a multiple of micro-batch {micro} x "
+                f"{data_parallel_size} data-parallel ranks (optim.global_batch_tokens sets it)"
+            )
     else:
         if accum != AUTO:
             run.explicit("gradient_accumulation_steps", "global_batch_tokens")
@@ -168,13 +197,46 @@ def _resolve_lr(cfg: dict, notes: dict[str, str], run: _Run) -> None:
         notes["optimizer.params.lr"] = f"{params['lr']:g} (ds_config)"
 
 
+def _resolve_floor(sched: dict, notes: dict[str, str], run: _Run) -> None:
+    """``scheduler.params.cos_min_ratio``, the floor of either schedule: ``optim.min_lr_ratio``
+    when given, else the file's number under cosine, else the schedule's default. A file number
+    and an ``optim.min_lr_ratio`` that differ under cosine are two floors: an error."""
+    key, optim = "scheduler.params.cos_min_ratio", run.optim
+    given = sched.get("cos_min_ratio", AUTO)
+    cosine = optim.schedule == "cosine"
+    if optim.min_lr_ratio is not None:
+        if cosine and given != AUTO and given != optim.min_lr_ratio:
+            raise UserError(
+                f"{run.source}: {key} is {given:g} but optim.min_lr_ratio is "
+                f"{optim.min_lr_ratio:g} ({run.origin('min_lr_ratio')}): two floors for the "
+                f'cosine schedule. Keep one: write "auto" for {key} in the file (the run config '
+                f"fills it in), or --set optim.min_lr_ratio=auto to keep the file's."
+            )
+        floor, how = optim.min_lr_ratio, f"optim.min_lr_ratio, {run.origin('min_lr_ratio')}"
+    elif cosine and given != AUTO:
+        floor, how = given, "ds_config"
+    else:
+        floor, how = DEFAULT_FLOOR[optim.schedule], f"the {optim.schedule} schedule's default"
+    if not cosine and given != AUTO and given != floor:
+        how += f"; the file's {given:g} is the cosine schedule's floor"
+    sched["cos_min_ratio"] = floor
+    notes[key] = f"{floor:g} ({how})"
+
+
 def _resolve_schedule(
-    cfg: dict, notes: dict[str, str], run: _Run, *, max_steps: int, tokens_per_step: int
+    cfg: dict,
+    notes: dict[str, str],
+    run: _Run,
+    *,
+    max_steps: int,
+    tokens_per_step: int,
+    resumed_warmup: int | None,
 ) -> None:
     """``scheduler.params``: the run length from ``--max-steps`` (a different number in the file
-    is an error) and the warmup from the file or ``warmup_steps``."""
+    is an error), the warmup from the file, the resumed run or ``warmup_steps``, the floor."""
     source, optim = run.source, run.optim
     sched = cfg["scheduler"].setdefault("params", {})
+    _resolve_floor(sched, notes, run)
     given_total = sched.get("total_num_steps", AUTO)
     if given_total != AUTO and given_total != max_steps:
         raise UserError(
@@ -183,7 +245,16 @@ def _resolve_schedule(
         )
     sched["total_num_steps"] = max_steps
     notes["scheduler.params.total_num_steps"] = f"{max_steps} (--max-steps)"
-    if sched.get("warmup_num_steps", AUTO) == AUTO:
+    auto_warmup = sched.get("warmup_num_steps", AUTO) == AUTO
+    if auto_warmup and resumed_warmup is not None:
+        # The "auto" warmup depends on --max-steps; the steps taken so far used this one.
+        sched["warmup_num_steps"] = min(resumed_warmup, max_steps)
+        notes["scheduler.params.warmup_num_steps"] = (
+            f"{sched['warmup_num_steps']} (auto, kept from the run being resumed; --set "
+            f"ds.scheduler.params.warmup_num_steps=N changes it)"
+        )
+        return
+    if auto_warmup:
         sched["warmup_num_steps"] = warmup_steps(
             optim=optim, tokens_per_step=tokens_per_step, max_steps=max_steps
         )
@@ -215,19 +286,27 @@ def resolve_ds_config(
     seq_len: int,
     optim: OptimConfig,
     optim_set: frozenset[str] = frozenset(),
-) -> tuple[dict, dict[str, str]]:
+    resumed_warmup: int | None = None,
+) -> tuple[dict, Notes]:
     """Fill the ``"auto"`` values from the run and check the batch arithmetic.
 
     ``optim_set`` names the ``optim.*`` keys given with ``--set``: such a key beside an explicit
-    number in the file would have no effect, which is an error rather than a surprise. Returns
-    the resolved copy and, for each run-dependent key, a note saying where its value came from.
+    number in the file would have no effect, which is an error rather than a surprise.
+    ``resumed_warmup``: the resolved warmup of the run this launch resumes, kept for an
+    ``"auto"`` warmup. Returns the resolved copy and, for each run-dependent key, a note saying
+    where its value came from (``Notes``, with the messages to log at start).
     """
     cfg = json.loads(json.dumps(cfg))
-    notes: dict[str, str] = {}
+    notes = Notes()
     run = _Run(source=source, optim=optim, optim_set=frozenset(optim_set))
     batch = _resolve_batch(cfg, notes, run, data_parallel_size=data_parallel_size, seq_len=seq_len)
     _resolve_lr(cfg, notes, run)
     _resolve_schedule(
-        cfg, notes, run, max_steps=max_steps, tokens_per_step=batch.train_batch_size * seq_len
+        cfg,
+        notes,
+        run,
+        max_steps=max_steps,
+        tokens_per_step=batch.train_batch_size * seq_len,
+        resumed_warmup=resumed_warmup,
     )
     return cfg, notes

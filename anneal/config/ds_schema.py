@@ -90,7 +90,7 @@ DS_SCHEMA: dict[str, Any] = {
             "total_num_steps": Auto,
             "warmup_min_ratio": Num,
             "warmup_num_steps": Auto,
-            "cos_min_ratio": Num,
+            "cos_min_ratio": AutoNum,
             "warmup_type": str,
         },
     },
@@ -121,7 +121,6 @@ REQUIRED = [
     ("gradient_clipping",),
     ("optimizer", "type"),
     ("scheduler", "type"),
-    ("scheduler", "params", "cos_min_ratio"),
 ]
 
 
@@ -143,7 +142,10 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("scheduler", "params", "total_num_steps"): (lambda v: v >= 1, 'at least 1, or "auto"'),
     ("scheduler", "params", "warmup_num_steps"): (lambda v: v >= 0, 'a step count, or "auto"'),
     ("scheduler", "params", "warmup_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    ("scheduler", "params", "cos_min_ratio"): (lambda v: 0 <= v <= 1, "between 0 and 1"),
+    ("scheduler", "params", "cos_min_ratio"): (
+        lambda v: 0 <= v <= 1,
+        'between 0 and 1, or "auto" (the run optim.min_lr_ratio, else the schedule default)',
+    ),
     ("scheduler", "params", "warmup_type"): (
         lambda v: v == "linear",
         '"linear": DeepSpeed\'s WarmupCosineLR also takes "log", which anneal/config/schedule.py '

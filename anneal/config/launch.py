@@ -17,6 +17,7 @@ from anneal import rundir
 from anneal.config import ds as ds_config
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
+from anneal.config.schedule import Schedule
 from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.resilience import checkpoint
@@ -66,6 +67,11 @@ class Launch:
     @property
     def tokens_per_step(self) -> int:
         return self.ds_config["train_batch_size"] * self.seq_len
+
+    @property
+    def schedule(self) -> Schedule:
+        """The LR schedule the engine applies (``anneal.config.schedule``)."""
+        return Schedule.resolved(self.ds_config["scheduler"]["params"], self.cfg.optim)
 
     @property
     def bf16(self) -> bool:
@@ -166,6 +172,9 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     data_dir = Path(cfg.data.path)
     meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
     preset = cfg.model.resolve(meta["vocab_size"])
+    out = Path(cfg.out)
+    old_config = check_run_dir(cfg, out, data_dir=data_dir)
+    resume_from = checkpoint.find_resume(cfg.resume, rundir.checkpoints_dir(out))
     ds, resolved_from = ds_config.resolve_ds_config(
         ds,
         source=str(ds_path),
@@ -174,12 +183,11 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         seq_len=preset.seq_len,
         optim=cfg.optim,
         optim_set=optim_keys_set(overrides),
+        resumed_warmup=resumed_warmup(resume_from),
     )
+    notes += resolved_from.messages
     ds_config.check_with_deepspeed(ds, source=str(ds_path))
 
-    out = Path(cfg.out)
-    old_config = check_run_dir(cfg, out, data_dir=data_dir)
-    resume_from = checkpoint.find_resume(cfg.resume, rundir.checkpoints_dir(out))
     if resume_from is not None:
         check_matches_run(meta, data_dir=data_dir, run_dir=out)
         checkpoint.check_tokenizer(
@@ -220,6 +228,17 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
                 f"that run with the new settings."
             )
     return launch
+
+
+def resumed_warmup(tag_dir: Path | None) -> int | None:
+    """The resolved warmup of the run that wrote ``tag_dir`` (its config.json), which an
+    ``"auto"`` warmup keeps on resume: that rule depends on ``--max-steps``, and a run resumed
+    with a larger one must not warm up again. None when there is no such record."""
+    if tag_dir is None:
+        return None
+    doc = rundir.config_or_empty(rundir.of_checkpoint(tag_dir))
+    warm = doc.get("ds_config", {}).get("scheduler", {}).get("params", {}).get("warmup_num_steps")
+    return warm if isinstance(warm, int) and not isinstance(warm, bool) else None
 
 
 def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:

@@ -85,7 +85,8 @@ class OptimConfig:
     published tables. Each fills the matching ds_config value when the file says ``"auto"``."""
 
     lr: float = 3e-4
-    """Peak learning rate (``optimizer.params.lr``); the schedule decays to 0.1 x this."""
+    """Peak learning rate (``optimizer.params.lr``); the schedule decays to ``min_lr_ratio`` x
+    this."""
     global_batch_tokens: int = 524_288
     """Tokens per optimizer step over all ranks (``train_batch_size`` x seq_len); the
     accumulation steps follow from the ds_config's micro-batch and the data-parallel size."""
@@ -93,6 +94,21 @@ class OptimConfig:
     """Linear warmup length in tokens (GPT-3 warmed up over 375M tokens at every size)."""
     warmup_max_share: float = 0.1
     """Cap of the ``"auto"`` warmup as a share of the run, so a short run always fits."""
+    schedule: str = "cosine"
+    """cosine | wsd, after the linear warmup (docs/training.md). cosine: decay from the peak to
+    the floor over the rest of the run. wsd (warmup-stable-decay; MiniCPM, Hu et al. 2024): the
+    peak held, then a decay over the last ``decay_share`` of the steps, so a run resumed with a
+    larger ``--max-steps`` goes on at the peak and decays from its new end."""
+    decay_share: float = 0.2
+    """wsd: share of the run's steps in the final decay (Haegele et al. 2024, arXiv 2405.18392:
+    a 20% cooldown matches or beats cosine of the same length)."""
+    decay_shape: str = "1-sqrt"
+    """wsd: shape of the final decay, linear | 1-sqrt | cosine (1-sqrt, lr = floor + (peak -
+    floor) x (1 - sqrt(p)), did best in Haegele et al. 2024)."""
+    min_lr_ratio: float | None = None
+    """Floor of the schedule as a share of the peak LR. None (``--set optim.min_lr_ratio=auto``):
+    the schedule's default, 0.0 under wsd and under cosine the ds_config's
+    ``scheduler.params.cos_min_ratio`` (0.1 in every shipped config; 0.1 if it says "auto")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

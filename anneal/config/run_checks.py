@@ -31,7 +31,11 @@ _SECTIONS = {
     "train": TrainConfig,
     "guard": GuardConfig,
 }
-_CHOICES = {("train", "precision"): ("auto", "bf16", "fp32")}
+_CHOICES = {
+    ("train", "precision"): ("auto", "bf16", "fp32"),
+    ("optim", "schedule"): ("cosine", "wsd"),
+    ("optim", "decay_shape"): ("linear", "1-sqrt", "cosine"),
+}
 
 
 def _shown(text: str, limit: int = 40) -> str:
@@ -40,6 +44,11 @@ def _shown(text: str, limit: int = 40) -> str:
 
 
 def _coerce(text: str, typ: Any, where: str) -> Any:
+    options = typing.get_args(typ)
+    if type(None) in options:  # an optional key: "auto" leaves it to its default rule
+        if text.lower() in ("auto", "none"):
+            return None
+        typ = next(t for t in options if t is not type(None))
     if typ is bool:
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -90,7 +99,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         parsed = _coerce(value, typ, where)
         choices = _CHOICES.get((section, field))
         if choices and parsed not in choices:
-            raise UserError(f"{where}: must be one of {', '.join(choices)}.")
+            raise UserError(f"{where}: {key} must be one of {', '.join(choices)}.")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
 
@@ -136,6 +145,11 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "optim.global_batch_tokens": (lambda v: v >= 1, "a positive number of tokens"),
     "optim.warmup_tokens": (lambda v: v >= 0, "0 or a positive number of tokens"),
     "optim.warmup_max_share": (lambda v: 0 <= v <= 1, "a share of the run between 0 and 1"),
+    "optim.decay_share": (lambda v: 0 < v <= 1, "a share of the run above 0 and at most 1"),
+    "optim.min_lr_ratio": (
+        lambda v: 0 <= v <= 1,
+        'a share of the peak LR between 0 and 1, or "auto" (the schedule\'s default)',
+    ),
     "train.max_steps": _AT_LEAST_1,
     "train.stop_at_step": _STEPS,
     "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
@@ -179,6 +193,13 @@ def check_ranges(cfg: RunConfig) -> None:
         values = getattr(cfg, section)
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
+            choices = _CHOICES.get((section, f.name))
+            if choices and value not in choices:
+                raise UserError(
+                    f"{section}.{f.name} is {value!r}: it must be one of "
+                    f"{', '.join(choices)}. Give --set {section}.{f.name}=VALUE with one of them "
+                    f"(its default is {f.default!r})."
+                )
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             key = f"{section}.{f.name}"

@@ -229,5 +229,5 @@ def _step(tag_dir: Path) -> int:
 
 
 def _scale_peak_lr(engine, factor: float) -> None:
-    """Multiply the schedule's peak LRs (``anneal.config.schedule.WarmupCosine``) by ``factor``."""
+    """Multiply the schedule's peak LRs (``anneal.config.schedule.WarmupDecay``) by ``factor``."""
     engine.lr_scheduler.scale_peak(factor)

@@ -11,7 +11,7 @@ import torch
 from anneal import model as modellib
 from anneal.config.launch import Launch, resolve_launch
 from anneal.config.run import RunConfig
-from anneal.config.schedule import WarmupCosine
+from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 
 
@@ -53,13 +53,13 @@ def build_engine(launch: Launch):
     if launch.cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt_params = ds["optimizer"]["params"]
-    sched = ds["scheduler"]["params"]
+    schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=modellib.param_groups(model, weight_decay=opt_params["weight_decay"]),
         config=engine_config,
-        lr_scheduler=lambda opt: WarmupCosine(opt, **sched),
+        lr_scheduler=lambda opt: WarmupDecay(opt, schedule),
     )
     if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not launch.bf16:
         _keep_fp32_clip_norm(engine)

@@ -186,6 +186,9 @@ class Trainer:
             self.load_state_dict(client)
             self.metrics.event(self.state.step, "resume", position=self.stream.position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
+            change = self.engine.lr_scheduler.change_on_resume()  # e.g. a new --max-steps
+            if change and rank() == 0:
+                log.warning(change)
         out, start = self.launch.out, self.state.step
         self.watchers += [
             observers.ForecastCheck(
