@@ -11,6 +11,7 @@ How the entry point prints a UserError by rank is checked in processes below."""
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -125,11 +126,21 @@ def test_out_with_a_different_run_is_refused(stdlib_data, tmp_path):
 def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
     """Same vocabulary size, different tokenizer, original data gone: only the checkpoint's
     record of the tokenizer can tell, and resume refuses."""
+    import sysconfig
+
     from anneal.data.prepare import prepare
 
+    # 60 of the standard library's small modules (under a megabyte, one document each): varied
+    # enough text for both tokenizers to reach the same vocabulary, seconds instead of minutes.
+    text = tmp_path / "text"
+    text.mkdir()
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    for module in [m for m in stdlib if m.stat().st_size < 20_000][:60]:
+        (text / f"{module.stem}.txt").write_text(module.read_text())
     first, second = tmp_path / "bpe", tmp_path / "unigram"
-    prepare(inputs=["stdlib"], out=first, vocab_size=2000, progress=False)
-    prepare(inputs=["stdlib"], out=second, vocab_size=2000, model_type="unigram", progress=False)
+    kw = dict(vocab_size=2000, val_fraction=0.1, progress=False)
+    prepare(inputs=[str(text)], out=first, **kw)
+    prepare(inputs=[str(text)], out=second, model_type="unigram", **kw)
     out = tmp_path / "run"
     base = ["--out", str(out), "--max-steps", "4", "--eval-every", "2", "--save-every", "2", *SMALL]
     run_recipe([*base, "--data", str(first), "--set", "train.stop_at_step=2"])
