@@ -39,6 +39,8 @@ class Row:
     optional: bool = False
     """An extra row: its failure is reported but does not fail the script."""
     needs_nvcc: bool = False
+    loss: str = "chunked"
+    """train.loss: chunked (Anneal's default) | plain (the full logits)."""
 
     def sets(self, *, cpu: bool) -> list[str]:
         sets = [
@@ -51,6 +53,7 @@ class Row:
             f"ds.train_micro_batch_size_per_gpu={self.micro}",
             f"ds.zero_optimization.stage={self.zero}",
             f"ds.optimizer.params.torch_adam={str(self.optimizer != 'ds-fused').lower()}",
+            f"train.loss={self.loss}",
         ]
         if self.optimizer == "torch-fused":
             sets.append("ds.optimizer.params.fused=true")
@@ -111,7 +114,8 @@ def gpu_rows() -> list[Row]:
 
 
 def _extra_rows() -> list[Row]:
-    """The optional 1b ZeRO-1 rows: the other two optimizers and a micro batch of 16."""
+    """The optional 1b ZeRO-1 rows: the other two optimizers, a micro batch of 16, and the
+    plain loss over the full logits (the chunked loss's price or gain, against 1b-z1-nockpt)."""
     base = dict(
         preset="1b",
         zero=1,
@@ -134,6 +138,7 @@ def _extra_rows() -> list[Row]:
             **{**base, "est_s": 180, "timeout_s": 300},  # + the FusedAdam JIT build
         ),
         Row(name="1b-z1-nockpt-micro16", optimizer="torch-foreach", **{**base, "micro": 16}),
+        Row(name="1b-z1-nockpt-plainloss", optimizer="torch-foreach", loss="plain", **base),
     ]
 
 

@@ -2,9 +2,10 @@
 
 Proves the ZeRO model-state formulas (stage 1 4P+12P/n, stage 2 2P+14P/n, stage 3 16P/n,
 offload), agreement with DeepSpeed's own estimators where both count the same thing, the
-activation accounting against Korthikanti et al.'s published formula, that each suggested lever
-really fits (and is the largest value that does), clear errors for bad input, and, on CPU, the
-estimate against the measured peak RSS of real training runs.
+activation accounting against Korthikanti et al.'s published formula, the loss's logits (plain,
+and chunked in closed form), that each suggested lever really fits (and is the largest value
+that does; the chunked loss first under the plain one), clear errors for bad input, and, on
+CPU, the estimate against the measured peak RSS of real training runs.
 """
 
 from __future__ import annotations
@@ -201,6 +202,67 @@ def test_levers_fit_and_are_the_largest_that_do():
     assert total(dataclasses.replace(preset, num_hidden_layers=n_layers), w) <= capacity
     assert total(dataclasses.replace(preset, num_hidden_layers=n_layers + 1), w) > capacity
     assert by_name["width"].total <= capacity
+
+
+def test_chunked_loss_holds_one_chunk_and_two_gradients():
+    """The loss's figure in closed form. plain: 4 fp32 (tokens x V) tensors, plus a 16-bit cast
+    under bf16 (8.79 GiB for the 7b recipe at micro-batch 4 x 4096). chunked: one chunk's fp32
+    logits and their log-softmax, the hidden states' gradient and the head weight's (in fp32,
+    and under bf16 a chunk's 16-bit product); a chunk larger than the tokens is all of them.
+    The defaults are the run config's."""
+    from anneal.config.run import TrainConfig
+
+    p7 = get_preset("7b")
+    w = memory.Workload(micro_batch=4, seq_len=4096, n_gpus=8)
+    assert (w.loss, w.loss_chunk_tokens) == (TrainConfig.loss, TrainConfig.loss_chunk_tokens)
+    plain = memory.logits_bytes(p7, dataclasses.replace(w, loss="plain"), bf16=True)
+    assert plain == 4 * 4096 * 32000 * (4 * 4 + 2)
+    assert round(plain / memory.GiB, 2) == 8.79
+    for bf16, value, head in ((True, 2, 6), (False, 4, 4)):
+        expected = 8 * 1024 * 32000 + 4 * 4096 * 4096 * value + 32000 * 4096 * head
+        assert memory.logits_bytes(p7, w, bf16=bf16) == expected
+    short = memory.Workload(micro_batch=2, seq_len=256, n_gpus=1, loss_chunk_tokens=4096)
+    assert memory.logits_bytes(p7, short, bf16=False) == 8 * 512 * 32000 + (512 + 32000) * 4096 * 4
+    assert memory.logits_bytes(p7, w, bf16=True) * 7 < plain  # 1.10 GiB
+
+
+def test_levers_suggest_the_chunked_loss_under_the_plain_one():
+    """Under train.loss=plain the first lever is the chunked loss, with the estimate it gives
+    (here enough alone); under the chunked loss there is no such lever."""
+    preset, zero = get_preset("1b"), zero_from("zero3_bf16.json")
+    plain = memory.Workload(micro_batch=8, seq_len=4096, n_gpus=8, loss="plain")
+    chunked = dataclasses.replace(plain, loss="chunked")
+    with_plain = memory.estimate(preset, zero, plain).total
+    with_chunked = memory.estimate(preset, zero, chunked).total
+    capacity = (with_plain + with_chunked) // 2
+    found = memory_levers.levers(preset, zero, plain, capacity=capacity, runtime_bytes=memory.GiB)
+    assert found[0].name == "chunked loss" and found[0].total == with_chunked
+    assert found[0].setting.startswith("train.loss=chunked")
+    names = [
+        lever.name
+        for lever in memory_levers.levers(
+            preset, zero, chunked, capacity=with_chunked - 1, runtime_bytes=memory.GiB
+        )
+    ]
+    assert "chunked loss" not in names
+    text = memory_io.format_estimate(
+        memory.estimate(preset, zero, plain, capacity=capacity),
+        preset=preset,
+        zero=zero,
+        work=plain,
+        capacity_name="x",
+        lever_list=found,
+    )
+    assert "loss plain (full logits)" in text and "chunked loss    train.loss=chunked" in text
+
+
+def test_a_runs_loss_is_read_from_its_config(tmp_path):
+    """``anneal estimate --model RUN/config.json`` counts the loss that run trained with."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"run": {"train": {"loss": "plain", "loss_chunk_tokens": 64}}}))
+    assert memory_io.run_loss(str(config)) == {"loss": "plain", "loss_chunk_tokens": 64}
+    config.write_text(json.dumps({"run": [], "model": {}}))
+    assert memory_io.run_loss(str(config)) == {} == memory_io.run_loss("7b")
 
 
 def run_cli(capsys, *argv):

@@ -149,6 +149,14 @@ class TrainConfig:
     precision: str = "auto"
     """auto | bf16 | fp32. auto keeps the ds_config's bf16 where the device has fast bf16 and
     turns it off (saying so) where it does not, as on CPUs."""
+    loss: str = "chunked"
+    """chunked | plain (``anneal.train.loss``). chunked: the output projection and the
+    cross-entropy run ``loss_chunk_tokens`` tokens at a time, gradients included, so the
+    (tokens x vocab) logits are never held (training and validation); the same loss and
+    gradients within 1e-6 relative in fp32. plain: the model's full logits, then
+    cross-entropy. A head chunked cannot read (tensor-parallel, biased) runs plain."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,6 +226,8 @@ _RESUMABLE_KEYS = {
     "train.stop_at_step",
     "train.log_every",
     "train.memory_per_rank",
+    "train.loss",
+    "train.loss_chunk_tokens",
     "train.heartbeat_timeout_s",
     "train.collective_timeout_s",
     "data.prefetch_batches",

@@ -33,6 +33,7 @@ _SECTIONS = {
 }
 _CHOICES = {
     ("train", "precision"): ("auto", "bf16", "fp32"),
+    ("train", "loss"): ("chunked", "plain"),
     ("optim", "schedule"): ("cosine", "wsd"),
     ("optim", "decay_shape"): ("linear", "1-sqrt", "cosine"),
 }
@@ -158,6 +159,10 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "train.keep_last": (lambda v: v >= 0, "0 (keep every checkpoint) or a number of checkpoints"),
     "train.keep_every": _STEPS,
     "train.log_every": _AT_LEAST_1,
+    "train.loss_chunk_tokens": (
+        lambda v: 1 <= v <= MAX_DIM,
+        f"a positive number of tokens up to {MAX_DIM:,}",
+    ),
     "train.heartbeat_timeout_s": (
         lambda v: 0 <= v <= _YEAR_S,
         f"0 (no heartbeat) or a number of seconds up to {_YEAR_S:,}",

@@ -1,5 +1,5 @@
-"""Per-GPU memory estimate of a training run: model states by ZeRO stage, activations, logits,
-working buffers; whether it fits; and the levers that make it fit.
+"""Per-GPU memory estimate of a training run: model states by ZeRO stage, activations, logits
+(plain or chunked), working buffers; whether it fits; and the levers that make it fit.
 
 Model states with mixed-precision Adam take 2 + 2 + 12 bytes per parameter: 16-bit weights,
 16-bit gradients, and fp32 master weights with Adam's two moments (ZeRO paper, Rajbhandari et
@@ -118,6 +118,11 @@ class Workload:
     eager_attention: bool = False
     """Attention that stores its a x s x s scores (Korthikanti's 5as/h term); Anneal's SDPA
     attention does not."""
+    loss: str = "chunked"
+    """``train.loss``: chunked (one chunk's logits at a time, Anneal's default) | plain (the
+    full logits)."""
+    loss_chunk_tokens: int = 1024
+    """``train.loss_chunk_tokens`` (its default, as ``anneal.config.run.TrainConfig``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -300,12 +305,26 @@ def activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
 
 
 def logits_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
-    """Peak bytes of the logits and the loss, at the start of backward: the fp32 log-softmax
-    that cross-entropy keeps, its incoming gradient, exp(log-softmax) and the logits' fp32
-    gradient (4 x 4 bytes per token and vocabulary entry), plus that gradient's 16-bit cast
-    under bf16. The forward logits (and their fp32 upcast) are freed by then."""
-    per = 4 * 4 + (2 if bf16 else 0)
-    return int(work.seq_len * work.micro_batch * preset.vocab_size * per)
+    """Peak bytes of the logits and the loss.
+
+    plain, at the start of backward: the fp32 log-softmax that cross-entropy keeps, its
+    incoming gradient, exp(log-softmax) and the logits' fp32 gradient (4 x 4 bytes per token
+    and vocabulary entry), plus that gradient's 16-bit cast under bf16. The forward logits
+    (and their fp32 upcast) are freed by then.
+
+    chunked (``anneal.train.loss``), in the loss's forward, where it computes the gradients:
+    one chunk's fp32 logits and their log-softmax (2 x 4 bytes per chunk token and vocabulary
+    entry; the log-softmax is then overwritten by the logits' gradient, whose 16-bit cast
+    under bf16 takes the place of the freed logits), the hidden states' gradient (tokens x h
+    values) and the head weight's, summed over chunks in fp32 (V x h x 4 bytes, and under bf16
+    each chunk's 16-bit product, 2 more), both held into backward. With c = min(chunk, tokens)
+    and v bytes a value: ``8 c V + tokens h v + V h (4 + 2 [bf16])``.
+    """
+    tokens, vocab, h = work.seq_len * work.micro_batch, preset.vocab_size, preset.hidden_size
+    if work.loss == "plain":
+        return int(tokens * vocab * (4 * 4 + (2 if bf16 else 0)))
+    chunk, value = min(work.loss_chunk_tokens, tokens), 2 if bf16 else 4
+    return int(8 * chunk * vocab + tokens * h * value + vocab * h * (6 if bf16 else 4))
 
 
 def estimate(
@@ -319,10 +338,13 @@ def estimate(
     """Peak bytes per GPU of training ``preset`` with ``zero`` on ``work``."""
     if zero.stage not in (0, 1, 2, 3):
         raise UserError(f"zero_optimization.stage {zero.stage}: must be 0, 1, 2 or 3.")
+    if work.loss not in ("chunked", "plain"):
+        raise UserError(f"train.loss {work.loss!r}: must be chunked or plain.")
     for name, value in (
         ("--micro-batch", work.micro_batch),
         ("--seq", work.seq_len),
         ("--nodes x --gpus-per-node", work.n_gpus),
+        ("train.loss_chunk_tokens", work.loss_chunk_tokens),
     ):
         if value < 1:
             raise UserError(f"{name} {value}: must be at least 1.")

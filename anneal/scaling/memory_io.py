@@ -53,6 +53,22 @@ def run_ds_config(spec: str) -> dict | None:
     return ds if isinstance(ds, dict) else None
 
 
+def run_loss(spec: str) -> dict:
+    """``loss`` and ``loss_chunk_tokens`` (``Workload``'s fields) of the run whose config.json is
+    ``spec``, as it trained; {} when ``spec`` is not a run's config (a preset, a Hugging Face
+    config, a run from before the key): the estimate then takes Anneal's default."""
+    path = Path(spec)
+    try:
+        doc = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    run = doc.get("run") if isinstance(doc, dict) else None
+    train = run.get("train") if isinstance(run, dict) else None
+    if not isinstance(train, dict):
+        return {}
+    return {k: train[k] for k in ("loss", "loss_chunk_tokens") if k in train}
+
+
 def format_estimate(
     est: MemoryEstimate,
     *,
@@ -70,6 +86,12 @@ def format_estimate(
         k for k, v in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if v
     ]
 
+    loss = (
+        f"chunked ({work.loss_chunk_tokens} tokens a chunk)"
+        if work.loss == "chunked"
+        else "plain (full logits)"
+    )
+
     def row(label: str, value: int, note: str = "") -> str:
         return f"  {label:<36} {format_bytes(value):>12}{'   ' + note if note else ''}"
 
@@ -77,7 +99,7 @@ def format_estimate(
         f"model {preset.name}: {p:,} parameters; ZeRO stage {zero.stage} over {n} GPUs, "
         f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
         f"micro-batch {work.micro_batch} x {work.seq_len} tokens, activation checkpointing "
-        f"{'on' if work.activation_checkpointing else 'off'}",
+        f"{'on' if work.activation_checkpointing else 'off'}, loss {loss}",
         "",
         "per GPU:",
         row("weights", est.params),

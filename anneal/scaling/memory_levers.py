@@ -1,6 +1,7 @@
 """Levers: what to change for a run that does not fit in GPU memory, in order of preference:
-first what costs no quality (micro-batch, with more accumulation), then context, then model
-shape. Each lever is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
+first what costs nothing (the chunked loss, when the plain one is selected), then what costs no
+quality (micro-batch, with more accumulation), then context, then model shape. Each lever
+but the loss is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
 bisection, since the estimate grows with each of them.
 """
 
@@ -10,13 +11,13 @@ import dataclasses
 import math
 
 from anneal.model import ModelPreset
-from anneal.scaling.memory import Workload, ZeroSetup, estimate
+from anneal.scaling.memory import GiB, Workload, ZeroSetup, estimate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lever:
     name: str
-    """micro-batch | context length | layers | width"""
+    """chunked loss | micro-batch | context length | layers | width"""
     setting: str | None
     """The largest value that fits, as the flag or key to set; None when nothing does."""
     total: int | None
@@ -37,12 +38,24 @@ def _largest(lo: int, hi: int, fits) -> int | None:
 def levers(
     preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
 ) -> list[Lever]:
-    """Each lever alone, from the given setup: micro-batch, context length, layers, width."""
+    """Each lever alone, from the given setup: the chunked loss (under the plain one),
+    micro-batch, context length, layers, width."""
 
     def total(p: ModelPreset, w: Workload) -> int:
         return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
 
     out = []
+    if work.loss == "plain":
+        chunked = total(preset, _w(work, loss="chunked"))
+        saves, fits = (total(preset, work) - chunked) / GiB, chunked <= capacity
+        out.append(
+            Lever(
+                name="chunked loss",
+                setting=f"train.loss=chunked (saves {saves:.2f} GiB)" if fits else None,
+                total=chunked if fits else None,
+                note="" if fits else f"train.loss=chunked saves {saves:.2f} GiB, not enough alone",
+            )
+        )
     b = _largest(
         1, work.micro_batch - 1, lambda x: total(preset, _w(work, micro_batch=x)) <= capacity
     )

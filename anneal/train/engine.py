@@ -4,6 +4,7 @@ else; the process setup before it (process group, device, CPU threads)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -13,6 +14,7 @@ from anneal.config.launch import Launch, resolve_launch
 from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
+from anneal.train import loss as losslib
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -63,6 +65,16 @@ def build_engine(launch: Launch):
     )
     if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not launch.bf16:
         _keep_fp32_clip_norm(engine)
+    train = launch.cfg.train
+    if train.loss == "chunked" and not losslib.install(
+        engine.module, chunk_tokens=train.loss_chunk_tokens
+    ):
+        # After initialize, as AutoTP replaces the head with its vocabulary-sharded layer.
+        logging.getLogger(__name__).warning(
+            "train.loss=chunked: the model's output layer (%s) is not a bias-free nn.Linear; "
+            "the loss runs plain, over the full logits",
+            type(engine.module.get_output_embeddings()).__name__,
+        )
     return engine
 
 

@@ -5,7 +5,8 @@ only at the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with d
 2-D+ weights -> warmup-cosine LR step. And validation on the fixed held-out windows.
 
 Nothing here is there for tests: fault injection (``anneal.resilience.faults``) wraps
-``train_step`` from outside, through its ``stream`` and ``loss_fn`` arguments.
+``train_step`` from outside, through its ``stream`` and ``loss_fn`` arguments. The loss itself
+(chunked, or plain over the full logits: ``train.loss``) lives in ``anneal.train.loss``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from anneal.config.launch import Launch
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import rank, world_size
 from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
+from anneal.train import loss as losslib
 
 
 @dataclasses.dataclass
@@ -37,9 +38,9 @@ class TrainState:
         return dataclasses.asdict(self)
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of (B, T, V) logits against (B, T) next tokens, in fp32."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+next_token_loss = losslib.next_token_loss
+"""Mean cross-entropy in fp32 of the model's output (its (B, T, V) logits, or the loss its
+chunked head computed: ``anneal.train.loss``) against (B, T) next tokens."""
 
 
 def _step_collective(
@@ -82,8 +83,9 @@ def train_step(
 ) -> dict:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; advances ``state``
     and returns the step's train row. ``preemption``: the run's ``Preemption``; this step's
-    collective sets its ``requested_by_any`` on every rank. ``loss_fn(logits, targets)``: the
-    loss of one micro-batch.
+    collective sets its ``requested_by_any`` on every rank. ``loss_fn(output, targets)``: the
+    loss of one micro-batch from the model's output (its logits, or the loss its chunked head
+    computed).
 
     The micro-batch losses stay on the device and are read once, at the end of the step, in
     the step's one collective (``_step_collective``)."""
@@ -96,7 +98,8 @@ def train_step(
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = loss_fn(engine(input_ids=x).logits, y)
+        with losslib.targets(engine.module, y):  # train.loss=chunked: no full logits
+            loss = loss_fn(engine(input_ids=x).logits, y)
         engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         loss_sum += loss.detach()
@@ -144,8 +147,8 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
         x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
         x, y = x.to(device), y.to(device)
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
-        logits = engine(input_ids=x).logits.float()
-        nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
+        with losslib.targets(engine.module, y, per_token=True):
+            nats = losslib.token_nats(engine(input_ids=x).logits, y)  # (B, T)
         sums += torch.stack(
             [
                 (nats.double().sum(1) * weight).sum(),
