@@ -111,6 +111,8 @@ DS_SCHEMA: dict[str, Any] = {
         "output_file": str,
     },
     "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
+    # DeepSpeed's AutoTP training (anneal/config/parallel.py); its other keys are not taken.
+    "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
     # Anneal turns load_universal on by itself for the one load that changes the world size.
     "checkpoint": {"load_universal": bool, "tag_validation": str, "use_node_local_storage": bool},
 }
@@ -132,6 +134,10 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("gradient_clipping",): (lambda v: v >= 0, "0 (off) or a positive norm"),
     ("steps_per_print",): (lambda v: v >= 1, "at least 1"),
     ("zero_optimization", "stage"): (lambda v: v in (0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3"),
+    ("tensor_parallel", "autotp_size"): (
+        lambda v: v >= 0,
+        "the ranks per tensor-parallel group (0 or 1: no tensor parallelism)",
+    ),
     ("optimizer", "params", "lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
     ("optimizer", "params", "betas"): (
         lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),

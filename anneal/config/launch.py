@@ -15,6 +15,7 @@ from pathlib import Path
 from anneal import model as modellib
 from anneal import rundir
 from anneal.config import ds as ds_config
+from anneal.config import parallel
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
@@ -57,6 +58,11 @@ class Launch:
         return self.preset.seq_len
 
     @property
+    def layout(self) -> parallel.Layout:
+        """Tensor-parallel degree x data-parallel size (``anneal.config.parallel``)."""
+        return parallel.Layout(self.world_size, parallel.tensor_parallel_size(self.ds_config))
+
+    @property
     def micro_batch(self) -> int:
         return self.ds_config["train_micro_batch_size_per_gpu"]
 
@@ -96,7 +102,12 @@ class Launch:
                 "seq_len": self.seq_len,
                 "params": modellib.count_params(self.preset),
             },
-            "launch": {"world_size": self.world_size, "device": self.device_type},
+            "launch": {
+                "world_size": self.world_size,
+                "tensor_parallel_size": self.layout.tensor_parallel,
+                "data_parallel_size": self.layout.data_parallel,
+                "device": self.device_type,
+            },
         }
 
     def describe(self) -> str:
@@ -106,7 +117,7 @@ class Launch:
         lines = [
             f"model {self.cfg.model.preset}: {n_params:,} parameters "
             f"({modellib.human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
-            f"{self.seq_len}; {self.world_size} rank(s) on {self.device_type}; ZeRO stage "
+            f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
             f"{ds.get('zero_optimization', {}).get('stage', 0)}, "
             f"{'bf16' if self.bf16 else 'fp32'}",
             f"resolved ({self.cfg.ds_config}, then the recipe's defaults, then --set):",
@@ -172,13 +183,16 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     data_dir = Path(cfg.data.path)
     meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
     preset = cfg.model.resolve(meta["vocab_size"])
+    layout = parallel.layout(
+        ds, preset, world_size=world_size, source=str(ds_path), exports=cfg.train.export_every_save
+    )
     out = Path(cfg.out)
     old_config = check_run_dir(cfg, out, data_dir=data_dir)
     resume_from = checkpoint.find_resume(cfg.resume, rundir.checkpoints_dir(out))
     ds, resolved_from = ds_config.resolve_ds_config(
         ds,
         source=str(ds_path),
-        data_parallel_size=world_size,
+        data_parallel_size=layout.data_parallel,
         max_steps=cfg.train.max_steps,
         seq_len=preset.seq_len,
         optim=cfg.optim,
@@ -198,6 +212,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
             preset,
             world_size=world_size,
             zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
+            layout=layout,
         )
     launch = Launch(
         cfg=cfg,
@@ -298,11 +313,17 @@ def _read_run_config(out: Path) -> dict | None:
 
 
 def check_checkpoint_fits(
-    tag_dir: Path, preset: modellib.ModelPreset, *, world_size: int, zero_stage: int
+    tag_dir: Path,
+    preset: modellib.ModelPreset,
+    *,
+    world_size: int,
+    zero_stage: int,
+    layout: parallel.Layout,
 ) -> None:
     """The checkpoint to resume must hold weights of this run's shape (from its manifest, or
-    the config.json of the run that wrote it) and, below ZeRO-3, come from as many ranks: both
-    are refused here, before anything is written, rather than inside DeepSpeed's load."""
+    the config.json of the run that wrote it), at the tensor-parallel degree it was saved at,
+    and, below ZeRO-3 or with tensor parallelism, from as many ranks: all are refused here,
+    before anything is written, rather than inside DeepSpeed's load."""
     manifest = checkpoint.read_manifest(tag_dir) or {}
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
@@ -322,6 +343,7 @@ def check_checkpoint_fits(
                 f"model.hidden_size=... as {source} says; vocab_size comes from --data), or "
                 f"start a new run in a new --out."
             )
+    parallel.check_resume_layout(tag_dir, manifest, layout)
     saved_ranks = manifest.get("world_size")
     if isinstance(saved_ranks, int) and saved_ranks != world_size and zero_stage != 3:
         raise UserError(

@@ -11,9 +11,12 @@ Sample i of the run is a window chosen by a pure function of (seed, i):
   sample of source s is window ``perm_{s,e}(j mod n_s)`` of that source, ``e = j // n_s``, so
   each source is read without repetition within its own epoch.
 
-Rank r of W reads samples ``i = k*W + r``. The only state is the next global index, so resume
-sets one integer: no replay, no skip, and any world size sees the same global sequence; with
-the same global batch each optimizer step consumes the same samples. The permutation is a
+Data-parallel rank r of W reads samples ``i = k*W + r``. W counts model replicas, not
+processes: under tensor parallelism the ranks of one group hold one replica and read the same
+samples (the trainer passes the index DeepSpeed's data-parallel process group gives it; this
+module never looks at ranks itself). The only state is the next global index, so resume sets one
+integer: no replay, no skip, and any number of replicas sees the same global sequence; with the
+same global batch each optimizer step consumes the same samples. The permutation is a
 keyed Feistel network (no table): O(1) memory and time per sample for any number of windows.
 """
 
@@ -160,7 +163,11 @@ class PackedSplit:
 
 
 class TokenStream:
-    """This rank's micro-batches of the global sample sequence, prefetched in a thread."""
+    """This replica's micro-batches of the global sample sequence, prefetched in a thread.
+
+    ``rank`` / ``world_size``: the data-parallel index of this process and the number of
+    data-parallel replicas (with tensor parallelism, world / TP: every rank of a TP group gets
+    the same index and so the same batches)."""
 
     def __init__(
         self,

@@ -125,6 +125,14 @@ def export(
     preset = preset_from_config(doc, rundir.config_path(run_dir))
     tag_dir = select_checkpoint(run_dir, tag)
     manifest = checkpoint.read_manifest(tag_dir)
+    if manifest.get("tensor_parallel_size", 1) != 1:
+        raise UserError(
+            f"{tag_dir}: saved with tensor parallelism (degree {manifest['tensor_parallel_size']}"
+            f", its manifest), and export reads ZeRO layouts of whole matrices only; each rank's "
+            f"files here hold its slices of the sharded ones. Export is not supported for "
+            f"tensor-parallel checkpoints yet (docs/parallelism.md): train with "
+            f"ds.tensor_parallel.autotp_size=1 for a run you need to export."
+        )
     tok_dir = tokenizer_dir(run_dir, doc, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)

@@ -38,12 +38,15 @@ def build_engine(launch: Launch):
     ds = launch.ds_config
     zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
     preset = launch.preset
+    mpu = _tensor_parallel_groups(launch.layout.tensor_parallel)
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.
         import transformers.models.llama.modeling_llama  # noqa: F401
 
-        with deepspeed.zero.Init(config_dict_or_path=ds):
+        # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
+        dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
             model = modellib.build_model(preset)
         gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
     else:
@@ -62,6 +65,7 @@ def build_engine(launch: Launch):
         model_parameters=modellib.param_groups(model, weight_decay=opt_params["weight_decay"]),
         config=engine_config,
         lr_scheduler=lambda opt: WarmupDecay(opt, schedule),
+        mpu=mpu,
     )
     if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not launch.bf16:
         _keep_fp32_clip_norm(engine)
@@ -76,6 +80,29 @@ def build_engine(launch: Launch):
             type(engine.module.get_output_embeddings()).__name__,
         )
     return engine
+
+
+def _tensor_parallel_groups(tp: int):
+    """DeepSpeed's own tensor- and data-parallel process groups (``deepspeed.utils.groups``,
+    groups of ``tp`` consecutive ranks), made before ``deepspeed.initialize`` and given to it as
+    its ``mpu``; None without tensor parallelism. Given no mpu, DeepSpeed's config would count
+    the whole world, not world / tp, against ``train_batch_size``; AutoTP then finds these
+    groups made and shards over them, as its own ``_configure_tensor_parallel_states`` would."""
+    if tp == 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+    return groups
+
+
+def data_parallel(engine) -> tuple[int, int]:
+    """(this rank's index among the data-parallel replicas, their number), from the engine's
+    own data-parallel process group: the ranks of one tensor-parallel group share an index, so
+    they read the same samples (AutoTP needs identical inputs across a group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size
 
 
 def _keep_fp32_clip_norm(engine) -> None:

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from anneal.config.launch import Launch
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
-from anneal.dist import rank, world_size
+from anneal.dist import world_size
 from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
 from anneal.train import loss as losslib
+from anneal.train.engine import data_parallel
 
 
 @dataclasses.dataclass
@@ -67,6 +68,8 @@ def _step_collective(
         parts = [torch.empty_like(mine) for _ in range(world_size())]
         dist.all_gather(parts, mine)
         mine = torch.stack(parts)
+    # With tensor parallelism each replica's loss comes once per rank of its group, all equal,
+    # so the mean over ranks is still the mean over data-parallel replicas.
     rows = mine.view(-1, 3).tolist()
     memory = live.memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
     loss_mean = sum(r[0] for r in rows) / len(rows)
@@ -137,11 +140,12 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+    dp_rank, dp_size = data_parallel(engine)  # a tensor-parallel group reads as one
     for windows in validation_windows(
         val.n_windows,
         n_samples=launch.cfg.train.eval_samples,
-        rank=rank(),
-        world_size=world_size(),
+        rank=dp_rank,
+        world_size=dp_size,
         micro_batch=launch.micro_batch,
     ):
         x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
@@ -156,7 +160,7 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
                 (byte_table[y].sum(1) * weight).sum(),
             ]
         )
-    if world_size() > 1:
+    if world_size() > 1:  # a TP group's ranks add equal sums: their ratios stay the same
         dist.all_reduce(sums)
     engine.train()
     nats, tokens, n_bytes = sums.tolist()

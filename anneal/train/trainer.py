@@ -118,6 +118,7 @@ class Trainer:
             **self.state.state_dict(),
             "data": self.stream.state_dict(),
             "guard": self.guard.state_dict(),
+            "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
         }
 
     def load_state_dict(self, client: dict) -> None:
@@ -130,11 +131,12 @@ class Trainer:
     def _open_stream(self, position: int) -> None:
         if self.stream is not None:
             self.stream.close()
+        dp_rank, dp_size = enginelib.data_parallel(self.engine)  # a TP group reads as one
         self.stream = TokenStream(
             self.data.train,
             seed=self.cfg.train.seed,
-            rank=rank(),
-            world_size=world_size(),
+            rank=dp_rank,
+            world_size=dp_size,
             micro_batch=self.launch.micro_batch,
             position=position,
             prefetch=self.cfg.data.prefetch_batches,

@@ -1,0 +1,261 @@
+"""Tensor parallelism through DeepSpeed 0.19.8's AutoTP training (``--set
+ds.tensor_parallel.autotp_size=N``), checked against the same run without it.
+
+Slow (real engine, real processes, gloo, fp32 on CPU, micro shapes at sequence 32): TP=2 on 2
+ranks (ZeRO-2) and TP=2 x DP=2 on 4 ranks (ZeRO-1) log per-step losses over 10 steps equal to a
+TP=1 run on 1 rank with the same global batch of 4 samples (within 1e-5 relative), and the same
+validation loss; a TP=2 checkpoint resumed at the same topology continues bitwise. Equal losses
+also show that every rank of a TP group read the same samples (DeepSpeed asserts it on the first
+forward) and that the token stream shards over data-parallel replicas (world / TP).
+
+Fast (in this process, through ``resolve_launch`` and the launcher's pre-flight, as every rank
+and the launch host run them): the batch arithmetic counts data-parallel ranks; each bad layout
+is one clear UserError before anything starts (a world that does not split into TP groups,
+heads or MLP width that do not divide, ZeRO-3 with TP, a resume at another TP degree or on
+another number of ranks, unknown tensor_parallel keys, export of a TP checkpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from anneal.cli.recipe import config_from_args, load_recipe
+from anneal.config import parallel
+from anneal.config.launch import resolve_launch
+from anneal.errors import UserError
+from anneal.model import get_preset
+from launcher.__main__ import main as launcher_main
+from tests.conftest import ROOT, read_metrics, run_recipe, run_recipes
+
+TINY = ROOT / "recipes" / "pretrain_tiny.py"
+STEPS = 10
+SHAPE = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+    "model.seq_len=32",
+    "train.eval_samples=8",
+    "train.log_every=1",
+    "ds.scheduler.params.warmup_num_steps=2",
+    "ds.train_micro_batch_size_per_gpu=2",
+]
+
+
+def _sets(*items: str) -> list[str]:
+    return [x for item in items for x in ("--set", item)]
+
+
+def _args(data, out, *, tp: int, accum: int, stage: int, extra=()) -> list[str]:
+    """STEPS steps with micro-batch 2 (global batch = 2 x accum x ranks / tp), validated at
+    the last, saved at steps 5 and 10. The schedule runs to STEPS + 1 and the run stops after
+    STEPS (``train.stop_at_step``), which spares each launch the end-of-run report process."""
+    return [
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-steps",
+        str(STEPS + 1),
+        "--eval-every",
+        str(STEPS),
+        "--save-every",
+        "5",
+        *_sets(
+            f"train.stop_at_step={STEPS}",
+            *SHAPE,
+            f"ds.gradient_accumulation_steps={accum}",
+            f"ds.zero_optimization.stage={stage}",
+            f"ds.tensor_parallel.autotp_size={tp}",
+        ),
+        *extra,
+    ]
+
+
+# -- slow: the real engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """The TP=1 reference, TP=2 on 2 ranks, TP=2 x DP=2 on 4 ranks (each 4 samples per step),
+    then the TP=2 run resumed from its step-5 checkpoint in a new directory."""
+    tmp = tmp_path_factory.mktemp("tp")
+    launches = {
+        "ref": dict(args=_args(tiny_data, tmp / "ref", tp=1, accum=2, stage=2)),
+        "tp2": dict(args=_args(tiny_data, tmp / "tp2", tp=2, accum=2, stage=3), ranks=2),
+        "tp2dp2": dict(args=_args(tiny_data, tmp / "tp2dp2", tp=2, accum=1, stage=2), ranks=4),
+    }
+    done = dict(zip(launches, run_recipes(list(launches.values()), parallel=2), strict=True))
+    tag = tmp / "tp2" / "checkpoints" / "step00000005"
+    resume = ["--resume", str(tag)]
+    done["resumed"] = run_recipe(
+        _args(tiny_data, tmp / "resumed", tp=2, accum=2, stage=3, extra=resume),
+        ranks=2,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    return tmp, done
+
+
+def _train(out) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out, "train")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2", "tp2dp2"])
+def test_losses_equal_the_run_without_tensor_parallelism(runs, name):
+    """Slow: 4 launches of up to 4 ranks. Within 1e-5 relative at each of the 10 steps (the
+    reductions run in another order), and the final validation loss too."""
+    tmp, done = runs
+    ref, tp = _train(tmp / "ref"), _train(tmp / name)
+    assert sorted(ref) == sorted(tp) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert tp[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        assert tp[step]["tokens"] == ref[step]["tokens"] == step * 4 * 32
+    assert len({r["loss"] for r in ref.values()}) == STEPS  # the data moved on every step
+    val_ref, val_tp = read_metrics(tmp / "ref", "val")[-1], read_metrics(tmp / name, "val")[-1]
+    assert val_tp["val_loss"] == pytest.approx(val_ref["val_loss"], rel=1e-5)
+    config = json.loads((tmp / name / "config.json").read_text())
+    ranks = 2 if name == "tp2" else 4
+    assert config["launch"]["tensor_parallel_size"] == 2
+    assert config["launch"]["data_parallel_size"] == ranks // 2
+    assert f"{ranks} ranks = tensor-parallel 2 x data-parallel {ranks // 2}" in done[name].stdout
+
+
+@pytest.mark.slow
+def test_resume_at_the_same_topology_is_exact(runs):
+    """Slow (shares ``runs``): steps 6-10 after resuming the TP=2 run's step-5 checkpoint are
+    bitwise those of the run that went on; its manifest records the tensor-parallel degree."""
+    tmp, done = runs
+    tag = tmp / "tp2" / "checkpoints" / "step00000005"
+    assert json.loads((tag / "manifest.json").read_text())["tensor_parallel_size"] == 2
+    assert f"resumed from {tag} at step 5" in done["resumed"].stdout
+    full, resumed = _train(tmp / "tp2"), _train(tmp / "resumed")
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert resumed[step][key] == full[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_and_export_are_refused(runs, tiny_data, tmp_path):
+    """Slow (shares ``runs``): the real TP=2 checkpoint, resumed at TP=1 on 2 ranks and at
+    TP=2 on 4 ranks, is refused in resolution with the reason; `anneal export` refuses it."""
+    from anneal.hf.export import export
+
+    tmp, _ = runs
+    tag = tmp / "tp2" / "checkpoints" / "step00000005"
+    for tp, world, why in [(1, 2, "tensor-parallel degree 2"), (2, 4, "saved by 2 ranks")]:
+        args = _args(tiny_data, tmp_path / f"r{tp}{world}", tp=tp, accum=2, stage=2)
+        assert why in _refused([*args, "--resume", str(tag)], world_size=world)
+    with pytest.raises(UserError, match="tensor parallelism"):
+        export(tmp / "tp2", out=tmp_path / "hf", tag=tag.name)
+    assert not (tmp_path / "hf").exists()
+
+
+# -- fast: resolution and pre-flight -------------------------------------------------------------
+
+
+def _resolve(args, *, world_size: int):
+    cfg, overrides = config_from_args(args, prog=str(TINY), on_cpu=True, **load_recipe(TINY))
+    return resolve_launch(cfg, overrides, world_size=world_size, device_type="cpu")
+
+
+def _refused(args, *, world_size: int) -> str:
+    with pytest.raises(UserError) as caught:
+        _resolve(args, world_size=world_size)
+    assert caught.value.every_rank
+    return str(caught.value)
+
+
+def test_batch_arithmetic_counts_data_parallel_ranks(tiny_data, tmp_path):
+    """4 ranks at TP=2 are 2 replicas: a global batch of 8 samples at micro-batch 2 takes 2
+    accumulation steps (4 without TP); the plan printed at start says so."""
+    args = _args(tiny_data, tmp_path / "run", tp=2, accum=2, stage=2)
+    args += _sets("ds.gradient_accumulation_steps=auto", "optim.global_batch_tokens=256")
+    launch = _resolve(args, world_size=4)
+    assert (launch.layout.tensor_parallel, launch.layout.data_parallel) == (2, 2)
+    assert launch.ds_config["train_batch_size"] == 8
+    assert launch.ds_config["gradient_accumulation_steps"] == 2
+    assert "4 ranks = tensor-parallel 2 x data-parallel 2" in launch.describe()
+    assert launch.config_document()["launch"]["data_parallel_size"] == 2
+    plain = _resolve([*args, *_sets("ds.tensor_parallel.autotp_size=1")], world_size=4)
+    assert plain.ds_config["gradient_accumulation_steps"] == 1  # 8 / (2 x 4)
+    assert not (tmp_path / "run").exists()
+
+
+BAD_LAYOUTS = {
+    "world_not_divisible": (3, 2, [], "do not split into tensor-parallel groups of 2"),
+    "heads_not_divisible": (8, 8, [], "does not divide the model's num_attention_heads 4"),
+    "export_every_save": (2, 2, ["train.export_every_save=true"], "with train.export_every_save"),
+    "negative": (2, -1, [], "tensor_parallel.autotp_size is -1"),
+    "unknown_key": (2, 2, ["ds.tensor_parallel.vocab_parallel_lm_head=true"], "unknown key"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS, ids=list(BAD_LAYOUTS))
+def test_bad_layouts_are_refused_in_resolution(case, tiny_data, tmp_path):
+    world, tp, extra, match = BAD_LAYOUTS[case]
+    args = _args(tiny_data, tmp_path / "run", tp=tp, accum=1, stage=2) + _sets(*extra)
+    assert match in _refused(args, world_size=world)
+    assert not (tmp_path / "run").exists()
+
+
+def test_key_value_heads_must_divide_too():
+    """The recipes' overrides keep kv heads = heads, so a grouped-query shape is checked here:
+    32 query heads split over 16 ranks, 8 key-value heads do not."""
+    gqa = dataclasses.replace(get_preset("7b"), num_key_value_heads=8)
+    with pytest.raises(UserError, match="num_key_value_heads 8") as caught:
+        parallel.layout({"tensor_parallel": {"autotp_size": 16}}, gqa, world_size=16, source="x")
+    assert "num_attention_heads 32" not in str(caught.value)
+    ok = parallel.layout({"tensor_parallel": {"autotp_size": 8}}, gqa, world_size=16, source="x")
+    assert (ok.tensor_parallel, ok.data_parallel) == (8, 2)
+
+
+def _fake_checkpoint(out, *, world_size: int, tp: int):
+    """A tag directory that resume takes as intact (a manifest listing no files)."""
+    tag = out / "checkpoints" / "step00000005"
+    tag.mkdir(parents=True)
+    manifest = {"tag": tag.name, "step": 5, "files": {}, "world_size": world_size}
+    manifest["tensor_parallel_size"] = tp
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    return tag
+
+
+@pytest.mark.parametrize(
+    "saved,now,match",
+    [
+        ((2, 2), (2, 1), "saved with tensor-parallel degree 2"),
+        ((2, 1), (2, 2), "saved with tensor-parallel degree 1"),
+        ((4, 2), (2, 2), "saved by 4 ranks with tensor parallelism 2"),
+    ],
+)
+def test_resume_at_another_layout_is_refused(saved, now, match, tiny_data, tmp_path):
+    """(world, tp) saved -> (world, tp) now; ZeRO-3 would take another world size without TP,
+    never with it (DeepSpeed's universal checkpoint does not re-slice AutoTP weights)."""
+    out = tmp_path / "run"
+    tag = _fake_checkpoint(out, world_size=saved[0], tp=saved[1])
+    args = _args(tiny_data, out, tp=now[1], accum=1, stage=2) + ["--resume", "auto"]
+    assert match in _refused(args, world_size=now[0])
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "manifest.json", tag.name]
+
+
+def test_launcher_preflight_refuses_before_starting(tiny_data, tmp_path, capsys, monkeypatch):
+    """`python -m launcher run` with 3 ranks at TP=2: one paragraph, exit 2, nothing started."""
+    import launcher.__main__ as launcher_cli
+
+    def start(*args, **kwargs):
+        raise AssertionError(f"pre-flight let a bad launch start: {args}")
+
+    monkeypatch.setattr(launcher_cli.subprocess, "run", start)
+    out = tmp_path / "run"
+    args = _args(tiny_data, out, tp=2, accum=1, stage=2)
+    code = launcher_main(
+        ["run", str(TINY), "--device", "cpu", "--no-ssh-check", "--num-gpus", "3", "--", *args]
+    )
+    printed = capsys.readouterr()
+    assert code == 2, printed.out + printed.err
+    assert "tensor-parallel groups of 2" in printed.err
+    assert len(printed.err.strip().splitlines()) == 1
+    assert not out.exists()
