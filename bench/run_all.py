@@ -4,6 +4,8 @@
     .venv/bin/python bench/run_all.py --only train    some (names without bench_ and .py)
     .venv/bin/python bench/run_all.py --smoke         CI: each script's few-step smoke mode;
                                                       nothing is written
+    .venv/bin/python bench/run_all.py --smoke --jobs 2   two scripts at a time (smoke only:
+                                                      measured side by side, figures mean nothing)
     .venv/bin/python bench/run_all.py --data DIR      the corpus the training benchmarks read
                                                       (default data/stdlib; prepared if missing)
 
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -74,12 +77,47 @@ def machine_line() -> str:
     )
 
 
+def run_one(
+    script: Path, tmp: Path, smoke: bool, data: Path | None, *, alone: bool
+) -> tuple[int, str, Path]:
+    """Runs one benchmark script: (its exit status, what to print, its fragment's path). Alone,
+    its output streams through as it comes; beside others it is collected and returned, so that
+    the log keeps each script's lines together."""
+    frag = tmp / f"{script.stem}.md"
+    extra = ["--smoke"] if smoke else ["--report", str(frag)]
+    if script.name in TAKES_DATA:
+        extra += ["--data", str(data)]
+    head = f"== {script.name} {' '.join(extra)}\n"
+    start = time.time()
+    cmd = [sys.executable, str(script), *extra]
+    if alone:
+        print(head, end="", flush=True)
+        rc = subprocess.call(cmd, cwd=ROOT)
+        print(f"== {script.name}: exit {rc} in {time.time() - start:.0f} s", flush=True)
+        return rc, "", frag
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    output = head + done.stdout + done.stderr
+    return (
+        done.returncode,
+        output + f"== {script.name}: exit {done.returncode} in {time.time() - start:.0f} s\n",
+        frag,
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few steps each; nothing written")
     p.add_argument("--only", help="comma-separated names, e.g. train,prepare")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
+    p.add_argument("--jobs", type=int, default=1, help="scripts at a time (with --smoke only)")
     args = p.parse_args()
+    if args.jobs < 1 or (args.jobs > 1 and not args.smoke):
+        print(
+            f"run_all: --jobs {args.jobs}: scripts run side by side only in --smoke mode (a "
+            "benchmark measured beside another measures the other too); use --jobs 1, or add "
+            "--smoke"
+        )
+        return 2
     scripts = sorted(HERE.glob("bench_*.py"))
     if args.only:
         wanted = {f"bench_{n.strip()}.py" for n in args.only.split(",")}
@@ -92,16 +130,14 @@ def main() -> int:
     header = machine_line()
     data = ensure_data(args.data) if TAKES_DATA & {s.name for s in scripts} else None
     frags, failed = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for script in scripts:
-            frag = Path(tmp) / f"{script.stem}.md"
-            extra = ["--smoke"] if args.smoke else ["--report", str(frag)]
-            if script.name in TAKES_DATA:
-                extra += ["--data", str(data)]
-            print(f"== {script.name} {' '.join(extra)}", flush=True)
-            start = time.time()
-            rc = subprocess.call([sys.executable, str(script), *extra], cwd=ROOT)
-            print(f"== {script.name}: exit {rc} in {time.time() - start:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        runs = [
+            pool.submit(run_one, script, Path(tmp), args.smoke, data, alone=args.jobs == 1)
+            for script in scripts
+        ]
+        for script, run in zip(scripts, runs, strict=True):
+            rc, output, frag = run.result()  # in order: each script's output in one piece
+            print(output, end="", flush=True)
             if rc != 0:
                 failed.append(script.name)
             elif frag.is_file():

@@ -13,12 +13,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_every_benchmark_runs_in_smoke_mode(tmp_path):
+    """About 2 minutes on 2 cores, two scripts at a time (4 one after another): every script of
+    bench/ trains or measures for real, a few steps each."""
     # A corpus that does not exist yet, as in a fresh clone before `make demo` (CI's case; a
     # developer's data/stdlib would hide it): run_all prepares it and hands it to each script.
     data = tmp_path / "stdlib"
     before = (ROOT / "docs" / "benchmarks.md").read_text()
     proc = subprocess.run(
-        [sys.executable, "bench/run_all.py", "--smoke", "--data", str(data)],
+        [sys.executable, "bench/run_all.py", "--smoke", "--jobs", "2", "--data", str(data)],
         cwd=ROOT,
         capture_output=True,
         text=True,
