@@ -22,9 +22,9 @@ import dataclasses
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
-import torch
 
 from anneal.config import ds as dslib
 from anneal.config.run import OptimConfig, RunConfig
@@ -43,7 +43,7 @@ SHAPES = {
 def wsd_closed_form(t, *, peak, warm, total, share, floor, shape):
     """WSD as docs/training.md writes it: linear warmup, the peak, then the decay over the last
     round(share * total) steps to floor x peak."""
-    decay = round(share * total)
+    decay = min(max(1, round(share * total)), total - warm)
     start = total - decay
     if t <= warm:
         return peak * t / warm
@@ -76,6 +76,14 @@ def test_wsd_at_every_phase_boundary(shape, floor):
     assert sched.ratio(900) == pytest.approx(floor + (1 - floor) * SHAPES[shape](0.5))
 
 
+def test_a_short_wsd_run_still_decays():
+    """decay_share x T rounds to 0 at T = 2: the last step still reaches the floor."""
+    sched = Schedule(kind="wsd", total_num_steps=2, warmup_num_steps=0, min_ratio=0.0)
+    assert (sched.decay_start, sched.ratio(1), sched.ratio(2)) == (1, 1.0, 0.0)
+    no_room = dataclasses.replace(sched, warmup_num_steps=2)  # all warmup: nothing to decay
+    assert (no_room.ratio(1), no_room.ratio(2), no_room.ratio(3)) == (0.5, 1.0, 0.0)
+
+
 def test_cosine_is_unchanged_bit_for_bit():
     sched = Schedule(kind="cosine", total_num_steps=300, warmup_num_steps=20, min_ratio=0.1)
     kw = dict(total_num_steps=300, warmup_num_steps=20, cos_min_ratio=0.1)
@@ -83,8 +91,7 @@ def test_cosine_is_unchanged_bit_for_bit():
 
 
 def test_scheduler_applies_the_schedule_and_records_it():
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([{"params": [param], "lr": 2e-3}])
+    opt = SimpleNamespace(param_groups=[{"lr": 2e-3}])  # what the scheduler reads and sets
     sched = Schedule(kind="wsd", total_num_steps=10, warmup_num_steps=2, min_ratio=0.0)
     s = WarmupDecay(opt, sched)
     seen = []
@@ -99,7 +106,7 @@ def test_scheduler_applies_the_schedule_and_records_it():
 
 
 def _resumed(saved: Schedule, now: Schedule, step: int) -> WarmupDecay:
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    opt = SimpleNamespace(param_groups=[{"lr": 1.0}])
     before = WarmupDecay(opt, saved)
     before.steps_done = step
     after = WarmupDecay(opt, now)
@@ -223,7 +230,8 @@ def test_the_launcher_takes_the_tiny_recipe_on_32_ranks(tiny_data, tmp_path):
     out = tmp_path / "run"
     done = run_process(
         [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py", "--nodes", "4"]
-        + ["--gpus-per-node", "8", "--dry-run", "--", "--out", str(out), "--data", str(tiny_data)],
+        + ["--gpus-per-node", "8", "--partition", "debug", "--time", "00:10:00", "--dry-run"]
+        + ["--", "--out", str(out), "--data", str(tiny_data)],
         timeout_s=120,
         cwd=ROOT,
         check=False,
@@ -239,48 +247,70 @@ def _lrs(run):
 
 @pytest.mark.slow
 def test_extending_a_run(tiny_data, tmp_path):
-    """Slow (four short training processes, two at a time: about 30 s). A WSD run of 8 steps
-    stopped after step 4 and resumed with --max-steps 12 logs, at steps 1 to 12, the LR of the
-    12-step schedule's closed form (an "auto" warmup of 4 steps kept, not re-derived from the new
-    length), with no warning; the same under cosine prints the jump once."""
+    """Slow (four short training processes, two at a time: about 20 s on 2 quiet cores). A WSD
+    run of 8 steps stopped after step 4 and resumed with --max-steps 16 logs, at steps 1 to 15,
+    the LR of the 16-step schedule's closed form (its "auto" warmup of 4 steps kept, not
+    re-derived as 8 from the new length), with no warning; the same under cosine prints the
+    jump once. The resumed runs stop after step 15 (the drill's stop), which leaves out the
+    end-of-run charts and report, a process each."""
     peak = 3e-3  # the tiny recipe's optim.lr
     base = [*SMALL, "--data", str(tiny_data), "--save-every", "100", "--eval-every", "0"]
     base += ["--set", "ds.scheduler.params.warmup_num_steps=auto"]
     base += ["--set", "optim.warmup_max_share=0.5", "--set", "train.eval_samples=0"]
     runs = {name: tmp_path / name for name in ("wsd", "cosine")}
-    first = [
-        {
-            "args": [*base, "--out", str(runs[name]), "--max-steps", "8"]
-            + ["--set", f"optim.schedule={name}", "--set", "train.stop_at_step=4"]
-        }
-        for name in runs
-    ]
-    run_recipes(first, parallel=2)
-    second = [
-        {
-            "args": [*base, "--out", str(runs[name]), "--max-steps", "12", "--resume", "auto"]
-            + ["--set", f"optim.schedule={name}"]
-        }
-        for name in runs
-    ]
-    wsd_done, cosine_done = run_recipes(second, parallel=2)
+
+    def launches(max_steps, stop, *resume):
+        return [
+            {
+                "args": [*base, "--out", str(runs[name]), "--max-steps", str(max_steps), *resume]
+                + ["--set", f"optim.schedule={name}", "--set", f"train.stop_at_step={stop}"]
+            }
+            for name in runs
+        ]
+
+    run_recipes(launches(8, 4), parallel=2)
+    wsd_done, cosine_done = run_recipes(launches(16, 15, "--resume", "auto"), parallel=2)
 
     steps, lrs = _lrs(runs["wsd"])
-    assert steps == list(range(1, 13))
+    assert steps == list(range(1, 16))
     want = [
-        wsd_closed_form(t, peak=peak, warm=4, total=12, share=0.2, floor=0.0, shape="1-sqrt")
+        wsd_closed_form(t, peak=peak, warm=4, total=16, share=0.2, floor=0.0, shape="1-sqrt")
         for t in steps
     ]
     assert lrs == pytest.approx(want, rel=1e-9, abs=1e-15)
-    assert lrs[3:10] == [peak] * 7  # steps 4 to 10: the peak across the resume; then the decay
-    assert "jumps" not in wsd_done.stderr + wsd_done.stdout
+    assert lrs[3:13] == [peak] * 10  # steps 4 to 13: the peak across the resume; then the decay
+    assert lrs[13] < lrs[12] and "jumps" not in wsd_done.stderr + wsd_done.stdout
     config = json.loads((runs["wsd"] / "config.json").read_text())
     assert config["ds_config"]["scheduler"]["params"]["warmup_num_steps"] == 4
 
     steps, lrs = _lrs(runs["cosine"])
     old = [peak * lr_ratio(t, total_num_steps=8, warmup_num_steps=4) for t in range(1, 5)]
-    new = [peak * lr_ratio(t, total_num_steps=12, warmup_num_steps=4) for t in range(5, 13)]
-    assert lrs == pytest.approx(old + new, rel=1e-9)
+    new = [peak * lr_ratio(t, total_num_steps=16, warmup_num_steps=4) for t in range(5, 16)]
+    assert lrs == pytest.approx(old + new, rel=1e-9)  # step 5 too: the new schedule's LR
     log = cosine_done.stderr + cosine_done.stdout
     jump = f"jumps from {lr_ratio(5, total_num_steps=8, warmup_num_steps=4):.4g} to "
-    assert log.count(jump) == 1 and "cosine to 0.1 x peak at step 12" in log
+    assert log.count(jump) == 1 and "cosine to 0.1 x peak at step 16" in log
+
+
+def test_the_schedule_chart_draws_a_wsd_run_and_its_extension(tmp_path):
+    """``anneal plot --schedule RUN`` reads the run's config.json: WSD phases, the closed form
+    at every drawn step, and --steps beyond the run's end draws the run extended."""
+    from anneal.files import is_matplotlib_png
+    from anneal.observe.formula_plots import planned_lr, plot_schedule_file
+
+    run = tmp_path / "run"
+    run.mkdir()
+    optim = dataclasses.asdict(OptimConfig(schedule="wsd", decay_shape="linear"))
+    sched = {"total_num_steps": 100, "warmup_num_steps": 10, "cos_min_ratio": 0.0}
+    doc = {"run": {"optim": optim}, "ds_config": {"optimizer": {"params": {"lr": 1e-3}}}}
+    doc["ds_config"]["scheduler"] = {"type": "WarmupCosineLR", "params": sched}
+    (run / "config.json").write_text(json.dumps(doc))
+    for steps, out in ((None, tmp_path / "a.png"), (300, tmp_path / "b.png")):
+        assert plot_schedule_file(run, steps=steps, out=out) == out and is_matplotlib_png(out)
+    extended = Schedule.resolved({**sched, "total_num_steps": 300}, optim)
+    steps, lrs = planned_lr(extended, 1e-3)
+    want = [
+        wsd_closed_form(int(t), peak=1e-3, warm=10, total=300, share=0.2, floor=0, shape="linear")
+        for t in steps
+    ]
+    assert lrs == pytest.approx(want, rel=1e-12) and {240, 241} <= set(steps.tolist())

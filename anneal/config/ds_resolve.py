@@ -233,10 +233,9 @@ def _resolve_schedule(
     resumed_warmup: int | None,
 ) -> None:
     """``scheduler.params``: the run length from ``--max-steps`` (a different number in the file
-    is an error), the warmup from the file, the resumed run or ``warmup_steps``, the floor."""
+    is an error) and the warmup from the file, the resumed run or ``warmup_steps``."""
     source, optim = run.source, run.optim
     sched = cfg["scheduler"].setdefault("params", {})
-    _resolve_floor(sched, notes, run)
     given_total = sched.get("total_num_steps", AUTO)
     if given_total != AUTO and given_total != max_steps:
         raise UserError(
@@ -309,4 +308,5 @@ def resolve_ds_config(
         tokens_per_step=batch.train_batch_size * seq_len,
         resumed_warmup=resumed_warmup,
     )
+    _resolve_floor(cfg["scheduler"]["params"], notes, run)
     return cfg, notes

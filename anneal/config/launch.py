@@ -123,6 +123,7 @@ class Launch:
             f"resolved ({self.cfg.ds_config}, then the recipe's defaults, then --set):",
         ]
         lines += [f"  {key} = {how}" for key, how in self.resolved_from.items()]
+        lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from anneal.config.run import (
     RunConfig,
     TrainConfig,
 )
+from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
 
 _SECTIONS = {
@@ -34,8 +35,8 @@ _SECTIONS = {
 _CHOICES = {
     ("train", "precision"): ("auto", "bf16", "fp32"),
     ("train", "loss"): ("chunked", "plain"),
-    ("optim", "schedule"): ("cosine", "wsd"),
-    ("optim", "decay_shape"): ("linear", "1-sqrt", "cosine"),
+    ("optim", "schedule"): SCHEDULES,
+    ("optim", "decay_shape"): DECAY_SHAPES,
 }
 
 

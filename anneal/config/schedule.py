@@ -15,7 +15,7 @@ Optimizer step t (counted from 1) uses ``a_t = a_max * ratio(t)``::
                   ratio = m + (1 - m) * (1 + cos(pi * p)) / 2,  p = (t - T_warm) / (T_max - T_warm)
     wsd, T_warm < t <= T_s:   ratio = 1                               (the stable phase)
     wsd, t > T_s: ratio = m + (1 - m) * f(p),  p = (t - T_s) / D,  T_s = T_max - D,
-                  D = min(round(decay_share * T_max), T_max - T_warm)
+                  D = min(max(1, round(decay_share * T_max)), T_max - T_warm)
                   f = 1 - p (linear), 1 - sqrt(p) (1-sqrt), (1 + cos(pi * p)) / 2 (cosine)
 
 with the floor ``m = min_ratio`` (``scheduler.params.cos_min_ratio`` of the resolved ds_config),
@@ -53,9 +53,10 @@ def lr_ratio(
 
 
 def decay_num_steps(*, total_num_steps: int, warmup_num_steps: int, decay_share: float) -> int:
-    """WSD's final decay in steps: ``decay_share`` of the run, rounded, within what the
-    warmup leaves."""
-    return max(0, min(round(decay_share * total_num_steps), total_num_steps - warmup_num_steps))
+    """WSD's final decay in steps: ``decay_share`` of the run, rounded (at least one step),
+    within what the warmup leaves."""
+    wanted = max(1, round(decay_share * total_num_steps))
+    return max(0, min(wanted, total_num_steps - warmup_num_steps))
 
 
 def _decay(shape: str, p: float) -> float:
@@ -189,21 +190,24 @@ class WarmupDecay:
         written before schedules were recorded)."""
         self.peak_lrs = [g["lr"] for g in optimizer.param_groups]
         self.steps_done = 0
-        self._apply()
+        self.apply()
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Set every group's LR to its peak x the schedule's ratio at the next step. Called
+        again after a checkpoint load: DeepSpeed restores ZeRO's optimizer state, which holds
+        the LR it was saved with, after the scheduler's state."""
         ratio = self.schedule.ratio(self.steps_done + 1)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):
             group["lr"] = peak * ratio
 
     def step(self, **_: object) -> None:
         self.steps_done += 1
-        self._apply()
+        self.apply()
 
     def scale_peak(self, factor: float) -> None:
         """Multiply the peak LRs by ``factor`` from the current step on (a guard rewind)."""
         self.peak_lrs = [lr * factor for lr in self.peak_lrs]
-        self._apply()
+        self.apply()
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -222,7 +226,7 @@ class WarmupDecay:
         self.peak_lrs = state["peak_lrs"]
         saved = state.get("schedule")
         self.saved_schedule = Schedule(**saved) if saved else None
-        self._apply()
+        self.apply()
 
     def change_on_resume(self) -> str | None:
         """``Schedule.change_on_resume`` for the checkpoint loaded last (None without one)."""

@@ -1,6 +1,7 @@
-"""Charts of a formula rather than of a run: the warmup-cosine learning-rate schedule that a
-ds_config describes (``anneal plot --schedule``), drawn before any step is taken, and a fitted
-scaling law with the runs it was fitted to (``anneal fit --plot``, the scaling sweep)."""
+"""Charts of a formula rather than of a run: the learning-rate schedule that a ds_config or a
+run's config.json describes (``anneal plot --schedule``: warmup-cosine or WSD), drawn before any
+step is taken, and a fitted scaling law with the runs it was fitted to (``anneal fit --plot``,
+the scaling sweep)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.config.run import AUTO
+from anneal.config.schedule import DEFAULT_FLOOR, Schedule
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
 from anneal.scaling.fit import FitResult
 
@@ -90,60 +93,92 @@ def _frontier_panel(ax, fit, *, n, c, loss) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
-def plot_schedule(
-    *,
-    total_steps: int,
-    warmup_steps: int,
-    peak_lr: float,
-    path: Path,
-    cos_min_ratio: float = 0.1,
-    warmup_min_ratio: float = 0.0,
-    dark: bool = False,
-    title: str = "",
-) -> Path:
-    """The warmup-cosine schedule alone (``anneal.config.schedule.lr_ratio``), zones shaded."""
-    from anneal.config.schedule import lr_ratio
+def schedule_phases(ax, schedule: Schedule, *, colors: dict) -> None:
+    """Shade the schedule's phases: warmup and cosine decay, or warmup, stable and decay."""
+    if schedule.kind == "cosine":
+        schedule_zones(
+            ax, warmup=schedule.warmup_num_steps, total=schedule.total_num_steps, colors=colors
+        )
+        return
+    warm, start, end = schedule.warmup_num_steps, schedule.decay_start, schedule.total_num_steps
+    if warm > 0:
+        ax.axvspan(0, warm, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
+    ax.axvspan(warm, start, color=colors["clip"], alpha=0.08, lw=0, label="stable (peak)")
+    label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
+    ax.axvspan(start, end, color=colors["cos"], alpha=0.18, lw=0, label=label)
 
+
+def planned_lr(schedule: Schedule, peak_lr: float, *, points: int = 2000):
+    """(steps, learning rates) of the schedule at up to ``points`` steps from 1 to its end."""
+    total = schedule.total_num_steps
+    steps = np.unique(np.linspace(1, total, min(total, points)).astype(int))
+    # The decay's first and last steps, so a short WSD decay is drawn where it starts.
+    steps = np.unique(np.concatenate([steps, [schedule.decay_start, schedule.decay_start + 1]]))
+    steps = steps[(steps >= 1) & (steps <= total)]
+    return steps, [peak_lr * schedule.ratio(int(t)) for t in steps]
+
+
+def plot_schedule(
+    schedule: Schedule, *, peak_lr: float, path: Path, dark: bool = False, title: str = ""
+) -> Path:
+    """The schedule alone (``anneal.config.schedule.Schedule``), its phases shaded."""
     plt, style, c = pyplot(dark)
-    steps = np.unique(np.linspace(1, total_steps, min(total_steps, 2000)).astype(int))
-    kw = dict(
-        total_num_steps=total_steps,
-        warmup_num_steps=warmup_steps,
-        warmup_min_ratio=warmup_min_ratio,
-        cos_min_ratio=cos_min_ratio,
-    )
-    lr = [peak_lr * lr_ratio(int(t), **kw) for t in steps]
+    total, floor = schedule.total_num_steps, schedule.min_ratio
+    steps, lr = planned_lr(schedule, peak_lr)
     with plt.rc_context(style):
         fig, ax = plt.subplots(figsize=SIZE)
-        schedule_zones(ax, warmup=warmup_steps, total=total_steps, colors=c)
+        schedule_phases(ax, schedule, colors=c)
         ax.plot(steps, lr, color=c["main"], lw=2, label="learning rate")
         ax.axhline(peak_lr, color=c["clip"], ls=":", lw=1)
-        ax.axhline(cos_min_ratio * peak_lr, color=c["clip"], ls=":", lw=1)
+        ax.axhline(floor * peak_lr, color=c["clip"], ls=":", lw=1)
         ax.annotate(
             f"peak {peak_lr:.2g}",
-            (warmup_steps, peak_lr),
+            (schedule.warmup_num_steps, peak_lr),
             textcoords="offset points",
             xytext=(6, -12),
         )
         ax.annotate(
-            f"floor {cos_min_ratio:g} x peak",
-            (total_steps, cos_min_ratio * peak_lr),
+            f"floor {floor:g} x peak",
+            (total, floor * peak_lr),
             textcoords="offset points",
             xytext=(-110, 6),
         )
-        ax.set_xlim(0, total_steps)
+        ax.set_xlim(0, total)
         ax.set_ylim(0, peak_lr * 1.1)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("learning rate")
-        ax.set_title(title or f"warmup {warmup_steps:,} steps, cosine to {total_steps:,}")
+        ax.set_title(title or schedule.describe())
         ax.grid(alpha=0.4)
-        ax.legend(loc="upper right", fontsize=8)
+        # Under WSD the middle of the chart is empty (the line runs along the top).
+        ax.legend(loc="upper right" if schedule.kind == "cosine" else "center", fontsize=8)
         out = save(fig, path)
     return out
 
 
 def _auto(value) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
+
+
+def _read_schedule_source(config: Path) -> tuple[Path, dict, dict]:
+    """(file, ds_config, the run's optim section or {}) of a ds_config, of a run's
+    config.json, or of a run directory (its config.json)."""
+    import json
+
+    from anneal import rundir
+    from anneal.config.ds import find_ds_config
+    from anneal.errors import UserError
+
+    run_config = rundir.config_path(config) if Path(config).is_dir() else None
+    path = run_config if run_config and run_config.is_file() else find_ds_config(str(config))
+    try:
+        doc = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise UserError(f"--schedule {config}: not valid JSON ({e}).") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"--schedule {path}: not a JSON object (a ds_config or a config.json).")
+    if isinstance(doc.get("run"), dict) and isinstance(doc.get("ds_config"), dict):
+        return path, doc["ds_config"], doc["run"].get("optim") or {}
+    return path, doc, {}
 
 
 def plot_schedule_file(
@@ -155,23 +190,22 @@ def plot_schedule_file(
     out: Path | None = None,
     dark: bool = False,
 ) -> Path:
-    """``anneal plot --schedule CONFIG --steps N``: the ds_config's WarmupCosineLR block.
-    ``"auto"`` values need ``--peak-lr`` / ``--warmup-steps``; flags override numbers."""
+    """``anneal plot --schedule CONFIG --steps N``: the ds_config's WarmupCosineLR block, or the
+    schedule of a run (its directory or config.json: cosine or WSD, ``--steps`` defaulting to
+    its length; a larger one shows the run extended). ``"auto"`` values need ``--peak-lr`` /
+    ``--warmup-steps``; flags override numbers."""
     import json
 
-    from anneal.config.ds import find_ds_config
     from anneal.errors import UserError
 
-    path = find_ds_config(str(config))
-    try:
-        ds = json.loads(Path(path).read_text())
-    except ValueError as e:
-        raise UserError(f"--schedule {config}: not valid JSON ({e}).") from None
-    if not steps or steps < 1:
-        raise UserError(f"--schedule {config}: give the run length, --steps N (N >= 1).")
+    path, ds, optim = _read_schedule_source(config)
     sched = (ds.get("scheduler") or {}).get("params")
     if sched is None:
         raise UserError(f"--schedule {path}: no scheduler.params block (WarmupCosineLR) in it.")
+    if optim and not steps:
+        steps = sched.get("total_num_steps")
+    if not isinstance(steps, int) or steps < 1:
+        raise UserError(f"--schedule {config}: give the run length, --steps N (N >= 1).")
     lr = peak_lr if peak_lr is not None else (ds.get("optimizer") or {}).get("params", {}).get("lr")
     warm = warmup_steps if warmup_steps is not None else sched.get("warmup_num_steps")
     needed = [
@@ -186,16 +220,21 @@ def plot_schedule_file(
             )
     if warm > steps:
         raise UserError(f"--warmup-steps {warm} is longer than --steps {steps}.")
+    kind = optim.get("schedule", "cosine")
+    floor = optim.get("min_lr_ratio")
+    if floor is None:
+        given = sched.get("cos_min_ratio", AUTO)
+        floor = given if kind == "cosine" and not _auto(given) else DEFAULT_FLOOR[kind]
+    params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
+    schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
     claim_pngs([out])
+    what = "cosine" if kind == "cosine" else f"stable, {schedule.decay_shape} decay"
     return plot_schedule(
-        total_steps=steps,
-        warmup_steps=int(warm),
+        schedule,
         peak_lr=float(lr),
-        cos_min_ratio=float(sched.get("cos_min_ratio", 0.1)),
-        warmup_min_ratio=float(sched.get("warmup_min_ratio", 0.0)),
         path=out,
         dark=dark,
-        title=f"{Path(path).name}: warmup {int(warm):,} steps, then cosine to "
-        f"{float(sched.get('cos_min_ratio', 0.1)):g} x peak over {steps:,} steps",
+        title=f"{Path(path).name}: warmup {int(warm):,} steps, then {what} to {floor:g} x peak "
+        f"over {steps:,} steps",
     )

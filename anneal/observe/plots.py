@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
+from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -97,15 +97,13 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     warm = sched.get("warmup_num_steps")
     peak = (ds.get("optimizer") or {}).get("params", {}).get("lr")
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
-        from anneal.config.schedule import lr_ratio
+        from anneal.config.schedule import Schedule
+        from anneal.observe.formula_plots import planned_lr, schedule_phases
 
-        schedule_zones(ax, warmup=int(warm), total=int(total), colors=c)
-        t = np.unique(np.linspace(1, total, min(int(total), 2000)).astype(int))
-        kw = {k: sched[k] for k in ("warmup_min_ratio", "cos_min_ratio") if k in sched}
-        plan = [
-            peak * lr_ratio(int(s), total_num_steps=int(total), warmup_num_steps=int(warm), **kw)
-            for s in t
-        ]
+        optim = (cfg.get("run") or {}).get("optim") or {}
+        schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, optim)
+        schedule_phases(ax, schedule, colors=c)
+        t, plan = planned_lr(schedule, peak)
         ax.plot(t, plan, color=c["clip"], ls="--", lw=1, label="planned")
     x, y = _series(train, "lr")
     ax.plot(x, y, color=c["main"], lw=2, label="applied")

@@ -126,6 +126,7 @@ class Trainer:
         samples) and the token stream at that position, from a checkpoint's client state."""
         self.state = TrainState(step=client["step"], tokens=client["tokens"])
         position = self.guard.restore(self.engine, client, client["data"]["position"])
+        self.engine.lr_scheduler.apply()  # the schedule's LR, not the one the optimizer saved
         self._open_stream(position)
 
     def _open_stream(self, position: int) -> None:
