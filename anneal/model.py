@@ -7,11 +7,17 @@ The model knows nothing about distribution. ZeRO-3 partitioning is applied by th
 
 Embeddings are untied (Llama-style): the LM head has its own matrix. Parameter counts below
 therefore include two vocab x hidden matrices.
+
+A run that continues a Hugging Face checkpoint (``model.init_from``) keeps that checkpoint's
+architecture instead: its ``config.json`` rides in the preset (``hf_config``) and the model is
+built through transformers' Auto classes (Llama, Qwen2, Mistral; ``anneal.hf.load``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import TYPE_CHECKING
 
 from anneal.errors import UserError
@@ -44,6 +50,13 @@ class ModelPreset:
     vocab_size: int = NOMINAL_VOCAB
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
+    hf_config: dict | None = None
+    """The ``config.json`` of a Hugging Face checkpoint this model starts from
+    (``model.init_from``; ``anneal.hf.load``): its architecture, built through transformers'
+    Auto classes, tied embeddings and RoPE settings included. None: a Llama preset."""
+    init_from: dict | None = None
+    """Where the starting weights come from: the directory and the sha256 of its config.json,
+    of each weight file and of its tokenizer. None: initialised from ``seed``."""
 
     @property
     def head_dim(self) -> int:
@@ -111,7 +124,18 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+PRETRAINED = "pretrained"
+"""The preset name of a recipe whose model is always a Hugging Face checkpoint's
+(``recipes/continue_pretraining.py``): it has no shape of its own."""
+
+
 def get_preset(name: str) -> ModelPreset:
+    if name == PRETRAINED:
+        raise UserError(
+            f"model.preset {PRETRAINED}: this recipe continues a pretrained model and has no "
+            f"shape of its own. Give --init-from DIR, a Hugging Face model directory "
+            f"(config.json, weights and tokenizer, as save_pretrained writes them)."
+        )
     if name not in PRESETS:
         raise UserError(
             f"model.preset {str(name)[:40]!r}: no such preset. Choose one of "
@@ -192,21 +216,42 @@ def llama_config(preset: ModelPreset):
     )
 
 
-def build_model(preset: ModelPreset) -> nn.Module:
-    """A freshly constructed LlamaForCausalLM in fp32 with SDPA attention."""
-    from transformers import LlamaForCausalLM
+def hf_model_config(preset: ModelPreset):
+    """The transformers config of the model: a Hugging Face checkpoint's own (``hf_config``,
+    its ``max_position_embeddings`` and RoPE settings kept) or the Llama preset's."""
+    if preset.hf_config is None:
+        return llama_config(preset)
+    from transformers import AutoConfig
 
-    cfg = llama_config(preset)
+    doc = dict(preset.hf_config)
+    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+    config.use_cache = False
+    return config
+
+
+def model_class(config):
+    """The causal-LM class of a transformers config (its module imported)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def build_model(preset: ModelPreset) -> nn.Module:
+    """A freshly constructed causal LM (LlamaForCausalLM for a preset) in fp32 with SDPA
+    attention."""
+    cfg = hf_model_config(preset)
     cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
+    return model_class(cfg)(cfg)
 
 
 def count_params(preset: ModelPreset, *, embeddings: bool = True) -> int:
     """Exact parameter count of the preset's LlamaForCausalLM, from its shapes.
 
     ``embeddings=False`` leaves out the input embedding only; the LM head stays, as in the
-    PaLM FLOPs convention.
+    PaLM FLOPs convention (tied embeddings count once, as the head).
     """
+    if preset.hf_config is not None:
+        return _counted_params(json.dumps(preset.hf_config, sort_keys=True), embeddings)
     h, f, n_layers = preset.hidden_size, preset.intermediate_size, preset.num_hidden_layers
     kv = preset.num_key_value_heads * preset.head_dim
     attn = h * h + 2 * h * kv + h * h  # q, k, v, o
@@ -216,6 +261,21 @@ def count_params(preset: ModelPreset, *, embeddings: bool = True) -> int:
     head = preset.vocab_size * h
     embed = preset.vocab_size * h if embeddings else 0
     return n_layers * per_layer + h + head + embed
+
+
+@functools.lru_cache(maxsize=8)
+def _counted_params(hf_config: str, embeddings: bool) -> int:
+    """The parameters of a Hugging Face architecture, counted on the meta device (biases,
+    tied embeddings and other shapes included) without allocating any."""
+    import torch
+
+    preset = dataclasses.replace(PRESETS["tiny"], hf_config=json.loads(hf_config))
+    with torch.device("meta"):
+        model = build_model(preset)
+    total = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return total if embeddings or tied else total - embed.numel()
 
 
 def flops_per_token(preset: ModelPreset, *, seq_len: int | None = None) -> float:

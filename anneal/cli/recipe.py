@@ -47,6 +47,13 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         help="start over in an --out that holds a run: its config, checkpoints, metrics, "
         "plots and report are moved to OUT/previous-<time>/ first (nothing is deleted)",
     )
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="continue pretraining a Hugging Face model: a local directory as save_pretrained "
+        "writes it (config.json, safetensors or .bin weights, tokenizer); its architecture "
+        "replaces the preset's (model.init_from)",
+    )
     p.add_argument("--eval-every", type=int, help="validate every N steps")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps")
     p.add_argument("--seed", type=int)
@@ -88,6 +95,13 @@ def config_from_args(
         )
     name = os.path.splitext(os.path.basename(prog))[0]
     model = dataclasses.replace(model or ModelConfig(), preset=preset)
+    if args.init_from is not None:
+        if not args.init_from.strip():
+            raise UserError(
+                "--init-from is empty: give the directory of a Hugging Face model (config.json "
+                "and its weights, as save_pretrained writes them)."
+            )
+        model = dataclasses.replace(model, init_from=args.init_from)
     train = dataclasses.replace(
         train,
         **{

@@ -36,11 +36,20 @@ class ModelConfig:
     intermediate_size: int = 0
     num_hidden_layers: int = 0
     num_attention_heads: int = 0
+    init_from: str = ""
+    """A Hugging Face model directory to continue pretraining from (``--init-from``): its
+    config.json gives the architecture (the preset's shape is not used; seq_len 0 keeps its
+    max_position_embeddings) and its weights the start. Empty: the preset, initialised."""
 
     def resolve(self, vocab_size: int):
-        """The preset with this config's overrides and the data's vocabulary."""
+        """The preset with this config's overrides and the data's vocabulary (or, with
+        ``init_from``, the checkpoint's model: ``anneal.hf.load.pretrained_preset``)."""
         from anneal.model import get_preset
 
+        if self.init_from:
+            from anneal.hf.load import pretrained_preset
+
+            return pretrained_preset(Path(self.init_from), data_vocab=vocab_size, model=self)
         preset = get_preset(self.preset).with_vocab(vocab_size)
         shape = {
             k: getattr(self, k)

@@ -23,6 +23,7 @@ from anneal.data.tokenizer import (
     PIECE_UNKNOWN,
     PIECE_USER_DEFINED,
     read_proto,
+    tokenizer_sha256,
 )
 from anneal.errors import UserError
 
@@ -203,3 +204,15 @@ def _install_hf(source: Path, out_dir: Path) -> dict:
     # would make it look like a SentencePiece directory.
     (out_dir / "tokenizer.model").unlink(missing_ok=True)
     return {"kind": "huggingface", "trained": False, "from": str(source)}
+
+
+def installed_sha256(source: Path) -> str:
+    """The ``tokenizer_sha256`` a directory prepared with ``--tokenizer source`` gets: that of
+    the files ``install`` writes from ``source`` (written to a temporary directory, hashed,
+    removed). How a model directory's tokenizer is matched with prepared data (``--init-from``).
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="anneal-tokenizer-") as tmp:
+        install(Path(source), Path(tmp))
+        return tokenizer_sha256(Path(tmp))

@@ -161,6 +161,7 @@ def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
 
 
 def _expected_shapes(preset) -> dict[str, tuple[int, ...]]:
+    """Every parameter name, a tied head's included (DeepSpeed saves it as a shared alias)."""
     with torch.device("meta"):
         model = modellib.build_model(preset)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}

@@ -179,9 +179,9 @@ def write_configs(out: Path, preset, tok_dir: Path, torch_dtype) -> int | None:
         if (tok_dir / name).is_file():
             shutil.copyfile(tok_dir / name, out / name)
     eos_id = toklib.load(tok_dir).eos_id
-    config = modellib.llama_config(preset)
+    config = modellib.hf_model_config(preset)  # a continued checkpoint's own architecture
     config.eos_token_id = eos_id  # generation stops at the documents' separator
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [modellib.model_class(config).__name__]
     config.use_cache = True
     config.dtype = torch_dtype
     config.save_pretrained(str(out))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -22,17 +23,23 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    return resolve_launch(
+    launch = resolve_launch(
         cfg,
         overrides,
         world_size=world_size(),
         device_type="cuda" if device.type == "cuda" else "cpu",
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
+    if launch.preset.init_from is not None:  # the data's tokenizer is the model's
+        from anneal.hf.load import check_tokenizer
+
+        check_tokenizer(launch.preset, meta=launch.meta, data_dir=Path(cfg.data.path))
+    return launch
 
 
 def build_engine(launch: Launch):
-    """Model (partitioned at construction under ZeRO-3) -> the DeepSpeed engine."""
+    """Model (partitioned at construction under ZeRO-3; its weights initialised, or read from
+    ``model.init_from``) -> the DeepSpeed engine."""
     import deepspeed
 
     ds = launch.ds_config
@@ -42,8 +49,7 @@ def build_engine(launch: Launch):
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.
-        import transformers.models.llama.modeling_llama  # noqa: F401
-
+        modellib.model_class(modellib.hf_model_config(preset))
         # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
         dp_group = mpu.get_data_parallel_group() if mpu is not None else None
         with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
@@ -52,9 +58,14 @@ def build_engine(launch: Launch):
     else:
         model = modellib.build_model(preset)
         gather = None
-    modellib.init_weights_(
-        model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
-    )
+    if preset.init_from is None:
+        modellib.init_weights_(
+            model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
+        )
+    else:
+        from anneal.hf.load_weights import load_pretrained_
+
+        load_pretrained_(model, Path(preset.init_from["path"]), gather=gather)
     if launch.cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt_params = ds["optimizer"]["params"]
