@@ -27,7 +27,7 @@ from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
 from anneal.model import get_preset
 from launcher.__main__ import main as launcher_main
-from tests.conftest import ROOT, read_metrics, run_recipe, run_recipes
+from tests.conftest import ROOT, read_metrics, run_recipe
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = 10
@@ -80,22 +80,29 @@ def _args(data, out, *, tp: int, accum: int, stage: int, extra=()) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """The TP=1 reference, TP=2 on 2 ranks, TP=2 x DP=2 on 4 ranks (each 4 samples per step),
-    then the TP=2 run resumed from its step-5 checkpoint in a new directory."""
+    and the TP=2 run resumed from its step-5 checkpoint in a new directory; two launches at a
+    time, each process on one thread (the resume starts as soon as TP=2 has finished)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     tmp = tmp_path_factory.mktemp("tp")
+    tag = tmp / "tp2" / "checkpoints" / "step00000005"
     launches = {
-        "ref": dict(args=_args(tiny_data, tmp / "ref", tp=1, accum=2, stage=2)),
         "tp2": dict(args=_args(tiny_data, tmp / "tp2", tp=2, accum=2, stage=3), ranks=2),
+        "ref": dict(args=_args(tiny_data, tmp / "ref", tp=1, accum=2, stage=2), ranks=1),
+        "resumed": dict(
+            args=_args(tiny_data, tmp / "resumed", tp=2, accum=2, stage=3) + ["--resume", str(tag)],
+            ranks=2,
+        ),
         "tp2dp2": dict(args=_args(tiny_data, tmp / "tp2dp2", tp=2, accum=1, stage=2), ranks=4),
     }
-    done = dict(zip(launches, run_recipes(list(launches.values()), parallel=2), strict=True))
-    tag = tmp / "tp2" / "checkpoints" / "step00000005"
-    resume = ["--resume", str(tag)]
-    done["resumed"] = run_recipe(
-        _args(tiny_data, tmp / "resumed", tp=2, accum=2, stage=3, extra=resume),
-        ranks=2,
-        extra_env={"OMP_NUM_THREADS": "1"},
-    )
-    return tmp, done
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(2) as pool:
+        started = {}
+        for name, launch in launches.items():
+            if name == "resumed":
+                started["tp2"].result()  # its checkpoint first
+            started[name] = pool.submit(run_recipe, **launch, extra_env=one_thread)
+        return tmp, {name: future.result() for name, future in started.items()}
 
 
 def _train(out) -> dict[int, dict]:
