@@ -26,6 +26,7 @@ from anneal.config import parallel
 from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
 from anneal.model import get_preset
+from anneal.resilience.manifest import owner_of
 from launcher.__main__ import main as launcher_main
 from tests.conftest import ROOT, read_metrics, run_recipe
 
@@ -123,8 +124,13 @@ def test_losses_equal_the_run_without_tensor_parallelism(runs, name):
     assert len({r["loss"] for r in ref.values()}) == STEPS  # the data moved on every step
     val_ref, val_tp = read_metrics(tmp / "ref", "val")[-1], read_metrics(tmp / name, "val")[-1]
     assert val_tp["val_loss"] == pytest.approx(val_ref["val_loss"], rel=1e-5)
-    config = json.loads((tmp / name / "config.json").read_text())
+    manifest = json.loads(
+        (tmp / name / "checkpoints" / "step00000010" / "manifest.json").read_text()
+    )
     ranks = 2 if name == "tp2" else 4
+    owners = {owner_of(f, ranks, 2) for f in manifest["files"] if "zero_pp_rank" in f}
+    assert owners == set(range(ranks))  # each rank hashes the files it wrote
+    config = json.loads((tmp / name / "config.json").read_text())
     assert config["launch"]["tensor_parallel_size"] == 2
     assert config["launch"]["data_parallel_size"] == ranks // 2
     assert f"{ranks} ranks = tensor-parallel 2 x data-parallel {ranks // 2}" in done[name].stdout
@@ -218,6 +224,21 @@ def test_key_value_heads_must_divide_too():
     assert "num_attention_heads 32" not in str(caught.value)
     ok = parallel.layout({"tensor_parallel": {"autotp_size": 8}}, gqa, world_size=16, source="x")
     assert (ok.tensor_parallel, ok.data_parallel) == (8, 2)
+
+
+def test_checkpoint_files_are_hashed_by_the_rank_that_wrote_them():
+    """DeepSpeed's TP groups are blocks of consecutive ranks (``deepspeed.utils.groups``: the
+    group of data-parallel rank d is ranks d*TP .. d*TP+TP-1) and its file names carry both
+    ranks, so the manifest gives each file to its writer (its page cache, its node's disk)."""
+    tp, dp = 2, 2
+    blocks = [list(range(d * tp, d * tp + tp)) for d in range(dp)]
+    for d in range(dp):
+        for t in range(tp):
+            for kind in ("optim_states", "model_states"):  # ZeRO-1/2 optimizer, ZeRO-3 both
+                name = f"zero_pp_rank_{d}_mp_rank_{t:02d}_{kind}.pt"
+                assert owner_of(name, tp * dp, tp) == blocks[d][t], name
+        assert owner_of(f"mp_rank_{d:02d}_model_states.pt", tp * dp, tp) == blocks[0][d]
+    assert owner_of("zero_pp_rank_3_mp_rank_00_optim_states.pt", 4) == 3  # without TP
 
 
 def _fake_checkpoint(out, *, world_size: int, tp: int):

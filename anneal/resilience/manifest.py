@@ -26,6 +26,7 @@ MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 _CHUNK = 8 << 20
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
+_TP_RANK_FILE = re.compile(r"mp_rank_(\d+)_")
 
 
 def file_hash(path: Path) -> str:
@@ -44,17 +45,20 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def owner_of(name: str, n_ranks: int) -> int:
-    """The rank that hashes a file: the rank that wrote it (``zero_pp_rank_R_``), else rank 0."""
-    m = _RANK_FILE.search(name)
-    return int(m.group(1)) % n_ranks if m else 0
+def owner_of(name: str, n_ranks: int, tp: int = 1) -> int:
+    """The rank that hashes a file: the rank that wrote it. DeepSpeed names a file by the
+    writer's data-parallel rank (``zero_pp_rank_D_``, else 0) and tensor-parallel rank
+    (``mp_rank_T_``, else 0); DeepSpeed's TP groups are blocks of ``tp`` consecutive ranks."""
+    dp, tp_rank = _RANK_FILE.search(name), _TP_RANK_FILE.search(name)
+    writer = (int(dp[1]) if dp else 0) * tp + (int(tp_rank[1]) if tp_rank else 0)
+    return writer % n_ranks
 
 
-def _hash_share(tag_dir: Path, names: list[str]) -> dict[str, dict]:
+def _hash_share(tag_dir: Path, names: list[str], tp: int) -> dict[str, dict]:
     """{name: {size, hash}} for this rank's share of ``names``, each file fsync'd before this
     returns. The hashing reads the page cache while a thread waits on the disk, so the hashes
     cost nothing as long as the disk writes slower than xxh3 hashes."""
-    mine = [n for n in names if owner_of(n, world_size()) == rank()]
+    mine = [n for n in names if owner_of(n, world_size(), tp) == rank()]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as pool:
         synced = [pool.submit(fsync_path, tag_dir / n) for n in mine]
         share = {
@@ -80,7 +84,8 @@ def write_manifest(
     fsyncs) its share, rank 0 fsyncs the directory entries and writes the manifest, durably.
     ``model``: the model's shape, so that a resume with another shape is refused before
     anything loads."""
-    shares = all_gather(_hash_share(tag_dir, _list_files(tag_dir)))
+    tp = client_state.get("tensor_parallel_size", 1)
+    shares = all_gather(_hash_share(tag_dir, _list_files(tag_dir), tp))
     if not is_main_process():
         return
     files = {name: entry for share in shares for name, entry in share.items()}
@@ -93,7 +98,7 @@ def write_manifest(
         "tokenizer_sha256": client_state.get("data", {}).get("tokenizer_sha256"),
         "world_size": world_size(),
         # a checkpoint resumes only at this degree (anneal.config.parallel.check_resume_layout)
-        "tensor_parallel_size": client_state.get("tensor_parallel_size", 1),
+        "tensor_parallel_size": tp,
         "files": dict(sorted(files.items())),
     }
     if model is not None:
@@ -127,6 +132,8 @@ def _well_formed(doc) -> bool:
         return False
     if "world_size" in doc and not count(doc["world_size"], 1):
         return False
+    if "tensor_parallel_size" in doc and not count(doc["tensor_parallel_size"], 1):
+        return False
     if not isinstance(doc.get("tokenizer_sha256") or "", str):
         return False
     entries = [e if isinstance(e, dict) else {"size": e} for e in doc["files"].values()]
@@ -156,10 +163,11 @@ def damaged_files(tag_dir: Path, *, share_of: tuple[int, int] | None = None) -> 
     """Files of an intact-looking checkpoint whose bytes no longer match the manifest's hash.
 
     ``share_of=(rank, n)``: check only the files ``owner_of`` gives that rank of ``n``."""
-    entries = _entries(read_manifest(tag_dir))
+    manifest = read_manifest(tag_dir)
+    entries, tp = _entries(manifest), manifest.get("tensor_parallel_size", 1)
     bad = []
     for name, e in entries.items():
-        if share_of and owner_of(name, share_of[1]) != share_of[0]:
+        if share_of and owner_of(name, share_of[1], tp) != share_of[0]:
             continue
         path = tag_dir / name
         if not path.is_file() or path.stat().st_size != e["size"]:
