@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -307,6 +308,10 @@ def test_truncated_and_missing_weight_files_are_refused(models, model_data, tmp_
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(UserError, match="a truncated copy"):
+        resolve(directory, model_data["llama"], tmp_path / "run")
+    header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}'
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(UserError, match="is not a safetensors file"):
         resolve(directory, model_data["llama"], tmp_path / "run")
     weights.rename(directory / "model-00001-of-00002.safetensors")
     index = {

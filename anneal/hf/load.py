@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import struct
 from pathlib import Path
 
@@ -161,31 +162,37 @@ def _indexed(directory: Path, index: Path) -> list[Path]:
     return files
 
 
-def safetensors_header(path: Path) -> dict:
-    """The tensors of a safetensors file (name -> dtype, shape, data_offsets), refused when
-    the file is shorter than its header says (a truncated copy) or holds a dtype that is not
-    a float (a quantized checkpoint)."""
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensors of a safetensors file: name -> dtype, shape and the absolute byte range of
+    its data (``start``, ``end``). Refused when the header is not one (a damaged file), when
+    the file is shorter than the header says (a truncated copy) or when a dtype is not a float
+    (a quantized checkpoint)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         try:
             header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            header = None
-    if not isinstance(header, dict):
+            tensors = {k: _entry(v, 8 + n) for k, v in header.items() if k != "__metadata__"}
+        except (
+            UnicodeDecodeError,
+            ValueError,
+            RecursionError,
+            TypeError,
+            KeyError,
+            AttributeError,
+        ):
+            raise _error(
+                path.parent,
+                f"{path.name} is not a safetensors file (its header cannot be read): "
+                f"truncated or damaged. Copy it again.",
+            ) from None
+    end = max((v["end"] for v in tensors.values()), default=0)
+    if size < end:
         raise _error(
             path.parent,
-            f"{path.name} is not a safetensors file (its header cannot "
-            "be read): truncated or damaged. Copy it again.",
-        )
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-    if size < 8 + n + end:
-        raise _error(
-            path.parent,
-            f"{path.name} holds {size:,} bytes and its header promises "
-            f"{8 + n + end:,}: a truncated copy. Copy it again.",
+            f"{path.name} holds {size:,} bytes and its header promises {end:,}: a truncated "
+            f"copy. Copy it again.",
         )
     odd = sorted({v["dtype"] for v in tensors.values()} - set(FLOAT_DTYPES))
     if odd:
@@ -195,6 +202,25 @@ def safetensors_header(path: Path) -> dict:
             f"training dtype (a quantized checkpoint). Give the bf16, fp16 or fp32 release.",
         )
     return tensors
+
+
+def _entry(v: dict, data_start: int) -> dict:
+    """One header entry, its offsets made absolute; ValueError when it is inconsistent."""
+    shape = [int(d) for d in v["shape"]]
+    lo, hi = (int(x) for x in v["data_offsets"])
+    width = FLOAT_DTYPES.get(v["dtype"])
+    if (
+        min(shape, default=0) < 0
+        or not 0 <= lo <= hi
+        or (width and hi - lo != width * math.prod(shape))
+    ):
+        raise ValueError("inconsistent tensor entry")
+    return {
+        "dtype": str(v["dtype"]),
+        "shape": shape,
+        "start": data_start + lo,
+        "end": data_start + hi,
+    }
 
 
 def check_weight_files(directory: Path, files: list[Path]) -> None:

@@ -2,10 +2,12 @@
 time (``load_pretrained_``), for ``model.init_from`` (``anneal.hf.load`` read and checked the
 directory when the launch was resolved).
 
-Nothing holds the whole model: safetensors are opened with ``safetensors.safe_open`` and each
-tensor is read when its module's turn comes (``.bin`` files, after
-``anneal.resilience.safeload`` scanned them, with ``torch.load(weights_only=True, mmap=True)``:
-mapped, read page by page as tensors are copied). Under ZeRO-3 the model was built partitioned
+Nothing holds the whole model: each safetensors tensor is read from its byte range (the
+header's offsets, ``anneal.hf.load.safetensors_header``) with ``readinto`` when its module's
+turn comes, not mapped (a mapping would leave the file's pages in the resident set). ``.bin``
+files, after ``anneal.resilience.safeload`` scanned them, are loaded with
+``torch.load(weights_only=True, mmap=True)``: mapped, so their pages do stay resident as they
+are read; prefer safetensors. Under ZeRO-3 the model was built partitioned
 (``deepspeed.zero.Init``): each module's parameters are gathered in turn
 (``GatheredParameters(modifier_rank=0)``, as ``gather``), rank 0 reads and copies the tensors,
 and leaving the context sends each rank its partition, so a rank holds its partitions plus one
@@ -27,36 +29,53 @@ from anneal.hf.load import safetensors_header, weight_files
 _COMPUTED = ("rotary_emb.inv_freq",)
 
 
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
 class _Tensors:
-    """name -> where the tensor is (an open safetensors file, or a mapped .bin state dict)."""
+    """name -> where the tensor is: a byte range of a safetensors file (read with ``readinto``
+    when its module's turn comes), or a mapped ``.bin`` state dict."""
 
     def __init__(self, directory: Path, stack: contextlib.ExitStack):
-        from safetensors import safe_open
-
         self.directory = directory
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self._where: dict[str, object] = {}
+        self._where: dict[str, tuple] = {}
         for path in weight_files(directory):
             if path.suffix == ".safetensors":
-                handle = stack.enter_context(safe_open(str(path), framework="pt"))
+                f = stack.enter_context(open(path, "rb"))  # noqa: SIM115 - closed by the stack
                 for name, info in safetensors_header(path).items():
                     self.shapes[name] = tuple(info["shape"])
-                    self._where[name] = handle
+                    self._where[name] = (f, info)
             else:
                 state = _load_pickled(path)
                 for name, tensor in state.items():
                     self.shapes[name] = tuple(tensor.shape)
-                    self._where[name] = state
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
+                    self._where[name] = (state, None)
 
     def names(self) -> set[str]:
         return set(self._where)
 
     def read(self, name: str) -> torch.Tensor:
-        where = self._where[name]
-        return where[name] if isinstance(where, dict) else where.get_tensor(name)
+        """The tensor, in the file's dtype: one read straight into a new tensor (not a mapping
+        of the file, which would leave its pages in the process's resident set)."""
+        source, info = self._where[name]
+        if info is None:
+            return source[name]
+        out = torch.empty(info["shape"], dtype=_TORCH_DTYPES[info["dtype"]])
+        source.seek(info["start"])
+        n = info["end"] - info["start"]
+        if n and source.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != n:
+            raise UserError(
+                f"--init-from {self.directory}: {Path(source.name).name} ended inside {name} "
+                f"(truncated since the launch was checked). Copy it again.",
+                every_rank=True,
+            )
+        return out
 
 
 def _load_pickled(path: Path) -> dict:
