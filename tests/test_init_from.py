@@ -239,7 +239,9 @@ def test_the_model_is_the_checkpoints_and_its_source_is_recorded(models, model_d
 
 
 def test_a_longer_context_says_rope_is_not_rescaled(models, model_data, tmp_path, caplog):
+    caplog.set_level("INFO", logger="anneal.hf.load")
     resolve(models["llama"], model_data["llama"], tmp_path / "run", "--set", "model.seq_len=256")
+    assert "the recipe's preset 'tiny' is not used" in caplog.text
     assert "longer than the checkpoint's max_position_embeddings 128" in caplog.text
     assert "not rescaled" in caplog.text
 
