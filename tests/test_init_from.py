@@ -403,6 +403,27 @@ def test_bin_weights_load_as_safetensors_do_and_code_in_them_is_refused(models, 
         pretrained_preset(directory, data_vocab=VOCAB, model=ModelConfig(seq_len=SEQ))
 
 
+def test_sharded_safetensors_load_as_one_file_does(models, tmp_path):
+    """A release in shards (``model-0000k-of-0000n.safetensors`` and their index, as
+    save_pretrained writes a large model) gives the same parameters as the single file."""
+    from transformers import AutoModelForCausalLM
+
+    from anneal import model as modellib
+    from anneal.config.run import ModelConfig
+    from anneal.hf.load import pretrained_preset
+    from anneal.hf.load_weights import load_pretrained_
+
+    original = AutoModelForCausalLM.from_pretrained(str(models["llama"]), dtype=torch.float32)
+    directory = tmp_path / "sharded"
+    original.save_pretrained(str(directory), max_shard_size="40KB")
+    preset = pretrained_preset(directory, data_vocab=VOCAB, model=ModelConfig(seq_len=SEQ))
+    assert len(preset.init_from["files"]) > 2
+    model = modellib.build_model(preset)
+    load_pretrained_(model, directory)
+    want = dict(original.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("pickled code ran",))
