@@ -247,7 +247,7 @@ def _lrs(run):
 
 @pytest.mark.slow
 def test_extending_a_run(tiny_data, tmp_path):
-    """Slow (four short training processes, two at a time: about 20 s on 2 quiet cores). A WSD
+    """Slow (four short training processes, two at a time: 35 s on 2 shared cores). A WSD
     run of 8 steps stopped after step 4 and resumed with --max-steps 16 logs, at steps 1 to 15,
     the LR of the 16-step schedule's closed form (its "auto" warmup of 4 steps kept, not
     re-derived as 8 from the new length), with no warning; the same under cosine prints the
@@ -314,3 +314,27 @@ def test_the_schedule_chart_draws_a_wsd_run_and_its_extension(tmp_path):
         for t in steps
     ]
     assert lrs == pytest.approx(want, rel=1e-12) and {240, 241} <= set(steps.tolist())
+
+
+def test_a_resume_keeps_the_auto_warmup_and_a_plain_relaunch_sees_no_difference():
+    """An "auto" warmup (here 0.1 x 100 steps = 10) is kept on a resume whose --max-steps would
+    give another (20 at 200 steps); with the same value the note is the fresh one, so the
+    relaunch of an unchanged run finds its config.json equal (anneal.config.run)."""
+    from anneal.config.run import config_differences
+
+    optim = OptimConfig(warmup_tokens=10**12)  # the cap decides: warmup_max_share x max_steps
+    fresh, notes = resolve(optim)
+    again, again_notes = resolve(optim, resumed_warmup=10)
+    assert fresh == again and notes == again_notes
+    assert config_differences({"resolved_from": notes}, {"resolved_from": again_notes}) == []
+    longer = dslib.resolve_ds_config(
+        dslib.load_ds_config(dslib.find_ds_config("cpu.json")),
+        source="cpu.json",
+        data_parallel_size=1,
+        max_steps=200,
+        seq_len=64,
+        optim=optim,
+        resumed_warmup=10,
+    )
+    assert longer[0]["scheduler"]["params"]["warmup_num_steps"] == 10
+    assert "kept from the run being resumed" in longer[1]["scheduler.params.warmup_num_steps"]

@@ -244,19 +244,18 @@ def _resolve_schedule(
         )
     sched["total_num_steps"] = max_steps
     notes["scheduler.params.total_num_steps"] = f"{max_steps} (--max-steps)"
-    auto_warmup = sched.get("warmup_num_steps", AUTO) == AUTO
-    if auto_warmup and resumed_warmup is not None:
-        # The "auto" warmup depends on --max-steps; the steps taken so far used this one.
-        sched["warmup_num_steps"] = min(resumed_warmup, max_steps)
-        notes["scheduler.params.warmup_num_steps"] = (
-            f"{sched['warmup_num_steps']} (auto, kept from the run being resumed; --set "
-            f"ds.scheduler.params.warmup_num_steps=N changes it)"
-        )
-        return
-    if auto_warmup:
-        sched["warmup_num_steps"] = warmup_steps(
-            optim=optim, tokens_per_step=tokens_per_step, max_steps=max_steps
-        )
+    if sched.get("warmup_num_steps", AUTO) == AUTO:
+        warm = warmup_steps(optim=optim, tokens_per_step=tokens_per_step, max_steps=max_steps)
+        if resumed_warmup is not None and resumed_warmup != warm:
+            # The "auto" warmup depends on --max-steps; the steps taken so far used this one.
+            # (The same value keeps the same note, so a plain relaunch finds no difference.)
+            sched["warmup_num_steps"] = min(resumed_warmup, max_steps)
+            notes["scheduler.params.warmup_num_steps"] = (
+                f"{sched['warmup_num_steps']} (auto, kept from the run being resumed; --set "
+                f"ds.scheduler.params.warmup_num_steps=N changes it)"
+            )
+            return
+        sched["warmup_num_steps"] = warm
         notes["scheduler.params.warmup_num_steps"] = (
             f"{sched['warmup_num_steps']} (auto: min(ceil({optim.warmup_tokens:,} warmup tokens "
             f"/ {tokens_per_step:,} per step), {optim.warmup_max_share:g} x {max_steps} steps))"
