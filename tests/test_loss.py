@@ -4,8 +4,9 @@ same Hugging Face model, within 1e-6 relative in fp32, with the head untied and 
 embedding, over a chunk size that does not divide the tokens, with ignored targets, and per
 token as validation reads it, and under bf16 no further from fp32 than the plain path; no
 tensor of the full logits' size is made in forward or backward; heads it cannot read are left
-alone; the config keys are checked. The slow test runs it in a real single-rank
-ZeRO-3 engine (the head weight partitioned) against the plain model's gradients."""
+alone; the config keys are checked. The slow tests run it in a real single-rank ZeRO-3 engine
+(the head weight partitioned) against the plain model's gradients, and train and validate
+through the recipe against the same run with train.loss=plain."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from anneal.config.run_checks import apply_overrides, check_ranges
 from anneal.dist import free_port
 from anneal.errors import UserError
 from anneal.train import loss as losslib
-from tests.conftest import ROOT, env, run_process
+from tests.conftest import ROOT, SMALL, env, read_metrics, run_process, run_recipe
 
 VOCAB, B, T, CHUNK = 512, 2, 24, 7  # 48 tokens in chunks of 7: the last one short
 
@@ -196,7 +197,7 @@ def test_the_config_keys_are_checked():
     """train.loss is chunked by default and takes chunked or plain; a chunk of 0 tokens is a
     UserError naming the key, before anything starts."""
     cfg = RunConfig(out="o", ds_config="cpu.json")
-    assert (cfg.train.loss, cfg.train.loss_chunk_tokens) == ("chunked", 1024)
+    assert (cfg.train.loss, cfg.train.loss_chunk_tokens) == ("chunked", 512)
     plain = apply_overrides(cfg, ["train.loss=plain", "train.loss_chunk_tokens=64"])
     assert (plain.train.loss, plain.train.loss_chunk_tokens) == ("plain", 64)
     check_ranges(plain)
@@ -263,3 +264,26 @@ def test_zero3_engine_gathers_the_head(tmp_path):
     assert figures["tied"]["params"] == figures["untied"]["params"] - 1, figures
     for case in figures.values():
         assert case["loss"] < 1e-6 and case["grads"] < 1e-6, figures
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_and_validates_as_with_the_plain_loss(
+    same_seed_runs, tiny_data, tmp_path
+):
+    """The session's fp32 run (4 steps, validation at steps 2 and 4; the chunked loss, the
+    default) against the same run with train.loss=plain, through the recipe: per-step losses
+    and grad norms within 1e-5 relative, validation within 1e-6. Slow: one more recipe run
+    (about 10 s)."""
+    chunked_dir, chunked_proc = same_seed_runs["fp32"]
+    args = ["--max-steps", "4", "--eval-every", "2", "--save-every", "0", *SMALL]
+    args += ["--set", "train.log_every=2", "--set", "train.loss=plain"]
+    run_recipe(["--out", str(tmp_path / "plain"), "--data", str(tiny_data), *args])
+    assert "runs plain" not in chunked_proc.stderr  # the head took the chunked loss
+    cfg = json.loads((chunked_dir / "config.json").read_text())
+    assert cfg["run"]["train"]["loss"] == "chunked"
+    for kind, keys, tol in (("train", ("loss", "grad_norm"), 1e-5), ("val", ("val_loss",), 1e-6)):
+        chunked, plain = read_metrics(chunked_dir, kind), read_metrics(tmp_path / "plain", kind)
+        assert len(chunked) == len(plain) == {"train": 4, "val": 2}[kind]
+        for a, b in zip(chunked, plain, strict=True):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=tol), (kind, key, a, b)

@@ -164,8 +164,9 @@ class TrainConfig:
     (tokens x vocab) logits are never held (training and validation); the same loss and
     gradients within 1e-6 relative in fp32. plain: the model's full logits, then
     cross-entropy. A head chunked cannot read (tensor-parallel, biased) runs plain."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary."""
+    loss_chunk_tokens: int = 512
+    """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
+    (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

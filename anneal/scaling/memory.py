@@ -121,7 +121,7 @@ class Workload:
     loss: str = "chunked"
     """``train.loss``: chunked (one chunk's logits at a time, Anneal's default) | plain (the
     full logits)."""
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int = 512
     """``train.loss_chunk_tokens`` (its default, as ``anneal.config.run.TrainConfig``)."""
 
 
