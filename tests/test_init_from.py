@@ -289,13 +289,23 @@ def _edit_config(directory: Path, **changes) -> None:
     [
         (lambda d: _edit_config(d, model_type="llama9"), "transformers does not know"),
         (lambda d: _edit_config(d, model_type="gpt2"), "not verified with Anneal"),
+        (shutil.rmtree, "no such directory"),
         (lambda d: (d / "config.json").unlink(), "holds no config.json"),
         (lambda d: (d / "model.safetensors").unlink(), "holds no weights"),
         (lambda d: _edit_config(d, dtype="int8"), "no floating-point torch dtype"),
         (lambda d: _edit_config(d, quantization_config={"quant_method": "gptq"}), "quantized"),
         (lambda d: _edit_config(d, vocab_size=256), "ids 256 and up have no embedding"),
     ],
-    ids=["unknown", "unverified", "no-config", "no-weights", "dtype", "quantized", "rows"],
+    ids=[
+        "unknown",
+        "unverified",
+        "no-directory",
+        "no-config",
+        "no-weights",
+        "dtype",
+        "quantized",
+        "rows",
+    ],
 )
 def test_bad_directory_is_one_clear_error(models, model_data, tmp_path, damage, message):
     directory = _copy(models, tmp_path)
