@@ -106,10 +106,20 @@ def test_warmup_longer_than_the_run_is_an_error_with_the_fix(tmp_path, base):
     assert '"auto"' in msg and "--set ds.scheduler.params.warmup_num_steps" in msg
 
 
-def test_recipe_global_batch_that_does_not_divide(tmp_path, base):
+def test_recipe_global_batch_rounds_up(tmp_path, base):
+    """2,048 tokens / 256 = 8 samples on 16 ranks x micro 4: rounded up to 64, saying so."""
     cfg = dslib.load_ds_config(write(tmp_path, base))
-    with pytest.raises(UserError, match=r"2,048 tokens / seq_len 256.*8 samples does not divide"):
-        resolve(cfg, world=16, seq_len=256, optim=OptimConfig(global_batch_tokens=2048))
+    resolved, sources = resolve(
+        cfg, world=16, seq_len=256, optim=OptimConfig(global_batch_tokens=2048)
+    )
+    assert resolved["train_batch_size"] == 64 and resolved["gradient_accumulation_steps"] == 1
+    assert (
+        "= 8 samples, rounded up to a multiple of micro 4 x 16 ranks" in sources["train_batch_size"]
+    )
+    assert sources.messages == [
+        "global batch rounded up from 8 to 64 samples (16,384 tokens per step): a multiple of "
+        "micro-batch 4 x 16 data-parallel ranks (optim.global_batch_tokens sets it)"
+    ]
 
 
 def test_mismatched_train_batch_size(tmp_path, base):

@@ -7,7 +7,7 @@
   below with the reason user input cannot reach it: a new one fails this test until it is a
   ``UserError`` or its reason is written here.
 - The strict ds_config loader refuses a ``scheduler.params.warmup_type`` that Anneal's schedule
-  does not implement, naming the file, the key and the choices, before ``WarmupCosine`` (whose
+  does not implement, naming the file, the key and the choices, before ``Schedule.resolved`` (whose
   own ``ValueError`` is then an internal invariant) could see it.
 """
 
@@ -28,7 +28,7 @@ INTERNAL_VALUE_ERRORS = {
         "its one caller, resolve_ds_config, always passes the accumulation or the "
         "global batch (a missing key reads as auto, and auto/auto computes the batch)"
     ),
-    ("anneal/config/schedule.py", "WarmupCosine.__init__"): (
+    ("anneal/config/schedule.py", "Schedule.resolved"): (
         "warmup_type reaches it only through the strict loader, whose RANGES refuse all but "
         "'linear' (test_warmup_type_is_refused_by_the_loader)"
     ),
@@ -38,6 +38,10 @@ INTERNAL_VALUE_ERRORS = {
     ),
     ("anneal/data/stream.py", "TokenStream.__init__"): (
         "rank and world size come from torch.distributed, never from the user"
+    ),
+    ("anneal/hf/load.py", "_entry"): (
+        "caught by its one caller, safetensors_header, which raises a UserError naming the "
+        "file (test_init_from's damaged and truncated weight files)"
     ),
     ("anneal/resilience/safeload.py", "pickle_globals.pop"): (
         "caught by safeload._check, which raises a UserError naming the file"

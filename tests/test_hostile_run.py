@@ -481,6 +481,6 @@ def test_every_numeric_key_has_a_range():
         f"{name}.{f.name}"
         for name, cls in cfglib._SECTIONS.items()
         for f in dataclasses.fields(cls)
-        if f.type in ("int", "float")
+        if f.type in ("int", "float", "float | None")
     }
     assert numeric == set(cfglib._RANGES)

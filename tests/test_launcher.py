@@ -272,7 +272,10 @@ BAD_LAUNCHES = {
     "ds_config_missing": (["--", "--ds-config=missing.json"], "--ds-config missing.json"),
     "ds_config_trailing": (["--", "--ds-config"], "expected one argument"),
     "ds_config_typo": (["--", "--set", "ds.zero_optimization.stag=2"], "stag"),
-    "batch_not_dividing": (["--num-gpus", "3", "--"], "does not divide"),
+    "batch_not_dividing": (
+        ["--num-gpus", "3", "--", "--set", "ds.train_batch_size=64"],
+        "does not divide",
+    ),
     "recipe_flag_before_dashes": (["--max-steps", "5"], "Recipe flags go after '--'"),
     "nodes_over_hostfile": (
         ["--hostfile", "hostfiles/loopback", "--num-nodes", "3"],

@@ -18,6 +18,7 @@ RECIPE_FLAGS = [
     "--max-steps",
     "--resume",
     "--restart",
+    "--init-from",
     "--eval-every",
     "--save-every",
     "--seed",
