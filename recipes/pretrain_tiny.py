@@ -5,7 +5,8 @@ Shakespeare config (64 sequences of 256 tokens, 16,384 tokens; warmup of 100 suc
 peak LR of 3e-3 is higher than its 1e-3 because it learned fastest here on the stdlib corpus
 (tiny models tolerate high rates: GPT-3's table rises from 1.2e-4 at 6.7B to 6e-4 at 125M).
 64 sequences divide across every data-parallel size in hostfiles/ (1, 2, 16 ranks) at the
-shipped micro-batches, so this recipe is also the smoke test of a new cluster.
+shipped micro-batches; at other sizes the global batch rounds up to a multiple of micro-batch x
+ranks (saying so), so this recipe is also the smoke test of any new cluster, up to 512 ranks.
 
 deepspeed --num_gpus N recipes/pretrain_tiny.py --out runs/tiny --data data/stdlib
 """
