@@ -418,3 +418,14 @@ def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     expected = estimate_for(MEASURED).total_stacked - estimate_for(SMALLEST).total_stacked
     print(f"measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
     assert 0.85 <= measured / expected <= 1.20
+
+
+def test_cli_estimate_counts_the_loss(capsys):
+    """--loss plain counts the full logits and suggests the chunked loss first."""
+    code, out, _ = run_cli(
+        capsys, "estimate", "--model", "7b", "--micro-batch", "4", "--loss", "plain", "--json"
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["loss"] == "plain"
+    assert doc["logits"] == 4 * 4096 * 32000 * 18
+    assert doc["levers"][0]["name"] == "chunked loss"

@@ -103,6 +103,9 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         spec = get_gpu(args.gpu)
         capacity, capacity_name = spec.memory_bytes, spec.name
+    loss = memory_io.run_loss(args.model)  # {} unless --model is a run's config.json
+    if args.loss is not None:
+        loss["loss"] = args.loss
     work = memory.Workload(
         micro_batch=ds["train_micro_batch_size_per_gpu"]
         if args.micro_batch is None
@@ -111,6 +114,7 @@ def _estimate(args: argparse.Namespace) -> int:
         n_gpus=args.nodes * args.gpus_per_node,
         activation_checkpointing=args.activation_checkpointing,
         eager_attention=args.eager_attention,
+        **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)
     lever_list = []
@@ -127,6 +131,8 @@ def _estimate(args: argparse.Namespace) -> int:
             "n_gpus": work.n_gpus,
             "micro_batch": work.micro_batch,
             "seq_len": work.seq_len,
+            "loss": work.loss,
+            "loss_chunk_tokens": work.loss_chunk_tokens,
             "levers": [dataclasses.asdict(lever) for lever in lever_list],
         }
         print(json.dumps(doc))
@@ -272,6 +278,11 @@ def _add_estimate(sub) -> None:
     est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     est.add_argument("--micro-batch", type=int, help="default: the ds_config's")
     est.add_argument("--activation-checkpointing", action="store_true")
+    est.add_argument(
+        "--loss",
+        choices=("chunked", "plain"),
+        help="train.loss (default: the run's when --model is a run's config.json, else chunked)",
+    )
     est.add_argument(
         "--eager-attention",
         action="store_true",
