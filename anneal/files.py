@@ -5,6 +5,7 @@ Torch-free on purpose: the data commands and the benchmarks use it without loadi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -218,3 +219,13 @@ def is_matplotlib_png(path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes, hex, read in chunks (a multi-gigabyte weight file or shard
+    never sits in memory whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -6,7 +6,6 @@ that reading data does not load the multiprocessing writer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -16,7 +15,7 @@ import numpy as np
 from anneal import rundir
 from anneal.data import tokenizer as toklib
 from anneal.errors import UserError
-from anneal.files import confined
+from anneal.files import confined, sha256_file
 
 SPLITS = ("train", "val")
 FORMAT_VERSION = 2
@@ -285,7 +284,7 @@ def verify(data_dir: Path) -> dict:
                 bad.append(f"{rel} (meta.json records no sha256 for it)")
             else:
                 nbytes += want_size
-                if _sha256(path) != shard["sha256"]:
+                if sha256_file(path) != shard["sha256"]:
                     bad.append(f"{rel} (sha256 differs: the bytes changed)")
     shards = files
     if "tokenizer_sha256" in meta:
@@ -303,14 +302,6 @@ def verify(data_dir: Path) -> dict:
             f"Training on them would read wrong token ids. {_redo(data_dir)}"
         )
     return {"shards": shards, "bytes": nbytes, "tokenizer": "tokenizer_sha256" in meta}
-
-
-def _sha256(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float:

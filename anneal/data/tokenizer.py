@@ -14,7 +14,6 @@ for bits per byte.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import json
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.errors import UserError
+from anneal.files import sha256_file
 
 EOS_ID = 1  # trained models: id 0 is <unk>, 1 is </s>; no BOS and no PAD.
 MODEL_TYPES = ("bpe", "unigram")
@@ -128,7 +128,7 @@ def _spm_reason(error: Exception) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return sha256_file(Path(path))
 
 
 class Tokenizer:

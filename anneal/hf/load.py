@@ -19,7 +19,6 @@ The config step (``anneal.config``) and the engine (``anneal.train``) import thi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from anneal import model as modellib
 from anneal.errors import UserError
-from anneal.files import confined
+from anneal.files import confined, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -242,14 +241,6 @@ def check_weight_files(directory: Path, files: list[Path]) -> None:
             ) from None
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 # --- the preset ------------------------------------------------------------------------------
 
 
@@ -286,8 +277,8 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
     _describe(directory, doc, preset, seq_len, recipe_preset=model.preset)
     init_from = {
         "path": str(directory.resolve()),
-        "config_sha256": _sha256(directory / "config.json"),
-        "files": {p.name: _sha256(p) for p in files},
+        "config_sha256": sha256_file(directory / "config.json"),
+        "files": {p.name: sha256_file(p) for p in files},
         "tokenizer_sha256": _tokenizer_sha256(directory),
     }
     return dataclasses.replace(
