@@ -6,6 +6,7 @@ same script, driver, parsing, table and log files, with a row that fails on purp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
@@ -20,6 +21,7 @@ import pytest
 from anneal.cli.recipe import config_from_args, load_recipe
 from anneal.config.launch import resolve_launch
 from anneal.hardware import GPUS
+from anneal.model import llama_config
 from anneal.scaling.memory import Workload, ZeroSetup, estimate
 from tests.conftest import ROOT, env, run_process
 
@@ -83,10 +85,13 @@ def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
     ds = plan.ds_config
     assert plan.cfg.ds_config == f"zero{row.zero}_bf16.json"
     assert ds["zero_optimization"]["stage"] == row.zero
-    assert ds["bf16"]["enabled"] is True and plan.seq_len == 2048
+    assert ds["bf16"]["enabled"] is True and plan.seq_len == row.seq_len
+    # The model's context is the row's: nothing in the preset caps it below 32K.
+    assert llama_config(plan.preset).max_position_embeddings == row.seq_len
     assert plan.cfg.model.activation_checkpointing is row.ckpt
+    assert plan.cfg.train.loss == row.loss
     assert plan.micro_batch == row.micro
-    assert plan.micro_batch * plan.grad_accum * 2048 == row.global_tokens
+    assert plan.micro_batch * plan.grad_accum * row.seq_len == row.global_tokens
     assert plan.cfg.train.eval_samples == 0  # no validation pass among the measured steps
     params = ds["optimizer"]["params"]
     assert params["torch_adam"] is (row.optimizer != "ds-fused")
@@ -95,7 +100,14 @@ def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
     est = estimate(
         plan.preset,
         ZeroSetup.from_ds_config(ds),
-        Workload(micro_batch=row.micro, seq_len=2048, n_gpus=1, activation_checkpointing=row.ckpt),
+        Workload(
+            micro_batch=row.micro,
+            seq_len=row.seq_len,
+            n_gpus=1,
+            activation_checkpointing=row.ckpt,
+            loss=row.loss,
+            loss_chunk_tokens=plan.cfg.train.loss_chunk_tokens,
+        ),
         capacity=GPUS["h100"].memory_bytes,
     )
     assert est.fits, f"{row.name}: {est.total / 2**30:.1f} GiB"
@@ -114,6 +126,57 @@ def test_gpu_rows_put_the_1b_figures_first_and_cover_the_matrix():
     assert all(r.optimizer == "torch-foreach" for r in rows if not r.optional)
     assert {r.optimizer for r in rows if r.optional} == {"torch-fused", "ds-fused", "torch-foreach"}
     assert [r.needs_nvcc for r in rows] == [r.optimizer == "ds-fused" for r in rows]
+    # Long context on one GPU (SP=1): the 1b shape at 32K, the chunked loss and its plain twin.
+    assert {(r.seq_len, r.loss) for r in rows if r.seq_len != 2048} == {
+        (32768, "chunked"),
+        (32768, "plain"),
+    }
+    # Every plain-loss row has a chunked twin that differs from it only in the loss (and is
+    # optional where the twin is a required row).
+    by_name = {r.name: r for r in rows}
+    plain = [r for r in rows if r.loss == "plain"]
+    assert [r.name for r in plain] == ["1b-z1-ckpt-32k-plainloss", "1b-z1-nockpt-plainloss"]
+    for r in plain:
+        twin = by_name[r.name.removesuffix("-plainloss")]
+        assert dataclasses.replace(twin, name=r.name, loss="plain", optional=True) == r
+
+
+def _result(row: gpu_rows.Row, *, tokens_per_s: float, peak: float, mfu: float) -> dict:
+    return {
+        **dataclasses.asdict(row),
+        "status": "ok",
+        "accum": row.global_tokens // (row.micro * row.seq_len),
+        "tokens_per_s": tokens_per_s,
+        "tflops": mfu * 989,
+        "mfu": mfu,
+        "peak_mem_gib": peak,
+        "step_s": 1.0,
+        "first_step_s": 30.0,
+    }
+
+
+def test_the_table_reads_the_32k_pair_apart_from_the_2048_figures():
+    by_name = {r.name: r for r in gpu_rows.gpu_rows()}
+    results = [
+        _result(by_name["1b-z1-nockpt"], tokens_per_s=60_000, peak=40.0, mfu=0.39),
+        # A 32K row's MFU counts the 12*L*H*Q*T attention FLOPs: not comparable with 2048.
+        _result(by_name["1b-z1-ckpt-32k"], tokens_per_s=13_000, peak=25.5, mfu=0.5),
+        _result(
+            by_name["1b-z1-ckpt-32k-plainloss"], tokens_per_s=13_000 / 1.04, peak=29.5, mfu=0.48
+        ),
+    ]
+    text = gpu_table.reading(results, cpu=False)
+    assert "Best 1b row: 1b-z1-nockpt at 39.0% MFU" in text
+    assert (
+        "Chunked loss against plain at sequence 32768 (1b-z1-ckpt-32k): peak 25.5 GiB against "
+        "29.5 GiB (+4.0 GiB saved), 13,000 against 12,500 tokens/s (+4.0%)." in text
+    )
+    lines = gpu_table.table(results).splitlines()
+    assert lines[0].startswith("| row | model | ZeRO | act. ckpt | seq | loss |")
+    assert len({ln.count("|") for ln in lines}) == 1  # every line has the header's columns
+    assert lines[3].startswith("| 1b-z1-ckpt-32k | 1b | 1 | on | 32768 | chunked |")
+    assert lines[4].startswith("| 1b-z1-ckpt-32k-plainloss | 1b | 1 | on | 32768 | plain |")
+    assert "| 1 x 4 |" in lines[3]
 
 
 def test_a_row_past_its_timeout_is_killed_with_its_whole_session(tmp_path):
