@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark (docs/benchmarks.md, "GPU"): 1b and 125m on one GPU, bf16, ZeRO-1 and ZeRO-3,
-# sequence 2048, activation checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory. Fits
-# 8 minutes on one H100 or H200 (a deadline stops starting rows that no longer fit).
+# sequence 2048, act. checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory. Optional rows
+# (1b at 32K, chunked and plain loss; --only NAME,... runs them alone) use the time left of 8 min.
 #
 #   bash bench/gpu.sh LOGDIR [bench_gpu.py options]        the benchmark, logs into LOGDIR
 #   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, fp32)
