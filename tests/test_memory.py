@@ -5,7 +5,10 @@ offload), agreement with DeepSpeed's own estimators where both count the same th
 activation accounting against Korthikanti et al.'s published formula, the loss's logits (plain,
 and chunked in closed form), that each suggested lever really fits (and is the largest value
 that does; the chunked loss first under the plain one), clear errors for bad input, and, on
-CPU, the estimate against the measured peak RSS of real training runs.
+CPU, the estimate against the measured peak RSS of real training runs. Tensor parallelism
+(memory_tp.py): TP=1 unchanged bit for bit, the sharded model states and Korthikanti's
+activation terms divided by t in closed form, the gathered logits, bad layouts, the TP lever,
+`--tp` and a ds_config's autotp_size, and the launcher's forecast under TP.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import torch
 
 from anneal import cli
 from anneal.config.ds import find_ds_config, load_ds_config
+from anneal.errors import UserError
 from anneal.model import build_model, count_params, get_preset
-from anneal.scaling import memory, memory_io, memory_levers
+from anneal.scaling import forecast, memory, memory_io, memory_levers
+from anneal.scaling.memory import GiB
 from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,7 +191,8 @@ def test_levers_fit_and_are_the_largest_that_do():
     capacity = 80 * 2**30
     assert memory.estimate(preset, zero, w, capacity=capacity).fits is False
     found = memory_levers.levers(preset, zero, w, capacity=capacity, runtime_bytes=memory.GiB)
-    assert [lever.name for lever in found] == ["micro-batch", "context length", "layers", "width"]
+    names = ["micro-batch", "context length", "tensor parallel", "layers", "width"]
+    assert [lever.name for lever in found] == names
     by_name = {lever.name: lever for lever in found}
 
     def total(p, wk):
@@ -429,3 +435,180 @@ def test_cli_estimate_counts_the_loss(capsys):
     assert code == 0 and doc["loss"] == "plain"
     assert doc["logits"] == 4 * 4096 * 32000 * 18
     assert doc["levers"][0]["name"] == "chunked loss"
+
+
+# Tensor parallelism (anneal/scaling/memory_tp.py): DeepSpeed AutoTP shards q, k, v, o, gate, up,
+# down and the LM head over t ranks; embeddings and norms stay whole; ZeRO partitions over n / t.
+
+
+def test_tp1_is_unchanged_bit_for_bit():
+    """The 7b recipe's ZeRO-3 and ZeRO-2 totals at micro-batch 4 x 4096 on 8 GPUs, as the
+    estimator printed them before it knew tensor parallelism (commit a4c8675)."""
+    w = work(8, micro_batch=4)
+    assert memory.estimate(get_preset("7b"), zero_from("zero3_bf16.json"), w).total == 109579977472
+    assert memory.estimate(get_preset("7b"), zero_from("zero2_bf16.json"), w).total == 121010060800
+    assert memory.estimate(get_preset("7b"), zero_from("zero3_bf16.json"), w) == memory.estimate(
+        get_preset("7b"), zero_from("zero3_bf16.json"), dataclasses.replace(w, tp=1)
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tp2_halves_the_sharded_model_states(stage):
+    """Closed form from the shapes: per layer q, o (h x h), k, v (h x kv), gate, up, down (h x f),
+    and the LM head (V x h) are sharded; the embedding and the norms are not. Then ZeRO's
+    formula over the data-parallel group of 8 / 2 = 4."""
+    preset, n, t = get_preset("7b"), 8, 2
+    h, f, v = preset.hidden_size, preset.intermediate_size, preset.vocab_size
+    kv = preset.num_key_value_heads * preset.head_dim
+    sharded = preset.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * f) + v * h
+    replicated = v * h + preset.num_hidden_layers * 2 * h + h  # embedding, norms, final norm
+    assert sharded + replicated == P7B
+    p_gpu = replicated + sharded // t
+    dp = n // t
+    zero = dataclasses.replace(zero_from("zero3_bf16.json"), stage=stage)
+    est = memory.estimate(preset, zero, work(n, tp=t))
+    assert est.params == int(2 * p_gpu / (dp if stage == 3 else 1))
+    assert est.grads == int(2 * p_gpu / (dp if stage >= 2 else 1))
+    assert est.optimizer == int(12 * p_gpu / (dp if stage >= 1 else 1))
+
+
+def test_tp_divides_the_sharded_activations_as_korthikanti():
+    """GPT block: s b h (10 + 24/t + 5 a s / (h t)) (Korthikanti et al. 2022, Table 2, tensor
+    parallel without sequence parallel). Llama block: only the two RMSNorms' saved tensors
+    (6 + 6 bytes per s b h at bf16) stay whole; everything else halves at t = 2."""
+    s, b, h, a = 2048, 1, 12288, 96
+    for t in (1, 2, 4, 8):
+        gpt = memory.saved_tensors(
+            s=s, b=b, h=h, f=4 * h, a=a, kv=h, bf16=True, eager=True, block="gpt", t=t
+        )
+        assert sum(n for _, n in gpt) == pytest.approx(
+            s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        )
+    preset = get_preset("7b")
+    w1, w2 = work(8, micro_batch=2), work(8, micro_batch=2, tp=2)
+    one = memory.layer_activation_bytes(preset, w1, bf16=True)
+    two = memory.layer_activation_bytes(preset, w2, bf16=True)
+    norms = 2 * 6 * 4096 * 2 * preset.hidden_size
+    assert two == norms + (one - norms) / 2
+    assert memory.activation_bytes(preset, w2, bf16=True) == int(preset.num_hidden_layers * two)
+
+
+def test_tp_counts_the_gathered_logits_with_the_plain_loss():
+    """Under TP the LM head gathers its output and the loss falls back to plain: the full
+    logits on every rank, whatever train.loss says."""
+    preset, zero = get_preset("7b"), zero_from("zero3_bf16.json")
+    plain = memory.estimate(preset, zero, work(8, micro_batch=4, loss="plain")).logits
+    assert memory.estimate(preset, zero, work(8, micro_batch=4, tp=2)).logits == plain
+    assert plain == 4 * 4096 * preset.vocab_size * 18
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "tp", "preset_changes", "message"),
+    [
+        (6, 4, {}, "do not split into tensor-parallel groups of 4"),
+        (8, 8, {"num_attention_heads": 12, "num_key_value_heads": 4}, "num_attention_heads 12"),
+        (8, 8, {"num_key_value_heads": 4}, "num_key_value_heads 4"),
+        (8, 0, {}, "at least 1"),
+    ],
+)
+def test_bad_tensor_parallel_layout_is_one_clear_error(n_gpus, tp, preset_changes, message):
+    preset = dataclasses.replace(get_preset("7b"), **preset_changes)
+    with pytest.raises(UserError, match=message):
+        memory.estimate(preset, zero_from("zero3_bf16.json"), work(n_gpus, tp=tp))
+
+
+def test_levers_suggest_the_smallest_tensor_parallel_degree_that_fits():
+    """7b at micro-batch 4 x 4096 on 8 GPUs: a capacity between the TP=4 and TP=2 totals makes
+    the lever TP=4 (TP=2 does not fit), and its total is the estimate at TP=4."""
+    preset, zero = get_preset("7b"), zero_from("zero3_bf16.json")
+    totals = {
+        t: memory.estimate(preset, zero, work(8, micro_batch=4, tp=t)).total for t in (1, 2, 4)
+    }
+    assert totals[1] > totals[2] > totals[4]
+    cap = (totals[2] + totals[4]) // 2
+    found = memory_levers.levers(
+        preset, zero, work(8, micro_batch=4), capacity=cap, runtime_bytes=GiB
+    )
+    (tp,) = [lever for lever in found if lever.name == "tensor parallel"]
+    assert tp.setting == "--set ds.tensor_parallel.autotp_size=4" and tp.total == totals[4]
+    names = [lever.name for lever in found]
+    assert names.index("context length") < names.index("tensor parallel") < names.index("layers")
+    tight = memory_levers.levers(
+        preset, zero, work(8, micro_batch=4), capacity=GiB, runtime_bytes=GiB
+    )
+    (none,) = [lever for lever in tight if lever.name == "tensor parallel"]
+    assert none.setting is None and "2, 4, 8 does not fit" in none.note
+
+
+def test_cli_estimate_reads_tp_from_the_flag_and_the_ds_config(tmp_path, capsys):
+    ds = load_ds_config(find_ds_config("zero3_bf16.json"))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ds, "tensor_parallel": {"autotp_size": 2}}))
+    runs = {}
+    for key, extra in (("flag", ["--tp", "2"]), ("ds", ["--ds-config", str(path)]), ("one", [])):
+        assert cli.main(["estimate", "--model", "7b", "--seq", "4096", "--json", *extra]) == 0
+        runs[key] = json.loads(capsys.readouterr().out)
+    assert runs["flag"]["tp"] == runs["ds"]["tp"] == 2 and runs["one"]["tp"] == 1
+    expect = memory.estimate(
+        get_preset("7b"),
+        zero_from("zero3_bf16.json"),
+        work(8, micro_batch=runs["one"]["micro_batch"], tp=2),
+    )
+    assert runs["flag"]["total"] == runs["ds"]["total"] == expect.total < runs["one"]["total"]
+    assert cli.main(["estimate", "--model", "7b", "--tp", "2"]) == 0
+    assert "tensor-parallel 2 x ZeRO stage 3 over 4 GPUs" in capsys.readouterr().out
+    assert cli.main(["estimate", "--model", "7b", "--tp", "3"]) != 0
+    assert "groups of 3" in capsys.readouterr().err
+
+
+def test_forecast_per_gpu_is_lower_under_tp():
+    """The launcher's pre-flight forecast (anneal/scaling/forecast.make, given the launch's
+    ds_config) reads tensor_parallel.autotp_size: the 7b recipe's shape on 8 GPUs."""
+    ds = {
+        **load_ds_config(find_ds_config("zero3_bf16.json")),
+        "train_batch_size": 32,  # as the launch resolves them
+        "train_micro_batch_size_per_gpu": 4,
+    }
+    kw = dict(
+        preset=get_preset("7b"), world_size=8, max_steps=10, start_step=0, mfu=0.4, peak_flops=1e15
+    )
+    one = forecast.make(ds_config=ds, **kw).memory_bytes_per_gpu
+    two = forecast.make(
+        ds_config={**ds, "tensor_parallel": {"autotp_size": 2}}, **kw
+    ).memory_bytes_per_gpu
+    assert two < one
+    assert (
+        two
+        == memory.estimate(
+            get_preset("7b"),
+            memory.ZeroSetup.from_ds_config(ds),
+            memory.Workload(
+                micro_batch=ds["train_micro_batch_size_per_gpu"],
+                seq_len=get_preset("7b").seq_len,
+                n_gpus=8,
+                tp=2,
+            ),
+        ).total
+    )
+
+
+def test_preflight_forecast_of_a_tp2_launch_is_below_tp1(tiny_data, tmp_path):
+    """The launcher's pre-flight (launcher/preflight.py) forecasts through forecast.make with the
+    launch's resolved ds_config: 2 CPU ranks of the tiny recipe, with and without
+    --set ds.tensor_parallel.autotp_size=2."""
+    from launcher.preflight import preflight
+
+    def forecast_bytes(*extra: str) -> int:
+        args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data), "--max-steps", "10"]
+        fc = preflight(
+            recipe="recipes/pretrain_tiny.py",
+            recipe_args=[*args, *extra],
+            world_size=2,
+            device_type="cpu",
+            mfu=None,
+        ).forecast
+        return fc.memory_bytes_per_gpu
+
+    one = forecast_bytes()
+    two = forecast_bytes("--set", "ds.tensor_parallel.autotp_size=2")
+    assert two < one

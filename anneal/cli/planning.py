@@ -85,7 +85,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from anneal.config.ds import find_ds_config, load_ds_config
     from anneal.hardware import get_gpu
-    from anneal.scaling import memory, memory_io, memory_levers
+    from anneal.scaling import memory, memory_io, memory_levers, memory_tp
 
     preset = memory_io.load_model(args.model)
     if args.vocab_size:
@@ -114,6 +114,7 @@ def _estimate(args: argparse.Namespace) -> int:
         n_gpus=args.nodes * args.gpus_per_node,
         activation_checkpointing=args.activation_checkpointing,
         eager_attention=args.eager_attention,
+        tp=memory_tp.autotp_size(ds) if args.tp is None else args.tp,
         **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)
@@ -129,6 +130,7 @@ def _estimate(args: argparse.Namespace) -> int:
             "param_count": memory.count_params(preset),
             "zero_stage": zero.stage,
             "n_gpus": work.n_gpus,
+            "tp": work.tp,
             "micro_batch": work.micro_batch,
             "seq_len": work.seq_len,
             "loss": work.loss,
@@ -274,6 +276,11 @@ def _add_estimate(sub) -> None:
         type=int,
         default=memory.DEFAULT_GPUS_PER_NODE,
         help="(default %(default)s)",
+    )
+    est.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree (default: the ds_config's tensor_parallel.autotp_size, 1)",
     )
     est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     est.add_argument("--micro-batch", type=int, help="default: the ds_config's")

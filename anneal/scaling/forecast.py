@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal import model as modellib
-from anneal.scaling import memory
+from anneal.scaling import memory, memory_tp
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +76,7 @@ def make(
             micro_batch=micro,
             seq_len=preset.seq_len,
             n_gpus=world_size,
+            tp=memory_tp.autotp_size(ds_config),
             activation_checkpointing=activation_checkpointing,
         ),
     )

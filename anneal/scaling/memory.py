@@ -25,8 +25,8 @@ buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam)
 lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
 ``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
 
-What to change when a run does not fit is ``memory_levers``; what ``anneal estimate`` reads (a
-preset or a config file) and prints is ``memory_io``.
+Tensor parallelism is ``memory_tp``; the levers for a run that does not fit, ``memory_levers``;
+what ``anneal estimate`` reads and prints, ``memory_io``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import math
 
 from anneal.errors import UserError
 from anneal.model import ModelPreset, count_params
+from anneal.scaling import memory_tp
+from anneal.scaling.memory_tp import largest_layer_params
 
 GiB = 2**30
 
@@ -113,7 +115,8 @@ class Workload:
     seq_len: int
     """Tokens per sequence."""
     n_gpus: int
-    """Data-parallel GPUs that ZeRO partitions over (nodes x GPUs per node)."""
+    """GPUs (nodes x GPUs per node); ZeRO partitions over the n_gpus / tp data-parallel ones."""
+    tp: int = 1  # tensor_parallel.autotp_size: anneal.scaling.memory_tp
     activation_checkpointing: bool = False
     eager_attention: bool = False
     """Attention that stores its a x s x s scores (Korthikanti's 5as/h term); Anneal's SDPA
@@ -196,14 +199,6 @@ class MemoryEstimate:
         }
 
 
-def largest_layer_params(preset: ModelPreset) -> int:
-    """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``): the
-    embedding or LM head (V x h) or an MLP projection (h x f)."""
-    return max(
-        preset.vocab_size * preset.hidden_size, preset.hidden_size * preset.intermediate_size
-    )
-
-
 def model_state_bytes(params: int, zero: ZeroSetup, n_gpus: int) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer state) bytes on each GPU, and bytes per GPU on the host."""
     w_bytes, g_bytes = (2, 2) if zero.bf16 else (4, 4)
@@ -223,7 +218,17 @@ def model_state_bytes(params: int, zero: ZeroSetup, n_gpus: int) -> tuple[int, i
 
 
 def saved_tensors(
-    *, s: int, b: int, h: int, f: int, a: int, kv: int, bf16: bool, eager: bool, block: str
+    *,
+    s: int,
+    b: int,
+    h: int,
+    f: int,
+    a: int,
+    kv: int,
+    bf16: bool,
+    eager: bool,
+    block: str,
+    t: int = 1,
 ) -> list[tuple[str, float]]:
     """Bytes each tensor that one decoder layer keeps for backward, Korthikanti et al.'s way.
 
@@ -231,25 +236,28 @@ def saved_tensors(
     byte), which sums to the paper's ``s b h (34 + 5 a s / h)``. ``block="llama"`` is Anneal's
     model as Hugging Face runs it: RMSNorm that saves an fp32 copy of its input and its
     normalised output, RoPE'd q and k, SDPA (no scores kept unless ``eager``), SwiGLU with
-    intermediate size f, no dropout; ``kv`` is the key/value width (h without GQA).
+    intermediate size f, no dropout; ``kv`` is the key/value width (h without GQA); ``t``, TP.
     """
     sbh, sbf, sbkv, scores = s * b * h, s * b * f, s * b * kv, a * s * s * b
     if block == "gpt":
-        return [
-            ("attention: QKV input", 2 * sbh),
-            ("attention: Q and K", 4 * sbh),
-            ("attention: softmax output", 2 * scores),
-            ("attention: softmax dropout mask", scores),
-            ("attention: dropout output (for x V)", 2 * scores),
-            ("attention: V", 2 * sbh),
-            ("attention: output projection input", 2 * sbh),
-            ("attention: dropout mask", sbh),
-            ("MLP: first linear input", 2 * sbh),
-            ("MLP: GeLU input", 8 * sbh),
-            ("MLP: second linear input", 8 * sbh),
-            ("MLP: dropout mask", sbh),
-            ("two LayerNorm inputs", 4 * sbh),
-        ]
+        return memory_tp.divide_tensors(
+            [
+                ("attention: QKV input", 2 * sbh),
+                ("attention: Q and K", 4 * sbh),
+                ("attention: softmax output", 2 * scores),
+                ("attention: softmax dropout mask", scores),
+                ("attention: dropout output (for x V)", 2 * scores),
+                ("attention: V", 2 * sbh),
+                ("attention: output projection input", 2 * sbh),
+                ("attention: dropout mask", sbh),
+                ("MLP: first linear input", 2 * sbh),
+                ("MLP: GeLU input", 8 * sbh),
+                ("MLP: second linear input", 8 * sbh),
+                ("MLP: dropout mask", sbh),
+                ("two LayerNorm inputs", 4 * sbh),
+            ],
+            t,
+        )
     v = 2 if bf16 else 4  # bytes per activation value
     norm = (4 + 2) if bf16 else (4 + 4)  # fp32 input copy (for the variance) + normalised output
     items = [
@@ -270,7 +278,7 @@ def saved_tensors(
         ("MLP: up projection output", v * sbf),
         ("MLP: down projection input", v * sbf),
     ]
-    return items
+    return memory_tp.divide_tensors(items, t)
 
 
 def layer_activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> float:
@@ -287,6 +295,7 @@ def layer_activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -
             bf16=bf16,
             eager=work.eager_attention,
             block="llama",
+            t=work.tp,
         )
     )
 
@@ -321,7 +330,7 @@ def logits_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
     and v bytes a value: ``8 c V + tokens h v + V h (4 + 2 [bf16])``.
     """
     tokens, vocab, h = work.seq_len * work.micro_batch, preset.vocab_size, preset.hidden_size
-    if work.loss == "plain":
+    if work.loss == "plain" or work.tp > 1:  # the LM head's gathered output: the full logits
         return int(tokens * vocab * (4 * 4 + (2 if bf16 else 0)))
     chunk, value = min(work.loss_chunk_tokens, tokens), 2 if bf16 else 4
     return int(8 * chunk * vocab + tokens * h * value + vocab * h * (6 if bf16 else 4))
@@ -348,8 +357,9 @@ def estimate(
     ):
         if value < 1:
             raise UserError(f"{name} {value}: must be at least 1.")
-    p = count_params(preset)
-    n = work.n_gpus
+    memory_tp.check(preset, n_gpus=work.n_gpus, tp=work.tp)
+    p = count_params(preset) if work.tp == 1 else memory_tp.params_per_gpu(preset, work.tp)
+    n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over
     weights, grads, optimizer, host = model_state_bytes(p, zero, n)
     value_bytes = 2 if zero.bf16 else 4
 
@@ -358,7 +368,7 @@ def estimate(
         copies = 2 if zero.overlap_comm else 1
         buffers["reduce bucket"] = copies * min(zero.reduce_bucket_size, p) * value_bytes
     if zero.stage == 3:
-        live = largest_layer_params(preset) + min(zero.prefetch_bucket_size, p)
+        live = largest_layer_params(preset, work.tp) + min(zero.prefetch_bucket_size, p)
         buffers["gathered weights"] = live * value_bytes
     step = {}
     if not zero.offload_optimizer:

@@ -80,7 +80,7 @@ def format_estimate(
 ) -> str:
     """The table ``anneal estimate`` prints."""
     p = count_params(preset)
-    n = work.n_gpus
+    n = work.n_gpus // work.tp
     precision = "bf16 mixed precision (2+2+12 bytes/param)" if zero.bf16 else "fp32 (4+4+12)"
     offload = [
         k for k, v in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if v
@@ -88,15 +88,17 @@ def format_estimate(
 
     loss = (
         f"chunked ({work.loss_chunk_tokens} tokens a chunk)"
-        if work.loss == "chunked"
-        else "plain (full logits)"
+        if work.loss == "chunked" and work.tp == 1
+        else "plain (full logits)" + (" under TP" if work.tp > 1 else "")
     )
 
     def row(label: str, value: int, note: str = "") -> str:
         return f"  {label:<36} {format_bytes(value):>12}{'   ' + note if note else ''}"
 
     lines = [
-        f"model {preset.name}: {p:,} parameters; ZeRO stage {zero.stage} over {n} GPUs, "
+        f"model {preset.name}: {p:,} parameters; "
+        + (f"tensor-parallel {work.tp} x " if work.tp > 1 else "")
+        + f"ZeRO stage {zero.stage} over {n} GPUs, "
         f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
         f"micro-batch {work.micro_batch} x {work.seq_len} tokens, activation checkpointing "
         f"{'on' if work.activation_checkpointing else 'off'}, loss {loss}",
@@ -105,7 +107,7 @@ def format_estimate(
         row("weights", est.params),
         row("gradients", est.grads),
         row("optimizer state", est.optimizer),
-        row("= model states", est.model_states, f"({est.model_states * n / p:.3g}P/n)"),
+        row("= model states", est.model_states, f"({est.model_states * work.n_gpus / p:.3g}P/n)"),
         row("activations", est.activations),
         row("logits and loss", est.logits),
         *(row(f"{k} (fwd/bwd)", v) for k, v in est.buffers.items()),

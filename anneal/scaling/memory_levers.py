@@ -1,6 +1,8 @@
 """Levers: what to change for a run that does not fit in GPU memory, in order of preference:
 first what costs nothing (the chunked loss, when the plain one is selected), then what costs no
-quality (micro-batch, with more accumulation), then context, then model shape. Each lever
+quality (micro-batch, with more accumulation), then context, then tensor parallelism (it
+shards the layers' matrices and activations over the GPUs of a node, and costs communication),
+then model shape. Each lever
 but the loss is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
 bisection, since the estimate grows with each of them.
 """
@@ -17,7 +19,7 @@ from anneal.scaling.memory import GiB, Workload, ZeroSetup, estimate
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lever:
     name: str
-    """chunked loss | micro-batch | context length | layers | width"""
+    """chunked loss | micro-batch | context length | tensor parallel | layers | width"""
     setting: str | None
     """The largest value that fits, as the flag or key to set; None when nothing does."""
     total: int | None
@@ -39,7 +41,7 @@ def levers(
     preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
 ) -> list[Lever]:
     """Each lever alone, from the given setup: the chunked loss (under the plain one),
-    micro-batch, context length, layers, width."""
+    micro-batch, context length, tensor parallelism, layers, width."""
 
     def total(p: ModelPreset, w: Workload) -> int:
         return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
@@ -84,6 +86,7 @@ def levers(
             note="" if t else f"even {step} tokens do not fit",
         )
     )
+    out.append(_tensor_parallel(preset, work, total, capacity))
     n_layers = _largest(
         1,
         preset.num_hidden_layers - 1,
@@ -121,6 +124,36 @@ def levers(
         )
     )
     return out
+
+
+def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
+    """The smallest power-of-2 tensor-parallel degree above the current one, up to 8 (one node),
+    that divides the head counts and the GPUs and fits."""
+    degrees = [
+        t
+        for t in (2, 4, 8)
+        if t > work.tp
+        and work.n_gpus % t == 0
+        and preset.num_attention_heads % t == 0
+        and preset.num_key_value_heads % t == 0
+    ]
+    for t in degrees:
+        fitting = total(preset, _w(work, tp=t))
+        if fitting <= capacity:
+            return Lever(
+                name="tensor parallel",
+                setting=f"--set ds.tensor_parallel.autotp_size={t}",
+                total=fitting,
+            )
+    tried = ", ".join(map(str, degrees))
+    return Lever(
+        name="tensor parallel",
+        setting=None,
+        total=None,
+        note=f"autotp_size {tried} does not fit"
+        if degrees
+        else f"no degree up to 8 divides the heads and the {work.n_gpus} GPUs",
+    )
 
 
 def _w(work: Workload, **changes) -> Workload:
