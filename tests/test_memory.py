@@ -544,11 +544,17 @@ def test_cli_estimate_reads_tp_from_the_flag_and_the_ds_config(tmp_path, capsys)
     ds = load_ds_config(find_ds_config("zero3_bf16.json"))
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**ds, "tensor_parallel": {"autotp_size": 2}}))
+    run = tmp_path / "config.json"  # a run's: its model and resolved ds_config
+    preset = dataclasses.asdict(get_preset("7b"))
+    run.write_text(json.dumps({"model": preset, "ds_config": json.loads(path.read_text())}))
     runs = {}
     for key, extra in (("flag", ["--tp", "2"]), ("ds", ["--ds-config", str(path)]), ("one", [])):
         assert cli.main(["estimate", "--model", "7b", "--seq", "4096", "--json", *extra]) == 0
         runs[key] = json.loads(capsys.readouterr().out)
-    assert runs["flag"]["tp"] == runs["ds"]["tp"] == 2 and runs["one"]["tp"] == 1
+    assert cli.main(["estimate", "--model", str(run), "--seq", "4096", "--json"]) == 0
+    runs["run"] = json.loads(capsys.readouterr().out)
+    assert runs["flag"]["tp"] == runs["ds"]["tp"] == runs["run"]["tp"] == 2
+    assert runs["one"]["tp"] == 1 and runs["run"]["total"] == runs["ds"]["total"]
     expect = memory.estimate(
         get_preset("7b"),
         zero_from("zero3_bf16.json"),
