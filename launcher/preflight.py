@@ -17,9 +17,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from anneal import model as modellib
 from anneal.errors import UserError
-from anneal.scaling import forecast, memory
+from anneal.scaling import forecast, memory, memory_tp
 
 SSH_TIMEOUT_S = 10
 
@@ -108,10 +107,13 @@ def resolve(cfg, overrides, *, world_size: int, device_type: str):
 
 def checkpoint_bytes(launch) -> int:
     """Bytes of one checkpoint: 16-bit (or fp32) weights plus fp32 master weights and Adam's
-    two moments, over all ranks (anneal/scaling/memory.py's model states without gradients)."""
+    two moments, over all ranks (anneal/scaling/memory.py's model states without gradients).
+    Under tensor parallelism each rank of a group saves the replicated parameters (embedding,
+    norms) again beside its slices: t x (replicated + sharded / t)."""
     zero = memory.ZeroSetup.from_ds_config(launch.ds_config)
+    tp = launch.layout.tensor_parallel
     weights, _, optimizer, _ = memory.model_state_bytes(
-        modellib.count_params(launch.preset), dataclasses.replace(zero, stage=0), 1
+        tp * memory_tp.params_per_gpu(launch.preset, tp), dataclasses.replace(zero, stage=0), 1
     )
     return int(weights + optimizer)
 

@@ -29,7 +29,7 @@ from anneal import cli
 from anneal.config.ds import find_ds_config, load_ds_config
 from anneal.errors import UserError
 from anneal.model import build_model, count_params, get_preset
-from anneal.scaling import forecast, memory, memory_io, memory_levers
+from anneal.scaling import forecast, memory, memory_io, memory_levers, memory_tp
 from anneal.scaling.memory import GiB
 from tests.conftest import kill_tree
 
@@ -600,21 +600,24 @@ def test_forecast_per_gpu_is_lower_under_tp():
 
 def test_preflight_forecast_of_a_tp2_launch_is_below_tp1(tiny_data, tmp_path):
     """The launcher's pre-flight (launcher/preflight.py) forecasts through forecast.make with the
-    launch's resolved ds_config: 2 CPU ranks of the tiny recipe, with and without
-    --set ds.tensor_parallel.autotp_size=2."""
+    launch's resolved ds_config, and sizes the checkpoint for its disk check by the layout: 2 CPU
+    ranks of the tiny recipe, with and without --set ds.tensor_parallel.autotp_size=2."""
     from launcher.preflight import preflight
 
-    def forecast_bytes(*extra: str) -> int:
+    def launch(*extra: str):
         args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data), "--max-steps", "10"]
-        fc = preflight(
+        return preflight(
             recipe="recipes/pretrain_tiny.py",
             recipe_args=[*args, *extra],
             world_size=2,
             device_type="cpu",
             mfu=None,
-        ).forecast
-        return fc.memory_bytes_per_gpu
+        )
 
-    one = forecast_bytes()
-    two = forecast_bytes("--set", "ds.tensor_parallel.autotp_size=2")
-    assert two < one
+    one, two = launch(), launch("--set", "ds.tensor_parallel.autotp_size=2")
+    assert two.forecast.memory_bytes_per_gpu < one.forecast.memory_bytes_per_gpu
+    # The checkpoint the disk check budgets (fp32 on CPU: 4-byte weights + 12 of Adam): each
+    # rank of the TP group saves the replicated parameters again beside its slices.
+    tiny = one.launch.preset  # the tiny shape at the data's vocabulary
+    assert one.checkpoint_bytes == 16 * count_params(tiny)
+    assert two.checkpoint_bytes == 16 * 2 * memory_tp.params_per_gpu(tiny, 2) > one.checkpoint_bytes
