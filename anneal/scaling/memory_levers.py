@@ -46,18 +46,7 @@ def levers(
     def total(p: ModelPreset, w: Workload) -> int:
         return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
 
-    out = []
-    if work.loss == "plain":
-        chunked = total(preset, _w(work, loss="chunked"))
-        saves, fits = (total(preset, work) - chunked) / GiB, chunked <= capacity
-        out.append(
-            Lever(
-                name="chunked loss",
-                setting=f"train.loss=chunked (saves {saves:.2f} GiB)" if fits else None,
-                total=chunked if fits else None,
-                note="" if fits else f"train.loss=chunked saves {saves:.2f} GiB, not enough alone",
-            )
-        )
+    out = [_chunked_loss(preset, work, total, capacity)] if work.loss == "plain" else []
     b = _largest(
         1, work.micro_batch - 1, lambda x: total(preset, _w(work, micro_batch=x)) <= capacity
     )
@@ -124,6 +113,18 @@ def levers(
         )
     )
     return out
+
+
+def _chunked_loss(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
+    """The chunked loss in place of the plain one: it costs nothing."""
+    chunked = total(preset, _w(work, loss="chunked"))
+    saves, fits = (total(preset, work) - chunked) / GiB, chunked <= capacity
+    return Lever(
+        name="chunked loss",
+        setting=f"train.loss=chunked (saves {saves:.2f} GiB)" if fits else None,
+        total=chunked if fits else None,
+        note="" if fits else f"train.loss=chunked saves {saves:.2f} GiB, not enough alone",
+    )
 
 
 def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
