@@ -1,6 +1,7 @@
 """The GPU benchmark behind ``bench/gpu.sh``: tokens/s, TFLOP/s, MFU and peak memory of the 1b
 and 125m recipes on one GPU, bf16, ZeRO-1 and ZeRO-3, sequence 2048, activation checkpointing
-off and on (docs/benchmarks.md, "GPU").
+off and on, and optional 1b rows at sequence 32K with the chunked and the plain loss
+(docs/benchmarks.md, "GPU").
 
 Each configuration (a row) is its own ``python recipes/pretrain_<preset>.py`` process in its
 own session, with a timeout: an OOM, a failed build or a hang costs that row only, which is
@@ -241,7 +242,7 @@ def run_rows(s: Setup, rows: list[Row], inject: dict) -> tuple[list[dict], list[
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    last_wall: dict[str, float] = {}
+    last_wall: dict[tuple[str, int], float] = {}
     try:
         for row in rows:
             result = run_row(s, row, inject=inject.get(row.name, ()), last_wall=last_wall)
@@ -256,13 +257,14 @@ def run_rows(s: Setup, rows: list[Row], inject: dict) -> tuple[list[dict], list[
     return results, interrupted
 
 
-def run_row(s: Setup, row: Row, *, inject, last_wall: dict[str, float]) -> dict:
+def run_row(s: Setup, row: Row, *, inject, last_wall: dict[tuple[str, int], float]) -> dict:
     """One row's result line: measured, or skipped (no nvcc, or out of time) with its reason.
-    ``last_wall`` holds the wall time of the last measured row of each preset, the estimate
-    for the next."""
+    ``last_wall`` holds the wall time of the last measured row of each preset and sequence
+    length, the estimate for the next."""
     left = s.deadline - time.time() - TABLE_RESERVE_S
-    est = last_wall.get(row.preset, 0) * 1.15 or row.est_s
-    if row.optimizer == "ds-fused" and row.preset in last_wall:
+    key = (row.preset, row.seq_len)
+    est = last_wall.get(key, 0) * 1.15 or row.est_s
+    if row.optimizer == "ds-fused" and key in last_wall:
         est += row.est_s - 75  # the JIT build on top of a measured row of this size
     skip = None
     if row.needs_nvcc and not s.info.get("nvcc"):
@@ -289,7 +291,7 @@ def run_row(s: Setup, row: Row, *, inject, last_wall: dict[str, float]) -> dict:
         result = {**dataclasses.asdict(row), "status": "error"}
         result["reason"] = f"driver: {type(e).__name__}: {e}"
     if result["status"] == "ok":
-        last_wall[row.preset] = result["wall_s"]
+        last_wall[key] = result["wall_s"]
     return result
 
 

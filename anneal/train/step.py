@@ -2,7 +2,8 @@
 to None after each step) -> forward (bf16 when the ds_config enables it) -> cross-entropy on next
 tokens -> backward (DeepSpeed divides the loss by the accumulation steps and reduces gradients
 only at the boundary) -> global L2 clip to ``gradient_clipping`` -> AdamW with decoupled decay on
-2-D+ weights -> the LR schedule's step (warmup-cosine or WSD). And validation on the fixed held-out windows.
+2-D+ weights -> the LR schedule's step (warmup-cosine or WSD). And validation on the fixed
+held-out windows.
 
 Nothing here is there for tests: fault injection (``anneal.resilience.faults``) wraps
 ``train_step`` from outside, through its ``stream`` and ``loss_fn`` arguments. The loss itself
