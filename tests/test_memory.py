@@ -334,6 +334,7 @@ SMALLEST = [
     "model.intermediate_size=64",
     "model.seq_len=32",
     "ds.train_micro_batch_size_per_gpu=1",
+    "train.loss=plain",
 ]
 MEASURED = [
     "model.hidden_size=768",
@@ -342,6 +343,7 @@ MEASURED = [
     "model.intermediate_size=2048",
     "model.seq_len=256",
     "ds.train_micro_batch_size_per_gpu=4",
+    "train.loss=plain",
 ]
 
 
@@ -408,6 +410,7 @@ def estimate_for(sets: list[str]) -> memory.MemoryEstimate:
         micro_batch=int(kv["ds.train_micro_batch_size_per_gpu"]),
         seq_len=int(kv["model.seq_len"]),
         n_gpus=1,
+        loss=kv["train.loss"],
     )
     return memory.estimate(preset, zero_from("cpu.json"), w, runtime_bytes=0)
 
@@ -417,7 +420,10 @@ def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     """fp32 ZeRO-3 on one CPU process (ds_configs/cpu.json). The runtime (Python, torch,
     DeepSpeed) is taken as the peak RSS of the smallest possible run and subtracted. Host
     memory comes from glibc, which keeps small freed blocks, so the comparison is with
-    ``total_stacked``; measured/estimated was 0.97-1.12 over five shapes (docs/planning.md)."""
+    ``total_stacked``; measured/estimated was 0.97-1.12 over five shapes (docs/planning.md).
+    With the plain loss, as those shapes were measured: with the chunked one the measured peak
+    read 2005 MiB under load and 1662 MiB on a quiet machine against 1984 estimated, a spread
+    this check cannot hold yet."""
     base = peak_rss(tmp_path / "base", stdlib_data, SMALLEST)
     big = peak_rss(tmp_path / "big", stdlib_data, MEASURED)
     measured = big - base
