@@ -65,6 +65,12 @@ class ModelPreset:
     def with_vocab(self, vocab_size: int) -> ModelPreset:
         return dataclasses.replace(self, vocab_size=vocab_size)
 
+    def heads_not_dividing(self, tp: int) -> list[str]:
+        """The head counts (query, key-value) that ``tp`` tensor-parallel ranks cannot share
+        out whole, as "name count" (AutoTP deals whole heads to each rank of a group)."""
+        keys = ("num_attention_heads", "num_key_value_heads")
+        return [f"{key} {getattr(self, key)}" for key in keys if getattr(self, key) % tp]
+
 
 PRESETS: dict[str, ModelPreset] = {
     p.name: p

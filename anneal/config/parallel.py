@@ -58,11 +58,7 @@ def layout(ds: dict, preset, *, world_size: int, source: str, exports: bool = Fa
             f"rank(s), which do not split into tensor-parallel groups of {tp}. {fix} to a "
             f"divisor of {world_size}, or launch a multiple of {tp} ranks."
         )
-    uneven = [
-        f"{key} {getattr(preset, key)}"
-        for key in ("num_attention_heads", "num_key_value_heads")
-        if getattr(preset, key) % tp
-    ]
+    uneven = preset.heads_not_dividing(tp)
     if uneven:
         raise UserError(
             f"{source}: tensor_parallel.autotp_size {tp} does not divide the model's "

@@ -79,11 +79,7 @@ def check(preset: ModelPreset, *, n_gpus: int, tp: int) -> None:
             f"--gpus-per-node): the GPUs do not split into tensor-parallel groups of {tp}. "
             f"Choose a --tp that divides {n_gpus}, or a GPU count that is a multiple of {tp}."
         )
-    uneven = [
-        f"{key} {getattr(preset, key)}"
-        for key in ("num_attention_heads", "num_key_value_heads")
-        if getattr(preset, key) % tp
-    ]
+    uneven = preset.heads_not_dividing(tp)
     if uneven:
         raise UserError(
             f"--tp {tp} (tensor_parallel.autotp_size) does not divide the model's "
