@@ -144,6 +144,11 @@ class PackedSplit:
             raise self._damaged(s, off, int(ids.max()))
         return ids
 
+    def source_of(self, windows: list[int]) -> np.ndarray:
+        """The source index of each window number (empty sources own no number)."""
+        firsts = [first for first, _ in self.source_windows]
+        return np.searchsorted(firsts, np.asarray(windows), side="right") - 1
+
     def _damaged(self, s: int, offset: int, token: int) -> UserError:
         """Ids beyond the vocabulary: bytes of the shard changed after prepare (its size did
         not, or check_prepared would have refused the directory). Only the rank that read the
@@ -326,17 +331,49 @@ class _Failed(NamedTuple):
     position: int
 
 
+def heldout_counts(sizes: list[int], n_samples: int) -> list[int]:
+    """Held-out windows per source: ``n_samples`` (at most all windows) shared in proportion to
+    the sources' window counts ``sizes``, by largest remainder (ties to the earlier source), then
+    at least one for every source that has a window. So the total is ``min(n_samples, sum)``
+    (plus one for each source too small for its share to round up to a window)."""
+    total = sum(sizes)
+    n = min(n_samples, total)
+    if n <= 0:
+        return [0] * len(sizes)
+    counts = [n * size // total for size in sizes]
+    order = sorted(range(len(sizes)), key=lambda s: (-(n * sizes[s] % total), s))
+    for s in order[: n - sum(counts)]:
+        counts[s] += 1
+    return [min(size, max(k, 1 if size else 0)) for k, size in zip(counts, sizes, strict=True)]
+
+
+def heldout_windows(sources: list[tuple[int, int]], n_samples: int) -> list[int]:
+    """The fixed held-out set, stratified by source: source s, windows ``[first, first + n)``,
+    gives ``k = heldout_counts(...)[s]`` windows spread evenly over its own range,
+    ``first + t * n // k``. With one source this is ``t * n // n_samples``; a source prepared
+    alone and evaluated with ``n_samples = k`` gives the same windows of its own."""
+    counts = heldout_counts([n for _, n in sources], n_samples)
+    return [
+        first + t * n // k for (first, n), k in zip(sources, counts, strict=True) for t in range(k)
+    ]
+
+
 def validation_windows(
-    n_windows: int, *, n_samples: int, rank: int, world_size: int, micro_batch: int
+    n_windows: int,
+    *,
+    n_samples: int,
+    rank: int,
+    world_size: int,
+    micro_batch: int,
+    sources: list[tuple[int, int]] | None = None,
 ) -> list[list[int]]:
-    """The fixed held-out set: ``n_samples`` windows spread evenly over the val split (every
-    document region and source, not just the first), dealt round-robin to ranks and cut into
-    micro-batches. Every rank gets the same number of batches (ZeRO-3 forwards are collective);
-    -1 marks padding that carries no weight."""
-    n = min(n_samples, n_windows)
-    chosen = [t * n_windows // n for t in range(n)]
+    """The held-out set (:func:`heldout_windows` of ``sources``, (first, n) per source; default
+    one source of ``n_windows``), dealt round-robin to ranks and cut into micro-batches. Every
+    rank gets the same number of batches (ZeRO-3 forwards are collective); -1 marks padding that
+    carries no weight."""
+    chosen = heldout_windows(sources or [(0, n_windows)], n_samples)
     mine = chosen[rank::world_size]
-    per_rank = -(-n // world_size)
+    per_rank = -(-len(chosen) // world_size)
     batches = -(-per_rank // micro_batch)
     mine += [-1] * (batches * micro_batch - len(mine))
     return [mine[b * micro_batch : (b + 1) * micro_batch] for b in range(batches)]

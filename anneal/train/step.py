@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import numpy as np
@@ -136,11 +137,14 @@ def train_step(
 
 @torch.no_grad()
 def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) -> dict:
-    """Loss on the fixed held-out windows; bits per UTF-8 byte so tokenizers compare."""
+    """Loss on the fixed held-out windows (chosen per source: ``validation_windows``); bits per
+    UTF-8 byte so tokenizers compare. With more than one source the row adds each source's
+    ``val_loss/<key>`` and ``val_bpb/<key>`` (``source_keys``; sources without a window left out).
+    """
     engine.eval()
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+    sums = torch.zeros(len(val.source_windows), 3, dtype=torch.float64, device=device)
     dp_rank, dp_size = data_parallel(engine)  # a tensor-parallel group reads as one
     for windows in validation_windows(
         val.n_windows,
@@ -148,28 +152,44 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
         rank=dp_rank,
         world_size=dp_size,
         micro_batch=launch.micro_batch,
+        sources=val.source_windows,
     ):
-        x, y = val.batch([max(j, 0) for j in windows])  # -1: padding, weight 0
+        real = [max(j, 0) for j in windows]  # -1: padding, weight 0
+        x, y = val.batch(real)
         x, y = x.to(device), y.to(device)
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         with losslib.targets(engine.module, y, per_token=True):
             nats = losslib.token_nats(engine(input_ids=x).logits, y)  # (B, T)
-        sums += torch.stack(
-            [
-                (nats.double().sum(1) * weight).sum(),
-                weight.sum() * y.size(1),
-                (byte_table[y].sum(1) * weight).sum(),
-            ]
+        per_window = torch.stack(  # (B, 3): nats, tokens, bytes
+            [nats.double().sum(1), torch.full_like(weight, y.size(1)), byte_table[y].sum(1)], 1
         )
+        source = torch.from_numpy(val.source_of(real)).to(device)
+        sums.index_add_(0, source, per_window * weight[:, None])  # (sources, 3)
     if world_size() > 1:  # a TP group's ranks add equal sums: their ratios stay the same
         dist.all_reduce(sums)
     engine.train()
-    nats, tokens, n_bytes = sums.tolist()
+    row = {"kind": "val", "step": 0, **_figures(*sums.sum(0).tolist())}
+    if len(val.source_names) > 1:
+        keys = source_keys(val.source_names)
+        for key, source_sums in zip(keys, sums.tolist(), strict=True):
+            if source_sums[1] > 0:  # tokens: a source without a val window has no figures
+                f = _figures(*source_sums)
+                row |= {f"val_loss/{key}": f["val_loss"], f"val_bpb/{key}": f["val_bpb"]}
+    return row
+
+
+def _figures(nats: float, tokens: float, n_bytes: float) -> dict:
     val_loss = nats / tokens
     return {
-        "kind": "val",
-        "step": 0,
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss),
         "val_bpb": nats / math.log(2) / n_bytes,
     }
+
+
+def source_keys(names: list[str]) -> list[str]:
+    """Each source's name (meta.json) as the suffix of its validation keys and TensorBoard tags:
+    characters other than letters, digits, ``.``, ``-`` and ``_`` become ``_``; names that then
+    coincide get ``_<source index>`` appended."""
+    keys = [re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_" for name in names]
+    return [f"{k}_{s}" if keys.count(k) > 1 else k for s, k in enumerate(keys)]

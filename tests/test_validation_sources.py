@@ -1,0 +1,214 @@
+"""Per-source validation: the held-out windows are chosen source by source, and a blend's row
+reports each source's loss and bits per byte beside the total.
+
+Proves: with one source the chosen windows are exactly the former choice (``t * n // k``, k =
+min(eval_samples, n)), so single-source validation figures are unchanged; source s of a blend
+gets its size's share of ``eval_samples`` (largest remainder, at least one window, at most all),
+spread evenly over its own range, so the same source prepared alone and validated with
+``eval_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
+is evaluated once, with equal batch counts; source names become clean metric keys. With the
+real DeepSpeed engine (one gloo rank in this process, ZeRO-3 fp32 on CPU): two text sources
+prepared as a blend and each alone with the blend's tokenizer hold the same val windows, and one
+engine's per-source ``val_loss/<source>`` and ``val_bpb/<source>`` on the blend equal
+``validate`` on each source alone within 1e-6 relative, while the total is the token-weighted
+mean of the sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from anneal.data.stream import heldout_counts, heldout_windows, validation_windows
+from anneal.train.step import source_keys
+from tests.conftest import SMALL, free_port
+
+
+def _former(n_windows, *, n_samples, rank, world_size, micro_batch):
+    """validation_windows as it was before per-source validation (one range for the split)."""
+    n = min(n_samples, n_windows)
+    chosen = [t * n_windows // n for t in range(n)]
+    mine = chosen[rank::world_size]
+    per_rank = -(-n // world_size)
+    batches = -(-per_rank // micro_batch)
+    mine += [-1] * (batches * micro_batch - len(mine))
+    return [mine[b * micro_batch : (b + 1) * micro_batch] for b in range(batches)]
+
+
+@pytest.mark.parametrize("n_windows", [1, 7, 100, 1000])
+@pytest.mark.parametrize("n_samples", [0, 1, 5, 64, 2000])
+def test_one_source_is_the_former_choice(n_windows, n_samples):
+    for world, micro in [(1, 4), (2, 4), (3, 8)]:
+        for rank in range(world):
+            kw = dict(n_samples=n_samples, rank=rank, world_size=world, micro_batch=micro)
+            former = _former(n_windows, **kw)
+            assert validation_windows(n_windows, **kw) == former
+            assert validation_windows(n_windows, sources=[(0, n_windows)], **kw) == former
+
+
+@pytest.mark.parametrize(
+    "sizes, n, counts",
+    [
+        ([387, 458], 64, [29, 35]),  # 29.3 and 34.7: the larger remainder gets the window
+        ([500, 500], 7, [4, 3]),  # a tie goes to the earlier source
+        ([1000, 1], 10, [10, 1]),  # a source with a window gets one even below its share
+        ([100, 0, 50], 30, [20, 0, 10]),  # an empty source gets none
+        ([3, 4], 100, [3, 4]),  # never more than a source has
+        ([3, 4], 0, [0, 0]),  # eval_samples=0: no validation
+    ],
+)
+def test_counts_follow_size(sizes, n, counts):
+    assert heldout_counts(sizes, n) == counts
+
+
+def test_a_source_alone_with_its_count_gets_the_same_windows():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = [int(x) for x in rng.integers(0, 300, size=int(rng.integers(1, 5)))]
+        if not sum(sizes):
+            continue
+        firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+        sources = list(zip(firsts, sizes, strict=True))
+        n = int(rng.integers(1, 400))
+        chosen = heldout_windows(sources, n)
+        counts = heldout_counts(sizes, n)
+        assert len(chosen) == len(set(chosen)) == sum(counts)
+        total = min(n, sum(sizes))
+        share = [total * size / sum(sizes) for size in sizes]  # exact, in windows
+        for k, size, exact in zip(counts, sizes, share, strict=True):
+            assert k <= size and (k >= 1 or not size)
+            assert abs(k - exact) < 1  # largest remainder: within one window of the share
+        assert total <= sum(counts) <= total + sum(0 < x < 1 for x in share)
+        for (first, size), k in zip(sources, counts, strict=True):
+            mine = [j - first for j in chosen if first <= j < first + size]
+            assert mine == heldout_windows([(0, size)], k)  # the source prepared alone
+
+
+@pytest.mark.parametrize("world, micro", [(1, 4), (2, 4), (3, 2)])
+def test_sources_are_dealt_once_with_equal_batch_counts(world, micro):
+    sources = [(0, 400), (400, 0), (400, 37), (437, 600)]
+    per_rank = [
+        validation_windows(
+            1037, n_samples=50, rank=r, world_size=world, micro_batch=micro, sources=sources
+        )
+        for r in range(world)
+    ]
+    assert len({len(b) for b in per_rank}) == 1  # ZeRO-3 forwards are collective
+    seen = [j for batches in per_rank for batch in batches for j in batch if j >= 0]
+    assert sorted(seen) == heldout_windows(sources, 50)
+
+
+def test_source_keys():
+    assert source_keys(["web.jsonl", "code/", "hf:wikitext?config=a b"]) == [
+        "web.jsonl",
+        "code_",
+        "hf_wikitext_config_a_b",
+    ]
+    assert source_keys(["a/x", "a_x", ""]) == ["a_x_0", "a_x_1", "_"]
+
+
+# --- the real engine ---------------------------------------------------------------------------
+
+SEQ = 32
+STEPS = 2
+FAST = ["--set", "ds.zero_optimization.stage=1", "--set", "ds.gradient_accumulation_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory) -> dict:
+    """Two text sources (prose, code) prepared as a blend, then each alone with the blend's
+    tokenizer (``--tokenizer DIR/tokenizer.model``: nothing trained again); about 1 s."""
+    from anneal.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("per_source")
+    prose, code = root / "prose.txt", root / "code.txt"
+    prose.write_text(
+        "\n\n".join(
+            f"doc {i}: " + "the quick brown fox jumps over the lazy dog " * (20 + i % 9)
+            for i in range(120)
+        )
+    )
+    code.write_text(
+        "\n\n".join(
+            f"def f{i}(x):\n" + f"    return x * {i} + {i * i}\n" * (15 + i % 5) for i in range(150)
+        )
+    )
+    common = dict(val_fraction=0.2, progress=False, workers=1)
+    prepare(inputs=[str(prose), str(code)], out=root / "blend", vocab_size=320, **common)
+    tokenizer = root / "blend" / "tokenizer.model"
+    for src in (prose, code):
+        prepare(inputs=[str(src)], out=root / src.stem, tokenizer=tokenizer, **common)
+    return {"blend": root / "blend", "prose.txt": root / "prose", "code.txt": root / "code"}
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """This process as a world of one rank (gloo); the process group is destroyed after."""
+    import os
+
+    import torch.distributed as dist
+
+    from anneal.dist import init_distributed
+
+    saved = dict(os.environ)
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    init_distributed(600)
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp_path):
+    """About 3 s in a session that has imported transformers and DeepSpeed (most of the suite
+    does); alone, 10-15 s, nearly all of it those imports (timed on 2 shared cores)."""
+    from anneal.cli.recipe import config_from_args
+    from anneal.data.stream import PackedSplit, TokenStream
+    from anneal.train import TrainState, build_engine, resolve_run, train_step, validate
+
+    argv = ["--data", str(blend["blend"]), "--out", str(tmp_path / "run"), *SMALL]
+    argv += ["--set", f"model.seq_len={SEQ}", "--set", "train.eval_samples=24", *FAST]
+    cfg, overrides = config_from_args(
+        argv, prog="recipes/pretrain_tiny.py", preset="tiny", ds_config="cpu.json", on_cpu=True
+    )
+    launch = resolve_run(cfg, overrides)
+    engine = build_engine(launch)
+    stream = TokenStream(
+        PackedSplit(blend["blend"], "train", seq_len=SEQ),
+        **dict(seed=0, rank=0, world_size=1, micro_batch=launch.micro_batch, prefetch=0),
+    )
+    for _ in range(STEPS):  # off the near-uniform init, so the sources' losses differ
+        train_step(engine, stream, TrainState(), launch)
+    token_bytes = np.load(blend["blend"] / "token_bytes.npy")
+    val = PackedSplit(blend["blend"], "val", seq_len=SEQ)
+    assert val.source_names == ["prose.txt", "code.txt"]
+    row = validate(engine, val, token_bytes, launch)
+    counts = heldout_counts([n for _, n in val.source_windows], 24)
+    assert sum(counts) == 24 and min(counts) > 1
+    nats = tokens = 0.0
+    for name, k in zip(val.source_names, counts, strict=True):
+        alone_val = PackedSplit(blend[name], "val", seq_len=SEQ)
+        first, n = val.source_windows[val.source_names.index(name)]
+        assert alone_val.n_windows == n and alone_val.source_names == [name]
+        assert all((alone_val.window(j) == val.window(first + j)).all() for j in range(n))
+        train = dataclasses.replace(launch.cfg.train, eval_samples=k)
+        alone = dataclasses.replace(launch, cfg=dataclasses.replace(launch.cfg, train=train))
+        ref = validate(engine, alone_val, np.load(blend[name] / "token_bytes.npy"), alone)
+        assert set(ref) == {"kind", "step", "val_loss", "val_ppl", "val_bpb"}  # one source
+        assert row[f"val_loss/{name}"] == pytest.approx(ref["val_loss"], rel=1e-6)
+        assert row[f"val_bpb/{name}"] == pytest.approx(ref["val_bpb"], rel=1e-6)
+        nats += ref["val_loss"] * k * SEQ
+        tokens += k * SEQ
+    assert row["val_loss"] == pytest.approx(nats / tokens, rel=1e-6)  # weighted by size
+    assert row[f"val_loss/{val.source_names[0]}"] != pytest.approx(
+        row[f"val_loss/{val.source_names[1]}"], rel=1e-2
+    )  # the sources differ, so the checks above could fail
