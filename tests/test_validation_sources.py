@@ -17,6 +17,7 @@ mean of the sources.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -212,3 +213,71 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
     assert row[f"val_loss/{val.source_names[0]}"] != pytest.approx(
         row[f"val_loss/{val.source_names[1]}"], rel=1e-2
     )  # the sources differ, so the checks above could fail
+
+
+# --- what shows the figures --------------------------------------------------------------------
+
+
+def _blend_run(run, *, forgotten: bool):
+    """A run's metrics.jsonl through MetricsLogger, as a blend of prose and code.py writes it:
+    both sources fall, or code.py rises (is forgotten) while the total still falls."""
+    from anneal.observe.metrics import MetricsLogger
+
+    run.mkdir()
+    (run / "config.json").write_text('{"model": {"vocab_size": 320}}')
+    logger = MetricsLogger(run)
+    for step in range(1, 101):
+        loss = 3 + 5 * math.exp(-step / 30)
+        row = {"kind": "train", "step": step, "tokens": 512 * step, "loss": loss, "lr": 1e-3}
+        logger.write({**row, "grad_norm": 1.0, "tokens_per_s": 5000.0, "data_wait_share": 0.0})
+        if step % 25 == 0:
+            code = 4 + 0.01 * step if forgotten else loss + 0.2
+            prose = loss - 1
+            logger.write(
+                {
+                    "kind": "val",
+                    "step": step,
+                    "val_loss": (prose + code) / 2,
+                    "val_bpb": (prose + code) / 2 / math.log(2) / 3,
+                    "val_loss/prose": prose,
+                    "val_bpb/prose": prose / math.log(2) / 4,
+                    "val_loss/code.py": code,
+                    "val_bpb/code.py": code / math.log(2) / 2,
+                }
+            )
+    logger.close()
+    return run
+
+
+def test_report_tensorboard_and_plot_show_each_source(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from anneal.observe.plots import plot_run
+    from anneal.observe.report import HEALTHY, PROBLEM, health
+
+    run = _blend_run(tmp_path / "forgets", forgotten=True)
+    signals = {s.name: s for s in health(run)}
+    assert signals["dev loss"].status == HEALTHY  # the total falls...
+    assert signals["dev loss code.py"].status == PROBLEM  # ...while code.py is forgotten
+    assert signals["dev loss prose"].status == HEALTHY
+    assert "bits/byte" in signals["dev loss prose"].detail
+    healthy = {s.name: s.status for s in health(_blend_run(tmp_path / "fine", forgotten=False))}
+    assert healthy["dev loss code.py"] == HEALTHY
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"val/val_loss/prose", "val/val_bpb/code.py", "val/val_loss"} <= tags
+    assert [e.value for e in acc.Scalars("val/val_loss/code.py")] == pytest.approx(
+        [r["val_loss/code.py"] for r in _val_rows(run)]
+    )
+
+    paths = plot_run(run)
+    assert [p.name for p in paths][-1] == "val_sources.png"
+    assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[-1].stat().st_size > 5000
+
+
+def _val_rows(run):
+    from anneal.rundir import read_metrics
+
+    return read_metrics(run, "val")

@@ -36,18 +36,23 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     cfg = rundir.config_or_empty(run_dir)
     out_dir = Path(out_dir) if out_dir else rundir.plots_dir(run_dir)
     names = ("loss.png", "lr.png", "grad_norm.png", "throughput.png")
+    sources = rundir.val_sources(val)  # a blend's per-source validation: one more chart
+    names += ("val_sources.png",) if sources else ()
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
     claim_pngs([out_dir / n for n in names])
     plt, style, c = pyplot(dark)
     name = run_dir.name
     paths = []
-    loss, lr, grad_norm, throughput = (out_dir / n for n in names)
+    loss, lr, grad_norm, throughput = (out_dir / n for n in names[:4])
     with plt.rc_context(style):
         paths.append(_plot_loss(plt, c, train, val, cfg, loss, name))
         paths.append(_plot_lr(plt, c, train, cfg, lr, name))
         paths.append(_plot_grad_norm(plt, c, train, events, cfg, grad_norm, name))
         paths.append(_plot_throughput(plt, c, train, throughput, name))
+        if sources:
+            path = out_dir / "val_sources.png"
+            paths.append(_plot_val_sources(plt, c, train, val, sources, path, name))
     return paths
 
 
@@ -173,4 +178,28 @@ def _plot_throughput(plt, c, train, path, name) -> Path:
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("optimizer step")
     ax2.grid(alpha=0.4)
+    return save(fig, path)
+
+
+def _plot_val_sources(plt, c, train, val, sources, path, name) -> Path:
+    """A blend's validation per source against tokens: loss (nats/token) above, bits per byte
+    below (comparable across sources whose tokens hold different numbers of bytes); the total,
+    each source weighted by its size, dashed."""
+    tokens = {r["step"]: r["tokens"] for r in train}
+    fig, axes = plt.subplots(2, 1, figsize=(SIZE[0], SIZE[1] * 1.25), sharex=True)
+    for ax, metric, unit in zip(
+        axes, ("val_loss", "val_bpb"), ("nats/token", "bits/byte"), strict=True
+    ):
+        for key, label in [(f"{metric}/{s}", s) for s in sources] + [(metric, "total")]:
+            pts = [(tokens.get(r["step"]), r.get(key)) for r in val]
+            pts = [(x, y) for x, y in pts if x and isinstance(y, int | float)]
+            if pts:
+                style = dict(color=c["clip"], ls="--") if label == "total" else {}
+                ax.plot(*zip(*pts, strict=True), "o-", lw=1.5, ms=3, label=label, **style)
+        ax.set_ylabel(f"dev {metric[4:]} ({unit})")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.4, which="both")
+    axes[0].set_title(f"{name}: validation per source")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("tokens seen")
     return save(fig, path)

@@ -108,6 +108,19 @@ def dev_loss_signal(val: list[dict], train: list[dict]) -> Signal:
     return Signal("dev loss", HEALTHY, detail, means)
 
 
+def source_signals(val: list[dict], train: list[dict]) -> list[Signal]:
+    """The dev-loss signal of each source of a blend (``val_loss/<source>``), with its last bits
+    per byte: the total can fall while one source rises (is being forgotten)."""
+    out = []
+    for source in rundir.val_sources(val):
+        rows = [{"step": r["step"], "val_loss": r.get(f"val_loss/{source}")} for r in val]
+        signal = dev_loss_signal(rows, train)
+        bpb = [r[f"val_bpb/{source}"] for r in val if _finite(r.get(f"val_bpb/{source}"))]
+        detail = signal.detail + (f"; last {bpb[-1]:.3f} bits/byte" if bpb else "")
+        out.append(dataclasses.replace(signal, name=f"dev loss {source}", detail=detail))
+    return out
+
+
 def grad_norm_signal(train: list[dict], events: list[dict], clip: float | None) -> Signal:
     means = "finite, bounded after clipping"
     nonfinite = [
@@ -177,7 +190,8 @@ def throughput_signal(train: list[dict]) -> Signal:
 
 
 def health(run_dir: Path) -> list[Signal]:
-    """The four signals of a run directory (UserError if it has no train rows yet)."""
+    """The four signals of a run directory, and one dev-loss signal per source of a blend
+    (UserError if it has no train rows yet)."""
     rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
@@ -190,6 +204,7 @@ def health(run_dir: Path) -> list[Signal]:
         dev_loss_signal(val, train),
         grad_norm_signal(train, events, clip),
         throughput_signal(train),
+        *source_signals(val, train),
     ]
 
 
