@@ -113,6 +113,8 @@ DS_SCHEMA: dict[str, Any] = {
     "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
     # DeepSpeed's AutoTP training (anneal/config/parallel.py); its other keys are not taken.
     "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
+    # DeepSpeed's Ulysses sequence parallelism (anneal/config/parallel.py, train/sequence.py).
+    "sequence_parallel_size": int,
     # Anneal turns load_universal on by itself for the one load that changes the world size.
     "checkpoint": {"load_universal": bool, "tag_validation": str, "use_node_local_storage": bool},
 }
@@ -137,6 +139,10 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("tensor_parallel", "autotp_size"): (
         lambda v: v >= 0,
         "the ranks per tensor-parallel group (0 or 1: no tensor parallelism)",
+    ),
+    ("sequence_parallel_size",): (
+        lambda v: v >= 1,
+        "the ranks that share each sequence (1: no sequence parallelism)",
     ),
     ("optimizer", "params", "lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
     ("optimizer", "params", "betas"): (

@@ -59,8 +59,11 @@ class Launch:
 
     @property
     def layout(self) -> parallel.Layout:
-        """Tensor-parallel degree x data-parallel size (``anneal.config.parallel``)."""
-        return parallel.Layout(self.world_size, parallel.tensor_parallel_size(self.ds_config))
+        """TP or SP degree x data-parallel size (``anneal.config.parallel``)."""
+        ds = self.ds_config
+        return parallel.Layout(
+            self.world_size, parallel.tensor_parallel_size(ds), parallel.sequence_parallel_size(ds)
+        )
 
     @property
     def micro_batch(self) -> int:
@@ -105,6 +108,7 @@ class Launch:
             "launch": {
                 "world_size": self.world_size,
                 "tensor_parallel_size": self.layout.tensor_parallel,
+                "sequence_parallel_size": self.layout.sequence_parallel,
                 "data_parallel_size": self.layout.data_parallel,
                 "device": self.device_type,
             },

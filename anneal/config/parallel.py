@@ -1,4 +1,5 @@
-"""The parallel layout of a launch: world size = tensor-parallel degree x data-parallel size.
+"""The parallel layout of a launch: world size = (tensor- or sequence-parallel degree) x
+data-parallel size.
 
 Tensor parallelism is DeepSpeed's AutoTP training: ``"tensor_parallel": {"autotp_size": N}`` in
 the ds_config (or ``--set ds.tensor_parallel.autotp_size=N``) makes ``deepspeed.initialize``
@@ -8,6 +9,12 @@ groups of N consecutive ranks. The ranks of one group compute one model replica,
 the same samples, and everything that counts replicas (the batch arithmetic, the token stream's
 sharding, validation) counts data-parallel ranks: world / N. Everything here is checked before
 any process starts: the launcher's pre-flight resolves the launch through this same code.
+
+Sequence parallelism is DeepSpeed's Ulysses (``"sequence_parallel_size": N``, or ``--set
+ds.sequence_parallel_size=N``; ``anneal.train.sequence``): the N consecutive ranks of a group
+read the same samples, each takes 1/N of every sequence, and the attention trades heads for
+sequence (all-to-all) so that each rank attends over the whole sequence for 1/N of the heads.
+So the sequence length and the query and key-value head counts divide by N, as does the world.
 """
 
 from __future__ import annotations
@@ -23,13 +30,20 @@ class Layout:
     world_size: int
     tensor_parallel: int
     """Ranks per tensor-parallel group (1: none)."""
+    sequence_parallel: int = 1
+    """Ranks per sequence-parallel (Ulysses) group, which share each sequence (1: none)."""
 
     @property
     def data_parallel(self) -> int:
-        """Model replicas, each reading its own samples: world / tensor-parallel degree."""
-        return self.world_size // self.tensor_parallel
+        """Model replicas, each reading its own samples: world / (TP degree x SP degree)."""
+        return self.world_size // (self.tensor_parallel * self.sequence_parallel)
 
     def describe(self) -> str:
+        if self.sequence_parallel > 1:
+            return (
+                f"{self.world_size} ranks = sequence-parallel {self.sequence_parallel} x "
+                f"data-parallel {self.data_parallel}"
+            )
         if self.tensor_parallel == 1:
             return f"{self.world_size} rank(s)"
         return (
@@ -43,12 +57,19 @@ def tensor_parallel_size(ds: dict) -> int:
     return max(1, int(ds.get("tensor_parallel", {}).get("autotp_size", 0)))
 
 
+def sequence_parallel_size(ds: dict) -> int:
+    """``sequence_parallel_size`` of a ds_config (DeepSpeed's default: 1, none)."""
+    return max(1, int(ds.get("sequence_parallel_size", 1)))
+
+
 def layout(ds: dict, preset, *, world_size: int, source: str, exports: bool = False) -> Layout:
     """The launch's layout, refused (UserError) where AutoTP would not shard this model evenly
     over these ranks (a world size that does not split into groups, query or key-value heads
     that do not divide by the degree) and with ``exports`` (``train.export_every_save``), as
     export does not read tensor-parallel checkpoints yet. Any ZeRO stage goes with it."""
-    tp = tensor_parallel_size(ds)
+    tp, sp = tensor_parallel_size(ds), sequence_parallel_size(ds)
+    if sp > 1:
+        return _sequence_parallel_layout(ds, preset, world_size=world_size, source=source)
     if tp == 1:
         return Layout(world_size, 1)
     fix = f"Set ds.tensor_parallel.autotp_size (now {tp}, from {source} or --set)"
@@ -77,6 +98,81 @@ def layout(ds: dict, preset, *, world_size: int, source: str, exports: bool = Fa
     return Layout(world_size, tp)
 
 
+def _sequence_parallel_layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
+    """The layout with Ulysses sequence parallelism, refused where it cannot run: with tensor
+    parallelism, below ZeRO-2, on a world, sequence length or head counts that do not divide
+    by the degree, or on a model whose attention masks a sliding window."""
+    sp, tp = sequence_parallel_size(ds), tensor_parallel_size(ds)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    fix = f"Set ds.sequence_parallel_size (now {sp}, from {source} or --set)"
+    if tp > 1:
+        why = (
+            f"tensor_parallel.autotp_size {tp} together with sequence_parallel_size {sp}: "
+            f"DeepSpeed 0.19.8 builds their process groups apart (AutoTP's mesh, Ulysses' own "
+            f"sequence groups), tests neither with the other, and Anneal does not run them "
+            f"together. Use one: --set ds.tensor_parallel.autotp_size=1, or "
+            f"--set ds.sequence_parallel_size=1."
+        )
+    elif stage not in (2, 3):
+        why = (
+            f"sequence_parallel_size {sp} with ZeRO stage {stage}: Anneal runs Ulysses "
+            f"sequence parallelism with ZeRO-2 and ZeRO-3, as DeepSpeed tests it, and checks "
+            f"it against the run without it only there. Use --set ds.zero_optimization.stage=2 "
+            f"(or 3)."
+        )
+    elif stage == 3 and not ds["zero_optimization"].get("reduce_scatter", True):
+        why = (
+            f"sequence_parallel_size {sp} with ZeRO-3 and zero_optimization.reduce_scatter "
+            f"false: DeepSpeed 0.19.8's ZeRO-3 then reduces some gradient buckets summed over "
+            f"each sequence-parallel group and others averaged, so no one loss scaling gives "
+            f"the gradients of the run without it (anneal/train/sequence.py). Drop the key, "
+            f"or set it to true."
+        )
+    elif world_size % sp:
+        why = (
+            f"sequence_parallel_size is {sp} but the launch has {world_size} rank(s), which "
+            f"do not split into sequence-parallel groups of {sp}. {fix} to a divisor of "
+            f"{world_size}, or launch a multiple of {sp} ranks."
+        )
+    elif preset.seq_len % sp:
+        why = (
+            f"sequence_parallel_size {sp} does not divide the sequence length "
+            f"{preset.seq_len}: each rank of a group takes an equal slice of every sequence. "
+            f"{fix} to a divisor of {preset.seq_len}, or change --set model.seq_len."
+        )
+    elif preset.heads_not_dividing(sp):
+        why = (
+            f"sequence_parallel_size {sp} does not divide the model's "
+            f"{', '.join(preset.heads_not_dividing(sp))}: Ulysses' all-to-all gives each rank "
+            f"of a group the whole sequence for 1/{sp} of the heads, query and key-value "
+            f"alike. {fix} to a divisor of the head counts, or change them "
+            f"(--set model.num_attention_heads=...)."
+        )
+    elif _sliding_window(preset) is not None:
+        why = (
+            f"sequence_parallel_size {sp} on a model that attends through a sliding window of "
+            f"{_sliding_window(preset)} tokens (its config.json): DeepSpeed's Ulysses attention "
+            f"drops the attention mask and attends causally over the whole sequence, so this "
+            f"model would train on another attention than its own. Train it with "
+            f"--set ds.sequence_parallel_size=1, or with a sequence no longer than the window."
+        )
+    else:
+        return Layout(world_size, 1, sp)
+    raise UserError(f"{source}: {why}")
+
+
+def _sliding_window(preset) -> int | None:
+    """The sliding attention window of a Hugging Face model (Mistral's ``sliding_window``,
+    Qwen2's when ``use_sliding_window``) shorter than the run's sequence; None without one."""
+    doc = preset.hf_config or {}
+    window = doc.get("sliding_window")
+    if not isinstance(window, int) or window >= preset.seq_len:
+        return None
+    if doc.get("model_type") == "qwen2" and not doc.get("use_sliding_window"):
+        return None
+    return window
+
+
 def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
     """A checkpoint resumes only at the tensor-parallel degree it was saved at, and with
     tensor parallelism only on as many ranks: each rank's files hold its own slices of the
@@ -84,6 +180,15 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
     included) does not re-slice AutoTP weights for another degree."""
     saved_tp = manifest.get("tensor_parallel_size", 1)
     saved_ranks = manifest.get("world_size")
+    saved_sp = manifest.get("sequence_parallel_size", 1)
+    if isinstance(saved_sp, int) and saved_sp != here.sequence_parallel:
+        raise UserError(
+            f"--resume {tag_dir}: saved with sequence-parallel degree {saved_sp} (its manifest) "
+            f"and this launch has {here.sequence_parallel}. Anneal resumes a checkpoint at the "
+            f"sequence-parallel degree it was saved at, the one it checks resume against. "
+            f"Resume with --set ds.sequence_parallel_size={saved_sp}, or start a new run in a "
+            f"new --out."
+        )
     if not isinstance(saved_tp, int) or isinstance(saved_tp, bool):
         return
     if saved_tp != here.tensor_parallel:

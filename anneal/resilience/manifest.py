@@ -99,6 +99,7 @@ def write_manifest(
         "world_size": world_size(),
         # a checkpoint resumes only at this degree (anneal.config.parallel.check_resume_layout)
         "tensor_parallel_size": tp,
+        "sequence_parallel_size": client_state.get("sequence_parallel_size", 1),
         "files": dict(sorted(files.items())),
     }
     if model is not None:
@@ -132,8 +133,9 @@ def _well_formed(doc) -> bool:
         return False
     if "world_size" in doc and not count(doc["world_size"], 1):
         return False
-    if "tensor_parallel_size" in doc and not count(doc["tensor_parallel_size"], 1):
-        return False
+    for key in ("tensor_parallel_size", "sequence_parallel_size"):
+        if key in doc and not count(doc[key], 1):
+            return False
     if not isinstance(doc.get("tokenizer_sha256") or "", str):
         return False
     entries = [e if isinstance(e, dict) else {"size": e} for e in doc["files"].values()]

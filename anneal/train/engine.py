@@ -16,6 +16,7 @@ from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.train import loss as losslib
+from anneal.train import sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -45,13 +46,15 @@ def build_engine(launch: Launch):
     ds = launch.ds_config
     zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
     preset = launch.preset
-    mpu = _tensor_parallel_groups(launch.layout.tensor_parallel)
+    # DeepSpeed's process groups for AutoTP, or for Ulysses (which also swaps the attention)
+    mpu = _tensor_parallel_groups(launch.layout.tensor_parallel) or sequence.register(launch)
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.
         modellib.model_class(modellib.hf_model_config(preset))
         # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
-        dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # (under Ulysses: the sequence-data-parallel group, all ranks)
+        dp_group = _partition_group(mpu)
         with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
             model = modellib.build_model(preset)
         gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
@@ -66,6 +69,8 @@ def build_engine(launch: Launch):
         from anneal.hf.load_weights import load_pretrained_
 
         load_pretrained_(model, Path(preset.init_from["path"]), gather=gather)
+    if launch.layout.sequence_parallel > 1:
+        sequence.check_model(model)
     if launch.cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt_params = ds["optimizer"]["params"]
@@ -107,12 +112,26 @@ def _tensor_parallel_groups(tp: int):
     return groups
 
 
+def _partition_group(mpu):
+    """The group ZeRO-3 partitions parameters over: the mpu's data-parallel group (AutoTP),
+    Ulysses' sequence-data-parallel group, or None (the world) without an mpu."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
+    return mpu.get_data_parallel_group()
+
+
 def data_parallel(engine) -> tuple[int, int]:
     """(this rank's index among the data-parallel replicas, their number), from the engine's
     own data-parallel process group: the ranks of one tensor-parallel group share an index, so
-    they read the same samples (AutoTP needs identical inputs across a group)."""
+    they read the same samples (AutoTP needs identical inputs across a group); so do the ranks
+    of a sequence-parallel group (``anneal.train.sequence.data_parallel``)."""
     import torch.distributed as dist
 
+    replica = sequence.data_parallel(engine)
+    if replica is not None:
+        return replica
     return dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size
 
 

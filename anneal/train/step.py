@@ -27,6 +27,7 @@ from anneal.dist import world_size
 from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
 from anneal.train import loss as losslib
+from anneal.train import sequence
 from anneal.train.engine import data_parallel
 
 
@@ -71,7 +72,8 @@ def _step_collective(
         dist.all_gather(parts, mine)
         mine = torch.stack(parts)
     # With tensor parallelism each replica's loss comes once per rank of its group, all equal,
-    # so the mean over ranks is still the mean over data-parallel replicas.
+    # and with sequence parallelism once per slice, each over as many tokens, so the mean over
+    # ranks is still the mean over data-parallel replicas.
     rows = mine.view(-1, 3).tolist()
     memory = live.memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
     loss_mean = sum(r[0] for r in rows) / len(rows)
@@ -103,9 +105,11 @@ def train_step(
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        inputs, y = sequence.shard(engine, x, y)  # Ulysses: this rank's slice, its positions
         with losslib.targets(engine.module, y):  # train.loss=chunked: no full logits
-            loss = loss_fn(engine(input_ids=x).logits, y)
-        engine.backward(loss)  # scales by 1/accumulation; reduces only at the boundary
+            loss = loss_fn(engine(**inputs).logits, y)
+        # scales by 1/accumulation; reduces only at the boundary (Ulysses: this slice's share)
+        engine.backward(loss * sequence.loss_share(engine))
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         loss_sum += loss.detach()
     loss_mean, memory, preempt = _step_collective(
@@ -157,9 +161,10 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
         real = [max(j, 0) for j in windows]  # -1: padding, weight 0
         x, y = val.batch(real)
         x, y = x.to(device), y.to(device)
+        inputs, y = sequence.shard(engine, x, y)  # Ulysses: each rank adds its slice's sums
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         with losslib.targets(engine.module, y, per_token=True):
-            nats = losslib.token_nats(engine(input_ids=x).logits, y)  # (B, T)
+            nats = losslib.token_nats(engine(**inputs).logits, y)  # (B, T)
         per_window = torch.stack(  # (B, 3): nats, tokens, bytes
             [nats.double().sum(1), torch.full_like(weight, y.size(1)), byte_table[y].sum(1)], 1
         )

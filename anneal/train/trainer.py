@@ -119,6 +119,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "guard": self.guard.state_dict(),
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
+            "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
         }
 
     def load_state_dict(self, client: dict) -> None:
