@@ -54,6 +54,13 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         "writes it (config.json, safetensors or .bin weights, tokenizer); its architecture "
         "replaces the preset's (model.init_from)",
     )
+    p.add_argument(
+        "--branch-from",
+        metavar="CKPT",
+        help="start a cooldown branch of a WSD run in a new --out: from this checkpoint (a tag "
+        "directory, or a run directory: its newest), the LR decays to the floor over --set "
+        "optim.cooldown_tokens=N (train.branch_from; docs/training.md)",
+    )
     p.add_argument("--eval-every", type=int, help="validate every N steps")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps")
     p.add_argument("--seed", type=int)
@@ -102,6 +109,11 @@ def config_from_args(
                 "and its weights, as save_pretrained writes them)."
             )
         model = dataclasses.replace(model, init_from=args.init_from)
+    if args.branch_from is not None and not args.branch_from.strip():
+        raise UserError(
+            "--branch-from is empty: give a checkpoint of a WSD run (RUN/checkpoints/stepNNNNNNNN) "
+            "or its run directory."
+        )
     train = dataclasses.replace(
         train,
         **{
@@ -111,6 +123,7 @@ def config_from_args(
                 ("eval_every", args.eval_every),
                 ("save_every", args.save_every),
                 ("seed", args.seed),
+                ("branch_from", args.branch_from),
             )
             if v is not None
         },

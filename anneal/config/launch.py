@@ -14,6 +14,7 @@ from pathlib import Path
 
 from anneal import model as modellib
 from anneal import rundir
+from anneal.config import branch as branchlib
 from anneal.config import ds as ds_config
 from anneal.config import parallel
 from anneal.config.run import AUTO, RunConfig, config_differences
@@ -52,6 +53,8 @@ class Launch:
     meta: dict
     """The data directory's meta.json."""
     notes: list[str]
+    branch: branchlib.Branch | None = None
+    """A cooldown branch's start (``anneal.config.branch``); None for any other run."""
 
     @property
     def seq_len(self) -> int:
@@ -80,7 +83,8 @@ class Launch:
     @property
     def schedule(self) -> Schedule:
         """The LR schedule the engine applies (``anneal.config.schedule``)."""
-        return Schedule.resolved(self.ds_config["scheduler"]["params"], self.cfg.optim)
+        schedule = Schedule.resolved(self.ds_config["scheduler"]["params"], self.cfg.optim)
+        return self.branch.applied_to(schedule) if self.branch else schedule
 
     @property
     def bf16(self) -> bool:
@@ -97,6 +101,7 @@ class Launch:
         """What ``config.json`` holds: the run config, the resolved ds_config and where its
         run-dependent values came from, the model and the launch."""
         return {
+            **({"branch": self.branch.to_dict()} if self.branch else {}),
             "run": self.cfg.to_dict(),
             "ds_config": self.ds_config,
             "resolved_from": self.resolved_from,
@@ -193,6 +198,15 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     )
     out = Path(cfg.out)
     old_config = check_run_dir(cfg, out, data_dir=data_dir)
+    cfg, branch, branch_notes = branchlib.resolve(
+        cfg,
+        ds,
+        meta=meta,
+        world_size=world_size,
+        layout=layout,
+        seq_len=preset.seq_len,
+    )
+    notes += branch_notes
     resume_from = checkpoint.find_resume(cfg.resume, rundir.checkpoints_dir(out))
     ds, resolved_from = ds_config.resolve_ds_config(
         ds,
@@ -230,6 +244,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         device_type=device_type,
         meta=meta,
         notes=notes,
+        branch=branch,
     )
     if not launch.has_validation and cfg.train.eval_samples > 0:
         raise UserError(

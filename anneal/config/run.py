@@ -118,6 +118,10 @@ class OptimConfig:
     """Floor of the schedule as a share of the peak LR. None (``--set optim.min_lr_ratio=auto``):
     the schedule's default, 0.0 under wsd and under cosine the ds_config's
     ``scheduler.params.cos_min_ratio`` (0.1 in every shipped config; 0.1 if it says "auto")."""
+    cooldown_tokens: int = 0
+    """A cooldown branch (``--branch-from``): tokens over which the LR decays from the parent's
+    at the branch step to the floor, in ``decay_shape``; the branch ends after
+    ceil(cooldown_tokens / tokens per step) steps (docs/training.md, "Cooldown branches")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,6 +171,11 @@ class TrainConfig:
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
     (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
+    branch_from: str = ""
+    """A checkpoint of a WSD run to branch a cooldown from (``--branch-from``): a tag directory
+    (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
+    run in ``out`` starts from its weights, optimizer state and data position; the parent is
+    only read. Empty: not a branch."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -152,6 +152,10 @@ _RANGES: dict[str, tuple[Any, str]] = {
         lambda v: 0 <= v <= 1,
         'a share of the peak LR between 0 and 1, or "auto" (the schedule\'s default)',
     ),
+    "optim.cooldown_tokens": (
+        lambda v: v >= 0,
+        "0 (not a cooldown branch) or the tokens of the branch's decay",
+    ),
     "train.max_steps": _AT_LEAST_1,
     "train.stop_at_step": _STEPS,
     "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),

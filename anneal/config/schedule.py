@@ -21,6 +21,11 @@ Optimizer step t (counted from 1) uses ``a_t = a_max * ratio(t)``::
 with the floor ``m = min_ratio`` (``scheduler.params.cos_min_ratio`` of the resolved ds_config),
 held after T_max. Under wsd the ratio at a step before T_s depends on T_max only through
 T_s, so a run resumed with a larger T_max goes on at the peak and decays from its new end.
+
+A cooldown branch (``anneal.config.branch``) starts from step S of a wsd run, where the ratio
+was r, and decays over its own D = T_max - S steps with the same shapes::
+
+    branch, t > S:  ratio = m + (r - m) * f(p),  p = min(1, (t - S) / D)
 """
 
 from __future__ import annotations
@@ -105,6 +110,10 @@ class Schedule:
     min_ratio: float = 0.1
     decay_share: float = 0.2
     decay_shape: str = "1-sqrt"
+    cooldown_step: int = 0
+    """A cooldown branch's first step S (its parent's checkpoint); 0: not a branch."""
+    cooldown_ratio: float = 1.0
+    """The parent's ratio at step S, where the branch's decay starts."""
 
     @classmethod
     def resolved(cls, sched_params: dict, optim) -> Schedule:
@@ -133,6 +142,16 @@ class Schedule:
         )
         if self.kind == "cosine":
             return lr_ratio(t, cos_min_ratio=self.min_ratio, **kw)
+        if self.cooldown_step and t > self.cooldown_step:
+            span = max(1, self.total_num_steps - self.cooldown_step)
+            p = min(1.0, (t - self.cooldown_step) / span)
+            m = self.min_ratio
+            return m + (self.cooldown_ratio - m) * _decay(self.decay_shape, p)
+        if self.cooldown_step:  # the parent's steps (never run here), drawn as warmup, peak
+            warm, r0 = self.warmup_num_steps, self.warmup_min_ratio
+            if warm and t <= warm and t < self.cooldown_step:
+                return r0 + (1.0 - r0) * t / warm
+            return self.cooldown_ratio if t == self.cooldown_step else 1.0
         return wsd_ratio(
             t,
             min_ratio=self.min_ratio,
@@ -146,6 +165,8 @@ class Schedule:
         """The last step at the peak: the end of the warmup (cosine) or of the stable phase."""
         if self.kind == "cosine":
             return self.warmup_num_steps
+        if self.cooldown_step:
+            return self.cooldown_step
         return self.total_num_steps - decay_num_steps(
             total_num_steps=self.total_num_steps,
             warmup_num_steps=self.warmup_num_steps,
@@ -157,6 +178,11 @@ class Schedule:
         warm, end, floor = self.warmup_num_steps, self.total_num_steps, self.min_ratio
         if self.kind == "cosine":
             return f"warmup {warm} steps, cosine to {floor:g} x peak at step {end}"
+        if self.cooldown_step:
+            return (
+                f"cooldown branch: from {self.cooldown_ratio:.4g} x peak after step "
+                f"{self.cooldown_step}, {self.decay_shape} decay to {floor:g} x peak at step {end}"
+            )
         return (
             f"warmup {warm} steps, peak to step {self.decay_start}, {self.decay_shape} decay to "
             f"{floor:g} x peak at step {end}"

@@ -34,6 +34,7 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     val = [r for r in rows if r.get("kind") == "val"]
     events = [r for r in rows if r.get("kind") == "event"]
     cfg = rundir.config_or_empty(run_dir)
+    parent = _parent_rows(cfg)
     out_dir = Path(out_dir) if out_dir else rundir.plots_dir(run_dir)
     names = ("loss.png", "lr.png", "grad_norm.png", "throughput.png")
     sources = rundir.val_sources(val)  # a blend's per-source validation: one more chart
@@ -46,8 +47,8 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     paths = []
     loss, lr, grad_norm, throughput = (out_dir / n for n in names[:4])
     with plt.rc_context(style):
-        paths.append(_plot_loss(plt, c, train, val, cfg, loss, name))
-        paths.append(_plot_lr(plt, c, train, cfg, lr, name))
+        paths.append(_plot_loss(plt, c, train, val, cfg, loss, name, parent))
+        paths.append(_plot_lr(plt, c, train, cfg, lr, name, parent))
         paths.append(_plot_grad_norm(plt, c, train, events, cfg, grad_norm, name))
         paths.append(_plot_throughput(plt, c, train, throughput, name))
         if sources:
@@ -56,7 +57,52 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     return paths
 
 
-def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
+def _parent_rows(cfg: dict) -> tuple[str, list[dict], list[dict]] | None:
+    """A cooldown branch's parent (``anneal.config.branch``): its name, train and val rows,
+    drawn under the branch's; None when not a branch or its metrics cannot be read."""
+    from anneal import rundir
+    from anneal.config.branch import parent_of
+    from anneal.errors import UserError
+
+    run = parent_of(cfg)
+    try:
+        rows = rundir.read_metrics(run) if run is not None else None
+    except UserError:
+        rows = None
+    if not rows:
+        return None
+    kinds = [[r for r in rows if r.get("kind") == k] for k in ("train", "val")]
+    return f"parent ({run.name})", *kinds
+
+
+def _plot_parent(ax, c, parent, key: str, *, x: str = "step") -> None:
+    """The parent's ``key`` against ``x``, thin and grey, under the branch's lines."""
+    if parent is None:
+        return
+    label, train, val = parent
+    rows = train if key in ("loss", "lr") else val
+    if key == "val_loss":  # a val row has no tokens: the train row of its step has them
+        at = {r["step"]: r.get("tokens") for r in train}
+        rows = [{**r, "tokens": at.get(r.get("step"))} for r in val]
+    pts = [(r[x], r[key]) for r in rows if isinstance(r.get(x), int | float) and _num(r.get(key))]
+    if pts:
+        style = "o:" if key == "val_loss" else "-"
+        ax.plot(
+            *zip(*pts, strict=True),
+            style,
+            color=c["clip"],
+            lw=1,
+            ms=3,
+            alpha=0.7,
+            label=f"{label} {'dev loss' if key == 'val_loss' else key}",
+        )
+
+
+def _num(v) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)
+
+
+def _plot_loss(plt, c, train, val, cfg, path, name, parent=None) -> Path:
     tokens = {r["step"]: r["tokens"] for r in train}
     fig, ax = plt.subplots(figsize=SIZE)
     x = np.array([r["tokens"] for r in train if isinstance(r.get("loss"), int | float)])
@@ -85,6 +131,8 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
             lw=1,
             label=f"random baseline ln V = {math.log(vocab):.2f}",
         )
+    _plot_parent(ax, c, parent, "loss", x="tokens")
+    _plot_parent(ax, c, parent, "val_loss", x="tokens")
     ax.set_xscale("log")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
@@ -94,7 +142,7 @@ def _plot_loss(plt, c, train, val, cfg, path, name) -> Path:
     return save(fig, path)
 
 
-def _plot_lr(plt, c, train, cfg, path, name) -> Path:
+def _plot_lr(plt, c, train, cfg, path, name, parent=None) -> Path:
     ds = cfg.get("ds_config") or {}
     sched = (ds.get("scheduler") or {}).get("params") or {}
     fig, ax = plt.subplots(figsize=SIZE)
@@ -102,14 +150,16 @@ def _plot_lr(plt, c, train, cfg, path, name) -> Path:
     warm = sched.get("warmup_num_steps")
     peak = (ds.get("optimizer") or {}).get("params", {}).get("lr")
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
+        from anneal.config.branch import with_branch
         from anneal.config.schedule import Schedule
         from anneal.observe.formula_plots import planned_lr, schedule_phases
 
         optim = (cfg.get("run") or {}).get("optim") or {}
-        schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, optim)
+        schedule = with_branch(Schedule.resolved({"cos_min_ratio": 0.1, **sched}, optim), cfg)
         schedule_phases(ax, schedule, colors=c)
         t, plan = planned_lr(schedule, peak)
         ax.plot(t, plan, color=c["clip"], ls="--", lw=1, label="planned")
+    _plot_parent(ax, c, parent, "lr")
     x, y = _series(train, "lr")
     ax.plot(x, y, color=c["main"], lw=2, label="applied")
     ax.set_xlabel("optimizer step")

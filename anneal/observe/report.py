@@ -213,6 +213,10 @@ def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
     width = max(len(s.name) for s in signals)
     head = f"health of {run_dir}" if run_dir else "health"
     lines = [head]
+    if run_dir is not None:  # a cooldown branch names its parent (anneal.config.branch)
+        from anneal.config.branch import lineage
+
+        lines += [f"  {line}" for line in lineage(Path(run_dir))]
     for s in signals:
         lines.append(f"  {s.name:<{width}}  {marks[s.status]:<7}  {s.detail}")
     n_bad = sum(s.status == PROBLEM for s in signals)

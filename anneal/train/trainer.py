@@ -61,7 +61,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     t0 = time.perf_counter()
     resume_from = launch.resume_from and checkpoint.verified_resume(
-        launch.resume_from, fallback=cfg.resume == "auto"
+        launch.resume_from,
+        fallback=launch.cfg.resume == "auto",  # a branch: its parent's tag
     )
     resumed = {"verify_s": round(time.perf_counter() - t0, 3)}
     guard = Guard(cfg.guard, run_dir=launch.out, resuming=resume_from is not None)
@@ -127,6 +128,8 @@ class Trainer:
         samples) and the token stream at that position, from a checkpoint's client state."""
         self.state = TrainState(step=client["step"], tokens=client["tokens"])
         position = self.guard.restore(self.engine, client, client["data"]["position"])
+        if self.launch.branch is not None:  # the parent's position, or 0 on other data
+            position = self.launch.branch.start_position(client["step"], position)
         self.engine.lr_scheduler.apply()  # the schedule's LR, not the one the optimizer saved
         self._open_stream(position)
 
@@ -191,6 +194,8 @@ class Trainer:
             self.metrics.event(self.state.step, "resume", position=self.stream.position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
             change = self.engine.lr_scheduler.change_on_resume()  # e.g. a new --max-steps
+            if self.launch.branch is not None and self.state.step == self.launch.branch.step:
+                change = None  # a branch's decay: the launch's notes said it
             if change and rank() == 0:
                 log.warning(change)
         out, start = self.launch.out, self.state.step
