@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from anneal import rundir
 from anneal.config.schedule import Schedule
 from anneal.errors import UserError
 from anneal.files import sha256_file
@@ -96,6 +97,15 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
     assert doc["manifest_sha256"] == sha256_file(tag / "manifest.json")
     assert [launch.schedule.ratio(t) for t in (3, 4)] == pytest.approx([1 - math.sqrt(0.5), 0])
     assert "cooldown branch of" in launch.notes[0] and "steps 3 to 4" in launch.notes[0]
+    # the same command again (a requeued job) on the branch's config.json: the same launch;
+    # a branch from another checkpoint into that --out: refused
+    (tmp_path / "b").mkdir()
+    rundir.write_config(tmp_path / "b", launch.config_document())
+    again = plan_for(branch_args(wsd_parent, tiny_data, tmp_path / "b", *n))
+    assert again.resume_from == tag and again.config_document() == launch.config_document()
+    with pytest.raises(UserError, match="holds a run already"):
+        plan_for(branch_args(wsd_parent / "checkpoints" / "step00000001", tiny_data, again.out, *n))
+    shutil.rmtree(tmp_path / "b")
     # another prepared directory with the parent's tokenizer: read from its start, said so
     other = tmp_path / "other_data"
     (tmp_path / "other.txt").write_text(

@@ -272,7 +272,7 @@ def _same_data(parent: dict, data_dir: Path) -> bool:
 def _check_out(out: Path, branch: Branch) -> bool:
     """``out`` may hold nothing of another run, and lies outside the parent (which is never
     written). True when it holds this branch already (the same parent checkpoint, the same
-    manifest): the launch continues it."""
+    manifest) with a checkpoint of its own: the launch continues from there."""
     parent, real = Path(branch.parent_run).resolve(), out.resolve()
     if real == parent or parent in real.parents or real in parent.parents:
         how = "is" if real == parent else "lies inside" if parent in real.parents else "holds"
@@ -288,8 +288,8 @@ def _check_out(out: Path, branch: Branch) -> bool:
     if (mine.get("checkpoint"), mine.get("manifest_sha256")) == (
         branch.checkpoint,
         branch.manifest_sha256,
-    ):
-        return True
+    ):  # this branch, relaunched: from its own newest checkpoint, else the parent's again
+        return bool(intact_checkpoints(rundir.checkpoints_dir(out)))
     raise UserError(
         f"--out {out} holds a run already ({', '.join(found)}), not this branch of "
         f"{branch.checkpoint}. A branch is a new run: choose a new --out (several branches of "

@@ -105,6 +105,8 @@ def schedule_phases(ax, schedule: Schedule, *, colors: dict) -> None:
         ax.axvspan(0, warm, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
     ax.axvspan(warm, start, color=colors["clip"], alpha=0.08, lw=0, label="stable (peak)")
     label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
+    if schedule.cooldown_step:  # a cooldown branch (anneal.config.branch)
+        label = f"{schedule.decay_shape} cooldown from step {start}"
     ax.axvspan(start, end, color=colors["cos"], alpha=0.18, lw=0, label=label)
 
 
