@@ -109,7 +109,7 @@ def _sequence_parallel_layout(ds: dict, preset, *, world_size: int, source: str)
         why = (
             f"tensor_parallel.autotp_size {tp} together with sequence_parallel_size {sp}: "
             f"DeepSpeed 0.19.8 builds their process groups apart (AutoTP's mesh, Ulysses' own "
-            f"sequence groups), tests neither with the other, and Anneal does not run them "
+            f"sequence groups) and does not test them together, nor does Anneal run them "
             f"together. Use one: --set ds.tensor_parallel.autotp_size=1, or "
             f"--set ds.sequence_parallel_size=1."
         )
