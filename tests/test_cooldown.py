@@ -115,8 +115,13 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
         inputs=[str(tmp_path / "other.txt")], out=other, tokenizer=tiny_data / "tokenizer.model"
     )
     launch = plan_for(branch_args(tag, other, tmp_path / "b2", *n))
-    assert not launch.branch.same_data and launch.branch.start_position(2, 37) == 0
-    assert launch.branch.start_position(3, 37) == 37  # the branch's own checkpoints: its own
+    assert not launch.branch.same_data
+    client = {"step": 2, "data": {"position": 37}, "guard": {"history": [[2, 5.0]], "x": 1}}
+    start = launch.branch.client_for(client)
+    assert start["data"]["position"] == 0 and start["guard"]["history"] == []
+    assert start["guard"]["x"] == 1 and client["data"]["position"] == 37
+    own = {**client, "step": 3}  # the branch's own checkpoints: as saved
+    assert launch.branch.client_for(own) is own
     assert any("position 0" in note for note in launch.notes)
     assert tree(wsd_parent) == before and not (tmp_path / "b").exists()
 

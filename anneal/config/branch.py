@@ -62,10 +62,14 @@ class Branch:
             schedule, kind="wsd", cooldown_step=self.step, cooldown_ratio=self.from_ratio
         )
 
-    def start_position(self, step: int, position: int) -> int:
-        """The data position to start at, loading the checkpoint of ``step`` at ``position``:
-        0 when it is the parent's and the branch reads other data."""
-        return 0 if step == self.step and not self.same_data else position
+    def client_for(self, client: dict) -> dict:
+        """A checkpoint's client state as this branch starts from it: the parent's, on other
+        data, with the data position 0 and the guard's loss history and skipped sample ranges
+        left behind (they describe the parent's data); anything else as it is."""
+        if client["step"] != self.step or self.same_data:
+            return client
+        guard = {**client.get("guard", {}), "history": [], "skipped": []}
+        return {**client, "data": {**client["data"], "position": 0}, "guard": guard}
 
 
 def resolve(
@@ -307,7 +311,7 @@ def _notes(cfg: RunConfig, branch: Branch, parent: dict, manifest: dict, *, resu
         f"{end} (train.max_steps = {end}); the peak LR is the checkpoint's"
         + ("; continuing this branch from its own checkpoints" if resumed else "")
     ]
-    if not branch.same_data:
+    if not branch.same_data and not resumed:
         notes.append(
             f"--data {cfg.data.path} is not the parent's data "
             f"({parent['run'].get('data', {}).get('path')}): the branch reads it from its start "

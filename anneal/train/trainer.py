@@ -126,10 +126,10 @@ class Trainer:
     def load_state_dict(self, client: dict) -> None:
         """The train state, the guard's record (which may move the data position past skipped
         samples) and the token stream at that position, from a checkpoint's client state."""
+        if self.launch.branch is not None:  # a cooldown branch on other data starts it at 0
+            client = self.launch.branch.client_for(client)
         self.state = TrainState(step=client["step"], tokens=client["tokens"])
         position = self.guard.restore(self.engine, client, client["data"]["position"])
-        if self.launch.branch is not None:  # the parent's position, or 0 on other data
-            position = self.launch.branch.start_position(client["step"], position)
         self.engine.lr_scheduler.apply()  # the schedule's LR, not the one the optimizer saved
         self._open_stream(position)
 
