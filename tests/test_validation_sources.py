@@ -149,7 +149,7 @@ def world_of_one():
     """This process as a world of one rank (gloo); the process group is destroyed after."""
     import os
 
-    import torch.distributed as dist
+    import deepspeed.comm
 
     from anneal.dist import init_distributed
 
@@ -164,7 +164,9 @@ def world_of_one():
     )
     init_distributed(600)
     yield
-    dist.destroy_process_group()
+    # DeepSpeed's own call also drops the groups it cached (deepspeed.utils.groups), which
+    # a later in-process engine would otherwise reuse, destroyed.
+    deepspeed.comm.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
 
