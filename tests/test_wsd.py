@@ -338,3 +338,30 @@ def test_a_resume_keeps_the_auto_warmup_and_a_plain_relaunch_sees_no_difference(
     )
     assert longer[0]["scheduler"]["params"]["warmup_num_steps"] == 10
     assert "kept from the run being resumed" in longer[1]["scheduler.params.warmup_num_steps"]
+
+
+@pytest.mark.slow
+def test_wsd_learns_as_well_as_cosine(stdlib_data, tmp_path):
+    """Slow (two training processes side by side, 63 s of CPU: the pair must run long enough
+    that the schedules, not the first steps, decide the final loss). A WSD run with a 20%
+    (1 - sqrt) cooldown to 0 ends with a validation loss no more than 1% above a cosine run (to
+    0.1 x peak) of the same length, batch, peak LR, data order and seed, on the stdlib corpus
+    (Haegele et al. 2024: such a cooldown matches cosine). Both are scored on the same 512
+    held-out windows. Measured: 5.2889 against 5.4424 nats/token (WSD 2.8% lower); the
+    demo-sized pair: docs/benchmarks.md."""
+    sets = [v for v in SMALL[1::2] if not v.startswith(("train.eval", "ds.gradient_acc"))]
+    sets += ["train.eval_samples=512", "optim.lr=3e-3", "optim.global_batch_tokens=512"]
+    sets += ["ds.train_micro_batch_size_per_gpu=8"]  # 8 x 64 tokens a step, no accumulation
+    base = ["--data", str(stdlib_data), "--max-steps", "150", "--eval-every", "0"]
+    base += ["--save-every", "0", *(a for v in sets for a in ("--set", v))]
+    runs = {name: tmp_path / name for name in ("wsd", "cosine")}
+    run_recipes(
+        [
+            {"args": [*base, "--out", str(out), "--set", f"optim.schedule={name}"]}
+            for name, out in runs.items()
+        ]
+    )
+    final = {name: read_metrics(out, "val")[-1]["val_loss"] for name, out in runs.items()}
+    lrs = {name: _lrs(out)[1] for name, out in runs.items()}
+    assert lrs["wsd"][-1] < lrs["cosine"][-1] and lrs["wsd"][75] > lrs["cosine"][75]
+    assert final["wsd"] <= 1.01 * final["cosine"], final

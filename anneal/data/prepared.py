@@ -327,6 +327,38 @@ def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float
     return bits_per_token * split_meta["tokens"] / split_meta["bytes"]
 
 
+def split_text(data_dir: Path, split: str = "val") -> bytes:
+    """The UTF-8 text of ``split``, decoded from its token ids document by document (documents
+    end at ``eos_id``): the bytes its bits-per-byte figures count (``token_bytes.npy``)."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    tok = toklib.load(data_dir)
+    ids = np.concatenate(
+        [
+            np.fromfile(shard_path(data_dir, split, shard), dtype=meta["dtype"])
+            for shard in meta["splits"][split]["shards"]
+        ]
+    )
+    ends = np.flatnonzero(ids == meta["eos_id"])
+    docs = np.split(ids, ends + 1)
+    return b"".join(tok.decode(d[d != meta["eos_id"]].tolist()).encode() for d in docs if d.size)
+
+
+def compressor_bits_per_byte(data_dir: Path, split: str = "val") -> dict[str, float]:
+    """What the best general-purpose compressors reach on ``split``'s text, in bits per byte:
+    ``zlib -9`` (gzip's) and ``xz -9e`` (LZMA2, the extreme preset). A language model that
+    does not beat them has learned less about the text than a dictionary coder."""
+    import lzma
+    import zlib
+
+    text = split_text(data_dir, split)
+    packed = {
+        "zlib -9": zlib.compress(text, 9),
+        "xz -9e": lzma.compress(text, preset=9 | lzma.PRESET_EXTREME),
+    }
+    return {name: 8 * len(c) / max(1, len(text)) for name, c in packed.items()}
+
+
 def check_matches_run(meta: dict, *, data_dir: Path, run_dir: Path) -> None:
     """Resuming: the data's tokenizer must be the one the run's model was built for. Compares
     with the run's ``config.json`` (the vocabulary size, and the tokenizer hash of the data
