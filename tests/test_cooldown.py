@@ -190,8 +190,9 @@ def test_each_bad_branch_is_one_clear_error(case, wsd_parent, tiny_run, tiny_dat
 
 @pytest.mark.slow
 def test_two_cooldowns_from_one_wsd_run(tiny_data, tmp_path):
-    """Slow (three training processes, the branches two at a time: about 55 s on 2 shared
-    cores). The issue's acceptance test for branching."""
+    """Slow (three training processes, the branches two at a time, each branch then drawing
+    its charts and report in a child process: 54 s of CPU in all; 114 s wall here with five
+    workers sharing 2 cores at a load of about 10). The issue's acceptance test for branching."""
     peak, start = 3e-3, 8  # the tiny recipe's optim.lr; the branch step
     parent = tmp_path / "parent"
     common = [*SMALL, "--data", str(tiny_data), "--save-every", "8", "--eval-every", "8"]
