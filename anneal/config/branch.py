@@ -105,8 +105,8 @@ def resolve(
             f"{(manifest.get('tokens') or 0) // 5:,}, as Haegele et al. 2024 found 20% enough)."
         )
     branch = Branch(
-        parent_run=str(parent_run),
-        checkpoint=str(tag),
+        parent_run=str(parent_run.absolute()),  # plots and reports read it from anywhere
+        checkpoint=str(tag.absolute()),
         step=manifest["step"],
         manifest_sha256=sha256_file(tag / MANIFEST),
         cooldown_tokens=cfg.optim.cooldown_tokens,
