@@ -120,7 +120,8 @@ FAST = ["--set", "ds.zero_optimization.stage=1", "--set", "ds.gradient_accumulat
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory) -> dict:
     """Two text sources (prose, code) prepared as a blend, then each alone with the blend's
-    tokenizer (``--tokenizer DIR/tokenizer.model``: nothing trained again); about 1 s."""
+    tokenizer (``--tokenizer DIR/tokenizer.model``: nothing trained again), in shards of 1,024
+    ids (several per source, as a large corpus has); about 1 s."""
     from anneal.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("per_source")
@@ -136,7 +137,7 @@ def blend(tmp_path_factory) -> dict:
             f"def f{i}(x):\n" + f"    return x * {i} + {i * i}\n" * (15 + i % 5) for i in range(150)
         )
     )
-    common = dict(val_fraction=0.2, progress=False, workers=1)
+    common = dict(val_fraction=0.2, shard_tokens=1024, progress=False, workers=1)  # shards
     prepare(inputs=[str(prose), str(code)], out=root / "blend", vocab_size=320, **common)
     tokenizer = root / "blend" / "tokenizer.model"
     for src in (prose, code):
@@ -202,6 +203,7 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
         alone_val = PackedSplit(blend[name], "val", seq_len=SEQ)
         first, n = val.source_windows[val.source_names.index(name)]
         assert alone_val.n_windows == n and alone_val.source_names == [name]
+        assert len(alone_val._shards) > 3  # windows within shards cut alike
         assert all((alone_val.window(j) == val.window(first + j)).all() for j in range(n))
         train = dataclasses.replace(launch.cfg.train, eval_samples=k)
         alone = dataclasses.replace(launch, cfg=dataclasses.replace(launch.cfg, train=train))
@@ -213,7 +215,7 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
         tokens += k * SEQ
     assert row["val_loss"] == pytest.approx(nats / tokens, rel=1e-6)  # weighted by size
     assert row[f"val_loss/{val.source_names[0]}"] != pytest.approx(
-        row[f"val_loss/{val.source_names[1]}"], rel=1e-2
+        row[f"val_loss/{val.source_names[1]}"], rel=1e-3
     )  # the sources differ, so the checks above could fail
 
 
@@ -261,6 +263,7 @@ def test_report_tensorboard_and_plot_show_each_source(tmp_path):
     signals = {s.name: s for s in health(run)}
     assert signals["dev loss"].status == HEALTHY  # the total falls...
     assert signals["dev loss code.py"].status == PROBLEM  # ...while code.py is forgotten
+    assert "this source is being forgotten" in signals["dev loss code.py"].detail
     assert signals["dev loss prose"].status == HEALTHY
     assert "bits/byte" in signals["dev loss prose"].detail
     healthy = {s.name: s.status for s in health(_blend_run(tmp_path / "fine", forgotten=False))}

@@ -81,7 +81,10 @@ def train_loss_signal(train: list[dict], vocab_size: int | None) -> Signal:
     return Signal("train loss", HEALTHY, detail, means)
 
 
-def dev_loss_signal(val: list[dict], train: list[dict]) -> Signal:
+def dev_loss_signal(
+    val: list[dict], train: list[dict], *, why: str = "overfitting or a data leak"
+) -> Signal:
+    """``why``: what a dev loss that rises while the train loss falls suggests."""
     means = "falls, then stabilizes"
     points = [(r["step"], r["val_loss"]) for r in val if _finite(r.get("val_loss"))]
     if len(points) < 2:
@@ -101,7 +104,7 @@ def dev_loss_signal(val: list[dict], train: list[dict]) -> Signal:
             return Signal(
                 "dev loss",
                 PROBLEM,
-                f"rises while train loss falls (overfitting or a data leak): {detail}",
+                f"rises while train loss falls ({why}): {detail}",
                 means,
             )
         return Signal("dev loss", PROBLEM, f"rises (> {DEV_RISE:.0%} above best): {detail}", means)
@@ -114,7 +117,7 @@ def source_signals(val: list[dict], train: list[dict]) -> list[Signal]:
     out = []
     for source in rundir.val_sources(val):
         rows = [{"step": r["step"], "val_loss": r.get(f"val_loss/{source}")} for r in val]
-        signal = dev_loss_signal(rows, train)
+        signal = dev_loss_signal(rows, train, why="this source is being forgotten")
         bpb = [r[f"val_bpb/{source}"] for r in val if _finite(r.get(f"val_bpb/{source}"))]
         detail = signal.detail + (f"; last {bpb[-1]:.3f} bits/byte" if bpb else "")
         out.append(dataclasses.replace(signal, name=f"dev loss {source}", detail=detail))
