@@ -23,7 +23,8 @@ import pytest
 from anneal import rundir
 from anneal.config.schedule import Schedule
 from anneal.errors import UserError
-from anneal.files import sha256_file
+from anneal.files import is_matplotlib_png, sha256_file
+from anneal.observe.formula_plots import plot_schedule_file
 from tests.conftest import ROOT, SMALL, read_metrics, run_recipe, run_recipes, tree
 
 SHAPES = {
@@ -102,6 +103,8 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
     (tmp_path / "b").mkdir()
     rundir.write_config(tmp_path / "b", launch.config_document())
     again = plan_for(branch_args(wsd_parent, tiny_data, tmp_path / "b", *n))
+    chart = plot_schedule_file(tmp_path / "b", steps=None, out=tmp_path / "s.png")  # --schedule
+    assert is_matplotlib_png(chart)
     assert again.resume_from == tag and again.config_document() == launch.config_document()
     with pytest.raises(UserError, match="holds a run already"):
         plan_for(branch_args(wsd_parent / "checkpoints" / "step00000001", tiny_data, again.out, *n))

@@ -229,6 +229,11 @@ def plot_schedule_file(
         floor = given if kind == "cosine" and not _auto(given) else DEFAULT_FLOOR[kind]
     params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
     schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
+    if optim:  # a run's config.json: a cooldown branch's decay (anneal.config.branch)
+        from anneal import rundir
+        from anneal.config.branch import with_branch
+
+        schedule = with_branch(schedule, rundir.config_or_empty(Path(path).parent))
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
     claim_pngs([out])
     what = "cosine" if kind == "cosine" else f"stable, {schedule.decay_shape} decay"
