@@ -19,6 +19,7 @@ RECIPE_FLAGS = [
     "--resume",
     "--restart",
     "--init-from",
+    "--branch-from",
     "--eval-every",
     "--save-every",
     "--seed",
