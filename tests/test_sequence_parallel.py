@@ -258,3 +258,26 @@ def test_launcher_preflight_refuses_before_starting(tiny_data, tmp_path, capsys,
     assert "does not divide the sequence length 33" in printed.err
     assert len(printed.err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+LONG = ROOT / "recipes" / "long_context_1b.py"
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_the_long_context_recipe_resolves_on_gpus(world, stdlib_data, tmp_path):
+    """recipes/long_context_1b.py on the GPU path with its own defaults, as tests/test_recipes.py
+    resolves every pretrain recipe: 32K tokens over groups of 8 GPUs, RoPE base 500,000, its
+    global batch split exactly over world / 8 replicas; fewer GPUs than a group are refused."""
+    spec = load_recipe(LONG)
+    argv = ["--data", str(stdlib_data), "--out", str(tmp_path / "run")]
+    cfg, overrides = config_from_args(argv, prog=str(LONG), on_cpu=False, **spec)
+    launch = resolve_launch(cfg, overrides, world_size=world, device_type="cuda")
+    ds = launch.ds_config
+    assert (launch.seq_len, launch.preset.rope_theta, launch.preset.name) == (32768, 5e5, "1b")
+    assert (launch.layout.sequence_parallel, launch.layout.data_parallel) == (8, world // 8)
+    assert ds["train_batch_size"] * launch.seq_len == spec["optim"].global_batch_tokens
+    assert ds["train_batch_size"] == ds["gradient_accumulation_steps"] * (world // 8)
+    assert launch.bf16 and ds["zero_optimization"]["stage"] == 3
+    assert not launch.cfg.model.activation_checkpointing
+    with pytest.raises(UserError, match="sequence-parallel groups of 8"):
+        resolve_launch(cfg, overrides, world_size=4, device_type="cuda")

@@ -36,6 +36,9 @@ class ModelConfig:
     intermediate_size: int = 0
     num_hidden_layers: int = 0
     num_attention_heads: int = 0
+    rope_theta: float = 0.0
+    """RoPE base frequency; 0 keeps the preset's (10,000). Long contexts train with a larger
+    one: Llama 3 used 500,000 for up to 32K tokens, Code Llama 1,000,000."""
     init_from: str = ""
     """A Hugging Face model directory to continue pretraining from (``--init-from``): its
     config.json gives the architecture (the preset's shape is not used; seq_len 0 keeps its
@@ -47,6 +50,12 @@ class ModelConfig:
         from anneal.model import get_preset
 
         if self.init_from:
+            if self.rope_theta:
+                raise UserError(
+                    f"model.rope_theta {self.rope_theta:g} with --init-from {self.init_from}: "
+                    f"a pretrained model's RoPE is its config.json's. Drop --set "
+                    f"model.rope_theta, or set rope_theta (or rope scaling) in that config.json."
+                )
             from anneal.hf.load import pretrained_preset
 
             return pretrained_preset(Path(self.init_from), data_vocab=vocab_size, model=self)
@@ -65,6 +74,8 @@ class ModelConfig:
             shape["num_key_value_heads"] = shape["num_attention_heads"]
         if self.seq_len:
             shape["seq_len"] = self.seq_len
+        if self.rope_theta:
+            shape["rope_theta"] = float(self.rope_theta)
         preset = dataclasses.replace(preset, **shape)
         heads, hidden = preset.num_attention_heads, preset.hidden_size
         if hidden % heads or (hidden // heads) % 2:

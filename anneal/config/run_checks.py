@@ -142,6 +142,10 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "model.intermediate_size": _SIZE,
     "model.num_hidden_layers": _SIZE,
     "model.num_attention_heads": _SIZE,
+    "model.rope_theta": (
+        lambda v: v == 0 or 1 < v <= 1e12,
+        "0 (the preset's, 10,000) or a RoPE base above 1, e.g. 500000 (Llama 3)",
+    ),
     "data.prefetch_batches": (lambda v: 0 <= v <= 1024, "0 (no read-ahead) to 1024 micro-batches"),
     "optim.lr": (lambda v: v > 0, "a finite number above 0 (the peak learning rate)"),
     "optim.global_batch_tokens": (lambda v: v >= 1, "a positive number of tokens"),
