@@ -7,11 +7,14 @@ gets its size's share of ``eval_samples`` (largest remainder, at least one windo
 spread evenly over its own range, so the same source prepared alone and validated with
 ``eval_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
 is evaluated once, with equal batch counts; source names become clean metric keys. With the
-real DeepSpeed engine (one gloo rank in this process, ZeRO-3 fp32 on CPU): two text sources
-prepared as a blend and each alone with the blend's tokenizer hold the same val windows, and one
-engine's per-source ``val_loss/<source>`` and ``val_bpb/<source>`` on the blend equal
-``validate`` on each source alone within 1e-6 relative, while the total is the token-weighted
-mean of the sources.
+real DeepSpeed engine (one gloo rank in this process, ZeRO-1 fp32 on CPU, two steps trained so
+the weights are off init): two text sources prepared as a blend and each alone with the blend's
+tokenizer hold the same val windows, and the engine's per-source ``val_loss/<source>`` and
+``val_bpb/<source>`` on the blend equal ``validate`` on each source alone within 1e-6 relative,
+while the total is the token-weighted mean of the sources; two runs through the recipe, 1 rank
+and 2, agree on them (slow). A blend's figures reach TensorBoard (read back with its own
+reader), ``anneal plot`` (val_sources.png), ``anneal report`` (a source rising while the total
+falls is flagged as forgotten) and the console's validation line.
 """
 
 from __future__ import annotations
@@ -309,3 +312,21 @@ def test_one_and_two_ranks_agree_per_source(blend, tmp_path):
     assert set(keys) <= set(a) and set(a) == set(b)
     for key in ["val_loss", "val_bpb", *keys]:
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
+
+def test_the_console_line_names_each_source(tmp_path, capsys):
+    from anneal.observe.metrics import MetricsLogger
+    from anneal.train.observers import Metrics
+
+    row = {"kind": "val", "step": 7, "val_loss": 1.0, "val_ppl": math.e, "val_bpb": 1.5}
+    row |= {
+        "val_loss/prose": 0.5,
+        "val_bpb/prose": 1.0,
+        "val_loss/code.py": 2,
+        "val_bpb/code.py": 2.0,
+    }
+    observer = Metrics(MetricsLogger(tmp_path, tensorboard=False))
+    observer.on_val(row)
+    observer.close()
+    out = capsys.readouterr().out.strip()
+    assert out.endswith("| bpb 1.5000 (prose 1.0000, code.py 2.0000)"), out

@@ -47,9 +47,13 @@ class Metrics(Observer):
 
     def on_val(self, row: dict) -> None:
         self.logger.write(row)
+        per_source = [  # a blend: each source's bits per byte (anneal.train.step.validate)
+            f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items() if k.startswith("val_bpb/")
+        ]
         print0(
             f"step {row['step']:>6} | val loss {row['val_loss']:.4f} | "
             f"ppl {row['val_ppl']:.2f} | bpb {row['val_bpb']:.4f}"
+            + (f" ({', '.join(per_source)})" if per_source else "")
         )
 
     def close(self) -> None:
