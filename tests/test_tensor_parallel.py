@@ -4,20 +4,24 @@ ds.tensor_parallel.autotp_size=N``), checked against the same run without it.
 Slow (real engine, real processes, gloo, fp32 on CPU, micro shapes at sequence 32): TP=2 on 2
 ranks (ZeRO-2) and TP=2 x DP=2 on 4 ranks (ZeRO-1) log per-step losses over 10 steps equal to a
 TP=1 run on 1 rank with the same global batch of 4 samples (within 1e-5 relative), and the same
-validation loss; a TP=2 checkpoint resumed at the same topology continues bitwise. Equal losses
+validation loss; a TP=2 checkpoint resumed at the same topology continues bitwise; `anneal
+export` of a TP=2 checkpoint (ZeRO-3, and ZeRO-2 over 2 replicas through
+``train.export_every_save``) gives a Hugging Face model whose validation loss is the one the live
+engine logged, and whose logits are those of the TP=1 run's weights. Equal losses
 also show that every rank of a TP group read the same samples (DeepSpeed asserts it on the first
 forward) and that the token stream shards over data-parallel replicas (world / TP).
 
 Fast (in this process, through ``resolve_launch`` and the launcher's pre-flight, as every rank
 and the launch host run them): the batch arithmetic counts data-parallel ranks; each bad layout
 is one clear UserError before anything starts (a world that does not split into TP groups,
-heads or MLP width that do not divide, ZeRO-3 with TP, a resume at another TP degree or on
-another number of ranks, unknown tensor_parallel keys, export of a TP checkpoint)."""
+heads that do not divide, a resume at another TP degree or on another number of ranks, unknown
+tensor_parallel keys)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -49,10 +53,11 @@ def _sets(*items: str) -> list[str]:
     return [x for item in items for x in ("--set", item)]
 
 
-def _args(data, out, *, tp: int, accum: int, stage: int, extra=()) -> list[str]:
+def _args(data, out, *, tp: int, accum: int, stage: int, extra=(), save_every=5) -> list[str]:
     """STEPS steps with micro-batch 2 (global batch = 2 x accum x ranks / tp), validated at
-    the last, saved at steps 5 and 10. The schedule runs to STEPS + 1 and the run stops after
-    STEPS (``train.stop_at_step``), which spares each launch the end-of-run report process."""
+    the last, saved every ``save_every`` steps. The schedule runs to STEPS + 1 and the run
+    stops after STEPS (``train.stop_at_step``), which spares each launch the end-of-run report
+    process."""
     return [
         "--out",
         str(out),
@@ -63,7 +68,7 @@ def _args(data, out, *, tp: int, accum: int, stage: int, extra=()) -> list[str]:
         "--eval-every",
         str(STEPS),
         "--save-every",
-        "5",
+        str(save_every),
         *_sets(
             f"train.stop_at_step={STEPS}",
             *SHAPE,
@@ -80,9 +85,10 @@ def _args(data, out, *, tp: int, accum: int, stage: int, extra=()) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """The TP=1 reference, TP=2 on 2 ranks, TP=2 x DP=2 on 4 ranks (each 4 samples per step),
-    and the TP=2 run resumed from its step-5 checkpoint in a new directory; two launches at a
-    time, each process on one thread (the resume starts as soon as TP=2 has finished)."""
+    """The TP=1 reference, TP=2 on 2 ranks, TP=2 x DP=2 on 4 ranks (each 4 samples per step;
+    saved at step 10 only and exported then, ``train.export_every_save``), and the TP=2 run
+    resumed from its step-5 checkpoint in a new directory; two launches at a time, each
+    process on one thread (the resume starts as soon as TP=2 has finished)."""
     from concurrent.futures import ThreadPoolExecutor
 
     tmp = tmp_path_factory.mktemp("tp")
@@ -94,7 +100,18 @@ def runs(tiny_data, tmp_path_factory):
             args=_args(tiny_data, tmp / "resumed", tp=2, accum=2, stage=3) + ["--resume", str(tag)],
             ranks=2,
         ),
-        "tp2dp2": dict(args=_args(tiny_data, tmp / "tp2dp2", tp=2, accum=1, stage=2), ranks=4),
+        "tp2dp2": dict(
+            args=_args(
+                tiny_data,
+                tmp / "tp2dp2",
+                tp=2,
+                accum=1,
+                stage=2,
+                extra=_sets("train.export_every_save=true"),
+                save_every=STEPS,
+            ),
+            ranks=4,
+        ),
     }
     one_thread = {"OMP_NUM_THREADS": "1"}
     with ThreadPoolExecutor(2) as pool:
@@ -152,19 +169,65 @@ def test_resume_at_the_same_topology_is_exact(runs):
 
 
 @pytest.mark.slow
-def test_resume_at_another_degree_and_export_are_refused(runs, tiny_data, tmp_path):
+def test_resume_at_another_degree_is_refused(runs, tiny_data, tmp_path):
     """Slow (shares ``runs``): the real TP=2 checkpoint, resumed at TP=1 on 2 ranks and at
-    TP=2 on 4 ranks, is refused in resolution with the reason; `anneal export` refuses it."""
-    from anneal.hf.export import export
-
+    TP=2 on 4 ranks, is refused in resolution with the reason."""
     tmp, _ = runs
     tag = tmp / "tp2" / "checkpoints" / "step00000005"
     for tp, world, why in [(1, 2, "tensor-parallel degree 2"), (2, 4, "saved by 2 ranks")]:
         args = _args(tiny_data, tmp_path / f"r{tp}{world}", tp=tp, accum=2, stage=2)
         assert why in _refused([*args, "--resume", str(tag)], world_size=world)
-    with pytest.raises(UserError, match="tensor parallelism"):
-        export(tmp / "tp2", out=tmp_path / "hf", tag=tag.name)
-    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
+    """Slow (shares ``runs``; one export here, about 12 s on 2 cores, most of it the
+    verification loading transformers' model). The TP=2 ZeRO-3 checkpoint at step 10, exported
+    in fp32 by `anneal export` and verified by it (its logits equal those of the ranks' slices
+    merged where the model's tp_plan cut them, an independent reader), loaded with
+    ``from_pretrained``: the validation loss the live engine logged at step 10 (the same
+    held-out windows) within 1e-5 relative, and the logits of the TP=1 run's step-10 weights
+    within export's tolerance (1e-4 of the largest logit). The TP=2 x DP=2 ZeRO-2 run exported
+    its own step 10 (``train.export_every_save``, bf16 as by default, verified): each weight is
+    the TP=1 run's within one bf16 rounding (2^-8 relative) and 1e-5 (the two runs' weights
+    differ by up to 2.2e-6 after 10 steps; a misplaced slice moves weights by about 1e-2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from anneal import model as modellib
+    from anneal.data.stream import PackedSplit, heldout_windows
+    from anneal.hf.export import export, format_report
+    from anneal.hf.source import preset_from_config, run_config
+    from anneal.hf.verify import TOLERANCE
+    from anneal.hf.zero import reference_state_dict
+
+    tmp, done = runs
+    tag = "step00000010"
+    report = export(tmp / "tp2", out=tmp_path / "hf", tag=tag, dtype="fp32")
+    assert report["tensor_parallel_size"] == 2 and report["zero_stage"] == 3
+    assert "tensor-parallel 2" in format_report(report)
+    doc = run_config(tmp / "ref")
+    weights = reference_state_dict(tmp / "ref" / "checkpoints" / tag, 2)
+    ref = modellib.build_model(preset_from_config(doc)).eval()
+    ref.load_state_dict(weights)
+    val = PackedSplit(Path(doc["run"]["data"]["path"]), "val", seq_len=32)
+    x, y = val.batch(heldout_windows(val.source_windows, 8))  # train.eval_samples=8
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_logits, logits = ref(input_ids=x).logits, hf(input_ids=x).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    live = read_metrics(tmp / "tp2", "val")[-1]
+    assert live["step"] == 10 and loss == pytest.approx(live["val_loss"], rel=1e-5)
+    tol = TOLERANCE["fp32"] * max(1.0, ref_logits.abs().max().item())
+    assert (logits - ref_logits).abs().max().item() < tol
+
+    every = json.loads((tmp / "tp2dp2" / "hf" / tag / "anneal_export.json").read_text())
+    assert (every["tensor_parallel_size"], every["zero_stage"], every["world_size"]) == (2, 2, 4)
+    assert every["dtype"] == "bf16" and "verified:" in done["tp2dp2"].stdout
+    exported = AutoModelForCausalLM.from_pretrained(tmp / "tp2dp2" / "hf" / tag).state_dict()
+    for name, w in weights.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(exported[name].float(), w, rtol=2**-8, atol=1e-5, msg=name)
 
 
 # -- fast: resolution and pre-flight -------------------------------------------------------------
@@ -201,7 +264,6 @@ def test_batch_arithmetic_counts_data_parallel_ranks(tiny_data, tmp_path):
 BAD_LAYOUTS = {
     "world_not_divisible": (3, 2, [], "do not split into tensor-parallel groups of 2"),
     "heads_not_divisible": (8, 8, [], "does not divide the model's num_attention_heads 4"),
-    "export_every_save": (2, 2, ["train.export_every_save=true"], "with train.export_every_save"),
     "negative": (2, -1, [], "tensor_parallel.autotp_size is -1"),
     "unknown_key": (2, 2, ["ds.tensor_parallel.vocab_parallel_lm_head=true"], "unknown key"),
 }

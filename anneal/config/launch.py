@@ -193,9 +193,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     data_dir = Path(cfg.data.path)
     meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
     preset = cfg.model.resolve(meta["vocab_size"])
-    layout = parallel.layout(
-        ds, preset, world_size=world_size, source=str(ds_path), exports=cfg.train.export_every_save
-    )
+    layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
     old_config = check_run_dir(cfg, out, data_dir=data_dir)
     cfg, branch, branch_notes = branchlib.resolve(

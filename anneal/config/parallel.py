@@ -62,11 +62,11 @@ def sequence_parallel_size(ds: dict) -> int:
     return max(1, int(ds.get("sequence_parallel_size", 1)))
 
 
-def layout(ds: dict, preset, *, world_size: int, source: str, exports: bool = False) -> Layout:
+def layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
     """The launch's layout, refused (UserError) where AutoTP would not shard this model evenly
     over these ranks (a world size that does not split into groups, query or key-value heads
-    that do not divide by the degree) and with ``exports`` (``train.export_every_save``), as
-    export does not read tensor-parallel checkpoints yet. Any ZeRO stage goes with it."""
+    that do not divide by the degree). Any ZeRO stage goes with it, and so does
+    ``train.export_every_save``: export merges the ranks' slices (``anneal.hf.tp_merge``)."""
     tp, sp = tensor_parallel_size(ds), sequence_parallel_size(ds)
     if sp > 1:
         return _sequence_parallel_layout(ds, preset, world_size=world_size, source=source)
@@ -87,13 +87,6 @@ def layout(ds: dict, preset, *, world_size: int, source: str, exports: bool = Fa
             f"some would do more attention work than others (or none, past the key-value head "
             f"count) while all wait for the slowest. {fix} to a divisor of the head counts, or "
             f"change them (--set model.num_attention_heads=...)."
-        )
-    if exports:
-        raise UserError(
-            f"{source}: tensor_parallel.autotp_size {tp} with train.export_every_save: "
-            f"`anneal export` does not read tensor-parallel checkpoints yet, so every export "
-            f"would fail. Drop --set train.export_every_save=true, or train without tensor "
-            f"parallelism."
         )
     return Layout(world_size, tp)
 

@@ -9,7 +9,9 @@ from the byte ranges that hold it (its ``ceil(n / world)`` slice on every rank u
 span of the concatenated rank partitions under ZeRO-1/2). Shards are written in the safetensors
 format by streaming each tensor after a header computed from the shapes, so peak memory is about
 one tensor (1.5 of it for bf16), whatever the model size. Exported weights never pass through
-pickle.
+pickle. A tensor-parallel checkpoint (its manifest's ``tensor_parallel_size``) is one such ZeRO
+checkpoint per tensor-parallel rank, each holding that rank's slices; ``anneal.hf.tp_merge``
+concatenates them into the whole matrices (a whole tensor and one slice in memory).
 
 The export then verifies itself: ``AutoModelForCausalLM`` and ``AutoTokenizer`` load the
 directory; the tokenizer encodes a fixed text like the run's; and the logits on a fixed batch
@@ -39,14 +41,17 @@ from anneal.files import claim_output, replace_dir
 from anneal.hf.source import (
     check_checkpoint,
     check_shapes,
+    expected_shapes,
     preset_from_config,
     run_config,
     select_checkpoint,
+    tensor_parallel_size,
     tokenizer_dir,
 )
+from anneal.hf.tp_merge import open_tp_checkpoint
 from anneal.hf.verify import ExportMismatch, verify_export
 from anneal.hf.writer import DTYPES, convert, parse_size
-from anneal.hf.zero import open_checkpoint
+from anneal.hf.zero import ZeroCheckpoint, open_checkpoint
 from anneal.resilience import checkpoint
 
 MARKER = "anneal_export.json"
@@ -125,18 +130,11 @@ def export(
     preset = preset_from_config(doc, rundir.config_path(run_dir))
     tag_dir = select_checkpoint(run_dir, tag)
     manifest = checkpoint.read_manifest(tag_dir)
-    if manifest.get("tensor_parallel_size", 1) != 1:
-        raise UserError(
-            f"{tag_dir}: saved with tensor parallelism (degree {manifest['tensor_parallel_size']}"
-            f", its manifest), and export reads ZeRO layouts of whole matrices only; each rank's "
-            f"files here hold its slices of the sharded ones. Export is not supported for "
-            f"tensor-parallel checkpoints yet (docs/parallelism.md): train with "
-            f"ds.tensor_parallel.autotp_size=1 for a run you need to export."
-        )
+    tp = tensor_parallel_size(tag_dir, manifest)
     tok_dir = tokenizer_dir(run_dir, doc, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
-    with open_checkpoint(tag_dir) as ckpt:
+    with _open(tag_dir, tp, preset) as ckpt:
         check_shapes(ckpt, preset, rundir.config_path(run_dir))
         partial = _partial_dir(out)
         try:
@@ -150,11 +148,13 @@ def export(
                 manifest=manifest,
             )
             report = {"run_dir": str(run_dir), **report, "out": str(out)}
+            report["tensor_parallel_size"] = tp
             if verify:
                 report["verify"] = verify_export(
                     partial,
                     tag_dir=tag_dir,
                     zero_stage=report["zero_stage"],
+                    tensor_parallel=tp,
                     preset=preset,
                     dtype=dtype,
                     data_tokenizer=tok_dir,
@@ -167,6 +167,14 @@ def export(
     (partial / MARKER).write_text(json.dumps(report, indent=2) + "\n")
     replace_dir(partial, out)
     return report
+
+
+def _open(tag_dir: Path, tp: int, preset) -> ZeroCheckpoint:
+    """The checkpoint's parameters, read lazily; with tensor parallelism, each rank's slices
+    merged into the whole matrices (``anneal.hf.tp_merge``)."""
+    if tp == 1:
+        return open_checkpoint(tag_dir)
+    return open_tp_checkpoint(tag_dir, tp, expected_shapes(preset))
 
 
 def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs) -> list[dict]:
@@ -190,9 +198,11 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
 
 def format_report(r: dict) -> str:
     gib = 2**30
+    tp = r.get("tensor_parallel_size", 1)
+    layout = f", tensor-parallel {tp}" if tp > 1 else ""
     lines = [
         f"exported {r['checkpoint']} (step {r['step']}, ZeRO stage {r['zero_stage']}, "
-        f"{r['world_size']} rank(s)) -> {r['out']}",
+        f"{r['world_size']} rank(s){layout}) -> {r['out']}",
         f"  {r['params']:,} parameters as {r['dtype']} in {len(r['files'])} file(s); "
         f"conversion {r['convert_s']:.1f} s",
     ]

@@ -124,9 +124,12 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
     manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
     included), and no pickle in it names a global outside ``anneal.resilience.safeload``'s
     allow-list."""
-    model_files, optim_files = checkpoint_files(tag_dir)
+    read = []
+    for r in range(tensor_parallel_size(tag_dir, manifest)):  # each rank's files under TP
+        model_files, optim_files = checkpoint_files(tag_dir, r)
+        read += model_files + optim_files
     listed = set(manifest["files"])
-    unlisted = [f.name for f in model_files + optim_files if f.name not in listed]
+    unlisted = [f.name for f in read if f.name not in listed]
     if unlisted:
         raise UserError(
             f"{tag_dir}: {', '.join(unlisted)} not listed in its manifest.json, so its bytes "
@@ -146,8 +149,19 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
     safeload.scan_checkpoint(tag_dir)
 
 
+def tensor_parallel_size(tag_dir: Path, manifest: dict) -> int:
+    """The tensor-parallel degree the checkpoint was saved at (its manifest; 1 if absent)."""
+    tp = manifest.get("tensor_parallel_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 4096:
+        raise UserError(
+            f"{tag_dir}: its manifest.json's tensor_parallel_size is {tp!r}, not a whole number "
+            f"of ranks: not a manifest Anneal wrote. Export another tag (--tag)."
+        )
+    return tp
+
+
 def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
-    expected = _expected_shapes(preset)  # imports transformers before memory is measured
+    expected = expected_shapes(preset)  # imports transformers before memory is measured
     got = {s.name: s.shape for s in ckpt.sources}
     if got != expected:
         missing = sorted(set(expected) - set(got))[:3]
@@ -160,7 +174,7 @@ def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
         )
 
 
-def _expected_shapes(preset) -> dict[str, tuple[int, ...]]:
+def expected_shapes(preset) -> dict[str, tuple[int, ...]]:
     """Every parameter name, a tied head's included (DeepSpeed saves it as a shared alias)."""
     with torch.device("meta"):
         model = modellib.build_model(preset)

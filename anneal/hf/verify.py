@@ -2,7 +2,8 @@
 directory; the tokenizer encodes a fixed text like the run's; and the logits on a fixed batch
 match those of the training model (``anneal.model.build_model``) holding the weights that
 ``anneal.hf.zero.reference_state_dict`` consolidates from the same checkpoint, as DeepSpeed's
-``zero_to_fp32`` does: an independent path to the lazy reader's. The comparison runs in fp32 on
+``zero_to_fp32`` does (with tensor parallelism, each rank's slices merged where the model's
+tp_plan cut them): an independent path to the lazy reader's. The comparison runs in fp32 on
 both sides, the reference's weights rounded through the export dtype first, so any difference
 is a layout bug and not bf16 rounding (which is reported apart).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from anneal import model as modellib
+from anneal.hf.tp_merge import reference_tp_state_dict
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
 from anneal.resilience import checkpoint
@@ -42,9 +44,18 @@ def verify_batch(tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:
 
 @torch.no_grad()
 def verify_export(
-    out: Path, *, tag_dir: Path, zero_stage: int, preset, dtype: str, data_tokenizer: Path
+    out: Path,
+    *,
+    tag_dir: Path,
+    zero_stage: int,
+    preset,
+    dtype: str,
+    data_tokenizer: Path,
+    tensor_parallel: int = 1,
 ) -> dict:
-    """Load ``out`` with transformers and compare with the checkpoint; ExportMismatch if not."""
+    """Load ``out`` with transformers and compare with the checkpoint; ExportMismatch if not.
+    ``tensor_parallel``: the degree it was saved at; the reference merges the ranks' slices
+    where the model's tp_plan cut them (``anneal.hf.tp_merge.reference_tp_state_dict``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from anneal.data import tokenizer as toklib
@@ -60,9 +71,12 @@ def verify_export(
         )
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     manifest = checkpoint.read_manifest(tag_dir) or {}
-    sd = reference_state_dict(tag_dir, zero_stage)
-    rounded = {k: v.to(DTYPES[dtype]).float() for k, v in sd.items()}
     ref = modellib.build_model(preset).eval()
+    if tensor_parallel > 1:
+        sd = reference_tp_state_dict(tag_dir, zero_stage, tensor_parallel, ref)
+    else:
+        sd = reference_state_dict(tag_dir, zero_stage)
+    rounded = {k: v.to(DTYPES[dtype]).float() for k, v in sd.items()}
     batch = verify_batch(tok, preset.vocab_size, preset.seq_len)
     try:
         ref.load_state_dict(sd, strict=True)

@@ -67,7 +67,10 @@ def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
     return pieces
 
 
-_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+def _rank_file(mp_rank: int) -> re.Pattern:
+    """The optimizer file of each data-parallel rank that holds tensor-parallel rank
+    ``mp_rank``'s slices (00 without tensor parallelism)."""
+    return re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
 
 
 @dataclasses.dataclass
@@ -108,21 +111,25 @@ _NOT_A_CHECKPOINT = (
 )
 
 
-def checkpoint_files(tag_dir: Path) -> tuple[list[Path], list[Path]]:
+def checkpoint_files(tag_dir: Path, mp_rank: int = 0) -> tuple[list[Path], list[Path]]:
     """The files export reads: the model states (one per rank under ZeRO-3) and the optimizer
-    states of each rank, in rank order."""
-    model_files = sorted(Path(tag_dir).glob("*model_states.pt"))
+    states of each rank, in rank order; with tensor parallelism, those of the ranks that hold
+    tensor-parallel rank ``mp_rank``'s slices (a ZeRO checkpoint of its own over the
+    data-parallel ranks)."""
+    rank_file = _rank_file(mp_rank)
+    model_files = sorted(Path(tag_dir).glob(f"*mp_rank_{mp_rank:02d}_model_states.pt"))
     optim_files = sorted(
-        (f for f in Path(tag_dir).glob("*_optim_states.pt") if _RANK_FILE.search(f.name)),
-        key=lambda f: int(_RANK_FILE.search(f.name).group(1)),
+        (f for f in Path(tag_dir).glob("*_optim_states.pt") if rank_file.search(f.name)),
+        key=lambda f: int(rank_file.search(f.name).group(1)),
     )
     return model_files, optim_files
 
 
-def open_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
-    """Index a DeepSpeed checkpoint tag directory without loading its tensors."""
+def open_checkpoint(tag_dir: Path, mp_rank: int = 0) -> ZeroCheckpoint:
+    """Index a DeepSpeed checkpoint tag directory (tensor-parallel rank ``mp_rank``'s files)
+    without loading its tensors."""
     tag_dir = Path(tag_dir)
-    model_files, optim_files = checkpoint_files(tag_dir)
+    model_files, optim_files = checkpoint_files(tag_dir, mp_rank)
     if not model_files:
         raise UserError(f"{tag_dir}: no DeepSpeed model_states file; not a checkpoint.")
     archives: list[_Archive] = []
@@ -249,7 +256,9 @@ def _load_weights_only(path: Path) -> dict:
         ) from None
 
 
-def reference_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+def reference_state_dict(
+    tag_dir: Path, zero_stage: int, mp_rank: int = 0
+) -> dict[str, torch.Tensor]:
     """The checkpoint's weights in fp32, consolidated as DeepSpeed's ``zero_to_fp32`` does but
     read with ``torch.load(weights_only=True)``: an independent path to the lazy reader's, and
     one that never unpickles anything but tensors and plain types.
@@ -257,8 +266,9 @@ def reference_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tens
     ZeRO-1/2: each param group's fp32 partitions (``single_partition_of_fp32_groups``), one per
     rank, concatenated and cut in order of ``param_shapes`` with its alignment paddings. ZeRO-3:
     each rank's ``fp32_flat_groups`` concatenated; a parameter of ``n`` elements takes
-    ``ceil(n / ranks)`` of every rank's, in order. No ZeRO: the module's own weights."""
-    model_files, optim_files = checkpoint_files(tag_dir)
+    ``ceil(n / ranks)`` of every rank's, in order. No ZeRO: the module's own weights. With
+    tensor parallelism: tensor-parallel rank ``mp_rank``'s slices."""
+    model_files, optim_files = checkpoint_files(tag_dir, mp_rank)
     model_state = _load_weights_only(model_files[0])
     module = model_state.get("module") or {}
     if zero_stage == 0:
