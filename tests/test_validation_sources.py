@@ -296,9 +296,10 @@ def _val_rows(run):
 @pytest.mark.slow
 def test_one_and_two_ranks_agree_per_source(blend, tmp_path):
     """Two real runs through the recipe (1 rank, then 2 with the same global batch): the
-    per-source figures in metrics.jsonl agree, with 25 windows dealt 13 + 12 so that rank 1
-    evaluates a padding window (weight 0) in its last micro-batch. Measured: 57 s of CPU, 169 s
-    wall on 2 cores shared by five workers."""
+    per-source figures in metrics.jsonl and the train losses agree (this replaces
+    test_validation.py's 1-and-2-rank run on one source), with 25 windows dealt 13 + 12 so
+    that rank 1 evaluates a padding window (weight 0) in its last micro-batch. Measured: 57 s
+    of CPU, 169 s wall on 2 cores shared by five workers."""
     from tests.conftest import read_metrics, run_recipe
 
     common = ["--data", str(blend["blend"]), "--max-steps", "2", "--eval-every", "2"]
@@ -312,6 +313,9 @@ def test_one_and_two_ranks_agree_per_source(blend, tmp_path):
     assert set(keys) <= set(a) and set(a) == set(b)
     for key in ["val_loss", "val_bpb", *keys]:
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    t1, t2 = read_metrics(one, "train"), read_metrics(two, "train")
+    assert [r["loss"] for r in t1] == pytest.approx([r["loss"] for r in t2], rel=1e-5)
+    assert a["val_ppl"] == pytest.approx(math.exp(a["val_loss"]))
 
 
 def test_the_console_line_names_each_source(tmp_path, capsys):
