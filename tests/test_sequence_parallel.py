@@ -16,8 +16,10 @@ Fast (in this process, through ``resolve_launch`` and the launcher's pre-flight,
 and the launch host run them): the batch arithmetic counts world / SP replicas; each bad layout
 is one clear UserError before anything starts (a world, sequence length or head count that does
 not divide, SP with TP, ZeRO-1, ZeRO-3 without reduce_scatter, a sliding-window model, a resume
-at another SP degree). Anneal trains every model with SDPA (``anneal.model.build_model``) and
-has no setting for eager attention, which DeepSpeed's Ulysses refuses."""
+at another SP degree); recipes/long_context_1b.py resolves on the GPU path at 8 and 16 GPUs (its
+own defaults, as tests/test_recipes.py resolves the pretrain recipes). Anneal trains every
+model with SDPA (``anneal.model.build_model``) and has no setting for eager attention, which
+DeepSpeed's Ulysses refuses."""
 
 from __future__ import annotations
 
