@@ -85,7 +85,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from anneal.config.ds import find_ds_config, load_ds_config
     from anneal.hardware import get_gpu
-    from anneal.scaling import memory, memory_io, memory_levers, memory_tp
+    from anneal.scaling import memory, memory_io, memory_levers, memory_sp, memory_tp
 
     preset = memory_io.load_model(args.model)
     if args.vocab_size:
@@ -115,6 +115,7 @@ def _estimate(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing,
         eager_attention=args.eager_attention,
         tp=memory_tp.autotp_size(ds) if args.tp is None else args.tp,
+        sp=memory_sp.sequence_parallel_size(ds) if args.sp is None else args.sp,
         **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)
@@ -131,6 +132,7 @@ def _estimate(args: argparse.Namespace) -> int:
             "zero_stage": zero.stage,
             "n_gpus": work.n_gpus,
             "tp": work.tp,
+            "sp": work.sp,
             "micro_batch": work.micro_batch,
             "seq_len": work.seq_len,
             "loss": work.loss,
@@ -281,6 +283,11 @@ def _add_estimate(sub) -> None:
         "--tp",
         type=int,
         help="tensor-parallel degree (default: the ds_config's tensor_parallel.autotp_size, 1)",
+    )
+    est.add_argument(
+        "--sp",
+        type=int,
+        help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size)",
     )
     est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     est.add_argument("--micro-batch", type=int, help="default: the ds_config's")

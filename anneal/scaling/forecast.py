@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal import model as modellib
-from anneal.scaling import memory, memory_tp
+from anneal.scaling import memory, memory_sp, memory_tp
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +77,7 @@ def make(
             seq_len=preset.seq_len,
             n_gpus=world_size,
             tp=memory_tp.autotp_size(ds_config),
+            sp=memory_sp.sequence_parallel_size(ds_config),
             activation_checkpointing=activation_checkpointing,
         ),
     )

@@ -25,8 +25,8 @@ buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam)
 lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
 ``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
 
-Tensor parallelism is ``memory_tp``; the levers for a run that does not fit, ``memory_levers``;
-what ``anneal estimate`` reads and prints, ``memory_io``.
+Tensor parallelism is ``memory_tp``, sequence parallelism ``memory_sp``; the levers for a run
+that does not fit, ``memory_levers``; what ``anneal estimate`` reads and prints, ``memory_io``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import math
 
 from anneal.errors import UserError
 from anneal.model import ModelPreset, count_params
-from anneal.scaling import memory_tp
+from anneal.scaling import memory_sp, memory_tp
 from anneal.scaling.memory_tp import largest_layer_params
 
 GiB = 2**30
@@ -117,13 +117,12 @@ class Workload:
     n_gpus: int
     """GPUs (nodes x GPUs per node); ZeRO partitions over the n_gpus / tp data-parallel ones."""
     tp: int = 1  # tensor_parallel.autotp_size: anneal.scaling.memory_tp
+    sp: int = 1  # sequence_parallel_size (Ulysses; each rank holds seq / sp): memory_sp
     activation_checkpointing: bool = False
     eager_attention: bool = False
-    """Attention that stores its a x s x s scores (Korthikanti's 5as/h term); Anneal's SDPA
-    attention does not."""
+    """Attention that keeps its a x s x s scores (Korthikanti's 5as/h); SDPA keeps none."""
     loss: str = "chunked"
-    """``train.loss``: chunked (one chunk's logits at a time, Anneal's default) | plain (the
-    full logits)."""
+    """``train.loss``: chunked (a chunk's logits at a time, the default) | plain (full logits)."""
     loss_chunk_tokens: int = 512
     """``train.loss_chunk_tokens`` (its default, as ``anneal.config.run.TrainConfig``)."""
 
@@ -358,6 +357,7 @@ def estimate(
         if value < 1:
             raise UserError(f"{name} {value}: must be at least 1.")
     memory_tp.check(preset, n_gpus=work.n_gpus, tp=work.tp)
+    local = memory_sp.local_workload(preset, zero.stage, work)  # one rank's seq / sp tokens
     p = count_params(preset) if work.tp == 1 else memory_tp.params_per_gpu(preset, work.tp)
     n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over
     weights, grads, optimizer, host = model_state_bytes(p, zero, n)
@@ -386,8 +386,8 @@ def estimate(
         params=weights,
         grads=grads,
         optimizer=optimizer,
-        activations=activation_bytes(preset, work, bf16=zero.bf16),
-        logits=logits_bytes(preset, work, bf16=zero.bf16),
+        activations=activation_bytes(preset, local, bf16=zero.bf16),
+        logits=logits_bytes(preset, local, bf16=zero.bf16),
         buffers={k: int(v) for k, v in buffers.items()},
         step_buffers={k: int(v) for k, v in step.items()},
         runtime=runtime_bytes,

@@ -95,12 +95,13 @@ def format_estimate(
     def row(label: str, value: int, note: str = "") -> str:
         return f"  {label:<36} {format_bytes(value):>12}{'   ' + note if note else ''}"
 
+    sp = f" (sequence-parallel {work.sp}: {work.seq_len // work.sp} a GPU)" if work.sp > 1 else ""
     lines = [
         f"model {preset.name}: {p:,} parameters; "
         + (f"tensor-parallel {work.tp} x " if work.tp > 1 else "")
         + f"ZeRO stage {zero.stage} over {n} GPUs, "
         f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
-        f"micro-batch {work.micro_batch} x {work.seq_len} tokens, activation checkpointing "
+        f"micro-batch {work.micro_batch} x {work.seq_len} tokens{sp}, activation checkpointing "
         f"{'on' if work.activation_checkpointing else 'off'}, loss {loss}",
         "",
         "per GPU:",

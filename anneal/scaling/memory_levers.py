@@ -2,7 +2,8 @@
 first what costs nothing (the chunked loss, when the plain one is selected), then what costs no
 quality (micro-batch, with more accumulation), then context, then tensor parallelism (it
 shards the layers' matrices and activations over the GPUs of a node, and costs communication),
-then model shape. Each lever
+then Ulysses sequence parallelism (it splits every sequence's activations and logits over the
+GPUs of a node, not the weights, for two all-to-alls per layer), then model shape. Each lever
 but the loss is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
 bisection, since the estimate grows with each of them.
 """
@@ -19,7 +20,8 @@ from anneal.scaling.memory import GiB, Workload, ZeroSetup, estimate
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lever:
     name: str
-    """chunked loss | micro-batch | context length | tensor parallel | layers | width"""
+    """chunked loss | micro-batch | context length | tensor parallel | sequence parallel |
+    layers | width"""
     setting: str | None
     """The largest value that fits, as the flag or key to set; None when nothing does."""
     total: int | None
@@ -41,7 +43,7 @@ def levers(
     preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
 ) -> list[Lever]:
     """Each lever alone, from the given setup: the chunked loss (under the plain one),
-    micro-batch, context length, tensor parallelism, layers, width."""
+    micro-batch, context length, tensor parallelism, sequence parallelism, layers, width."""
 
     def total(p: ModelPreset, w: Workload) -> int:
         return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
@@ -76,6 +78,7 @@ def levers(
         )
     )
     out.append(_tensor_parallel(preset, work, total, capacity))
+    out.append(_sequence_parallel(preset, zero, work, total, capacity))
     n_layers = _largest(
         1,
         preset.num_hidden_layers - 1,
@@ -129,7 +132,9 @@ def _chunked_loss(preset: ModelPreset, work: Workload, total, capacity: int) -> 
 
 def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
     """The smallest power-of-2 tensor-parallel degree above the current one, up to 8 (one node),
-    that divides the head counts and the GPUs and fits."""
+    that divides the head counts and the GPUs and fits; none under SP (Anneal runs them apart)."""
+    if work.sp > 1:
+        return Lever(name="tensor parallel", setting=None, total=None, note="not with SP")
     degrees = [
         t
         for t in (2, 4, 8)
@@ -154,6 +159,39 @@ def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) 
         note=f"autotp_size {tried} does not fit"
         if degrees
         else f"no degree up to 8 divides the heads and the {work.n_gpus} GPUs",
+    )
+
+
+def _sequence_parallel(
+    preset: ModelPreset, zero: ZeroSetup, work: Workload, total, capacity: int
+) -> Lever:
+    """The smallest power-of-2 Ulysses degree above the current one, up to 8 (one node), that
+    divides the head counts, the sequence and the GPUs and fits; none where Anneal would refuse
+    Ulysses (with TP, below ZeRO-2, eager attention: anneal.scaling.memory_sp)."""
+    name = "sequence parallel"
+    if work.tp > 1 or zero.stage < 2 or work.eager_attention:
+        why = "not with TP" if work.tp > 1 else "needs ZeRO-2 or 3 and SDPA attention"
+        return Lever(name=name, setting=None, total=None, note=why)
+    degrees = [
+        s
+        for s in (2, 4, 8)
+        if s > work.sp
+        and work.n_gpus % s == 0
+        and work.seq_len % s == 0
+        and not preset.heads_not_dividing(s)
+    ]
+    for s in degrees:
+        fitting = total(preset, _w(work, sp=s))
+        if fitting <= capacity:
+            return Lever(name=name, setting=f"--set ds.sequence_parallel_size={s}", total=fitting)
+    tried = ", ".join(map(str, degrees))
+    return Lever(
+        name=name,
+        setting=None,
+        total=None,
+        note=f"sequence_parallel_size {tried} does not fit"
+        if degrees
+        else f"no degree up to 8 divides the heads, the sequence and the {work.n_gpus} GPUs",
     )
 
 

@@ -1,0 +1,81 @@
+"""Ulysses sequence parallelism in the memory estimate: what it splits and what it does not.
+
+With ``sequence_parallel_size`` s (DeepSpeed Ulysses, anneal/train/sequence.py) each of the s
+consecutive ranks of a group holds 1/s of every sequence. The embedding, the norms, the MLP,
+the LM head and the loss run on the rank's slice of ``b x seq/s`` tokens; around the attention
+an all-to-all trades sequence for heads, so the attention's tensors (the whole sequence for 1/s
+of the heads, query and key-value alike) are the size of the slice's. So every tensor a layer
+keeps for backward, each checkpointed layer input and the logits are those of ``seq/s`` tokens:
+the estimate is the one at ``seq/s``. Ulysses keeps no ``a x s x s`` scores (SDPA or flash;
+eager attention is refused, by Anneal and here).
+
+The weights are not split: every rank holds the whole model before ZeRO, and DeepSpeed
+partitions ZeRO over the sequence-data-parallel group, all the ranks of the world
+(``deepspeed/runtime/engine.py`` gives ZeRO ``dp_process_group=self.seq_data_parallel_group``),
+not over the world / s replicas. So the model states per GPU are plain ZeRO's over all n GPUs:
+SP costs nothing there, and at a fixed world it lowers the tokens per step by s (the global
+batch counts replicas, world / s). Not counted: the all-to-all's send and receive buffers, one
+layer's q, k, v or attention output at a time (``2 b seq/s (h + 2 kv)`` values, a few percent of
+one layer's kept activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from anneal.errors import UserError
+from anneal.model import ModelPreset
+
+
+def sequence_parallel_size(ds: dict) -> int:
+    """``sequence_parallel_size`` of a ds_config (DeepSpeed's default, 1: none)."""
+    value = ds.get("sequence_parallel_size", 1)
+    return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def local_workload(preset: ModelPreset, stage: int, work):
+    """``work`` (a ``memory.Workload``) as one rank of a sequence-parallel group sees it: its
+    ``seq / sp`` tokens of each sequence. Checked first (``check``)."""
+    check(
+        preset,
+        stage=stage,
+        n_gpus=work.n_gpus,
+        tp=work.tp,
+        sp=work.sp,
+        seq_len=work.seq_len,
+        eager=work.eager_attention,
+    )
+    return dataclasses.replace(work, seq_len=work.seq_len // work.sp)
+
+
+def check(
+    preset: ModelPreset, *, stage: int, n_gpus: int, tp: int, sp: int, seq_len: int, eager: bool
+) -> None:
+    """One UserError where Anneal would refuse this Ulysses layout before launch
+    (anneal/config/parallel.py), with the flag to change."""
+    if sp < 1:
+        raise UserError(f"--sp {sp}: the sequence-parallel degree must be at least 1.")
+    if sp == 1:
+        return
+    uneven = preset.heads_not_dividing(sp)
+    why = None
+    if tp > 1:
+        why = (
+            f"with --tp {tp}: Anneal runs tensor and sequence parallelism apart (DeepSpeed "
+            f"0.19.8 tests neither with the other). Choose one of them"
+        )
+    elif stage not in (2, 3):
+        why = f"with ZeRO stage {stage}: Anneal runs Ulysses with ZeRO-2 and 3. Use either"
+    elif eager:
+        why = "with --eager-attention: Ulysses runs SDPA or flash attention, never eager. Drop it"
+    elif n_gpus % sp:
+        why = f"with {n_gpus} GPUs, which do not split into groups of {sp}. Choose a divisor"
+    elif seq_len % sp:
+        why = f"does not divide the sequence of {seq_len} tokens. Choose a divisor of {seq_len}"
+    elif uneven:
+        why = (
+            f"does not divide the model's {', '.join(uneven)}: the all-to-all deals whole "
+            f"heads. Choose a divisor of the head counts"
+        )
+    if why:
+        raise UserError(f"--sp {sp} (sequence_parallel_size) {why}.")
