@@ -349,3 +349,37 @@ def test_launcher_preflight_refuses_before_starting(tiny_data, tmp_path, capsys,
     assert "tensor-parallel groups of 2" in printed.err
     assert len(printed.err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_export_reads_the_tp_plan_as_deepspeed_does():
+    """The export's reference reader (anneal/hf/tp_merge.py) cuts where DeepSpeed's own reading
+    of the model's Hugging Face tp_plan shards: Llama's q, k, v, gate, up and LM head along dim
+    0, o and down along dim 1, the embedding and norms whole; a column-wise layer's bias (Qwen2's
+    q, k, v: ``LinearLayer`` splits weight and bias alike) along dim 0. Models on the meta
+    device; no weights are made."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anneal.hf.tp_merge import _plan_dim, _plan_dims
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=300)
+    small |= dict(num_attention_heads=4, num_key_value_heads=2)
+    want = {
+        "model.layers.0.self_attn.q_proj.weight": 0,
+        "model.layers.0.self_attn.k_proj.weight": 0,
+        "model.layers.0.self_attn.o_proj.weight": 1,
+        "model.layers.0.mlp.gate_proj.weight": 0,
+        "model.layers.0.mlp.down_proj.weight": 1,
+        "lm_head.weight": 0,
+        "model.embed_tokens.weight": None,
+        "model.layers.0.input_layernorm.weight": None,
+        "model.norm.weight": None,
+    }
+    for kind, extra in (("llama", {}), ("qwen2", {"model.layers.0.self_attn.v_proj.bias": 0})):
+        config = AutoConfig.for_model(kind, tie_word_embeddings=False, **small)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        cut = _plan_dims(model)
+        names = {name for name, _ in model.named_parameters()}
+        for name, dim in {**want, **extra}.items():
+            assert name in names and _plan_dim(cut, name) == dim, (kind, name)
