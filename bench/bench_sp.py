@@ -11,7 +11,10 @@ Each arm is a real launch through Anneal's own pieces (``resolve_launch``, ``bui
 the token stream and ``train_step``, ZeRO-2, fp32, the chunked loss) on a prepared byte-level
 corpus, one thread per rank, micro-batch 1: it takes ``--steps`` steps and each rank reports its
 resident memory before the first step and its peak RSS (``getrusage``: large tensors are
-mmapped and unmapped when freed, so the peak RSS follows the peak of live tensors). A step's
+mmapped and unmapped when freed, so the peak RSS follows the peak of live tensors; the arms run
+with glibc's mmap threshold fixed at 128 KiB, as left to itself it rises after the first frees
+and freed tensors then stay resident: two runs so read SP=2 / SP=1 activations of 0.558 and
+0.579, both arms 1.5x larger, where two runs at the fixed threshold read 0.517 and 0.520). A step's
 activations are the peak minus the memory before the first step; the same arm at ``--base-seq``
 (a short sequence, whose activations are small) gives what that difference holds besides them
 (the optimizer states made at the first step, the collectives' buffers), and is subtracted, so
@@ -107,6 +110,9 @@ def arm(args, *, sp: int, seq: int, tmp: Path) -> list[dict]:
     from anneal.dist import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # glibc mmaps blocks from 128 KiB and unmaps them when freed; left to itself it raises that
+    # threshold (up to 32 MiB) after the first frees, and the freed tensors then stay resident
+    env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     if sp == 1:  # a world of one, as a plain `python recipes/...` makes it
         env |= dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         env |= dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
