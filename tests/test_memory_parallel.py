@@ -238,9 +238,10 @@ def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_d
     32 to 256 a TP=2 rank's peak grew by 16 MiB where the estimate grows by 236 (the TP peak is
     set at engine start, where AutoTP slices the whole weights, and the activations reuse that
     memory; cause inferred, not traced), and an SP=2 rank's by 234 MiB where the estimate grows
-    by 159 (Ulysses' all-to-all copies of q, k, v and the attention output, which the estimate
-    does not count, are the likely rest). So TP keeps tests/test_memory.py's band (0.75-1.20)
-    and SP's upper bound is 1.35 until that gap is modelled."""
+    by 159 (not traced; Ulysses' transient all-to-all copies of q, k, v and the attention
+    output, which the estimate does not count, are one candidate). So TP keeps
+    tests/test_memory.py's band (0.75-1.20) and SP's upper bound is 1.35 until that gap is
+    modelled."""
     from concurrent.futures import ThreadPoolExecutor
 
     tp2, sp2 = "ds.tensor_parallel.autotp_size=2", "ds.sequence_parallel_size=2"

@@ -17,7 +17,8 @@ SP costs nothing there, and at a fixed world it lowers the tokens per step by s 
 batch counts replicas, world / s). Not counted: the copies the all-to-alls make of q, k, v and
 the attention output. Measured on CPU (tests/test_memory_parallel.py, fp32, hidden 768, SP=2),
 a rank's peak grew by 234 MiB from sequence 32 to 256 where this estimate grows by 159, and the
-whole run's measured peak was 1.16-1.18x the estimate: those copies are the likely rest.
+whole run's measured peak was 1.16-1.18x the estimate; the cause is not traced (those copies,
+transient in forward and again as gradients in backward, are one candidate).
 """
 
 from __future__ import annotations
