@@ -10,7 +10,8 @@ the loss for each ZeRO stage's reduction (equal losses alone would not: AdamW an
 forgive a gradient off by a constant factor); equal losses also show that the ranks of a group
 read the same samples, each its own slice with its positions, and that validation adds the
 slices' sums. Slow because it launches 4 runs, two at a time (the resume after the ZeRO-3 run
-that saves its checkpoint): 133 s here on 2 cores shared with four other workers (load 15).
+that saves its checkpoint): 123-139 s here on 2 cores shared with four other workers (load
+8-15), 96 s of CPU (user + sys, all processes).
 
 Fast (in this process, through ``resolve_launch`` and the launcher's pre-flight, as every rank
 and the launch host run them): the batch arithmetic counts world / SP replicas; each bad layout
