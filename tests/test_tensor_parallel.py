@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,7 +191,8 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
     within export's tolerance (1e-4 of the largest logit). The TP=2 x DP=2 ZeRO-2 run exported
     its own step 10 (``train.export_every_save``, bf16 as by default, verified): each weight is
     the TP=1 run's within one bf16 rounding (2^-8 relative) and 1e-5 (the two runs' weights
-    differ by up to 2.2e-6 after 10 steps; a misplaced slice moves weights by about 1e-2)."""
+    differ by up to 2.2e-6 after 10 steps; a misplaced slice moves weights by about 1e-2). A
+    manifest naming a third tensor-parallel rank whose files are not there is refused."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -228,6 +230,15 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
     for name, w in weights.items():
         assert exported[name].dtype == torch.bfloat16, name
         torch.testing.assert_close(exported[name].float(), w, rtol=2**-8, atol=1e-5, msg=name)
+
+    # A manifest naming more tensor-parallel ranks than wrote files: one UserError, no output.
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp / "tp2", cut)
+    manifest = cut / "checkpoints" / tag / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tensor_parallel_size": 3}))
+    with pytest.raises(UserError, match=r"no model states of tensor-parallel rank\(s\) 02"):
+        export(cut, out=tmp_path / "cut_hf", tag=tag)
+    assert not (tmp_path / "cut_hf").exists()
 
 
 # -- fast: resolution and pre-flight -------------------------------------------------------------
