@@ -177,10 +177,11 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
     if isinstance(saved_sp, int) and saved_sp != here.sequence_parallel:
         raise UserError(
             f"--resume {tag_dir}: saved with sequence-parallel degree {saved_sp} (its manifest) "
-            f"and this launch has {here.sequence_parallel}. Anneal resumes a checkpoint at the "
-            f"sequence-parallel degree it was saved at, the one it checks resume against. "
-            f"Resume with --set ds.sequence_parallel_size={saved_sp}, or start a new run in a "
-            f"new --out."
+            f"and this launch has {here.sequence_parallel}. Anneal resumes only at the degree a "
+            f"checkpoint was saved at: its weights would load (they are whole on every rank), "
+            f"but the data-parallel replicas, and with them the batch arithmetic, would change, "
+            f"and such a resume is not tested. Resume with --set "
+            f"ds.sequence_parallel_size={saved_sp}, or start a new run in a new --out."
         )
     if not isinstance(saved_tp, int) or isinstance(saved_tp, bool):
         return
