@@ -14,11 +14,11 @@ partitions ZeRO over the sequence-data-parallel group, all the ranks of the worl
 (``deepspeed/runtime/engine.py`` gives ZeRO ``dp_process_group=self.seq_data_parallel_group``),
 not over the world / s replicas. So the model states per GPU are plain ZeRO's over all n GPUs:
 SP costs nothing there, and at a fixed world it lowers the tokens per step by s (the global
-batch counts replicas, world / s). Not counted: the copies the all-to-alls make of q, k, v and
-the attention output. Measured on CPU (tests/test_memory_parallel.py, fp32, hidden 768, SP=2),
-a rank's peak grew by 234 MiB from sequence 32 to 256 where this estimate grows by 159, and the
-whole run's measured peak was 1.16-1.18x the estimate; the cause is not traced (those copies,
-transient in forward and again as gradients in backward, are one candidate).
+batch counts replicas, world / s). Not counted: the all-to-alls' transient copies of q, k, v
+and the attention output. Measured on CPU (tests/test_memory_parallel.py, fp32, hidden 768,
+SP=2), a rank's peak RSS grew by 234 MiB from sequence 32 to 256 where this estimate grows by
+159, but by 108 MiB with glibc's mmap threshold fixed at 128 KiB (freed tensors then leave the
+resident set): the excess is freed memory glibc keeps, not tensors this estimate misses.
 """
 
 from __future__ import annotations
