@@ -38,6 +38,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_of_one_env() -> dict[str, str]:
+    """The environment that makes this process a world of one rank on this host (a plain
+    ``python recipes/...`` run, or an engine built inside a test)."""
+    return dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

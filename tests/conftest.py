@@ -407,3 +407,65 @@ SMALL = [
     "--set",
     "train.log_every=1",
 ]
+
+
+# The parallel layouts' tests (tests/test_tensor_parallel.py, tests/test_sequence_parallel.py):
+# SMALL's model at context 32, validated on 8 windows, micro-batch 2, PARALLEL_STEPS steps.
+PARALLEL_STEPS = 10
+PARALLEL_SHAPE = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+    "model.seq_len=32",
+    "train.eval_samples=8",
+    "train.log_every=1",
+    "ds.scheduler.params.warmup_num_steps=2",
+    "ds.train_micro_batch_size_per_gpu=2",
+]
+
+
+def sets(*items: str) -> list[str]:
+    """``--set`` before each item."""
+    return [x for item in items for x in ("--set", item)]
+
+
+def parallel_args(
+    data, out, *, layout: str, accum: int, stage: int, extra=(), save_every: int = 5
+) -> list[str]:
+    """PARALLEL_STEPS steps at micro-batch 2 (global batch = 2 x accum x data-parallel ranks)
+    under ``layout`` (a --set item such as ``ds.tensor_parallel.autotp_size=2``), validated at
+    the last, saved every ``save_every`` steps. The schedule runs to PARALLEL_STEPS + 1 and the
+    run stops after PARALLEL_STEPS (``train.stop_at_step``), which spares each launch the
+    end-of-run report process."""
+    return [
+        *("--out", str(out), "--data", str(data), "--max-steps", str(PARALLEL_STEPS + 1)),
+        *("--eval-every", str(PARALLEL_STEPS), "--save-every", str(save_every)),
+        *sets(
+            f"train.stop_at_step={PARALLEL_STEPS}",
+            *PARALLEL_SHAPE,
+            f"ds.gradient_accumulation_steps={accum}",
+            f"ds.zero_optimization.stage={stage}",
+            layout,
+        ),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """This process as a world of one rank (gloo), for engines built in-process; the process
+    group is destroyed after the module's tests."""
+    import deepspeed.comm
+
+    from anneal.dist import init_distributed, world_of_one_env
+
+    saved = dict(os.environ)
+    os.environ.update(world_of_one_env())
+    init_distributed(600)
+    yield
+    # DeepSpeed's own call also drops the groups it cached (deepspeed.utils.groups), which
+    # a later in-process engine would otherwise reuse, destroyed.
+    deepspeed.comm.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

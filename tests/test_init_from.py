@@ -180,34 +180,6 @@ def transformers_loss(model_dir: Path, data: Path) -> float:
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item()
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    """This process as a world of one rank (gloo), for engines built in-process; the process
-    group is destroyed afterwards."""
-    import os
-
-    import deepspeed.comm
-
-    from anneal.dist import init_distributed
-
-    saved = dict(os.environ)
-    os.environ.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    init_distributed(600)
-    yield
-    # DeepSpeed's own call also drops the groups it cached (deepspeed.utils.groups), which
-    # a later in-process engine would otherwise reuse, destroyed.
-    deepspeed.comm.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("kind, stage", [("llama", 1), ("mistral", 2), ("qwen2", 3)])
 def test_step0_validation_equals_transformers(
     world_of_one, models, model_data, tmp_path, kind, stage

@@ -392,6 +392,12 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
             stderr=stderr,
             start_new_session=True,
         )
+    return wait_peak_rss(proc, log)
+
+
+def wait_peak_rss(proc: subprocess.Popen, log: Path) -> int:
+    """Peak RSS in bytes of ``proc`` and its waited-for descendants (the kernel's rusage; the
+    largest one's), once it has exited 0; killed with its session after 300 s."""
     watchdog = threading.Timer(300, kill_tree, [proc])  # a hang fails the status check below
     watchdog.start()
     try:
@@ -402,7 +408,9 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
-def estimate_for(sets: list[str]) -> memory.MemoryEstimate:
+def estimate_for(sets: list[str], *, n_gpus: int = 1, tp: int = 1, sp: int = 1):
+    """The estimate of the measured shape in ``sets`` (the run's --set items), without the
+    runtime allowance; the loss from ``train.loss`` (plain if not given)."""
     kv = dict(s.split("=") for s in sets)
     preset = dataclasses.replace(
         get_preset("tiny"),
@@ -416,8 +424,10 @@ def estimate_for(sets: list[str]) -> memory.MemoryEstimate:
     w = memory.Workload(
         micro_batch=int(kv["ds.train_micro_batch_size_per_gpu"]),
         seq_len=int(kv["model.seq_len"]),
-        n_gpus=1,
-        loss=kv["train.loss"],
+        n_gpus=n_gpus,
+        tp=tp,
+        sp=sp,
+        loss=kv.get("train.loss", "plain"),
     )
     return memory.estimate(preset, zero_from("cpu.json"), w, runtime_bytes=0)
 

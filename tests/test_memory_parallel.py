@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,8 @@ from anneal.errors import UserError
 from anneal.model import get_preset
 from anneal.scaling import forecast, memory, memory_levers
 from anneal.scaling.memory import GiB
-from tests.conftest import BIN, free_port, kill_tree
+from tests.conftest import BIN, free_port
+from tests.test_memory import estimate_for, wait_peak_rss
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -193,36 +193,7 @@ def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=stderr, stderr=stderr, start_new_session=True
         )
-    watchdog = threading.Timer(300, kill_tree, [proc])
-    watchdog.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        watchdog.cancel()
-    assert status == 0, log.read_text()[-3000:]
-    return usage.ru_maxrss * 1024  # KiB on Linux
-
-
-def estimate_for(sets: list[str], *, tp: int = 1, sp: int = 1) -> memory.MemoryEstimate:
-    kv = dict(s.split("=") for s in sets)
-    preset = dataclasses.replace(
-        get_preset("tiny"),
-        **{
-            k.split(".")[1]: int(v)
-            for k, v in kv.items()
-            if k.startswith("model.") and k != "model.seq_len"
-        },
-    )
-    preset = dataclasses.replace(preset, num_key_value_heads=preset.num_attention_heads)
-    w = memory.Workload(
-        micro_batch=int(kv["ds.train_micro_batch_size_per_gpu"]),
-        seq_len=int(kv["model.seq_len"]),
-        n_gpus=2,
-        tp=tp,
-        sp=sp,
-        loss="plain",
-    )
-    return memory.estimate(preset, zero_from("cpu.json"), w, runtime_bytes=0)
+    return wait_peak_rss(proc, log)
 
 
 @pytest.mark.slow
@@ -254,9 +225,9 @@ def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_d
                 strict=True,
             )
         )
-    base = estimate_for(SMALLEST, tp=2).total_stacked
+    base = estimate_for(SMALLEST, n_gpus=2, tp=2).total_stacked
     for name, layout, upper in (("tp2", dict(tp=2), 1.20), ("sp2", dict(sp=2), 1.35)):
         measured = rss[name] - rss["base"]
-        expected = estimate_for(MEASURED, **layout).total_stacked - base
+        expected = estimate_for(MEASURED, n_gpus=2, **layout).total_stacked - base
         print(f"{name}: measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
         assert 0.75 <= measured / expected <= upper, name

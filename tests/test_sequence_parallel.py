@@ -35,43 +35,17 @@ from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
 from anneal.model import get_preset
 from launcher.__main__ import main as launcher_main
-from tests.conftest import ROOT, read_metrics, run_recipes
+from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, run_recipes, sets
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
-STEPS = 10
-SHAPE = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.intermediate_size=176",
-    "model.num_attention_heads=4",
-    "model.seq_len=32",
-    "train.eval_samples=8",
-    "train.log_every=1",
-    "ds.scheduler.params.warmup_num_steps=2",
-    "ds.train_micro_batch_size_per_gpu=2",
-]
-
-
-def _sets(*items: str) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
+STEPS = PARALLEL_STEPS
+_sets = sets
 
 
 def _args(data, out, *, sp: int, stage: int, accum: int = 2, extra=()) -> list[str]:
-    """STEPS steps at micro-batch 2 (global batch = 2 x accum x ranks / sp), validated at the
-    last, saved at steps 5 and 10; the schedule runs to STEPS + 1 and the run stops after STEPS
-    (``train.stop_at_step``), which spares each launch the end-of-run report process."""
-    return [
-        *("--out", str(out), "--data", str(data), "--max-steps", str(STEPS + 1)),
-        *("--eval-every", str(STEPS), "--save-every", "5"),
-        *_sets(
-            f"train.stop_at_step={STEPS}",
-            *SHAPE,
-            f"ds.gradient_accumulation_steps={accum}",
-            f"ds.zero_optimization.stage={stage}",
-            f"ds.sequence_parallel_size={sp}",
-        ),
-        *extra,
-    ]
+    """conftest's parallel_args at sequence-parallel degree ``sp``, saved at steps 5 and 10."""
+    layout = f"ds.sequence_parallel_size={sp}"
+    return parallel_args(data, out, layout=layout, accum=accum, stage=stage, extra=extra)
 
 
 # -- slow: the real engine ---------------------------------------------------------------------

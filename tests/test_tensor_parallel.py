@@ -33,52 +33,19 @@ from anneal.errors import UserError
 from anneal.model import get_preset
 from anneal.resilience.manifest import owner_of
 from launcher.__main__ import main as launcher_main
-from tests.conftest import ROOT, read_metrics, run_recipe
+from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, run_recipe, sets
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
-STEPS = 10
-SHAPE = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.intermediate_size=176",
-    "model.num_attention_heads=4",
-    "model.seq_len=32",
-    "train.eval_samples=8",
-    "train.log_every=1",
-    "ds.scheduler.params.warmup_num_steps=2",
-    "ds.train_micro_batch_size_per_gpu=2",
-]
-
-
-def _sets(*items: str) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
+STEPS = PARALLEL_STEPS
+_sets = sets
 
 
 def _args(data, out, *, tp: int, accum: int, stage: int, extra=(), save_every=5) -> list[str]:
-    """STEPS steps with micro-batch 2 (global batch = 2 x accum x ranks / tp), validated at
-    the last, saved every ``save_every`` steps. The schedule runs to STEPS + 1 and the run
-    stops after STEPS (``train.stop_at_step``), which spares each launch the end-of-run report
-    process."""
-    return [
-        "--out",
-        str(out),
-        "--data",
-        str(data),
-        "--max-steps",
-        str(STEPS + 1),
-        "--eval-every",
-        str(STEPS),
-        "--save-every",
-        str(save_every),
-        *_sets(
-            f"train.stop_at_step={STEPS}",
-            *SHAPE,
-            f"ds.gradient_accumulation_steps={accum}",
-            f"ds.zero_optimization.stage={stage}",
-            f"ds.tensor_parallel.autotp_size={tp}",
-        ),
-        *extra,
-    ]
+    """conftest's parallel_args at tensor-parallel degree ``tp``."""
+    layout = f"ds.tensor_parallel.autotp_size={tp}"
+    return parallel_args(
+        data, out, layout=layout, accum=accum, stage=stage, extra=extra, save_every=save_every
+    )
 
 
 # -- slow: the real engine ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 
 from anneal.data.stream import heldout_counts, heldout_windows, validation_windows
 from anneal.train.step import source_keys
-from tests.conftest import SMALL, free_port
+from tests.conftest import SMALL
 
 
 def _former(n_windows, *, n_samples, rank, world_size, micro_batch):
@@ -146,33 +146,6 @@ def blend(tmp_path_factory) -> dict:
     for src in (prose, code):
         prepare(inputs=[str(src)], out=root / src.stem, tokenizer=tokenizer, **common)
     return {"blend": root / "blend", "prose.txt": root / "prose", "code.txt": root / "code"}
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """This process as a world of one rank (gloo); the process group is destroyed after."""
-    import os
-
-    import deepspeed.comm
-
-    from anneal.dist import init_distributed
-
-    saved = dict(os.environ)
-    os.environ.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    init_distributed(600)
-    yield
-    # DeepSpeed's own call also drops the groups it cached (deepspeed.utils.groups), which
-    # a later in-process engine would otherwise reuse, destroyed.
-    deepspeed.comm.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp_path):

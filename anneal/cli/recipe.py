@@ -199,16 +199,9 @@ def _single_process_env() -> None:
     otherwise look for MPI)."""
     if "RANK" in os.environ:
         return
-    from anneal.dist import free_port
+    from anneal.dist import world_of_one_env
 
-    os.environ.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    os.environ.update(world_of_one_env())
 
 
 def print_once(msg: str, file=sys.stdout) -> None:
