@@ -469,3 +469,23 @@ def world_of_one():
     deepspeed.comm.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+def resolve_tiny(args: list[str], *, world_size: int):
+    """The launch the tiny recipe resolves from ``args`` on ``world_size`` CPU ranks."""
+    from anneal.cli.recipe import config_from_args, load_recipe
+    from anneal.config.launch import resolve_launch
+
+    tiny = ROOT / "recipes" / "pretrain_tiny.py"
+    cfg, overrides = config_from_args(args, prog=str(tiny), on_cpu=True, **load_recipe(tiny))
+    return resolve_launch(cfg, overrides, world_size=world_size, device_type="cpu")
+
+
+def refused_tiny(args: list[str], *, world_size: int) -> str:
+    """The one-paragraph error (raised on every rank) with which ``resolve_tiny`` refuses."""
+    from anneal.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        resolve_tiny(args, world_size=world_size)
+    assert caught.value.every_rank
+    return str(caught.value)

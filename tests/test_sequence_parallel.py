@@ -35,7 +35,16 @@ from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
 from anneal.model import get_preset
 from launcher.__main__ import main as launcher_main
-from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, run_recipes, sets
+from tests.conftest import (
+    PARALLEL_STEPS,
+    ROOT,
+    parallel_args,
+    read_metrics,
+    refused_tiny,
+    resolve_tiny,
+    run_recipes,
+    sets,
+)
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -120,16 +129,7 @@ def test_resume_at_the_same_topology_is_exact(runs, tiny_data, tmp_path):
 # -- fast: resolution and pre-flight -------------------------------------------------------------
 
 
-def _resolve(args, *, world_size: int):
-    cfg, overrides = config_from_args(args, prog=str(TINY), on_cpu=True, **load_recipe(TINY))
-    return resolve_launch(cfg, overrides, world_size=world_size, device_type="cpu")
-
-
-def _refused(args, *, world_size: int) -> str:
-    with pytest.raises(UserError) as caught:
-        _resolve(args, world_size=world_size)
-    assert caught.value.every_rank
-    return str(caught.value)
+_resolve, _refused = resolve_tiny, refused_tiny
 
 
 def test_batch_arithmetic_counts_replicas_of_sequence_parallel_groups(tiny_data, tmp_path):

@@ -26,14 +26,21 @@ from pathlib import Path
 
 import pytest
 
-from anneal.cli.recipe import config_from_args, load_recipe
 from anneal.config import parallel
-from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
 from anneal.model import get_preset
 from anneal.resilience.manifest import owner_of
 from launcher.__main__ import main as launcher_main
-from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, run_recipe, sets
+from tests.conftest import (
+    PARALLEL_STEPS,
+    ROOT,
+    parallel_args,
+    read_metrics,
+    refused_tiny,
+    resolve_tiny,
+    run_recipe,
+    sets,
+)
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -211,16 +218,7 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
 # -- fast: resolution and pre-flight -------------------------------------------------------------
 
 
-def _resolve(args, *, world_size: int):
-    cfg, overrides = config_from_args(args, prog=str(TINY), on_cpu=True, **load_recipe(TINY))
-    return resolve_launch(cfg, overrides, world_size=world_size, device_type="cpu")
-
-
-def _refused(args, *, world_size: int) -> str:
-    with pytest.raises(UserError) as caught:
-        _resolve(args, world_size=world_size)
-    assert caught.value.every_rank
-    return str(caught.value)
+_resolve, _refused = resolve_tiny, refused_tiny
 
 
 def test_batch_arithmetic_counts_data_parallel_ranks(tiny_data, tmp_path):
