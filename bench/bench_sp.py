@@ -132,6 +132,8 @@ def main() -> None:
     p.add_argument("--base-seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--data", default="", help="a prepared corpus (default: made in a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="seq 128 against 32, one step (CI)")
+    p.add_argument("--report", help="write a markdown fragment for docs/benchmarks.md here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
@@ -139,6 +141,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.smoke:
+        args.seq, args.base_seq, args.steps = 128, 32, 1
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         args.data = args.data or str(corpus(tmp, tokens=(args.steps + 4) * (args.seq + 1)))
@@ -163,6 +167,16 @@ def main() -> None:
         result["sp2"]["activations_mib"] / result["sp1"]["activations_mib"], 3
     )
     print(json.dumps(result, indent=2))
+    if args.report:
+        Path(args.report).write_text(
+            f"### bench_sp.py, seq {args.seq} against {args.base_seq}\n\n"
+            "| | SP=1 | SP=2 (per rank) |\n|---|---:|---:|\n"
+            + "".join(
+                f"| {key} | {result['sp1'][key]} | {result['sp2'][key]} |\n"
+                for key in ("activations_mib", "peak_mib", "before_mib")
+            )
+            + f"\nSP=2 / SP=1 activations: {result['activations_ratio']}\n"
+        )
 
 
 if __name__ == "__main__":
