@@ -175,7 +175,9 @@ MEASURED = [  # tests/test_memory.py's
 def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2) -> int:
     """Peak RSS in bytes of the largest process of a 2-step launch of ``ranks`` ranks: the
     kernel's rusage of the deepspeed runner, which takes in its waited-for descendants (the
-    ranks), so ``ru_maxrss`` is the largest one's."""
+    ranks), so ``ru_maxrss`` is the largest one's. glibc's mmap threshold is fixed at 128 KiB
+    (``MALLOC_MMAP_THRESHOLD_``, as bench/bench_sp.py runs): every block of 128 KiB or more is
+    its own mapping, returned when freed, so the RSS follows the live tensors."""
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
     cmd += ["recipes/pretrain_tiny.py", "--out", str(out), "--data", str(data)]
     cmd += ["--max-steps", "2", "--eval-every", "0", "--resume", "none"]
@@ -188,7 +190,12 @@ def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2
     ]:
         cmd += ["--set", s]
     log = out.parent / f"{out.name}.log"  # a file, not a pipe: nobody reads during wait4
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+    }
     with log.open("w") as stderr:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=stderr, stderr=stderr, start_new_session=True
@@ -200,19 +207,20 @@ def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2
 def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_data):
     """Slow (three launches of 2 ranks at once, 72-102 s on 2 cores shared with four other
     workers; the one check of the estimate against a real run for each layout): fp32 ZeRO-3 on
-    2 CPU processes, as tests/test_memory.py checks one process. The peak RSS of a rank of the
-    measured shape at TP=2 and at SP=2, less that of the smallest run at TP=2 (Python, torch,
-    DeepSpeed, gloo), against the estimate's ``total_stacked`` difference.
+    2 CPU processes. The peak RSS of a rank of the measured shape at TP=2 and at SP=2, less that
+    of the smallest run at TP=2 (Python, torch, DeepSpeed, gloo), against the estimate's
+    ``total`` difference: the peak per GPU that ``anneal estimate`` prints, where the phases
+    reuse each other's freed memory. With glibc's mmap threshold fixed (``peak_rss_of_a_rank``)
+    freed tensors leave the RSS as they leave a GPU's caching allocator, and the peaks are
+    reproducible: measured 2026-12-02 three times each (serially, on a shared machine): the base
+    501.3-501.5 MiB, TP=2 1291.7-1291.8 (a difference of 790 MiB against 897 estimated, 0.88),
+    SP=2 1475.4-1475.5 (974 against 881, 1.11).
 
-    Measured 2026-12-02 (twice): TP=2 1246-1261 MiB against 1245 estimated (1.00-1.01), SP=2
-    1372-1394 against 1180 (1.16-1.18). Both totals agree better than their parts: from sequence
-    32 to 256 a TP=2 rank's peak grew by 16 MiB where the estimate grows by 236, an SP=2 rank's
-    by 234 MiB where it grows by 159. With glibc's mmap threshold fixed at 128 KiB
-    (MALLOC_MMAP_THRESHOLD_=131072, as bench/bench_sp.py runs) the TP=2 peak is 1351 MiB at both
-    lengths (set outside the activations, most likely at engine start where AutoTP slices the
-    whole weights) and the SP=2 growth is 108 MiB: SP's excess is freed memory glibc keeps. This
-    test leaves the threshold to glibc, as tests/test_memory.py does, so TP keeps that test's
-    band (0.75-1.20) and SP's upper bound is 1.35."""
+    With the threshold left to glibc (its default raises the threshold as mapped blocks are
+    freed, so what it keeps depends on the order of frees across threads) the same TP=2
+    difference read 1246, 1261, 1182 and, in a CI run, 921 MiB against the 1245 of
+    ``total_stacked`` (0.74-1.01): too loose to test. tests/test_memory.py keeps glibc's default
+    for one process, where the spread is 0.97-1.12."""
     from concurrent.futures import ThreadPoolExecutor
 
     tp2, sp2 = "ds.tensor_parallel.autotp_size=2", "ds.sequence_parallel_size=2"
@@ -225,9 +233,9 @@ def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_d
                 strict=True,
             )
         )
-    base = estimate_for(SMALLEST, n_gpus=2, tp=2).total_stacked
-    for name, layout, upper in (("tp2", dict(tp=2), 1.20), ("sp2", dict(sp=2), 1.35)):
+    base = estimate_for(SMALLEST, n_gpus=2, tp=2).total
+    for name, layout in (("tp2", dict(tp=2)), ("sp2", dict(sp=2))):
         measured = rss[name] - rss["base"]
-        expected = estimate_for(MEASURED, n_gpus=2, **layout).total_stacked - base
+        expected = estimate_for(MEASURED, n_gpus=2, **layout).total - base
         print(f"{name}: measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
-        assert 0.75 <= measured / expected <= upper, name
+        assert 0.75 <= measured / expected <= 1.20, name
