@@ -42,6 +42,11 @@ def pytest_collection_modifyitems(config, items):
     runs train in the background (``shared_runs``); the slow tests go last, on a quiet machine,
     as before. Tests marked ``gpu`` need CUDA: without it they skip, saying so."""
     items.sort(key=_order)
+    shard = os.environ.get("ANNEAL_TEST_SHARD")
+    if shard:
+        keep = set(_shard_of(items, shard))
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = [item for item in items if item in keep]
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
@@ -52,6 +57,85 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); torch sees none here")
     for item in gpu:
         item.add_marker(skip)
+
+
+# ``make test-all`` (tests/shards.py) runs the suite as two pytest sessions side by side: on 2
+# cores one session keeps them about 1.4 busy (ranks wait on each other, processes start), two
+# keep them 1.8 busy. Shard 1 takes every fast test (and the shared runs) and the slow files
+# that read the shared runs; the other slow files go, heaviest first, to the shard with the
+# least so far, by these weights: seconds of each file's slow tests with two sessions running
+# (2026-12-02), the fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S.
+SHARD_WEIGHTS_S = {
+    "<fast>": 300,
+    "test_bench_smoke.py": 410,
+    "test_resume.py": 235,
+    "test_export.py": 174,
+    "test_world_size.py": 135,
+    "test_cluster.py": 111,
+    "test_memory_parallel.py": 111,
+    "test_crash_recovery.py": 105,
+    "test_tensor_parallel.py": 100,
+    "test_scaling_sweep.py": 98,
+    "test_wsd.py": 97,
+    "test_recipes.py": 87,
+    "test_sequence_parallel.py": 85,
+    "test_cooldown.py": 84,
+    "test_loss.py": 80,
+    "test_bad_input.py": 78,
+    "test_init_from.py": 77,
+    "test_launcher.py": 77,
+    "test_data_learning.py": 63,
+    "test_bench_gpu.py": 62,
+    "test_validation_sources.py": 61,
+    "test_scaling.py": 51,
+    "test_export_every_save.py": 50,
+    "test_memory.py": 45,
+    "test_guard.py": 33,
+    "test_rank_death.py": 29,
+    "test_bench_train.py": 22,
+    "test_stale_state.py": 20,
+}
+DEFAULT_WEIGHT_S = 60
+# Files whose slow tests share something outside the session go to one shard together: both
+# drive the local cluster (Slurm's two nodes; pdsh and ssh to this host).
+SHARD_TOGETHER = [("test_cluster.py", "test_launcher.py")]
+
+
+def _shard_of(items, spec: str) -> list:
+    """The items of shard ``i`` of ``n`` (``spec`` = "i/n", counted from 1)."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        assert 1 <= i <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"ANNEAL_TEST_SHARD={spec!r}: expected i/n, 1 <= i <= n") from None
+    slow = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow.setdefault(item.path.name, []).append(item)
+    load = [0.0] * n
+    load[0] = SHARD_WEIGHTS_S["<fast>"]
+    home = {}
+    for name, group in slow.items():  # readers of the shared runs stay with them
+        if any(map(_uses_shared_runs, group)):
+            home[name] = 0
+            load[0] += SHARD_WEIGHTS_S.get(name, DEFAULT_WEIGHT_S)
+    units = {}  # the files that go together, each under its first name
+    for name in sorted(set(slow) - set(home)):
+        group = next((g for g in SHARD_TOGETHER if name in g), (name,))
+        units.setdefault(group[0], []).append(name)
+
+    def weight(unit: str) -> float:
+        return sum(SHARD_WEIGHTS_S.get(name, DEFAULT_WEIGHT_S) for name in units[unit])
+
+    for unit in sorted(units, key=lambda u: (-weight(u), u)):
+        shard_index = load.index(min(load))
+        load[shard_index] += weight(unit)
+        home.update(dict.fromkeys(units[unit], shard_index))
+    return [
+        item
+        for item in items
+        if (home.get(item.path.name) if item.get_closest_marker("slow") else 0) == i - 1
+    ]
 
 
 def _uses_shared_runs(item) -> bool:

@@ -1,0 +1,62 @@
+"""`make test-all`'s shards (tests/conftest.py ``_shard_of``, run by tests/shards.py): together
+they hold every test once; the fast tests, and the slow ones that read the shared runs, stay in
+shard 1 with those runs; the files that drive the local cluster share a shard; the slow files'
+weights come out balanced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SHARD_TOGETHER, SHARD_WEIGHTS_S, _shard_of
+
+
+@dataclass(eq=False)
+class Item:  # what _shard_of reads of a pytest item
+    path: Path
+    slow: bool = False
+    fixturenames: list[str] = field(default_factory=list)
+
+    def get_closest_marker(self, name):
+        return object() if name == "slow" and self.slow else None
+
+
+def suite() -> list[Item]:
+    items = [Item(Path(f"tests/test_fast{i}.py")) for i in range(20)]
+    for name in SHARD_WEIGHTS_S:
+        if name != "<fast>":
+            items += [Item(Path("tests") / name, slow=True) for _ in range(2)]
+            items.append(Item(Path("tests") / name))  # a fast test in a slow file
+    items.append(Item(Path("tests/test_new.py"), slow=True))  # not in the table
+    items.append(Item(Path("tests/test_reader.py"), slow=True, fixturenames=["shared_runs"]))
+    return items
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_shards_partition_the_suite(n):
+    items = suite()
+    shards = [_shard_of(items, f"{i}/{n}") for i in range(1, n + 1)]
+    assert sorted(map(id, sum(shards, []))) == sorted(map(id, items))
+    assert all(it in shards[0] for it in items if not it.slow or it.fixturenames)
+    for group in SHARD_TOGETHER:
+        homes = {i for i, s in enumerate(shards) for it in s if it.slow and it.path.name in group}
+        assert len(homes) == 1, group
+
+
+def test_two_shards_carry_about_the_same_weight():
+    shards = [_shard_of(suite(), f"{i}/2") for i in (1, 2)]
+    loads = [
+        sum(SHARD_WEIGHTS_S.get(name, 60) for name in {it.path.name for it in s if it.slow})
+        for s in shards
+    ]
+    loads[0] += SHARD_WEIGHTS_S["<fast>"]
+    heaviest = max(SHARD_WEIGHTS_S.values())
+    assert abs(loads[0] - loads[1]) <= heaviest / 2, loads
+
+
+@pytest.mark.parametrize("spec", ["0/2", "3/2", "1", "a/b"])
+def test_a_bad_shard_is_a_usage_error(spec):
+    with pytest.raises(pytest.UsageError, match="expected i/n"):
+        _shard_of(suite(), spec)
