@@ -232,7 +232,7 @@ def test_the_launcher_takes_the_tiny_recipe_on_32_ranks(tiny_data, tmp_path):
         [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py", "--nodes", "4"]
         + ["--gpus-per-node", "8", "--partition", "debug", "--time", "00:10:00", "--dry-run"]
         + ["--", "--out", str(out), "--data", str(tiny_data)],
-        timeout_s=120,
+        timeout_s=400,
         cwd=ROOT,
         check=False,
     )
