@@ -1,6 +1,7 @@
 """`make test-all`: the whole suite as N pytest sessions side by side (``ANNEAL_TEST_SHARD=i/N``;
 tests/conftest.py says which tests each takes), shard 1's output as it comes, the others' after
-it, and the exit status of the worst.
+it; then the tests marked ``alone`` (they measure the machine) in one more session, on their
+own; and the exit status of the worst.
 
     .venv/bin/python tests/shards.py 2 -q --durations=10 tests
 
@@ -62,9 +63,17 @@ def main(argv: list[str]) -> int:
         print(f"\n== shard {i}/{n} ==", flush=True)
         sys.stdout.write(log.read())
         log.close()
+    # The tests marked alone measure the machine: on their own, once the shards are done.
+    print("\n== the tests marked alone ==", flush=True)
+    env = {**os.environ, "ANNEAL_TEST_SHARD": "alone"}
+    cmd = [sys.executable, "-m", "pytest", *args, "--basetemp", str(tmp / "alone")]
+    procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    codes.append(procs[-1].wait())
+    ended.append(time.monotonic() - started)
     print()
-    for i, (code, took) in enumerate(zip(codes, ended, strict=True), start=1):
-        print(f"== shard {i}/{n}: exit {code}, done {took:.0f} s after the start")
+    names = [f"shard {i}/{n}" for i in range(1, n + 1)] + ["alone"]
+    for name, code, took in zip(names, codes, ended, strict=True):
+        print(f"== {name}: exit {code}, done {took:.0f} s after the start")
     bad = [c for c in codes if c not in (0, NO_TESTS)]
     if bad:
         print(f"the sessions' files (--basetemp) are kept in {tmp}")

@@ -432,6 +432,7 @@ def estimate_for(sets: list[str], *, n_gpus: int = 1, tp: int = 1, sp: int = 1):
     return memory.estimate(preset, zero_from("cpu.json"), w, runtime_bytes=0)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     """fp32 ZeRO-3 on one CPU process (ds_configs/cpu.json). The runtime (Python, torch,

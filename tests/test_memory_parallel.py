@@ -203,6 +203,7 @@ def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2
     return wait_peak_rss(proc, log)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_data):
     """Slow (three launches of 2 ranks at once, 72-102 s on 2 cores shared with four other

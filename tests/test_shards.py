@@ -1,7 +1,7 @@
-"""`make test-all`'s shards (tests/conftest.py ``_shard_of``, run by tests/shards.py): together
-they hold every test once; the fast tests, and the slow ones that read the shared runs, stay in
-shard 1 with those runs; the files that drive the local cluster share a shard; the slow files'
-weights come out balanced."""
+"""`make test-all`'s shards (tests/conftest.py ``_shard_of``, run by tests/shards.py): together,
+with the tests marked alone, they hold every test once; the fast tests, and the slow ones that
+read the shared runs, stay in shard 1 with those runs; the files that drive the local cluster
+share a shard; the slow files' weights come out balanced."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ class Item:  # what _shard_of reads of a pytest item
     path: Path
     slow: bool = False
     fixturenames: list[str] = field(default_factory=list)
+    alone: bool = False
 
     def get_closest_marker(self, name):
-        return object() if name == "slow" and self.slow else None
+        return (
+            object() if (name == "slow" and self.slow) or (name == "alone" and self.alone) else None
+        )
 
 
 def suite() -> list[Item]:
@@ -31,6 +34,7 @@ def suite() -> list[Item]:
             items.append(Item(Path("tests") / name))  # a fast test in a slow file
     items.append(Item(Path("tests/test_new.py"), slow=True))  # not in the table
     items.append(Item(Path("tests/test_reader.py"), slow=True, fixturenames=["shared_runs"]))
+    items.append(Item(Path("tests/test_measures.py"), slow=True, alone=True))
     return items
 
 
@@ -38,7 +42,9 @@ def suite() -> list[Item]:
 def test_the_shards_partition_the_suite(n):
     items = suite()
     shards = [_shard_of(items, f"{i}/{n}") for i in range(1, n + 1)]
-    assert sorted(map(id, sum(shards, []))) == sorted(map(id, items))
+    alone = _shard_of(items, "alone")
+    assert [it.path.name for it in alone] == ["test_measures.py"]
+    assert sorted(map(id, sum(shards, alone))) == sorted(map(id, items))
     assert all(it in shards[0] for it in items if not it.slow or it.fixturenames)
     for group in SHARD_TOGETHER:
         homes = {i for i, s in enumerate(shards) for it in s if it.slow and it.path.name in group}
@@ -58,5 +64,5 @@ def test_two_shards_carry_about_the_same_weight():
 
 @pytest.mark.parametrize("spec", ["0/2", "3/2", "1", "a/b"])
 def test_a_bad_shard_is_a_usage_error(spec):
-    with pytest.raises(pytest.UsageError, match="expected i/n"):
+    with pytest.raises(pytest.UsageError, match="expected i/n, 1 <= i <= n, or alone"):
         _shard_of(suite(), spec)
