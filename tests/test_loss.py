@@ -217,7 +217,8 @@ ZERO3_CHECK = textwrap.dedent(
     from anneal.train import loss as losslib
     from tests.test_loss import batch, micro_model, rel, CHUNK, VOCAB
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from anneal.dist import init_distributed
+    init_distributed()  # as the recipes do: gloo, never DeepSpeed's shm op (its JIT build)
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "param_persistence_threshold": 0},
