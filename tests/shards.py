@@ -54,10 +54,13 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    codes, ended = [], []
-    for p in procs:
-        codes.append(p.wait())
-        ended.append(time.monotonic() - started)
+    ended = [None] * n  # seconds from the start to each shard's end, in the order they end
+    while None in ended:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic() - started
+        time.sleep(0.5)
+    codes = [p.returncode for p in procs]
     for i, log in enumerate(logs[1:], start=2):
         log.seek(0)
         print(f"\n== shard {i}/{n} ==", flush=True)

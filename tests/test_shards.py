@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARD_TOGETHER, SHARD_WEIGHTS_S, _shard_of
+from tests.conftest import DEFAULT_WEIGHT_S, SHARD_TOGETHER, SHARD_WEIGHTS_S, _shard_of
 
 
 @dataclass(eq=False)
@@ -54,7 +54,10 @@ def test_the_shards_partition_the_suite(n):
 def test_two_shards_carry_about_the_same_weight():
     shards = [_shard_of(suite(), f"{i}/2") for i in (1, 2)]
     loads = [
-        sum(SHARD_WEIGHTS_S.get(name, 60) for name in {it.path.name for it in s if it.slow})
+        sum(
+            SHARD_WEIGHTS_S.get(name, DEFAULT_WEIGHT_S)
+            for name in {it.path.name for it in s if it.slow}
+        )
         for s in shards
     ]
     loads[0] += SHARD_WEIGHTS_S["<fast>"]
