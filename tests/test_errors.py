@@ -43,12 +43,6 @@ INTERNAL_VALUE_ERRORS = {
         "caught by its one caller, safetensors_header, which raises a UserError naming the "
         "file (test_init_from's damaged and truncated weight files)"
     ),
-    ("anneal/resilience/safeload.py", "pickle_globals.pop"): (
-        "caught by safeload._check, which raises a UserError naming the file"
-    ),
-    ("anneal/resilience/safeload.py", "pickle_globals"): (
-        "caught by safeload._check, which raises a UserError naming the file"
-    ),
 }
 """(module, enclosing function) -> why no user input reaches its ``raise ValueError``."""
 

@@ -5,8 +5,8 @@ command's own output (the trees around it are hashed before and after).
 Proved here: `--out` never deletes what export did not write (`.`, the run, its checkpoints, the
 data, a foreign directory, a `.NAME.partial` already there); a checkpoint whose bytes differ from
 its manifest (same-size bit rot) is refused before conversion; a `__reduce__` payload planted in
-a checkpoint (manifest rewritten to match) is named by the scan and never runs, and the
-verification's own reader refuses it even without the scan; `--tag` names a checkpoint of this
+a checkpoint (manifest rewritten to match) is refused by torch's weights-only loader before the
+export's reader opens the file, and never runs; the verification's own reader refuses it too; `--tag` names a checkpoint of this
 run only; a manifest that names files outside its directory is refused; a broken config.json,
 frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
 values or an over-long prompt for generate, are refused clearly.
@@ -274,9 +274,9 @@ def test_planted_payload_is_named_and_never_runs(run, tmp_path, capsys):
     assert not out.exists() and not list(tmp_path.glob(".hf.partial*"))
 
 
-def test_verification_reader_refuses_a_payload_even_without_the_scan(run, tmp_path):
+def test_verification_reader_refuses_a_payload_even_without_the_check(run, tmp_path):
     """The independent reader of the verification loads with weights_only=True: a payload that
-    slipped past the scan is refused there too, at every ZeRO stage's path."""
+    slipped past the check before it is refused there too, at every ZeRO stage's path."""
     from anneal.errors import UserError
     from anneal.hf.zero import reference_state_dict
 

@@ -11,8 +11,9 @@ leaves no config.json behind.
   NaN or negative LR, a negative size, a resume into another model shape) are refused before
   anything is written, by the same checks in the launcher's pre-flight; a launch that fails
   after writing but before its first step puts the directory back.
-- Item 10: a ``__reduce__`` payload planted in a real checkpoint, with its manifest rewritten to
-  match, stops ``--resume auto`` with exit 2 naming the file; the payload never runs.
+- Item 10 (and issue 27): a payload planted in a real checkpoint, with its manifest rewritten to
+  match, stops ``--resume auto`` with exit 2 naming the file; the payload never runs (the other
+  paths that load a checkpoint: tests/test_checkpoint_trust.py).
 - Item 14: manifest entries and a ``latest`` that lead out of their directory are refused by
   one function, ``anneal.files.confined``.
 
@@ -34,6 +35,7 @@ from anneal.errors import UserError
 from anneal.files import confined
 from anneal.resilience import checkpoint
 from anneal.resilience.resume import read_latest
+from tests import planted
 from tests.conftest import ROOT, SMALL, env, run_process, run_recipe, tree
 
 RECIPE = "recipes/pretrain_tiny.py"
@@ -287,38 +289,21 @@ def test_a_launch_that_fails_before_its_first_step_leaves_no_trace(data, tmp_pat
 # --- Item 10: a planted payload is refused before DeepSpeed unpickles -----------------------
 
 
-class _Payload:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_a_planted_payload_stops_resume_auto_and_never_runs(trained, data, tmp_path):
-    import torch
-
+    """The walk round issue 18's scan (a dotted name through an allowed module,
+    ``tests/planted.py``) planted in a real checkpoint: the run refuses it before anything
+    loads, exit 2; on issue 18's main it ran and the resume went on to exit 0."""
     out = copy_run(trained, tmp_path / "run")
     tag = out / "checkpoints" / TAG
     target = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     marker = tmp_path / "payload-ran"
-    state = torch.load(target, weights_only=False)  # this test's own run wrote it
-    state["extra"] = _Payload(marker)
-    torch.save(state, target)
-    manifest = json.loads((tag / checkpoint.MANIFEST).read_text())
-    manifest["files"][target.name] = {
-        "size": target.stat().st_size,
-        checkpoint.HASH: checkpoint.file_hash(target),
-    }
-    (tag / checkpoint.MANIFEST).write_text(json.dumps(manifest))
-    assert checkpoint.verify(tag) == []  # only the scan can tell
+    planted.plant(target, "dotted", marker)
+    assert checkpoint.verify(tag) == []  # only the loader can tell
     before = tree(tmp_path)
     done = run_recipe(small(data, out, "--resume", "auto"), check=False, timeout_s=300)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     assert not marker.exists()
-    assert str(target) in done.stderr and "system" in done.stderr
+    assert str(target) in done.stderr and "weights-only loader refuses" in done.stderr
     assert "does not fall back" in done.stderr and "tampered" in done.stderr
     assert "Traceback" not in done.stderr
     assert tree(tmp_path) == before

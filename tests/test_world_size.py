@@ -1,6 +1,7 @@
 """Resume on another number of ranks (ZeRO-3, fp32 on CPU, the same global batch): a checkpoint
 written by 2 ranks resumes on 1 and one written by 1 resumes on 2, with ``--resume auto``,
-through DeepSpeed's universal checkpoint (converted once, cached in the tag directory). The
+through DeepSpeed's universal checkpoint (converted once, cached under the resuming run's
+``checkpoints/.universal/``, never in the tag directory). The
 losses after the resume match a run that never changed its world size (within 1e-4 relative:
 only the order of the reductions differs), the data position is kept, and the no-decay param
 group still has weight decay 0 after the load (DeepSpeed 0.19.8's ZeRO-3 universal load copies
@@ -56,7 +57,9 @@ def test_resume_on_another_number_of_ranks(stdlib_data, tmp_path, reference, bef
     tag = tmp_path / "checkpoints" / f"step{N:08d}"
     assert f"resumed from {tag} at step {N}" in done.stdout
     assert f"was saved by {before} ranks, this job has {after}" in done.stderr
-    assert (tag / "universal" / "zero").is_dir()
+    [made] = (tmp_path / "checkpoints" / ".universal").glob(f"step{N:08d}-*")
+    assert (made / "zero").is_dir() and (made / "manifest.json").is_file()
+    assert not (tag / "universal").exists()
     assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done.stderr
     [resume] = [e for e in read_metrics(tmp_path, "event") if e["event"] == "resume"]
     assert resume["position"] == N * 16

@@ -1,30 +1,32 @@
 """Hugging Face export of a ZeRO checkpoint (any stage), one tensor at a time, verified.
 
-DeepSpeed's ``zero_to_fp32`` loads every rank's optimizer file (fp32 master weights plus both
-Adam moments) before it writes anything: about 3x the fp32 model in memory, a terabyte for an
-80B model (DeepSpeed PR #4025). Here the checkpoint files are opened, never loaded: their pickled
-index is read with an unpickler that builds no tensors and imports nothing but a short list of
-harmless names (``_LazyUnpickler``), and each parameter is then read with ``readinto`` straight
-from the byte ranges that hold it (its ``ceil(n / world)`` slice on every rank under ZeRO-3; the
-span of the concatenated rank partitions under ZeRO-1/2). Shards are written in the safetensors
-format by streaming each tensor after a header computed from the shapes, so peak memory is about
-one tensor (1.5 of it for bf16), whatever the model size. Exported weights never pass through
-pickle. A tensor-parallel checkpoint (its manifest's ``tensor_parallel_size``) is one such ZeRO
-checkpoint per tensor-parallel rank, each holding that rank's slices; ``anneal.hf.tp_merge``
-concatenates them into the whole matrices (a whole tensor and one slice in memory).
+DeepSpeed's ``zero_to_fp32`` loads every rank's optimizer file (fp32 master weights plus both Adam
+moments) before it writes anything: about 3x the fp32 model in memory, a terabyte for an 80B model
+(DeepSpeed PR #4025). Here the checkpoint files are opened, never loaded: their pickled index is
+read with an unpickler that builds no tensors and imports nothing but a short list of harmless
+names (``_LazyUnpickler``), once torch's weights-only loader has accepted the file
+(``anneal.resilience.safeload``; tensors mapped, not read); each parameter is then read with
+``readinto`` straight from the byte ranges that hold it (its ``ceil(n / world)`` slice on every
+rank under ZeRO-3; the span of the concatenated rank partitions under ZeRO-1/2). Shards are written
+in the safetensors format by streaming each tensor after a header computed from the shapes, so peak
+memory is about one tensor (1.5 of it for bf16), whatever the model size. Exported weights never
+pass through pickle. A tensor-parallel checkpoint (its manifest's ``tensor_parallel_size``) is one
+such ZeRO checkpoint per tensor-parallel rank, each holding that rank's slices;
+``anneal.hf.tp_merge`` concatenates them into the whole matrices (a whole tensor and one slice in
+memory).
 
-The export then verifies itself: ``AutoModelForCausalLM`` and ``AutoTokenizer`` load the
-directory; the tokenizer encodes a fixed text like the run's; and the logits on a fixed batch
-match those of the training model (``anneal.model.build_model``) holding the weights that
-DeepSpeed's own ``zero_to_fp32`` consolidates from the same checkpoint, an independent path.
-That comparison runs in fp32 on both sides, the reference's weights rounded through the export
-dtype first, so any difference is a layout bug and not bf16 rounding (which is reported apart).
+The export then verifies itself: ``AutoModelForCausalLM`` and ``AutoTokenizer`` load the directory;
+the tokenizer encodes a fixed text like the run's; and the logits on a fixed batch match those of
+the training model (``anneal.model.build_model``) holding the weights that DeepSpeed's own
+``zero_to_fp32`` consolidates from the same checkpoint, an independent path. That comparison runs
+in fp32 on both sides, the reference's weights rounded through the export dtype first, so any
+difference is a layout bug and not bf16 rounding (which is reported apart).
 
 This module is the orchestration (the claim on ``--out``, the partial directory replaced once
-verified, every save, the report); the pieces are ``anneal.hf.source`` (what is read from the
-run and checked first), ``anneal.hf.reader`` (lazy torch zip files), ``anneal.hf.zero`` (the
-ZeRO layouts and the reference reader), ``anneal.hf.writer`` (safetensors, configs, tokenizer)
-and ``anneal.hf.verify``. ``--out`` is claimed by the rule of anneal.files (docs/security.md).
+verified, every save, the report); the pieces are ``anneal.hf.source`` (what is read from the run
+and checked first), ``anneal.hf.reader`` (lazy torch zip files), ``anneal.hf.zero`` (the ZeRO
+layouts and the reference reader), ``anneal.hf.writer`` (safetensors, configs, tokenizer) and
+``anneal.hf.verify``. ``--out`` is claimed by the rule of anneal.files (docs/security.md).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def export(
 
     Everything is checked before anything is written: the run's config.json, ``tag`` (one
     checkpoint of this run), the manifest (confined names), ``out`` (``_claim_out``), the
-    checkpoint's bytes against its manifest and its pickles by ``anneal.resilience.safeload``. With
+    checkpoint's bytes against its manifest and every file through torch's weights-only loader
+    (``anneal.resilience.safeload``). With
     ``force``, only an earlier export (its ``anneal_export.json``) or an empty directory is
     replaced, once the new one is verified."""
     run_dir, out = Path(run_dir), Path(out)

@@ -224,8 +224,8 @@ def _entry(v: dict, data_start: int) -> dict:
 
 def check_weight_files(directory: Path, files: list[Path]) -> None:
     """Each file whole and readable without running code: safetensors headers and sizes;
-    ``.bin`` pickles scanned by ``anneal.resilience.safeload`` (loaded later with
-    ``weights_only=True``)."""
+    ``.bin`` pickles read by torch's weights-only loader (``anneal.resilience.safeload``;
+    tensors memory-mapped, not read)."""
     from anneal.resilience import safeload
 
     for path in files:
@@ -233,7 +233,7 @@ def check_weight_files(directory: Path, files: list[Path]) -> None:
             safetensors_header(path)
             continue
         try:
-            safeload.scan_file(path)
+            safeload.load(path, map_location="cpu", mmap=True)
         except UserError as e:
             raise _error(
                 directory,

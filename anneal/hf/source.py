@@ -1,11 +1,13 @@
 """What an export reads from a run directory, and the checks made before anything of it is
 unpickled: the run's config (its model preset), the checkpoint chosen (``--tag``, or the
 newest intact one), the run's tokenizer, and the checkpoint's files (listed in its manifest,
-sizes and hashes as recorded, pickles scanned by ``anneal.resilience.safeload``).
+sizes and hashes as recorded, every file read by torch's weights-only loader first,
+``anneal.resilience.safeload``).
 
 A run directory and its checkpoints are read as input from elsewhere: --tag and every name in
 a manifest are confined (checkpoint.read_manifest), every file's bytes are checked against the
-manifest and every pickle scanned before anything of it is unpickled (docs/security.md).
+manifest, and every file must pass torch's weights-only loader before the export's own
+reader (``anneal.hf.reader``) opens it (docs/security.md).
 """
 
 from __future__ import annotations
@@ -146,7 +148,13 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
             f"save. Nothing was exported. Export an older tag (--tag; intact by size: "
             f"{_tags(tag_dir.parent)}), or copy the checkpoint again."
         )
-    safeload.scan_checkpoint(tag_dir)
+    try:
+        safeload.check_checkpoint(tag_dir)
+    except UserError as e:
+        raise UserError(
+            f"{e} Nothing was exported. Export a checkpoint you trust (--tag), or copy this one "
+            f"again from where it was saved."
+        ) from None
 
 
 def tensor_parallel_size(tag_dir: Path, manifest: dict) -> int:

@@ -12,10 +12,11 @@ the disk, so not even a power cut can leave a manifest whose files were never wr
 On resume (``anneal.resilience.resume``), ``verify`` re-hashes the chosen checkpoint (the files
 spread over the ranks): a checkpoint whose bytes changed after the save (a torn copy, a bad disk,
 a same-size truncation) is reported and, with ``--resume auto``, the newest intact older one is
-used instead. Before DeepSpeed unpickles anything, every pickle of the checkpoint is scanned
-(``anneal.resilience.safeload``): a file that names a global outside the allow-list stops the
-run, with no fallback. A checkpoint saved by another number of ranks is loaded through its
-universal form (``anneal.resilience.universal``).
+used instead. No file is unpickled but by torch's weights-only loader
+(``anneal.resilience.safeload``), and every file is checked with it before anything loads: a
+file it refuses stops the run, with no fallback. A checkpoint saved by another number of ranks is
+loaded through its universal form, made under the resuming run's own directory
+(``anneal.resilience.universal``).
 
 Nothing read from a checkpoint directory is trusted as a path: every file name in a manifest
 and the tag in ``latest`` go through :func:`anneal.files.confined`. A save never deletes a
@@ -76,7 +77,7 @@ __all__ = [
     "read_manifest",
     "rng_state",
     "save",
-    "scan",
+    "check",
     "set_rng_state",
     "tag_for",
     "to_prune",
@@ -181,25 +182,30 @@ def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
     ]
 
 
-def load(engine, tag_dir: Path) -> dict:
+def load(engine, tag_dir: Path, *, ckpt_dir: Path) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
     state (step, tokens, data position, guard state).
 
-    A ZeRO-3 checkpoint written by another number of ranks is converted once to DeepSpeed's
-    universal format (cached in ``<tag>/universal``) and loaded from there. DeepSpeed unpickles
-    with ``weights_only=False``, so every pickle under ``tag_dir`` is scanned first."""
-    scan(tag_dir)
+    Every file is read by torch's weights-only loader (``anneal.resilience.safeload``): each is
+    checked first, on every rank, so that a refusal stops every rank before anything loads;
+    DeepSpeed then reads them through that loader too. A ZeRO-3 checkpoint written by another
+    number of ranks is converted once to DeepSpeed's universal format, under ``ckpt_dir`` (the
+    checkpoints directory of the run that resumes, never the source's), and loaded from
+    there."""
+    check(tag_dir)
     manifest = read_manifest(tag_dir)
     saved_ranks = manifest.get("world_size", world_size())
-    if saved_ranks == world_size():
-        path, client = engine.load_checkpoint(
-            str(tag_dir.parent),
-            tag=tag_dir.name,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-        )
-    else:
-        path, client = load_universal(engine, tag_dir, saved_ranks)
+    safeload.install(engine)
+    with safeload.loading():
+        if saved_ranks == world_size():
+            path, client = engine.load_checkpoint(
+                str(tag_dir.parent),
+                tag=tag_dir.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
+        else:
+            path, client = load_universal(engine, tag_dir, saved_ranks, ckpt_dir=ckpt_dir)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
     rngs = client["rng"]
@@ -207,27 +213,21 @@ def load(engine, tag_dir: Path) -> dict:
     return client
 
 
-def scan(tag_dir: Path) -> None:
-    """``anneal.resilience.safeload.scan_checkpoint`` for every ``*.pt`` under ``tag_dir``
-    (``universal/`` included; not a hidden leftover such as an interrupted conversion's
-    ``.universal.tmp``, which nothing loads), on every rank: each reads these files anyway, and
+def check(tag_dir: Path) -> None:
+    """``anneal.resilience.safeload.check_checkpoint`` for every ``*.pt`` under ``tag_dir`` (not
+    a hidden leftover, which nothing loads), on every rank: each reads these files anyway, and
     the verdict is the same everywhere. A refusal stops the run: there is no fallback to an older
     checkpoint, because files whose hashes match their manifest were not damaged by a crash or a
     disk, they were written so."""
     tag_dir = Path(tag_dir)
     try:
-        safeload.scan_checkpoint(tag_dir, skip_hidden=True)
+        safeload.check_checkpoint(tag_dir, skip_hidden=True)
     except UserError as e:
-        planted = "could run code" in str(e)
-        why = (
-            "This is not damage (its files match the manifest): someone put a file there that "
-            "would run code when loaded. Treat the run directory as tampered with."
-            if planted
-            else "Its files match the manifest, so it was written that way."
-        )
         raise UserError(
             f"checkpoint {tag_dir} was not loaded, and resume does not fall back to an older "
-            f"one: {e} {why} Resume from a checkpoint you trust (--resume PATH), or start a "
-            f"new run in a new --out.",
+            f"one: {e} Its files match the manifest, so this is no damage from a crash or a "
+            f"disk: the file was written so, or put there; treat the run directory as tampered "
+            f"with. Resume from a checkpoint you trust (--resume PATH), or start a new run in a "
+            f"new --out.",
             every_rank=True,
         ) from None

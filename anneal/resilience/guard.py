@@ -198,7 +198,7 @@ class Guard:
                 f"off for the first steps (guard.min_history).",
                 every_rank=True,
             )
-        client = checkpoint.load(engine, tag_dir)
+        client = checkpoint.load(engine, tag_dir, ckpt_dir=ckpt_dir)
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step
         self.skipped.append((start, end))

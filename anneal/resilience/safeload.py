@@ -1,234 +1,211 @@
 """Checkpoint files from elsewhere are read without running them.
 
-A torch checkpoint is a zip whose ``data.pkl`` is a pickle, and unpickling may call any
-function the pickle names (a ``__reduce__`` payload runs ``os.system`` as easily as it rebuilds
-a tensor). DeepSpeed loads its own files with ``torch.load(weights_only=False)``, so before
-anything of a checkpoint is unpickled, :func:`scan_checkpoint` reads the opcodes of every
-pickle in it (no object is built, no tensor byte is read) and refuses a file that names any
-global outside the allow-list below: the torch, numpy and DeepSpeed types that Anneal's own
-checkpoints hold. :func:`safe_globals` gives the same non-torch types to
-``torch.serialization.safe_globals`` for readers that use ``torch.load(weights_only=True)``.
+A torch checkpoint is a zip whose ``data.pkl`` is a pickle, and unpickling may call any function
+the pickle names (a ``__reduce__`` payload runs ``os.system`` as easily as it rebuilds a tensor).
+So no pickle from disk is ever given to Python's own unpickler: every file of a checkpoint is
+read by :func:`load`, that is ``torch.load(weights_only=True)``, whose unpickler is torch's own
+(maintained with torch, not re-implemented here). It builds tensors, plain containers and the
+exact classes of :func:`safe_globals`, each allowed by its full name, and refuses every other
+global, any dotted name reached through an allowed module included, before anything is called.
 
-Torch-free at import: the scan is the standard library's ``pickletools`` over the zip.
+Before that, :func:`check_archive` refuses a file that is not a zip archive starting at byte 0:
+torch falls back to its legacy format for any file that does not begin with a zip header, and
+Python's ``zipfile`` accepts data in front of an archive, so pickle bytes placed before a real
+checkpoint would otherwise be what torch reads.
+
+DeepSpeed reads its checkpoint files through its checkpoint engine (here a
+subclass of DeepSpeed's torch engine that loads through :func:`load`, :func:`install`-ed by
+every load) and, on a few paths
+(universal checkpoints), with ``torch.load(weights_only=False)`` of its own; :func:`loading`
+forces those into the weights-only loader too, through torch's own switch
+``TORCH_FORCE_WEIGHTS_ONLY_LOAD``. ``anneal.resilience.universal`` runs DeepSpeed's converter
+under the same switch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import pickletools
+import re
+import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from anneal.errors import UserError
 
-# (module, name) pairs, or (module, "*") for every name in a module of plain types.
-ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("collections", "OrderedDict"),
-        ("collections", "defaultdict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-        ("builtins", "complex"),
-        ("builtins", "bytearray"),
-        ("__builtin__", "set"),
-        ("__builtin__", "frozenset"),
-        ("__builtin__", "slice"),
-        ("__builtin__", "complex"),
-        ("__builtin__", "bytearray"),
-        ("_codecs", "encode"),  # how protocol 2 spells bytes (numpy's arrays)
-        ("torch", "Tensor"),
-        ("torch._tensor", "_rebuild_from_type_v2"),
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_tensor_v3"),
-        ("torch._utils", "_rebuild_parameter"),
-        ("torch._utils", "_rebuild_parameter_with_state"),
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch", "dtype"),
-        ("torch", "*Storage"),  # FloatStorage, BFloat16Storage, ... and UntypedStorage
-        ("torch", "float32"),
-        ("torch", "float16"),
-        ("torch", "bfloat16"),
-        ("torch", "int64"),
-        ("torch", "int32"),
-        ("torch", "uint8"),
-        ("torch", "bool"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.dtypes", "*DType"),  # UInt32DType, Float64DType, ...
-        ("argparse", "Namespace"),
-        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-        ("deepspeed.utils.tensor_fragment", "fragment_address"),
-        ("deepspeed.checkpoint.constants", "*"),
-    }
-)
-
-_STRING_OPS = {
-    "SHORT_BINUNICODE",
-    "BINUNICODE",
-    "BINUNICODE8",
-    "UNICODE",
-    "STRING",
-    "BINSTRING",
-    "SHORT_BINSTRING",
-}
-_PUT_OPS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_GET_OPS = {"GET", "BINGET", "LONG_BINGET"}
-
-
-def allowed(module: str, name: str) -> bool:
-    if (module, name) in ALLOWED or (module, "*") in ALLOWED:
-        return True
-    return any(m == module and pat.startswith("*") and name.endswith(pat[1:]) for m, pat in ALLOWED)
-
-
-def pickle_globals(data: bytes) -> list[tuple[str, str]]:
-    """Every (module, name) a pickle would import, from its opcodes alone.
-
-    The stack is simulated from each opcode's declared effect (``pickletools``), tracking only
-    strings, so that ``STACK_GLOBAL`` gets the two names it would really take, through the memo
-    and through any ``POP`` or ``DUP`` in between. A name that cannot be told is reported as
-    ``("?", "?")``, which no allow-list holds. Raises ``ValueError`` for bytes that are not a
-    whole pickle.
-    """
-    mark = object()
-    found: list[tuple[str, str]] = []
-    stack: list[object] = []
-    memo: dict[int, object] = {}
-
-    def pop(n: int) -> list[object]:
-        if n > len(stack):
-            raise ValueError("stack underflow")
-        taken = stack[len(stack) - n :]
-        del stack[len(stack) - n :]
-        return taken
-
-    for op, arg, _pos in pickletools.genops(data):
-        name, before, after = op.name, op.stack_before, op.stack_after
-        if name == "MEMOIZE":
-            memo[len(memo)] = stack[-1] if stack else None
-            continue
-        if name in _PUT_OPS:
-            memo[int(arg)] = stack[-1] if stack else None
-            continue
-        if pickletools.markobject in before:
-            if mark not in stack:
-                raise ValueError("no mark on the stack")
-            while stack.pop() is not mark:
-                pass
-            pop(before.index(pickletools.markobject))
-        else:
-            taken = pop(len(before))
-            if name == "STACK_GLOBAL":
-                ok = all(isinstance(v, str) for v in taken)
-                found.append((taken[0], taken[1]) if ok else ("?", "?"))
-            elif name == "DUP":
-                stack.extend(taken * 2)
-                continue
-        if name in _STRING_OPS:
-            stack.append(arg if isinstance(arg, str) else None)
-        elif name in _GET_OPS:
-            stack.append(memo.get(int(arg)))
-        elif name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            found.append((module, attr))
-            stack.append(None)
-        elif name in ("EXT1", "EXT2", "EXT4"):
-            found.append(("copyreg extension", str(arg)))
-            stack.append(None)
-        else:
-            stack.extend(mark if a is pickletools.markobject else None for a in after)
-    return found
-
-
-def scan_file(path: Path) -> None:
-    """Refuse a torch checkpoint file whose pickles name a global outside the allow-list."""
-    path = Path(path)
-    try:
-        with zipfile.ZipFile(path) as z:
-            pickles = [n for n in z.namelist() if n.endswith(".pkl")]
-            if not pickles:
-                raise zipfile.BadZipFile("no pickle inside")
-            for member in pickles:
-                _check(path, member, z.read(member))
-    except zipfile.BadZipFile as e:
-        raise UserError(
-            f"{path}: not a torch checkpoint in the zip format torch.save writes ({e}), so it "
-            f"is not loaded. Use a checkpoint that Anneal wrote, or resave it with torch.save."
-        ) from None
-
-
-def _check(path: Path, member: str, data: bytes) -> None:
-    try:
-        names = pickle_globals(data)
-    except ValueError as e:
-        raise UserError(
-            f"{path}: {member} is not a whole pickle ({e}), so the checkpoint is not loaded. "
-            f"Use another checkpoint (--resume PATH or --tag), or copy this one again."
-        ) from None
-    bad = sorted({f"{m}.{n}" for m, n in names if not allowed(m, n)})
-    if bad:
-        raise UserError(
-            f"{path}: refers to {', '.join(bad)}, which a checkpoint of Anneal's never holds; "
-            f"loading it could run code, so it is not loaded. Use a checkpoint from a source "
-            f"you trust (--resume PATH or --tag), or inspect the file without unpickling it."
-        )
-
-
-def scan_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
-    """:func:`scan_file` for every ``*.pt`` file in a checkpoint's tag directory.
-
-    ``skip_hidden``: not a file under a hidden name, such as the leftover of an interrupted
-    universal conversion (``.universal.tmp``), for a reader that loads only what DeepSpeed names
-    and so never reads it (resume). Export reads what its glob finds, hidden names included, so
-    it scans them all."""
-    tag_dir = Path(tag_dir)
-    for path in sorted(tag_dir.rglob("*.pt")):
-        if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
-            continue
-        scan_file(path)
+ZIP_MAGIC = b"PK\x03\x04"
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+"""torch's own switch: set to 1, every ``torch.load`` is weights-only, whatever its caller asked."""
+_FORCE_UNSAFE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def safe_globals() -> list:
-    """The non-torch types of the allow-list, as objects for ``torch.serialization.safe_globals``
-    (DeepSpeed's imported only here)."""
+    """The classes and functions a checkpoint of Anneal's holds beyond torch's own tensors,
+    each exactly (``torch.serialization.safe_globals`` allows an object by its module and
+    qualified name, never a module): the RNG states (numpy's arrays and dtypes), DeepSpeed's
+    ZeRO stage, loss scalers and universal-checkpoint addresses, and containers."""
     import argparse
     import collections
 
     import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    from numpy._core.multiarray import _reconstruct, scalar
 
-    objs: list = [
+    return [
         argparse.Namespace,
         collections.OrderedDict,
         collections.defaultdict,
         ZeroStageEnum,
+        LossScaler,
+        DynamicLossScaler,
+        fragment_address,
         np.ndarray,
         np.dtype,
         np.dtypes.UInt32DType,
-        np.dtypes.Float64DType,
-        np.dtypes.Float32DType,
         np.dtypes.Int64DType,
+        np.dtypes.Float32DType,
+        np.dtypes.Float64DType,
+        _reconstruct,
+        scalar,
     ]
-    from numpy._core.multiarray import _reconstruct, scalar
 
-    objs += [_reconstruct, scalar]
+
+def check_archive(path: Path) -> None:
+    """Refuse a file that is not a zip archive beginning at byte 0 with ``data.pkl`` inside,
+    before torch sees it (torch would read a non-zip file as its legacy pickle format)."""
+    path = Path(path)
     try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        with open(path, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+        if head != ZIP_MAGIC:
+            raise zipfile.BadZipFile(f"it begins with {head!r}, not a zip header")
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+        if not infos or min(i.header_offset for i in infos) != 0:
+            raise zipfile.BadZipFile("its archive does not begin at byte 0")
+        if not any(i.filename.endswith("data.pkl") for i in infos):
+            raise zipfile.BadZipFile("no data.pkl inside")
+    except (OSError, zipfile.BadZipFile) as e:
+        raise UserError(
+            f"{path}: not a torch checkpoint in the zip format torch.save writes ({e}), so it "
+            f"is not loaded (torch would read it as its legacy pickle format)."
+        ) from None
 
-        objs += [LossScaler, DynamicLossScaler]
-    except ImportError:
-        pass
+
+def load(path: Path, *, map_location=None, mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` with :func:`safe_globals`, after
+    :func:`check_archive`. A file torch's weights-only unpickler refuses (a global outside its
+    list, an opcode it does not run, bytes that are no pickle) is one UserError naming it."""
+    import torch
+
+    check_archive(path)
     try:
-        from deepspeed.utils.tensor_fragment import fragment_address
+        with _allowed(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol 4 ..."
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 - any failure to read untrusted bytes is the file's
+        raise UserError(
+            f"{path}: torch's weights-only loader refuses it ({refusal(e)}), and loading it any "
+            f"other way could run code, so it is not loaded."
+        ) from None
 
-        objs.append(fragment_address)
-    except ImportError:
-        pass
-    return objs
+
+def refusal(e: Exception) -> str:
+    """What torch's weights-only unpickler refused, from its message; else the exception."""
+    text = str(e)
+    if "Weights only load failed" in text:
+        body = text.split("Check the documentation")[0]
+        if "WeightsUnpickler error:" in body:
+            why = body.split("WeightsUnpickler error:", 1)[1]
+        else:  # a blocked module: torch's first paragraph, then what it refused
+            why = body.split("\n\n", 1)[-1]
+        why = " ".join(why.split())
+        if m := re.fullmatch(r"Unsupported operand (\d+)", why):
+            op = {ord(o.code): o.name for o in pickletools.opcodes}.get(int(m[1]), "unknown")
+            why = f"pickle opcode {m[1]} ({op}), which it does not run"
+        return why[:300]
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+_STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
+"""What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
+
+
+def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
+    """:func:`load` every ``*.pt`` of a checkpoint's tag directory, tensors memory-mapped and
+    never read, so that a refusal comes before anything is loaded, the same on every rank.
+
+    ``skip_hidden``: not a file under a hidden name (a leftover that nothing loads)."""
+    tag_dir = Path(tag_dir)
+    for path in sorted(tag_dir.rglob("*.pt")):
+        if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
+            continue
+        state = load(path, map_location="cpu", mmap=True)
+        key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
+        if key and not (isinstance(state, dict) and key in state):
+            raise UserError(
+                f"{path}: holds a {type(state).__name__} without {key!r}, not what DeepSpeed "
+                f"saves in such a file, so it is not loaded."
+            )
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """Within: every ``torch.load`` of this process is weights-only with :func:`safe_globals`,
+    whatever its caller asked (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``): DeepSpeed's own
+    loads of universal checkpoints pass ``weights_only=False``."""
+    saved = {k: os.environ.get(k) for k in (FORCE_WEIGHTS_ONLY, _FORCE_UNSAFE)}
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    os.environ.pop(_FORCE_UNSAFE, None)
+    try:
+        with _allowed():
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _allowed():
+    """``torch.serialization.safe_globals`` for those of :func:`safe_globals` not yet allowed:
+    on leaving, torch's context removes what it added, so a nested one must add nothing that an
+    outer one holds."""
+    import torch
+
+    held = set(torch.serialization.get_safe_globals())
+    return torch.serialization.safe_globals([g for g in safe_globals() if g not in held])
+
+
+def forced_env() -> dict[str, str]:
+    """The environment for a child process that loads checkpoints (DeepSpeed's converter):
+    this one's, with torch's weights-only switch on."""
+    env = {k: v for k, v in os.environ.items() if k != _FORCE_UNSAFE}
+    env[FORCE_WEIGHTS_ONLY] = "1"
+    return env
+
+
+@functools.cache
+def _engine_class() -> type:
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, saving as it does, loading through :func:`load`."""
+
+        def load(self, path: str, map_location=None):
+            return load(Path(path), map_location=map_location)
+
+    return SafeCheckpointEngine
+
+
+def install(engine) -> None:
+    """Make a DeepSpeed engine read every checkpoint file through :func:`load`."""
+    if not isinstance(engine.checkpoint_engine, _engine_class()):
+        engine.checkpoint_engine = _engine_class()(engine._config)

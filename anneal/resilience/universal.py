@@ -1,28 +1,45 @@
 """Resuming a ZeRO-3 checkpoint on another number of ranks: the checkpoint is converted once to
-DeepSpeed's universal format (cached in ``<tag>/universal``, made in a hidden temporary directory
-and renamed when complete) and loaded from there, and two things DeepSpeed's universal load gets
-wrong are put right after it.
+DeepSpeed's universal format and loaded from there, and two things DeepSpeed's universal load
+gets wrong are put right after it.
+
+The conversion is the resuming run's own file: it is written under that run's
+``checkpoints/.universal/`` (made in a hidden temporary directory and renamed when complete),
+never into the checkpoint being converted, which may be another run's. It gets a manifest of
+its own (each file's size and hash, and the hash of the source's manifest), and a later resume
+reuses it only when both still hold; otherwise it is made again. DeepSpeed's converter runs as
+a child process with every load forced into torch's weights-only loader
+(``anneal.resilience.safeload``): ``python -m anneal.resilience.universal`` is that child.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from anneal.dist import barrier, is_main_process, world_size
 from anneal.errors import UserError
+from anneal.files import write_atomic
+from anneal.resilience import safeload
+from anneal.resilience.manifest import HASH, MANIFEST, damaged_files, file_hash, read_manifest
 
 log = logging.getLogger(__name__)
 
-UNIVERSAL = "universal"
+CACHE = ".universal"
+"""Under the resuming run's ``checkpoints/``: one conversion per source checkpoint."""
 
 
-def load_universal(engine, tag_dir: Path, saved_ranks: int):
+def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path):
     """Collective. ``engine.load_checkpoint``'s (path, client state) for a checkpoint saved by
-    ``saved_ranks`` ranks, through its universal form; refused below ZeRO-3."""
+    ``saved_ranks`` ranks, through its universal form under ``ckpt_dir`` (the resuming run's
+    checkpoints directory); refused below ZeRO-3. Called within ``safeload.loading()``."""
     stage = engine.zero_optimization_stage()
     if stage != 3:
         raise UserError(
@@ -31,7 +48,7 @@ def load_universal(engine, tag_dir: Path, saved_ranks: int):
             f"stage {stage}): resume with {saved_ranks} ranks.",
             every_rank=True,
         )
-    universal = to_universal(tag_dir)
+    universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     log.warning(
         "%s was saved by %d ranks, this job has %d: loading its universal form %s",
@@ -43,7 +60,10 @@ def load_universal(engine, tag_dir: Path, saved_ranks: int):
     engine._config.load_universal_checkpoint = True  # for this one load
     try:
         loaded = engine.load_checkpoint(
-            str(tag_dir), tag=UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(universal.parent),
+            tag=universal.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
         )
     finally:
         engine._config.load_universal_checkpoint = False
@@ -51,39 +71,74 @@ def load_universal(engine, tag_dir: Path, saved_ranks: int):
     return loaded
 
 
-def to_universal(tag_dir: Path) -> Path:
-    """Collective. ``<tag>/universal``: the checkpoint in DeepSpeed's universal format, made by
-    rank 0 with ``python -m deepspeed.checkpoint.ds_to_universal`` the first time (into a
-    temporary directory, renamed when complete)."""
-    import subprocess
-    import sys
+def source_hash(tag_dir: Path) -> str:
+    """sha256 of the source checkpoint's manifest: it names every file's hash."""
+    return hashlib.sha256((Path(tag_dir) / MANIFEST).read_bytes()).hexdigest()
 
-    out = tag_dir / UNIVERSAL
-    if is_main_process() and not out.is_dir():
-        tmp = tag_dir / f".{UNIVERSAL}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(tag_dir),
-            "--output_folder",
-            str(tmp),
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"converting {tag_dir} to a universal checkpoint failed ({done.returncode}):\n"
-                f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-            )
+
+def to_universal(tag_dir: Path, ckpt_dir: Path) -> Path:
+    """Collective. ``ckpt_dir/.universal/<tag>-<source hash>``: the checkpoint in DeepSpeed's
+    universal format, made by rank 0 the first time, reused while its manifest verifies; every
+    rank then checks each of its files with the weights-only loader."""
+    src = source_hash(tag_dir)
+    out = Path(ckpt_dir) / CACHE / f"{tag_dir.name}-{src[:16]}"
+    if is_main_process() and not _reusable(out, src):
+        if out.exists() or out.is_symlink():
+            log.warning("%s does not verify against its manifest: converting again", out)
+            _remove(out)
+        tmp = out.with_name(f".{out.name}.tmp")
+        _remove(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        _convert(tag_dir, tmp)
+        _write_manifest(tmp, source=tag_dir, source_sha256=src)
         tmp.rename(out)
     barrier()
+    safeload.check_checkpoint(out)
     return out
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _convert(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's converter in a child process whose every ``torch.load`` is weights-only."""
+    cmd = [sys.executable, "-m", __name__, "--input_folder", str(tag_dir)]
+    cmd += ["--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=safeload.forced_env())
+    if done.returncode == 2 and "error: " in done.stderr:
+        raise UserError(done.stderr.strip().splitlines()[-1].removeprefix("error: "))
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"converting {tag_dir} to a universal checkpoint failed ({done.returncode}):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
+
+
+def _write_manifest(out: Path, *, source: Path, source_sha256: str) -> None:
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {
+        "step": read_manifest(source)["step"],
+        "source": str(source),
+        "source_manifest_sha256": source_sha256,
+        "files": {
+            str(p.relative_to(out)): {"size": p.stat().st_size, HASH: file_hash(p)} for p in files
+        },
+    }
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n", durable=True)
+
+
+def _reusable(out: Path, src: str) -> bool:
+    """A conversion made from this very source (its manifest's hash) whose files all match."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    manifest = read_manifest(out)
+    if manifest is None or manifest.get("source_manifest_sha256") != src:
+        return False
+    return not damaged_files(out)
 
 
 def repair_universal_load(engine, hyper: list[dict]) -> None:
@@ -102,3 +157,31 @@ def repair_universal_load(engine, hyper: list[dict]) -> None:
         "param groups after the universal load: weight_decay %s",
         [g["weight_decay"] for g in engine.optimizer.param_groups],
     )
+
+
+def _main() -> int:
+    """The converter's child: DeepSpeed's ``ds_to_universal`` with every load weights-only."""
+    import os
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    if os.environ.get(safeload.FORCE_WEIGHTS_ONLY) != "1":
+        print(f"error: {safeload.FORCE_WEIGHTS_ONLY} is not set", file=sys.stderr)
+        return 2
+    torch.serialization.add_safe_globals(safeload.safe_globals())
+    args = ds_to_universal.parse_arguments()
+    try:
+        ds_to_universal.main(args)
+    except pickle.UnpicklingError as e:
+        print(
+            f"error: {args.input_folder}: torch's weights-only loader refuses one of its files "
+            f"({safeload.refusal(e)}), so it is not converted to a universal checkpoint, and "
+            f"loading it any other way could run code.",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

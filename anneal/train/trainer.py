@@ -69,7 +69,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     client = None
     if resume_from is not None:
         t0 = time.perf_counter()
-        client = checkpoint.load(engine, resume_from)  # scanned first (anneal.resilience.safeload)
+        client = checkpoint.load(engine, resume_from, ckpt_dir=rundir.checkpoints_dir(launch.out))
         resumed.update(checkpoint=str(resume_from), load_s=round(time.perf_counter() - t0, 3))
     run_dir = RunDir.for_launch(launch)
     try:
