@@ -190,9 +190,11 @@ def _install_hf(source: Path, out_dir: Path) -> dict:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        tok = AutoTokenizer.from_pretrained(str(source))
+        tok = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        raise UserError(f"--tokenizer {source}: AutoTokenizer cannot load it ({e}).") from None
+        raise remote_code_refused(f"--tokenizer {source}", e) or UserError(
+            f"--tokenizer {source}: AutoTokenizer cannot load it ({first_line(e)})."
+        ) from None
     if tok.eos_token_id is None:
         raise UserError(
             f"--tokenizer {source}: the tokenizer has no eos_token; Anneal separates documents "
@@ -204,6 +206,28 @@ def _install_hf(source: Path, out_dir: Path) -> dict:
     # would make it look like a SentencePiece directory.
     (out_dir / "tokenizer.model").unlink(missing_ok=True)
     return {"kind": "huggingface", "trained": False, "from": str(source)}
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text (its type's name when it has none), for a paragraph."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def remote_code_refused(where: str, e: BaseException) -> UserError | None:
+    """The paragraph for transformers' refusal to run a directory's own Python code (a class
+    named only in its ``auto_map``): Anneal passes ``trust_remote_code=False`` wherever it
+    loads a Hugging Face class, config or tokenizer, so transformers neither asks at a
+    terminal nor runs it. None for any other error."""
+    if "trust_remote_code" not in str(e):
+        return None
+    return UserError(
+        f"{where}: its tokenizer or model is a class that exists only as Python code in the "
+        f"directory (auto_map in tokenizer_config.json or config.json), which transformers "
+        f"would have to run to load it. Anneal never runs code from a model or tokenizer "
+        f"directory (trust_remote_code=False). Give a tokenizer.json with a class "
+        f"transformers ships (tokenizer_class PreTrainedTokenizerFast) and a model of an "
+        f"architecture it ships."
+    )
 
 
 def installed_sha256(source: Path) -> str:

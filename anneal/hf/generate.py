@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from anneal.data.tokenizer_hf import first_line, remote_code_refused
 from anneal.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -34,13 +35,15 @@ def load(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True)
+    try:  # never the directory's own code: transformers would ask at a terminal, then run it
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), use_safetensors=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"{model_dir}: transformers cannot load it as a model with its tokenizer ({first}). "
+        raise remote_code_refused(str(model_dir), e) or UserError(
+            f"{model_dir}: transformers cannot load it as a model with its tokenizer "
+            f"({first_line(e)}). "
             f"Give a directory written by `anneal export` (safetensors weights, config.json, "
             f"tokenizer.json), or export the run again."
         ) from None

@@ -61,7 +61,7 @@ def verify_export(
     from anneal.data import tokenizer as toklib
 
     start = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
     ours = toklib.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
     theirs = tok(VERIFY_TEXT, add_special_tokens=False)["input_ids"]
     if ours != theirs:
@@ -69,7 +69,9 @@ def verify_export(
             f"{out}: AutoTokenizer encodes the check text differently from the run's tokenizer "
             f"({theirs[:8]}... vs {ours[:8]}...)"
         )
-    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, trust_remote_code=False
+    ).eval()
     manifest = checkpoint.read_manifest(tag_dir) or {}
     ref = modellib.build_model(preset).eval()
     if tensor_parallel > 1:
