@@ -39,7 +39,7 @@ INTERNAL_VALUE_ERRORS = {
     ("anneal/data/stream.py", "TokenStream.__init__"): (
         "rank and world size come from torch.distributed, never from the user"
     ),
-    ("anneal/hf/load.py", "_entry"): (
+    ("anneal/hf/weight_files.py", "_entry"): (
         "caught by its one caller, safetensors_header, which raises a UserError naming the "
         "file (test_init_from's damaged and truncated weight files)"
     ),

@@ -349,13 +349,20 @@ def test_a_shape_override_or_an_empty_flag_is_refused(models, model_data, tmp_pa
 
 
 def test_weights_of_another_shape_are_refused_before_any_is_copied(models, model_data, tmp_path):
+    """The launch refuses a config.json the weight headers contradict, naming the key; and
+    the loader itself, given a model of another shape, refuses before copying any tensor."""
+    import dataclasses
+
     from anneal import model as modellib
     from anneal.hf.load_weights import load_pretrained_
 
     directory = _copy(models, tmp_path)
-    _edit_config(directory, num_hidden_layers=3)
     preset = resolve(directory, model_data["llama"], tmp_path / "run").preset
-    model = modellib.build_model(preset)
+    _edit_config(directory, num_hidden_layers=3)
+    with pytest.raises(UserError, match="config.json gives num_hidden_layers 3 and the weights"):
+        resolve(directory, model_data["llama"], tmp_path / "run")
+    three = dict(preset.hf_config, num_hidden_layers=3)
+    model = modellib.build_model(dataclasses.replace(preset, hf_config=three))
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(UserError, match=r"do not fit .*missing \['model.layers.2"):
         load_pretrained_(model, directory)

@@ -147,11 +147,12 @@ MAY_IMPORT = {
 }  # fmt: skip
 # Single modules that a part may import from a part the table keeps it from. Continued
 # pretraining (--init-from) reads a Hugging Face checkpoint when the launch is resolved
-# (config/) and copies its tensors into the model when the engine is built (train/); these two
-# modules import nothing else of hf/ (test_the_hf_loader_imports_nothing_of_the_export).
+# (config/) and copies its tensors into the model when the engine is built (train/); both
+# read the weight files through hf.weight_files; these three modules import nothing else of
+# hf/ (test_the_hf_loader_imports_nothing_of_the_export).
 MAY_IMPORT_MODULES = {
-    "config": {"anneal.hf.load"},
-    "train": {"anneal.hf.load", "anneal.hf.load_weights"},
+    "config": {"anneal.hf.load", "anneal.hf.weight_files"},
+    "train": {"anneal.hf.load", "anneal.hf.load_weights", "anneal.hf.weight_files"},
 }
 
 

@@ -8,12 +8,17 @@ the architecture through transformers' Auto classes, RoPE settings and
 weights come from (``ModelPreset.init_from``: the directory and the sha256 of its config, weight
 files and tokenizer; sha256 is what the Hub lists for each file). Refused with one paragraph
 each: an architecture transformers does not know or that Anneal has not verified, a quantized
-checkpoint, a dtype that cannot be cast to a float, missing or truncated weight files, a
-vocabulary with more ids than the embedding has rows, and (``check_tokenizer``) data tokenized
-with another tokenizer. ``anneal.hf.load_weights`` then copies the tensors into the model.
+checkpoint, a dtype that cannot be cast to a float, an activation transformers does not know,
+a link that leads out of the directory (or out of its hub cache's ``blobs/``), missing,
+truncated or malformed weight files (``anneal.hf.weight_files``), a config.json whose sizes
+the weight files' headers contradict (checked before anything is allocated), a vocabulary
+with more ids than the embedding has rows, and (``check_tokenizer``) data tokenized with
+another tokenizer. ``anneal.hf.load_weights`` then copies the tensors into the model, each
+checked finite as it is read.
 
-The config step (``anneal.config``) and the engine (``anneal.train``) import this module and
-``load_weights`` only; neither imports anything of the export (docs/architecture.md).
+The config step (``anneal.config``) and the engine (``anneal.train``) import this module,
+``load_weights`` and ``weight_files`` only; none of them imports anything of the export
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -21,33 +26,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import struct
+import re
 from pathlib import Path
 
 from anneal import model as modellib
-from anneal.errors import UserError
-from anneal.files import confined, sha256_file
+from anneal.files import sha256_file
+from anneal.hf.weight_files import check_fit, check_links, weight_files, weight_shapes
+from anneal.hf.weight_files import error as _error
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 """``model_type`` values verified end to end (tests/test_init_from.py)."""
-SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
-PICKLED = ("pytorch_model.bin.index.json", "pytorch_model.bin")
-FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-"""safetensors dtypes that cast to the training dtype; anything else (integers, packed or
-float8 formats) is a quantized checkpoint."""
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _error(directory: Path, text: str) -> UserError:
-    return UserError(f"--init-from {directory}: {text}", every_rank=True)
 
 
 def read_config(directory: Path) -> dict:
     """``DIR/config.json`` as a dict, its architecture known to transformers and verified
-    here, not quantized, and its dtype one that casts."""
+    here, not quantized, its dtype one that casts and its activation one transformers knows;
+    every link in ``DIR`` leads inside it or into its hub cache's ``blobs/``."""
     path = directory / "config.json"
     if not directory.is_dir():
         raise _error(
@@ -55,6 +52,7 @@ def read_config(directory: Path) -> dict:
             "no such directory. Give a local directory as save_pretrained "
             "writes it (config.json and model.safetensors).",
         )
+    check_links(directory)
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -72,6 +70,7 @@ def read_config(directory: Path) -> dict:
         raise _error(directory, "config.json is not a JSON object. Restore it.")
     _check_architecture(directory, doc)
     _check_dtype(directory, doc)
+    _check_activation(directory, doc)
     return doc
 
 
@@ -120,125 +119,18 @@ def _check_dtype(directory: Path, doc: dict) -> None:
             )
 
 
-# --- the weight files ------------------------------------------------------------------------
+def _check_activation(directory: Path, doc: dict) -> None:
+    from transformers.activations import ACT2FN
 
-
-def weight_files(directory: Path) -> list[Path]:
-    """The weight files, as save_pretrained names them: safetensors (one file, or shards named
-    by ``model.safetensors.index.json``), else ``pytorch_model.bin`` the same way."""
-    for index_name, single in (SAFETENSORS, PICKLED):
-        index = directory / index_name
-        if index.is_file():
-            return _indexed(directory, index)
-        if (directory / single).is_file():
-            return [directory / single]
-    raise _error(
-        directory,
-        "holds no weights (model.safetensors, model-0000x-of-0000n.safetensors with "
-        "model.safetensors.index.json, or pytorch_model.bin). Copy the weight files of the "
-        "release into it, or give the directory save_pretrained wrote.",
-    )
-
-
-def _indexed(directory: Path, index: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+    value = doc.get("hidden_act", "silu")
+    if not isinstance(value, str) or value not in ACT2FN:
         raise _error(
             directory,
-            f"{index.name} is not an index save_pretrained writes ({e!r:.80})."
-            " Restore it from where the model came from.",
-        ) from None
-    files = [confined(directory, n, where=f"{index}, weight_map") for n in names]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise _error(
-            directory,
-            f"{index.name} names {len(missing)} weight file(s) that are not there "
-            f"({', '.join(missing[:3])}): a download that stopped. Copy the missing files.",
+            f"config.json gives hidden_act {str(value)[:40]!r}, an activation this "
+            f"transformers does not know ({', '.join(sorted(ACT2FN)[:8])}, ...), so the model "
+            f"cannot be built. Correct hidden_act in config.json (Llama, Mistral and Qwen2 use "
+            f"'silu'), or upgrade transformers if the checkpoint is newer than it.",
         )
-    return files
-
-
-def safetensors_header(path: Path) -> dict[str, dict]:
-    """The tensors of a safetensors file: name -> dtype, shape and the absolute byte range of
-    its data (``start``, ``end``). Refused when the header is not one (a damaged file), when
-    the file is shorter than the header says (a truncated copy) or when a dtype is not a float
-    (a quantized checkpoint)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        try:
-            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
-            tensors = {k: _entry(v, 8 + n) for k, v in header.items() if k != "__metadata__"}
-        except (
-            UnicodeDecodeError,
-            ValueError,
-            RecursionError,
-            TypeError,
-            KeyError,
-            AttributeError,
-        ):
-            raise _error(
-                path.parent,
-                f"{path.name} is not a safetensors file (its header cannot be read): "
-                f"truncated or damaged. Copy it again.",
-            ) from None
-    end = max((v["end"] for v in tensors.values()), default=0)
-    if size < end:
-        raise _error(
-            path.parent,
-            f"{path.name} holds {size:,} bytes and its header promises {end:,}: a truncated "
-            f"copy. Copy it again.",
-        )
-    odd = sorted({v["dtype"] for v in tensors.values()} - set(FLOAT_DTYPES))
-    if odd:
-        raise _error(
-            path.parent,
-            f"{path.name} holds tensors of dtype {', '.join(odd)}, which cannot be cast to the "
-            f"training dtype (a quantized checkpoint). Give the bf16, fp16 or fp32 release.",
-        )
-    return tensors
-
-
-def _entry(v: dict, data_start: int) -> dict:
-    """One header entry, its offsets made absolute; ValueError when it is inconsistent."""
-    shape = [int(d) for d in v["shape"]]
-    lo, hi = (int(x) for x in v["data_offsets"])
-    width = FLOAT_DTYPES.get(v["dtype"])
-    if (
-        min(shape, default=0) < 0
-        or not 0 <= lo <= hi
-        or (width and hi - lo != width * math.prod(shape))
-    ):
-        raise ValueError("inconsistent tensor entry")
-    return {
-        "dtype": str(v["dtype"]),
-        "shape": shape,
-        "start": data_start + lo,
-        "end": data_start + hi,
-    }
-
-
-def check_weight_files(directory: Path, files: list[Path]) -> None:
-    """Each file whole and readable without running code: safetensors headers and sizes;
-    ``.bin`` pickles read by torch's weights-only loader (``anneal.resilience.safeload``;
-    tensors memory-mapped, not read)."""
-    from anneal.resilience import safeload
-
-    for path in files:
-        if path.suffix == ".safetensors":
-            safetensors_header(path)
-            continue
-        try:
-            safeload.load(path, map_location="cpu", mmap=True)
-        except UserError as e:
-            raise _error(
-                directory,
-                f"{path.name}: {e} Prefer the release's .safetensors files, which hold no code.",
-            ) from None
 
 
 # --- the preset ------------------------------------------------------------------------------
@@ -258,7 +150,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
             f"config.json's. Drop --set model.{set_shape[0]} (model.seq_len may change).",
         )
     files = weight_files(directory)
-    check_weight_files(directory, files)
+    shapes = weight_shapes(directory, files)
     preset = modellib.preset_from_dict(
         {**doc, "rope_theta": _rope_theta(doc)},
         source=f"--init-from {directory}/config.json",
@@ -273,6 +165,8 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
             f"{rows:,} rows, so ids {rows:,} and up have no embedding. Prepare the data with "
             f"the model's own tokenizer: anneal data prepare --tokenizer {directory}.",
         )
+    preset = dataclasses.replace(preset, hf_config=doc)
+    _check_against_weights(directory, preset, shapes)
     seq_len = model.seq_len or preset.seq_len
     _describe(directory, doc, preset, seq_len, recipe_preset=model.preset)
     init_from = {
@@ -281,9 +175,52 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
         "files": {p.name: sha256_file(p) for p in files},
         "tokenizer_sha256": _tokenizer_sha256(directory),
     }
-    return dataclasses.replace(
-        preset, seq_len=seq_len, hf_config=doc, init_from=init_from, nominal_params=None
-    )
+    return dataclasses.replace(preset, seq_len=seq_len, init_from=init_from, nominal_params=None)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_BUILD_ERRORS = (KeyError, ValueError, TypeError, AttributeError, IndexError, ArithmeticError)
+"""What transformers raises on a config.json it cannot build a model from."""
+
+
+def _check_against_weights(directory: Path, preset, shapes: dict[str, tuple]) -> None:
+    """config.json against the shapes in the weight files' headers, before anything is
+    allocated: the embedding's rows and width and the number of layers first (a message
+    naming the key), then every parameter of the model built on the meta device."""
+    import torch
+
+    embed = shapes.get("model.embed_tokens.weight")
+    layers = {int(m.group(1)) for n in shapes if (m := _LAYER.match(n))}
+    rows, width = embed if embed is not None and len(embed) == 2 else (None, None)
+    said = None
+    if rows is not None and rows != preset.vocab_size:
+        said = "vocab_size", preset.vocab_size, f"model.embed_tokens.weight has {rows:,} rows"
+    elif width is not None and width != preset.hidden_size:
+        said = "hidden_size", preset.hidden_size, f"model.embed_tokens.weight is {width:,} wide"
+    elif layers and layers != set(range(preset.num_hidden_layers)):
+        fact = f"the weights hold {len(layers)} layers"
+        said = "num_hidden_layers", preset.num_hidden_layers, fact
+    if said:
+        key, value, fact = said
+        raise _error(
+            directory,
+            f"config.json gives {key} {value:,} and {fact}: the config.json of another model, "
+            f"or one edited. Restore config.json from where the weights came from (every size "
+            f"in it must match the weight files).",
+        )
+    try:
+        with torch.device("meta"):
+            built = modellib.build_model(preset)
+    except _BUILD_ERRORS as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise _error(
+            directory,
+            f"transformers cannot build the model config.json describes ({type(e).__name__}: "
+            f"{first}). Restore config.json from where the weights came from.",
+        ) from None
+    want = {n: tuple(p.shape) for n, p in built.named_parameters()}  # a tied matrix once
+    tied = {n for n, _ in built.named_parameters(remove_duplicate=False)} - set(want)
+    check_fit(directory, want, tied, shapes)
 
 
 def _tokenizer_sha256(directory: Path) -> str | None:
