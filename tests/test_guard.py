@@ -1,15 +1,19 @@
 """The spike guard and fault injection.
 
 Fast: the default thresholds pass 3000 steps of a noisy, heavy-tailed training curve (its fast
-start included) without a false alarm and flag a 1.5x jump; a resume moves the data position past
-recorded skips and re-applies the LR scale; ANNEAL_FAULTS parses and rejects bad specs.
+start included) without a false alarm and flag a 1.5x jump; a run whose loss has never been
+finite stops after 3 steps (or at its last, or when guard.max_rewinds would stop it) with a
+message of its own, while one finite loss leaves the usual limits; a resume moves the data
+position past recorded skips and re-applies the LR scale; ANNEAL_FAULTS parses and rejects bad
+specs.
 
 End to end (real runs, 1 rank, ZeRO-3 fp32 on CPU): a NaN loss leaves the weights unchanged
 (ZeRO skips the step; checked against a fingerprint of the parameters), is logged, and training
 goes on; a bad sample makes a spike that rewinds to the previous checkpoint and skips exactly the
 samples from that checkpoint to the spike plus the margin, after which the loss is sane; with
 ZeRO stage 0 (no overflow check) a NaN update is applied and the guard rewinds instead; repeated
-spikes stop the run after guard.max_rewinds with a message naming steps and samples.
+spikes stop the run after guard.max_rewinds with a message naming steps and samples; a 2-step
+run whose loss is NaN from the first step exits 2 with the never-finite paragraph.
 """
 
 import json
@@ -44,10 +48,10 @@ class StepEngine:
         return self.grad_norm
 
 
-def check(guard, step, loss, sink, applied=True, grad_norm=1.0):
+def check(guard, step, loss, sink, applied=True, grad_norm=1.0, **kwargs):
     row = {"step": step, "loss": loss}
     engine = StepEngine(applied, grad_norm)
-    return guard.check(row, engine, samples=(step * 8, step * 8 + 8), metrics=sink)
+    return guard.check(row, engine, samples=(step * 8, step * 8 + 8), metrics=sink, **kwargs)
 
 
 def test_default_thresholds_ignore_noise_and_catch_a_spike(tmp_path):
@@ -76,6 +80,45 @@ def test_max_rewinds_within_the_span(tmp_path):
     check(guard, 201, 30.0, sink)
     with pytest.raises(UserError, match=r"3 loss spikes .* step 200 .* samples \[1600, 1608\)"):
         check(guard, 202, 30.0, sink)
+
+
+def test_a_loss_never_finite_stops_the_run_with_its_own_message(tmp_path):
+    """No finite loss since the first step: stopped after NEVER_FINITE_STEPS (3) steps, at the
+    run's last step if that comes first, or as soon as guard.max_rewinds would stop it, with
+    a paragraph that says the start is the cause, not a spike; guard.json records the steps."""
+    nan = float("nan")
+    guard, sink = Guard(GuardConfig(), run_dir=tmp_path, resuming=False), Sink()
+    for step in (1, 2):
+        assert check(guard, step, nan, sink, applied=False, grad_norm=nan) == "skipped"
+    with pytest.raises(UserError, match=r"never been finite .* \(steps 1 to 3\)") as e:
+        check(guard, 3, nan, sink, applied=False, grad_norm=nan)
+    assert "not the LR" in str(e.value) and e.value.every_rank and "\n" not in str(e.value)
+    assert len(json.loads((tmp_path / "guard.json").read_text())["incidents"]) == 3
+
+    short = Guard(GuardConfig(), run_dir=tmp_path, resuming=False)  # a run of one step
+    with pytest.raises(UserError, match=r"never been finite .* \(step 1\)"):
+        check(short, 1, nan, sink, applied=False, last=True)
+    strict = Guard(GuardConfig(max_rewinds=1), run_dir=tmp_path, resuming=False)
+    check(strict, 1, float("inf"), sink, applied=False)
+    with pytest.raises(UserError, match=r"never been finite .* \(steps 1 to 2\)"):
+        check(strict, 2, float("inf"), sink, applied=False)  # not "2 loss spikes"
+
+
+def test_one_finite_loss_and_the_usual_limits_apply(tmp_path):
+    """A finite loss once (even with an infinite grad norm, or in the history a resume restores)
+    and later non-finite steps are spikes as before: skipped, then guard.max_rewinds."""
+    nan = float("nan")
+    guard, sink = Guard(GuardConfig(), run_dir=tmp_path, resuming=False), Sink()
+    assert check(guard, 1, 5.0, sink, applied=False, grad_norm=float("inf")) == "skipped"
+    for step in (2, 3):
+        assert check(guard, step, nan, sink, applied=False, last=step == 3) == "skipped"
+    with pytest.raises(UserError, match="4 loss spikes within 1000 steps"):
+        check(guard, 4, nan, sink, applied=False)
+    (tmp_path / "r").mkdir()
+    resumed = Guard(GuardConfig(), run_dir=tmp_path / "r", resuming=False)
+    resumed.restore(FakeEngine(), {"guard": {"history": [[6, 8.4]]}}, 48)
+    for step in (7, 8, 9):
+        assert check(resumed, step, nan, sink, applied=False) == "skipped"
 
 
 class FakeScheduler:
@@ -186,3 +229,20 @@ def test_applied_nan_rewinds_and_repeated_spikes_stop(stdlib_data, tmp_path):
     # the rewind to step 2 skipped [16, 32): step 7 now reads [64, 72), and after the
     # second rewind (skipping [64, 80)) [80, 88)
     assert "step 7 (loss, samples [64, 72), rewind); step 7 (loss, samples [80, 88)" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_whose_loss_is_never_finite_stops_with_exit_2(tiny_data, tmp_path):
+    """Every step's loss NaN from the first (the fault hook's ``nan_loss`` at steps 1 and 2 of a
+    2-step run): the run stops at its last step with the paragraph and exit 2, before that
+    step's checkpoint, instead of ending with "final train loss nan" and a checkpoint. Slow:
+    one recipe run in a process of its own, about 20 s here."""
+    spec = "nan_loss@step=1,nan_loss@step=2"
+    done = _run(tiny_data, tmp_path, spec, "--max-steps", "2", check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the loss has never been finite in this run" in done.stderr
+    assert "(steps 1 to 2)" in done.stderr and "Traceback" not in done.stderr
+    assert "final train loss" not in done.stdout
+    assert not (tmp_path / "checkpoints" / "step00000002").exists()
+    spikes = [(s["step"], s["action"]) for s in _events(tmp_path, "spike")]
+    assert spikes == [(1, "skipped"), (2, "skipped")]

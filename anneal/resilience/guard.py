@@ -15,10 +15,12 @@ A rewind reloads the newest intact checkpoint older than the spike, skips the gl
 from that checkpoint's data position to the end of the spiking step plus
 ``skip_margin_steps`` steps, optionally scales the peak LR by ``lr_scale``, and continues.
 More than ``max_rewinds`` incidents within ``span_steps`` steps stop the run with a message
-naming the steps and samples. Every decision is an ``event`` row in metrics.jsonl and a console
-line. The skipped ranges and the LR scale are kept in each checkpoint's client state and in
-``<run>/guard.json`` (written at once), so a resume from a checkpoint older than the rewind
-skips them too.
+naming the steps and samples. A run whose loss has not been finite once stops sooner, with a
+message of its own: after ``NEVER_FINITE_STEPS`` steps, at its last step, or when
+``max_rewinds`` would stop it, whichever comes first. Every decision is an ``event`` row in
+metrics.jsonl and a console line. The skipped ranges and the LR scale are kept in each
+checkpoint's client state and in ``<run>/guard.json`` (written at once), so a resume from a
+checkpoint older than the rewind skips them too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ if TYPE_CHECKING:  # the type only: resilience sits below config (docs/architect
 log = logging.getLogger(__name__)
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
+NEVER_FINITE_STEPS = 3
+"""Steps without one finite loss since the run began after which the run stops: each step read
+other samples and the weights did not change (its update was skipped) or are already NaN, so
+a fourth step would fail as the first three did. It is below ``max_rewinds``' default (3
+incidents allowed), so that this message comes first."""
 
 
 class Guard:
@@ -56,6 +63,9 @@ class Guard:
         self.skipped: list[tuple[int, int]] = []
         """Global sample ranges [start, end) never to be trained on."""
         self.lr_scale = 1.0
+        self.never_finite: list[int] | None = []
+        """The steps of this process so far, while no loss of the run has been finite; None
+        once one has been (or the restored history holds one)."""
         if resuming and self.path.is_file():
             self._merge_log(json.loads(self.path.read_text()))
 
@@ -86,6 +96,8 @@ class Guard:
         scale re-applied, and the data position moved past any skipped range."""
         saved = client.get("guard", {})
         self.history = [tuple(h) for h in saved.get("history", [])]
+        if self.history:
+            self.never_finite = None
         self._merge_log(saved)
         if self.lr_scale != saved.get("lr_scale", 1.0):
             _scale_peak_lr(engine, self.lr_scale / saved.get("lr_scale", 1.0))
@@ -113,15 +125,20 @@ class Guard:
         mad = statistics.median(abs(x - median) for x in losses)
         return max(median + self.cfg.mad_k * MAD_TO_SIGMA * mad, median * (1 + self.cfg.min_jump))
 
-    def check(self, row: dict, engine, *, samples: tuple[int, int], metrics) -> str:
+    def check(
+        self, row: dict, engine, *, samples: tuple[int, int], metrics, last: bool = False
+    ) -> str:
         """``ok``, ``skipped`` (non-finite, update skipped by the optimizer) or ``rewind``.
 
         ``row``: the step's train row (its loss is the mean over ranks); ``engine`` says whether
         the update was applied and the global grad norm (None where the engine does not
-        compute one, as without ZeRO: then only the loss is checked)."""
+        compute one, as without ZeRO: then only the loss is checked); ``last``: the run's last
+        step (a run that never had a finite loss stops there at the latest)."""
         if not self.cfg.enabled:
             return "ok"
         step, loss = row["step"], row["loss"]
+        if math.isfinite(loss):
+            self.never_finite = None
         step_applied = engine.was_step_applied()
         grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
@@ -152,16 +169,38 @@ class Guard:
             + (f", grad norm {grad_norm:.4g}" if grad_norm is not None else "")
             + f", samples [{samples[0]}, {samples[1]}) -> {verdict}"
         )
-        self._record(step, reason, samples, verdict)
+        self.incidents.append(
+            {"step": step, "reason": reason, "samples": list(samples), "action": verdict}
+        )
+        self._stop_if_never_finite(step, last=last)
+        self._stop_if_too_many(step)
         if verdict == "skipped":  # consumed without an update; a replay consumes them again
             self._save_log()
             metrics.event(step, "skip", samples=list(samples), reason="update skipped")
         return verdict
 
-    def _record(self, step: int, reason: str, samples: tuple[int, int], action: str) -> None:
-        self.incidents.append(
-            {"step": step, "reason": reason, "samples": list(samples), "action": action}
+    def _stop_if_never_finite(self, step: int, *, last: bool) -> None:
+        """UserError once ``NEVER_FINITE_STEPS`` steps, the run's last step or the incidents
+        ``max_rewinds`` allows have passed without one finite loss since the run began."""
+        if self.never_finite is None:
+            return
+        self.never_finite.append(step)
+        steps = self.never_finite
+        if len(steps) < min(NEVER_FINITE_STEPS, self.cfg.max_rewinds + 1) and not last:
+            return
+        self._save_log()
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
+        raise UserError(
+            f"guard: the loss has never been finite in this run: NaN or inf at every step so "
+            f"far ({span}), so no update was ever trained, and more steps would go the same "
+            f"way. Not a spike: the first step's loss comes before any update, so the cause is "
+            f"what the model starts from, not the LR: its initial weights (--init-from's, or "
+            f"the checkpoint resumed) or the precision (train.precision). Fix them, then "
+            f"start again with --restart.",
+            every_rank=True,
         )
+
+    def _stop_if_too_many(self, step: int) -> None:
         recent = [i for i in self.incidents if i["step"] > step - self.cfg.span_steps]
         if len(recent) > self.cfg.max_rewinds:
             self._save_log()

@@ -153,9 +153,8 @@ class Trainer:
         """Restore, then until the last step: step, observe, guard, validate, checkpoint, and
         stop if a rank was asked to."""
         self.restore(client, resumed)
-        end = min(self.cfg.train.stop_at_step or self.cfg.train.max_steps, self.cfg.train.max_steps)
         try:
-            while self.state.step < end:
+            while self.state.step < self.end_step():
                 row = self.step()
                 self.observe("on_step", row)
                 self.run_dir.stepped = True
@@ -227,9 +226,15 @@ class Trainer:
         self.last_train = row
         return row
 
+    def end_step(self) -> int:
+        """The step this process stops after: ``stop_at_step`` if set, else ``max_steps``."""
+        train = self.cfg.train
+        return min(train.stop_at_step or train.max_steps, train.max_steps)
+
     def guard_check(self, row: dict) -> str:
         samples = (self.stream.position - self.samples_per_step, self.stream.position)
-        return self.guard.check(row, self.engine, samples=samples, metrics=self.metrics)
+        last = row["step"] >= self.end_step()
+        return self.guard.check(row, self.engine, samples=samples, metrics=self.metrics, last=last)
 
     def rewind(self) -> None:
         """The guard's rewind: back to the newest intact checkpoint before the spike, through
