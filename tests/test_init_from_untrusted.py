@@ -247,9 +247,10 @@ def _outside_file(tmp_path: Path, src: Path) -> Path:
 
 
 def test_a_link_out_of_the_directory_or_its_blobs_is_refused(llama, sharded, tmp_path):
-    """A single model.safetensors linking to a file elsewhere; a snapshot shard linking out of
-    the cache's blobs/ (to a file elsewhere, and to another cache's blob): refused at
-    resolution and by the loader, naming the link and where it leads."""
+    """A single model.safetensors linking to a file elsewhere (refused at resolution and by the
+    loader), a tokenizer.json doing the same, and a snapshot shard linking out of the cache's
+    blobs/ (to a file elsewhere, and to another cache's blob): each named with where it
+    leads."""
     good = _preset(llama)
     single = _copy(llama, tmp_path, "single")
     target = _outside_file(tmp_path, single / "model.safetensors")
@@ -260,6 +261,11 @@ def test_a_link_out_of_the_directory_or_its_blobs_is_refused(llama, sharded, tmp
         _preset(single)
     with pytest.raises(UserError, match=message):
         _loaded(single, good)
+    tokenizer = _copy(llama, tmp_path, "tokenizer")  # any file of the directory, not only weights
+    (tokenizer / "tokenizer.json").unlink()
+    (tokenizer / "tokenizer.json").symlink_to(_outside_file(tmp_path, llama / "tokenizer.json"))
+    with pytest.raises(UserError, match="tokenizer.json is a link to .*, outside the directory"):
+        _preset(tokenizer)
 
     snapshot = hub_cache(sharded, tmp_path / "models--t--sharded")
     other = hub_cache(sharded, tmp_path / "models--t--other")
