@@ -4,12 +4,12 @@ command's own output (the trees around it are hashed before and after).
 
 Proved here: `--out` never deletes what export did not write (`.`, the run, its checkpoints, the
 data, a foreign directory, a `.NAME.partial` already there); a checkpoint whose bytes differ from
-its manifest (same-size bit rot) is refused before conversion; a `__reduce__` payload planted in
-a checkpoint (manifest rewritten to match) is refused by torch's weights-only loader before the
-export's reader opens the file, and never runs; the verification's own reader refuses it too; `--tag` names a checkpoint of this
-run only; a manifest that names files outside its directory is refused; a broken config.json,
-frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
-values or an over-long prompt for generate, are refused clearly.
+its manifest (same-size bit rot) is refused before conversion; a `__reduce__` payload planted in a
+checkpoint (manifest rewritten to match) is refused by torch's weights-only loader before the
+export's reader opens the file, and never runs; the verification's own reader refuses it too;
+`--tag` names a checkpoint of this run only; a manifest that names files outside its directory is
+refused; a broken config.json, frozen parameters, another model's shapes, a `--shard-size` or
+`--dtype` typo, and bad sampling values or an over-long prompt for generate, are refused clearly.
 
 The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
 cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
