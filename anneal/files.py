@@ -143,6 +143,23 @@ def check_creatable(path: Path, *, flag: str = "--out") -> None:
         )
 
 
+def make_dir(path: Path, *, flag: str = "--out") -> Path:
+    """``mkdir -p path``, once the command writes. Where the file system makes none although
+    :func:`check_creatable` passed (``/proc``, ``/sys``; a place only root may write to, for
+    root), the OSError becomes a UserError naming ``flag`` and the fix."""
+    from anneal.errors import UserError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{flag} {path}: cannot create the directory there ({e.strerror or e}). Choose a "
+            f"place you can write to."
+        ) from None
+    return path
+
+
 def replace_dir(partial: Path, out: Path) -> None:
     """Move a finished ``partial`` directory to ``out``, replacing what :func:`claim_output`
     allowed there (an empty directory or this command's own earlier output). The old one is
