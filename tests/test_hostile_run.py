@@ -383,6 +383,12 @@ GARBAGE_SETS = [
     ("ds.train_micro_batch_size_per_gpu=four", ["must be an integer", '"four"']),
     ("ds.zero_optimization.stage=1e400", ["'zero_optimization.stage' must be an integer"]),
     ("ds.gradient_clipping=1e400", ["'gradient_clipping' is Infinity", "not a finite number"]),
+    # issue 27: a path key too long for the file system was an OSError traceback, and an empty
+    # model.init_from passed for no model at all
+    ("data.path=/tmp/" + "d" * 10_000, ["--set data.path /tmp/ddd", "Give a shorter path"]),
+    ("model.init_from=" + "i" * 300, ["--set model.init_from iii", "Give a shorter path"]),
+    ("train.branch_from=/" + "b" * 256, ["--set train.branch_from /bbb", "a shorter path"]),
+    ("model.init_from=", ["--set model.init_from=: the path is empty", "unset shell variable"]),
 ]
 
 

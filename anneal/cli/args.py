@@ -9,7 +9,8 @@ One pass over a finished parser (``checked``), shared by the recipe's command li
 - a value that is not UTF-8 (argv bytes that Python keeps as surrogates) is refused: Anneal
   writes its paths and values into JSON and its messages;
 - a path (an argument declared ``type=path``) longer than the file system takes
-  (``ENAMETOOLONG``) is refused.
+  (``ENAMETOOLONG``) is refused (``anneal.files.check_path_length``, which ``--set data.path``
+  and the other path keys go through as well).
 
 Each refusal is a ``UserError`` naming the flag and the fix, raised on every rank alike, so the
 entry points print it as one paragraph with exit status 2.
@@ -20,11 +21,7 @@ from __future__ import annotations
 import argparse
 
 from anneal.errors import UserError
-
-PATH_MAX = 4096
-"""Bytes in a path, its closing NUL included (Linux ``PATH_MAX``)."""
-NAME_MAX = 255
-"""Bytes in one name of a path (Linux ``NAME_MAX``, every common local file system)."""
+from anneal.files import check_path_length
 
 
 def path(value: str) -> str:
@@ -50,7 +47,7 @@ def check_value(value: str, *, flag: str, is_path: bool = False, optional: bool 
         )
         raise UserError(f"{flag} is empty (an unset shell variable?): {fix}", every_rank=True)
     try:
-        raw = value.encode()
+        value.encode()
     except UnicodeEncodeError:
         raise UserError(
             f"{flag} {_shown(value)}: not UTF-8 (bytes that do not decode), and Anneal writes "
@@ -58,14 +55,8 @@ def check_value(value: str, *, flag: str, is_path: bool = False, optional: bool 
             f"characters, or give another {flag}.",
             every_rank=True,
         ) from None
-    longest = max((len(part) for part in raw.split(b"/")), default=0)
-    if is_path and (len(raw) >= PATH_MAX or longest > NAME_MAX):
-        raise UserError(
-            f"{flag} {_shown(value)}: a path of {len(raw):,} bytes whose longest name has "
-            f"{longest:,}; the file system takes at most {PATH_MAX - 1:,} bytes in a path and "
-            f"{NAME_MAX} in one name. Give a shorter path.",
-            every_rank=True,
-        )
+    if is_path:
+        check_path_length(value, flag=flag)
     return value
 
 
