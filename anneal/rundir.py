@@ -206,17 +206,16 @@ def check_others_entries(out: Path, *, force: bool) -> None:
 
 def written_by_anneal(path: Path) -> bool:
     """Whether the file at ``path`` is one that Anneal wrote and so may replace: a run's health
-    report (``report.txt``: the table of ``anneal.observe.report``, from its first line to its
-    count of problems) or a chart (a PNG that Matplotlib wrote, ``anneal.files.
-    is_matplotlib_png``). A link, a directory, or any other file is someone else's: a run, a
-    chart and a report never replace it. The one place that decides."""
+    report (a ``report.txt`` holding the table of ``anneal.observe.report``, from its first line
+    to its count of problems) or a chart (any other name: a PNG that Matplotlib wrote,
+    ``anneal.files.is_matplotlib_png``). A link, a directory, or any other file is someone
+    else's: a run, ``anneal plot`` and the end of a run never replace it. The one place that
+    decides it for the files they replace by name."""
     path = Path(path)
     if path.is_symlink() or not path.is_file():
         return False
-    if path.suffix.lower() == ".png":
-        return is_matplotlib_png(path)
     if path.name != REPORT:
-        return False
+        return is_matplotlib_png(path)
     try:
         with open(path, "rb") as f:
             lines = f.read(1 << 20).decode().splitlines()
