@@ -143,6 +143,46 @@ def check_creatable(path: Path, *, flag: str = "--out") -> None:
         )
 
 
+PATH_MAX = 4096
+"""Bytes in a path, its closing NUL included (Linux ``PATH_MAX``)."""
+NAME_MAX = 255
+"""Bytes in one name of a path (Linux ``NAME_MAX``, every common local file system)."""
+
+
+def check_path_length(path: str, *, flag: str) -> None:
+    """UserError naming ``flag`` when ``path`` is longer than the file system takes (4,095
+    bytes, or 255 in one name): an ``ENAMETOOLONG`` traceback wherever it was first opened."""
+    from anneal.errors import UserError
+
+    raw = os.fsencode(path)
+    longest = max(len(name) for name in raw.split(b"/"))
+    if len(raw) >= PATH_MAX or longest > NAME_MAX:
+        shown = ascii(path)[1:-1]
+        raise UserError(
+            f"{flag} {shown[:60]}{'...' if len(shown) > 60 else ''}: a path of {len(raw):,} "
+            f"bytes whose longest name has {longest:,}; the file system takes at most "
+            f"{PATH_MAX - 1:,} bytes in a path and {NAME_MAX} in one name. Give a shorter path.",
+            every_rank=True,
+        )
+
+
+def make_dir(path: Path, *, flag: str = "--out") -> Path:
+    """``mkdir -p path``, once the command writes. Where the file system makes none although
+    :func:`check_creatable` passed (``/proc``, ``/sys``; a place only root may write to, for
+    root), the OSError becomes a UserError naming ``flag`` and the fix."""
+    from anneal.errors import UserError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{flag} {path}: cannot create the directory there ({e.strerror or e}). Choose a "
+            f"place you can write to."
+        ) from None
+    return path
+
+
 def replace_dir(partial: Path, out: Path) -> None:
     """Move a finished ``partial`` directory to ``out``, replacing what :func:`claim_output`
     allowed there (an empty directory or this command's own earlier output). The old one is

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.files import write_atomic
+from anneal.files import is_matplotlib_png, make_dir, write_atomic
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -46,6 +47,24 @@ The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, lo
 live ``preempt/`` stay where they are."""
 MARKS = (CONFIG, METRICS, GUARD)
 """Files whose presence shows that a run has been in a directory (as does a checkpoint)."""
+LAUNCHER_FILES = (
+    ".deepspeed_env",
+    ".deepspeed_env.runner",
+    "forecast.json",
+    "hostfile",
+    "submit.sbatch",
+    "logs",
+    PREEMPT,
+)
+"""What ``python -m launcher run|submit`` and its sbatch script put into a run directory before
+the recipe starts (``launcher.dsenv``, ``anneal.scaling.forecast``, ``launcher.slurm``); with
+``previous-<time>/``, the only entries that a directory holding no run may hold without
+``--force``."""
+RUN_DIRS = (CHECKPOINTS, PLOTS, TB, HF, HEARTBEAT, PREEMPT)
+"""The directories a run makes in its directory."""
+REPORT_HEAD = "health of "
+"""The first line of ``report.txt`` (``anneal.observe.report.format_table``), then the run."""
+_REPORT_TAIL = re.compile(r"  (no problems|\d+ problem\(s\))")
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +169,65 @@ def holds_run(out: Path) -> list[str]:
     return found
 
 
+def others_entries(out: Path) -> list[str]:
+    """The entries of ``out`` that no run or launcher put there (``LAUNCHER_FILES``, an earlier
+    run's ``previous-<time>/``), sorted. For a directory that holds no run (``holds_run``):
+    everything in it is someone else's, a ``report.txt`` or ``plots/`` of that name included."""
+    try:
+        names = sorted(p.name for p in Path(out).iterdir())
+    except OSError:
+        return []
+    return [n for n in names if n not in LAUNCHER_FILES and not n.startswith(PREVIOUS)]
+
+
+def check_others_entries(out: Path, *, force: bool) -> None:
+    """A launch into ``out``, which holds no run (``holds_run``): UserError if it holds anything
+    else (``others_entries``), among which the run would write its files (a report.txt of the
+    same name, say). ``--force`` allows that, and the run then replaces none of them; but never
+    a file where the run makes a directory."""
+    others = others_entries(out)
+    if not others:
+        return
+    if not force:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise UserError(
+            f"--out {out}: holds files but no run ({listed}), and a run writes config.json, "
+            f"metrics.jsonl, checkpoints/, plots/ and report.txt there. Choose a new or empty "
+            f"--out, or pass --force to train beside those files (none of them is replaced: a "
+            f"report.txt or chart of yours is kept, and the run's is not saved)."
+        )
+    for name in others:
+        if name in RUN_DIRS and not (out / name).is_dir():
+            raise UserError(
+                f"--out {out}: {name} is a file, where the run makes its {name}/ directory. "
+                f"Move it away, or choose another --out."
+            )
+
+
+def written_by_anneal(path: Path) -> bool:
+    """Whether the file at ``path`` is one that Anneal wrote and so may replace: a run's health
+    report (a ``report.txt`` holding the table of ``anneal.observe.report``, from its first line
+    to its count of problems) or a chart (any other name: a PNG that Matplotlib wrote,
+    ``anneal.files.is_matplotlib_png``). A link, a directory, or any other file is someone
+    else's: a run, ``anneal plot`` and the end of a run never replace it. The one place that
+    decides it for the files they replace by name."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        return False
+    if path.name != REPORT:
+        return is_matplotlib_png(path)
+    try:
+        with open(path, "rb") as f:
+            lines = f.read(1 << 20).decode().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return (
+        len(lines) >= 2
+        and lines[0].startswith(REPORT_HEAD)
+        and _REPORT_TAIL.fullmatch(lines[-1]) is not None
+    )
+
+
 # -- metrics.jsonl -------------------------------------------------------------------------------
 
 
@@ -237,7 +315,7 @@ class RunDir:
                 self._existed = {p.name for p in self.out.iterdir()}
                 config = config_path(self.out)
                 self._old_config = config.read_text() if config.is_file() else None
-            self.out.mkdir(parents=True, exist_ok=True)
+            make_dir(self.out)
             write_config(self.out, config_doc)
         barrier()
         checkpoints_dir(self.out).mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from anneal.cli.args import checked, path
 from anneal.errors import UserError
-from anneal.files import write_atomic
+from anneal.files import make_dir, write_atomic
 from launcher import dsenv, hostfile, pdsh, preflight, slurm
 
 DEFAULT_GRACE_S = 120
@@ -82,7 +83,7 @@ def deepspeed_program() -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipes/pretrain_*.py")
+    p.add_argument("recipe", type=path, help="recipes/pretrain_*.py")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
     p.add_argument(
         "--device",
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hf.add_argument("--slots", type=int, help="GPUs per host (default: SLURM_GPUS_ON_NODE, or 8)")
     hf.add_argument("--nodes", type=int, help="only the first N hosts")
-    hf.add_argument("--out", required=True)
+    hf.add_argument("--out", type=path, required=True)
     hf.add_argument(
         "--force",
         action="store_true",
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="pre-flight, then start the recipe with deepspeed", allow_abbrev=False
     )
     _common(run)
-    run.add_argument("--hostfile")
+    run.add_argument("--hostfile", type=path)
     run.add_argument("--num-gpus", type=int)
     run.add_argument("--num-nodes", type=int)
     run.add_argument("--no-ssh", action="store_true", help="start this node only (see docs)")
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint size, at least 120)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
-    return parser
+    return checked(parser)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -321,7 +322,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         print(f"# {script} would hold:")
         print(text, end="", flush=True)
         return 0
-    (out / "logs").mkdir(parents=True, exist_ok=True)  # slurmd opens --output before the script
+    (make_dir(out) / "logs").mkdir(exist_ok=True)  # slurmd opens --output before the script
     dsenv.write(out, env_values)
     write_atomic(out / preflight.forecast.FILE, json.dumps(launch.forecast.to_dict(), indent=2))
     write_atomic(script, text)

@@ -38,6 +38,7 @@ import unicodedata
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.files import make_dir
 
 ALLOW_PREFIXES = ("NCCL_", "HF_", "CUDA_", "TORCH_")
 ALLOW_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS")
@@ -218,8 +219,7 @@ def contents(run_dir: Path, values: dict[str, str], *, cwd: Path | None = None) 
 
 def write(run_dir: Path, values: dict[str, str], *, cwd: Path | None = None) -> Path:
     """Write both files; returns the one for DeepSpeed's runner (its ``DS_ENV_FILE``)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_dir(Path(run_dir))
     text = contents(run_dir, values, cwd=cwd)
     _write_private(run_dir / FILE, text)
     _write_private(run_dir / RUNNER_FILE, runner_copy(text))

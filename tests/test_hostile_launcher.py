@@ -648,6 +648,11 @@ ODD_RUNS = {
     ),
     "env-name": (["--env", "NOT A NAME"], ["--env 'NOT A NAME'", "not a variable name"]),
     "no-ssh-alone": (["--no-ssh"], ["--no-ssh starts this node only", "--node-rank"]),
+    # issue 27: an empty --hostfile ran on this node alone; a long one was an OSError traceback
+    "hostfile-empty": (["--hostfile", ""], ["--hostfile is empty (an unset shell variable?)"]),
+    "hostfile-long": (["--hostfile", "h" * 10_000], ["--hostfile hhh", "Give a shorter path"]),
+    "hostfile-not-utf8": (["--hostfile", "h\udcff"], ["--hostfile h\\udcff: not UTF-8"]),
+    "master-addr-empty": (["--master-addr", ""], ["--master-addr is empty"]),
 }
 
 
@@ -744,3 +749,15 @@ def test_gpu_sh_puts_only_a_private_directory_on_pythonpath(tmp_path, own_work):
     assert work == (str(tmp_path / "work") if own_work else str(scratch / "work"))
     assert not scratch.exists()  # removed on exit
     assert sorted(p.name for p in tmp.iterdir()) == ["anneal-gpu-bench"]  # the plant, untouched
+
+
+# --- issue 27: empty values ---------------------------------------------------------------
+
+
+def test_empty_recipe_and_hostfile_out_are_refused_by_name(tmp_path, capsys):
+    """``run ''`` and ``hostfile --out ''``: one paragraph naming the argument (``--out ''``
+    was taken for the working directory), nothing written."""
+    before = tree(tmp_path)
+    refused(capsys, ["run", "", "--device", "cpu", "--dry-run"], "RECIPE is empty")
+    refused(capsys, ["hostfile", "--hosts", "a", "--out", ""], "--out is empty")
+    assert tree(tmp_path) == before

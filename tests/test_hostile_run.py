@@ -16,6 +16,10 @@ leaves no config.json behind.
   paths that load a checkpoint: tests/test_checkpoint_trust.py).
 - Item 14: manifest entries and a ``latest`` that lead out of their directory are refused by
   one function, ``anneal.files.confined``.
+- Issue 27: an ``--out`` that holds files but no run is refused without ``--force``, and
+  ``--force`` leaves those files byte for byte; empty values, paths that are not UTF-8 or too
+  long for the file system, and an ``--out`` where no directory can be made (``/proc``) are one
+  paragraph naming the flag, not a default taken silently or a traceback.
 
 Most cases resolve the launch in-process (``resolve_launch``, which every rank and the pre-flight
 run); one real run is trained once for the session (shared with the export's hostile
@@ -364,6 +368,12 @@ GARBAGE_SETS = [
     ("ds.train_micro_batch_size_per_gpu=four", ["must be an integer", '"four"']),
     ("ds.zero_optimization.stage=1e400", ["'zero_optimization.stage' must be an integer"]),
     ("ds.gradient_clipping=1e400", ["'gradient_clipping' is Infinity", "not a finite number"]),
+    # issue 27: a path key too long for the file system was an OSError traceback, and an empty
+    # model.init_from passed for no model at all
+    ("data.path=/tmp/" + "d" * 10_000, ["--set data.path /tmp/ddd", "Give a shorter path"]),
+    ("model.init_from=" + "i" * 300, ["--set model.init_from iii", "Give a shorter path"]),
+    ("train.branch_from=/" + "b" * 256, ["--set train.branch_from /bbb", "a shorter path"]),
+    ("model.init_from=", ["--set model.init_from=: the path is empty", "unset shell variable"]),
 ]
 
 
@@ -469,3 +479,129 @@ def test_every_numeric_key_has_a_range():
         if f.type in ("int", "float", "float | None")
     }
     assert numeric == set(cfglib._RANGES)
+
+
+# --- Issue 27: a run writes only its own files; values that are empty, not UTF-8, too long ----
+
+
+def test_out_with_files_but_no_run_needs_force_and_force_replaces_none(data, tmp_path):
+    """A non-empty ``--out`` that holds no run: refused without ``--force`` (the run's
+    report.txt used to overwrite the user's file of that name), whatever the files are; the
+    launcher's own files alone are no reason. With ``--force`` the launch goes ahead and its
+    writes (config.json, checkpoints/) leave the user's files byte for byte, and a failed
+    start removes only what it made; a file where the run makes a directory stays refused."""
+    from anneal.rundir import RunDir
+
+    out = tmp_path / "mine"
+    (out / "plots").mkdir(parents=True)
+    (out / "report.txt").write_text("my own report, not a run's\n")
+    (out / "plots" / "loss.png").write_bytes(b"\xff\xd8\xff\xe0 a JPEG of mine")
+    (out / "forecast.json").write_text("{}")  # the launcher's: not the reason
+    msg = refused(
+        small(data, out),
+        tmp_path,
+        data,
+        expect=[f"--out {out}", "holds files but no run", "plots, report.txt", "--force"],
+    )
+    assert "forecast.json" not in msg
+    mine = tree(out)
+    run_dir = RunDir.for_launch(plan_for(small(data, out, "--force")))
+    assert (out / "config.json").is_file() and (out / "checkpoints").is_dir()
+    assert {k: v for k, v in tree(out).items() if k in mine} == mine
+    run_dir.undo()  # a start that failed before its first step
+    assert tree(out) == mine
+
+    launched = tmp_path / "launched"  # what `python -m launcher run|submit` wrote first
+    for name in (".deepspeed_env", ".deepspeed_env.runner", "forecast.json", "submit.sbatch"):
+        (launched / "logs").mkdir(parents=True, exist_ok=True)
+        (launched / name).write_text("")
+    assert plan_for(small(data, launched)).out == launched
+
+    (out / "checkpoints").write_text("a file where the run makes a directory")
+    refused(
+        small(data, out, "--force"),
+        tmp_path,
+        expect=[f"--out {out}: checkpoints is a file", "Move it away"],
+    )
+
+
+def test_the_launchers_files_are_the_ones_rundir_allows():
+    """``anneal.rundir.LAUNCHER_FILES`` names what the launcher writes before the recipe starts
+    (the recipe's check above relies on it; the launcher's own constants are the truth)."""
+    from anneal.rundir import LAUNCHER_FILES, PREEMPT
+    from anneal.scaling import forecast
+    from launcher import dsenv
+
+    written = {dsenv.FILE, dsenv.RUNNER_FILE, forecast.FILE, "submit.sbatch", "hostfile", "logs"}
+    assert set(LAUNCHER_FILES) == written | {PREEMPT}
+    template = (ROOT / "launcher" / "templates" / "multinode.sbatch").read_text()
+    assert '--out "$RUN_DIR/hostfile"' in template and '"$RUN_DIR/logs"' in template
+
+
+@pytest.mark.parametrize("flag", ["--out", "--data", "--ds-config", "--max-steps", "--set"])
+def test_an_empty_value_is_refused_not_taken_for_the_default(data, tmp_path, flag):
+    """``--out ''`` trained into runs/<recipe>, ``--ds-config ''`` used cpu.json, ``--data ''``
+    the default corpus: an unset shell variable in a launch script could continue another
+    run. Now one paragraph naming the flag, on every rank."""
+    args = small(data, tmp_path / "run") + [flag, ""]
+    with pytest.raises(UserError) as info:
+        plan_for(args)
+    msg = str(info.value)
+    assert msg.startswith(f"{flag} is empty (an unset shell variable?)") and "\n" not in msg
+    assert info.value.every_rank
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_recipe_refuses_an_empty_out_as_one_paragraph(data, tmp_path, capsys, monkeypatch):
+    """The recipe's entry point, in-process: exit 2, one line, nothing under runs/. (The NaN
+    LR stops the launch before any engine wherever the empty value is let through.)"""
+    from anneal.cli.recipe import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--data", str(data), "--set", "optim.lr=nan"]
+    for flag in ("--out", "--ds-config"):
+        with pytest.raises(SystemExit) as info:
+            main(preset="tiny", ds_config="cpu.json", argv=[*argv, flag, ""])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"error: {flag} is empty") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+PATH_FLAGS = ["--out", "--data", "--ds-config", "--resume", "--init-from", "--branch-from"]
+
+
+@pytest.mark.parametrize("flag", PATH_FLAGS)
+@pytest.mark.parametrize("kind", ["10,000 characters", "a name of 300", "not UTF-8"])
+def test_a_path_too_long_or_not_utf8_is_one_paragraph(data, tmp_path, flag, kind):
+    """A path of 10,000 characters (ENAMETOOLONG) was an OSError traceback; one that is not
+    UTF-8 (argv bytes kept as surrogates) trained into a directory whose name no message or
+    config.json could hold. Now one paragraph naming the flag and the fix."""
+    value = {
+        "10,000 characters": str(tmp_path / ("a" * 10_000)),
+        "a name of 300": str(tmp_path / ("b" * 300)),
+        "not UTF-8": str(tmp_path / "caf\udce9"),
+    }[kind]
+    args = small(data, tmp_path / "run") + [flag, value]
+    fix = "Give a shorter path." if "UTF" not in kind else "Rename it with UTF-8 characters"
+    msg = refused(args, tmp_path, data, expect=[flag, fix])
+    assert len(msg) < 600, msg  # the path is cut short in the message
+
+
+def test_out_where_no_directory_can_be_made_is_one_paragraph(data):
+    """``--out /proc/...``: the parent is a directory and, for root, "writable", but no
+    directory can be made there; creating the run directory was a FileNotFoundError
+    traceback. Now a paragraph naming --out, at the launch check or at the first write."""
+    from anneal.rundir import RunDir
+
+    out = Path("/proc/anneal-run")
+    try:
+        launch = plan_for(small(data, out))
+    except UserError as e:  # not root: refused when the launch is resolved
+        msg = str(e)
+    else:
+        with pytest.raises(UserError) as info:
+            RunDir.for_launch(launch)
+        msg = str(info.value)
+    assert msg.startswith(f"--out {out}: cannot create") and "Choose a place you can write" in msg
+    assert not out.exists()

@@ -18,6 +18,9 @@ RECIPE_FLAGS = [
     "--max-steps",
     "--resume",
     "--restart",
+    # Issue 27: an --out that holds files but no run is refused unless --force (never replacing
+    # a file of those); the flag the other writing commands (data prepare, export, fit) use.
+    "--force",
     "--init-from",
     "--branch-from",
     "--eval-every",

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from anneal.cli import data, planning, runs
+from anneal.cli.args import checked
 from anneal.errors import UserError
 
 
@@ -27,14 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     planning.add_commands(sub)
     runs.add_commands(sub)
-    return parser
+    return checked(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except UserError as e:  # anything else is a bug or the environment: keep its traceback
-        print(f"anneal {args.command}: error: {e}", file=sys.stderr)
+        command = f"anneal {args.command}" if args else "anneal"
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2

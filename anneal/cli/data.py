@@ -12,6 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from anneal.cli.args import path
+
 
 def _data_prepare(args: argparse.Namespace) -> int:
     from anneal.data.prepare import prepare
@@ -111,12 +113,13 @@ def _add_prepare(data_sub) -> None:
     prep.add_argument(
         "--input",
         action="append",
+        type=path,
         required=True,
         metavar="SRC[:WEIGHT]",
         help="stdlib | FILE (.txt, .jsonl[.gz], .parquet, ...) | DIR | GLOB | hf:NAME[?config=C"
         "&split=S]; repeat to blend, with weights (web.jsonl:0.7 --input code/:0.3) or by size",
     )
-    prep.add_argument("--out", required=True, help="output data directory")
+    prep.add_argument("--out", type=path, required=True, help="output data directory")
     _add_prepare_reading(prep, cfg, ReadOptions())
     _add_prepare_packing(prep, cfg)
     prep.set_defaults(func=_data_prepare)
@@ -133,6 +136,7 @@ def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
     prep.add_argument("--model-type", choices=toklib.MODEL_TYPES, default=cfg.model_type)
     prep.add_argument(
         "--tokenizer",
+        type=path,
         help="reuse a SentencePiece .model or a Hugging Face tokenizer directory (no training)",
     )
     prep.add_argument(
@@ -229,7 +233,7 @@ def _add_synth(data_sub) -> None:
         default=markov["concentration"],
         help="Dirichlet concentration of each transition row: lower is more predictable",
     )
-    synth.add_argument("--out", required=True)
+    synth.add_argument("--out", type=path, required=True)
     synth.add_argument(
         "--force", action="store_true", help="replace an --out that an earlier synth wrote"
     )
@@ -244,5 +248,7 @@ def _add_verify(data_sub) -> None:
         "with the one meta.json recorded when it was written (and the tokenizer with "
         "tokenizer_sha256). Exit 0 when all match; 2 with the list of files that do not.",
     )
-    verify.add_argument("dir", metavar="DIR", help="a directory written by `anneal data prepare`")
+    verify.add_argument(
+        "dir", metavar="DIR", type=path, help="a directory written by `anneal data prepare`"
+    )
     verify.set_defaults(func=_data_verify)

@@ -13,6 +13,7 @@ import inspect
 import logging
 from pathlib import Path
 
+from anneal.cli.args import path
 from anneal.errors import UserError
 
 
@@ -189,12 +190,15 @@ def _add_plan(sub) -> None:
         type=float,
         help=f"model FLOPs utilisation in (0, 1] (default {scaling.DEFAULT_MFU})",
     )
-    plan.add_argument("--mfu-from", metavar="RUN_DIR", help="use the MFU measured in a run")
+    plan.add_argument(
+        "--mfu-from", metavar="RUN_DIR", type=path, help="use the MFU measured in a run"
+    )
     plan.add_argument("--params", type=float, help="model size N in parameters")
     plan.add_argument("--tokens", type=float, help="training tokens D")
     plan.add_argument("--target-loss", type=float, help="final loss in nats/token")
     plan.add_argument(
         "--fit",
+        type=path,
         default=scaling.DEFAULT_FIT,
         help=f"{' | '.join(scaling.FITS)} | a file from `anneal fit` (default %(default)s)",
     )
@@ -222,10 +226,12 @@ def _add_fit(sub) -> None:
         "on log-loss, L-BFGS from a grid of starts, bootstrap 95% intervals. "
         "See docs/planning.md.",
     )
-    fit.add_argument("runs", nargs="*", metavar="RUN_DIR", help="finished run directories")
-    fit.add_argument("--csv", help="CSV with columns params,tokens,loss instead of runs")
-    fit.add_argument("--out", default="scaling_fit.json", help="fit file to write")
-    fit.add_argument("--plot", help="PNG to write (default: --out with .png)")
+    fit.add_argument(
+        "runs", nargs="*", metavar="RUN_DIR", type=path, help="finished run directories"
+    )
+    fit.add_argument("--csv", type=path, help="CSV with columns params,tokens,loss instead of runs")
+    fit.add_argument("--out", type=path, default="scaling_fit.json", help="fit file to write")
+    fit.add_argument("--plot", type=path, help="PNG to write (default: --out with .png)")
     fit.add_argument(
         "--force",
         action="store_true",
@@ -264,9 +270,10 @@ def _add_estimate(sub) -> None:
         help="per-GPU memory of a run: ZeRO model states, activations, buffers; levers",
         description="See docs/planning.md.",
     )
-    est.add_argument("--model", required=True, help="preset name or a config.json")
+    est.add_argument("--model", type=path, required=True, help="preset name or a config.json")
     est.add_argument(
         "--ds-config",
+        type=path,
         help="DeepSpeed JSON (default: the run's when --model is a run's config.json, else "
         f"{memory.DEFAULT_DS_CONFIG})",
     )

@@ -13,6 +13,7 @@ import runpy
 import socket
 import sys
 
+from anneal.cli.args import checked, path
 from anneal.config.run import (
     AUTO,
     DataConfig,
@@ -32,12 +33,13 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         "DeepSpeed. Run with `deepspeed [--num_gpus N | --hostfile F] "
         f"{prog} ...` or plain `python {prog}` (one process).",
     )
-    p.add_argument("--out", help="run directory (default runs/<recipe>)")
-    p.add_argument("--data", help="prepared data directory")
-    p.add_argument("--ds-config", help="DeepSpeed JSON: a path or a name in ds_configs/")
+    p.add_argument("--out", type=path, help="run directory (default runs/<recipe>)")
+    p.add_argument("--data", type=path, help="prepared data directory")
+    p.add_argument("--ds-config", type=path, help="DeepSpeed JSON: a path or a name in ds_configs/")
     p.add_argument("--max-steps", type=int, help="optimizer steps in the whole run")
     p.add_argument(
         "--resume",
+        type=path,
         help="auto (default): newest intact checkpoint in --out; none (a new run: --out must "
         "not hold one); or a checkpoint path",
     )
@@ -48,8 +50,15 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         "plots and report are moved to OUT/previous-<time>/ first (nothing is deleted)",
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="train in an --out that holds files but no run: the run's files go beside them, "
+        "and none of them is replaced",
+    )
+    p.add_argument(
         "--init-from",
         metavar="DIR",
+        type=path,
         help="continue pretraining a Hugging Face model: a local directory as save_pretrained "
         "writes it (config.json, safetensors or .bin weights, tokenizer); its architecture "
         "replaces the preset's (model.init_from)",
@@ -57,6 +66,7 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--branch-from",
         metavar="CKPT",
+        type=path,
         help="start a cooldown branch of a WSD run in a new --out: from this checkpoint (a tag "
         "directory, or a run directory: its newest), the LR decays to the floor over --set "
         "optim.cooldown_tokens=N (train.branch_from; docs/training.md)",
@@ -73,7 +83,7 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         "ds_config, e.g. ds.gradient_accumulation_steps=4)",
     )
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p
+    return checked(p)
 
 
 def config_from_args(
@@ -136,6 +146,7 @@ def config_from_args(
         resume=args.resume or ("none" if args.restart else AUTO),
         resume_explicit=args.resume is not None,
         restart=args.restart,
+        force=args.force,
         model=model,
         optim=optim,
         data=data,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from anneal.cli.args import path
 from anneal.errors import UserError
 
 
@@ -103,14 +104,18 @@ def _add_export(sub) -> None:
         "generation_config.json and the tokenizer, one tensor at a time, then load it with "
         "transformers and compare logits with the checkpoint. See docs/observability.md.",
     )
-    exp.add_argument("run", metavar="RUN", help="run directory (the recipe's --out)")
-    exp.add_argument("--out", required=True, help="directory to write (must be new or empty)")
+    exp.add_argument("run", metavar="RUN", type=path, help="run directory (the recipe's --out)")
+    exp.add_argument(
+        "--out", type=path, required=True, help="directory to write (must be new or empty)"
+    )
     exp.add_argument("--tag", help="checkpoint tag, e.g. step00000300 (default: the newest)")
     exp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     exp.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     exp.add_argument("--force", action="store_true", help="replace a non-empty --out")
     exp.add_argument(
-        "--tokenizer", help="prepared data directory with the run's tokenizer (default: the run's)"
+        "--tokenizer",
+        type=path,
+        help="prepared data directory with the run's tokenizer (default: the run's)",
     )
     exp.add_argument(
         "--every-save", action="store_true", help="export every intact checkpoint to OUT/<tag>"
@@ -127,14 +132,17 @@ def _add_plot(sub) -> None:
         "RUN/plots/. `anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
         "the warmup-cosine schedule alone.",
     )
-    plot.add_argument("run", metavar="RUN", nargs="?", help="run directory")
+    plot.add_argument("run", metavar="RUN", nargs="?", type=path, help="run directory")
     plot.add_argument(
-        "--schedule", metavar="CONFIG", help="a ds_config JSON (or a name in ds_configs/)"
+        "--schedule",
+        metavar="CONFIG",
+        type=path,
+        help="a ds_config JSON (or a name in ds_configs/)",
     )
     plot.add_argument("--steps", type=int, help="total optimizer steps (with --schedule)")
     plot.add_argument("--peak-lr", type=float, help='peak LR when the config says "auto"')
     plot.add_argument("--warmup-steps", type=int, help='warmup steps when the config says "auto"')
-    plot.add_argument("--out", help="output directory (RUN) or PNG file (--schedule)")
+    plot.add_argument("--out", type=path, help="output directory (RUN) or PNG file (--schedule)")
     plot.add_argument("--dark", action="store_true", help="dark theme")
     plot.set_defaults(func=_plot)
 
@@ -144,7 +152,7 @@ def _add_report(sub) -> None:
         "report",
         help="health of a run: each signal of the seed's table marked healthy or problem",
     )
-    rep.add_argument("run", metavar="RUN", help="run directory")
+    rep.add_argument("run", metavar="RUN", type=path, help="run directory")
     rep.add_argument("--json", action="store_true", help="print one JSON list")
     rep.add_argument("--strict", action="store_true", help="exit 1 when a signal is a problem")
     rep.set_defaults(func=_report)
@@ -152,7 +160,9 @@ def _add_report(sub) -> None:
 
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="sample text from an exported model directory")
-    gen.add_argument("model_dir", metavar="DIR", help="a directory written by `anneal export`")
+    gen.add_argument(
+        "model_dir", metavar="DIR", type=path, help="a directory written by `anneal export`"
+    )
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64, help="at most (stops at EOS)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

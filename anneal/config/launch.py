@@ -281,8 +281,9 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     Refused: ``.``, an ancestor of the working directory, the root, a file, the data directory
     or anything around it, a directory that is not writable, a config.json that is not a run's;
     ``--resume none`` (or a checkpoint path from elsewhere) on a directory that holds a run,
-    unless ``--restart`` says to move that run aside; and ``--restart`` with a resume from the
-    run it moves aside."""
+    unless ``--restart`` says to move that run aside; ``--restart`` with a resume from the
+    run it moves aside; and, without ``--force``, a directory that holds no run but files of
+    someone else's."""
     if out.is_symlink() and not out.is_dir():
         raise UserError(
             f"--out {out}: a link to no directory. Point it at a directory, or name another --out."
@@ -295,6 +296,8 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
     old = _read_run_config(out)
     found = rundir.holds_run(out)
+    if not found:
+        rundir.check_others_entries(out, force=cfg.force)
     here = rundir.checkpoints_dir(out).resolve()
     resume_path = None if cfg.resume in (AUTO, "none") else Path(cfg.resume).resolve()
     from_here = resume_path is not None and (resume_path == here or here in resume_path.parents)

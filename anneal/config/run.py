@@ -234,6 +234,9 @@ class RunConfig:
     restart: bool = False
     """--restart: start over in ``out`` although it holds a run; that run's files (config,
     checkpoints, metrics, plots, report) are first moved to ``out/previous-<time>/``."""
+    force: bool = False
+    """--force: train in an ``out`` that holds files but no run (refused without it); the run's
+    files go beside them, and none of them is replaced (``anneal.rundir.written_by_anneal``)."""
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
@@ -253,6 +256,7 @@ _RESUMABLE_KEYS = {
     "resume",
     "resume_explicit",
     "restart",
+    "force",
     "train.stop_at_step",
     "train.log_every",
     "train.memory_per_rank",

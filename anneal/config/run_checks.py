@@ -24,6 +24,7 @@ from anneal.config.run import (
 )
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
+from anneal.files import check_path_length
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -38,6 +39,8 @@ _CHOICES = {
     ("optim", "schedule"): SCHEDULES,
     ("optim", "decay_shape"): DECAY_SHAPES,
 }
+_PATHS = {("data", "path"), ("model", "init_from"), ("train", "branch_from")}
+"""The keys that hold a path: never empty, never longer than the file system takes."""
 
 
 def _shown(text: str, limit: int = 40) -> str:
@@ -102,6 +105,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         choices = _CHOICES.get((section, field))
         if choices and parsed not in choices:
             raise UserError(f"{where}: {key} must be one of {', '.join(choices)}.")
+        if (section, field) in _PATHS and isinstance(parsed, str):
+            if not parsed:
+                raise UserError(f"{where}: the path is empty (an unset shell variable?). Give one.")
+            check_path_length(parsed, flag=f"--set {key}")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
 

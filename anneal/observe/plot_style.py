@@ -53,20 +53,24 @@ def pyplot(dark: bool):
     return plt, (DARK if dark else {}), COLORS["dark" if dark else "light"]
 
 
-def claim_pngs(paths: list[Path], *, flag: str = "--out") -> None:
+def claim_pngs(paths: list[Path], *, flag: str = "--out", keep_others: bool = False) -> list[Path]:
     """Before drawing: each chart's path is new, or a PNG that Matplotlib wrote (an earlier
-    chart, replaced); never a directory, a link or any other file. UserError naming the file."""
+    chart, replaced); never a directory, a link or any other file (``anneal.rundir.
+    written_by_anneal`` decides). Such a path is a UserError naming the file; with
+    ``keep_others`` it is returned instead (the caller keeps the file and skips that chart)."""
     from anneal.errors import UserError
-    from anneal.files import is_matplotlib_png
+    from anneal.rundir import written_by_anneal
 
+    others = []
     for path in map(Path, paths):
-        if not (path.exists() or path.is_symlink()):
-            continue
-        if path.is_symlink() or not path.is_file() or not is_matplotlib_png(path):
-            raise UserError(
-                f"{flag}: {path} is there and is not a chart Anneal drew (a PNG written by "
-                f"Matplotlib), so it is not replaced. Choose another {flag}, or move it away."
-            )
+        if (path.exists() or path.is_symlink()) and not written_by_anneal(path):
+            if not keep_others:
+                raise UserError(
+                    f"{flag}: {path} is there and is not a chart Anneal drew (a PNG written by "
+                    f"Matplotlib), so it is not replaced. Choose another {flag}, or move it away."
+                )
+            others.append(path)
+    return others
 
 
 def save(fig, path: Path) -> Path:

@@ -7,12 +7,15 @@ the CLI imports all three kinds of chart from here."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
+
+log = logging.getLogger(__name__)
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -23,8 +26,14 @@ def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(x), np.asarray(y, dtype=float)
 
 
-def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) -> list[Path]:
-    """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``."""
+def plot_run(
+    run_dir: Path, *, out_dir: Path | None = None, dark: bool = False, keep_others: bool = False
+) -> list[Path]:
+    """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``.
+
+    A file there that Anneal did not write is a UserError (``claim_pngs``), before anything is
+    drawn; with ``keep_others`` (the end of a run) it is kept, its chart is not drawn, and a
+    warning says so. Returns the charts drawn."""
     from anneal import rundir
     from anneal.errors import UserError
 
@@ -36,25 +45,39 @@ def plot_run(run_dir: Path, *, out_dir: Path | None = None, dark: bool = False) 
     cfg = rundir.config_or_empty(run_dir)
     parent = _parent_rows(cfg)
     out_dir = Path(out_dir) if out_dir else rundir.plots_dir(run_dir)
-    names = ("loss.png", "lr.png", "grad_norm.png", "throughput.png")
-    sources = rundir.val_sources(val)  # a blend's per-source validation: one more chart
-    names += ("val_sources.png",) if sources else ()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
-    claim_pngs([out_dir / n for n in names])
-    plt, style, c = pyplot(dark)
+    sources = rundir.val_sources(val)
     name = run_dir.name
-    paths = []
-    loss, lr, grad_norm, throughput = (out_dir / n for n in names[:4])
+    charts = {
+        "loss.png": lambda p: _plot_loss(plt, c, train, val, cfg, p, name, parent),
+        "lr.png": lambda p: _plot_lr(plt, c, train, cfg, p, name, parent),
+        "grad_norm.png": lambda p: _plot_grad_norm(plt, c, train, events, cfg, p, name),
+        "throughput.png": lambda p: _plot_throughput(plt, c, train, p, name),
+    }
+    if sources:  # a blend's per-source validation: one more chart
+        charts["val_sources.png"] = lambda p: _plot_val_sources(
+            plt, c, train, val, sources, p, name
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        if not keep_others:
+            raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
+        log.warning(
+            "%s: a file is there, not a directory of charts; it is kept, and no chart is "
+            "drawn. Move it away, then run `anneal plot %s`.",
+            out_dir,
+            run_dir,
+        )
+        return []
+    kept = claim_pngs([out_dir / n for n in charts], keep_others=keep_others)
+    for path in kept:
+        log.warning(
+            "%s: not a chart Anneal drew (a PNG written by Matplotlib), so it is kept "
+            "and this chart is not drawn. Move it away, then run `anneal plot %s`.",
+            path,
+            run_dir,
+        )
+    plt, style, c = pyplot(dark)
     with plt.rc_context(style):
-        paths.append(_plot_loss(plt, c, train, val, cfg, loss, name, parent))
-        paths.append(_plot_lr(plt, c, train, cfg, lr, name, parent))
-        paths.append(_plot_grad_norm(plt, c, train, events, cfg, grad_norm, name))
-        paths.append(_plot_throughput(plt, c, train, throughput, name))
-        if sources:
-            path = out_dir / "val_sources.png"
-            paths.append(_plot_val_sources(plt, c, train, val, sources, path, name))
-    return paths
+        return [draw(out_dir / n) for n, draw in charts.items() if out_dir / n not in kept]
 
 
 def _parent_rows(cfg: dict) -> tuple[str, list[dict], list[dict]] | None:

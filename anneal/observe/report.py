@@ -16,11 +16,16 @@ probability evenly over the V ids. Thresholds are in the constants below, with t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from anneal import rundir
+from anneal.files import write_atomic
+
+log = logging.getLogger("anneal.observe.report")  # the same name when run as __main__
 
 HEALTHY, PROBLEM, UNKNOWN = "healthy", "problem", "n/a"
 # Train loss counts as "near the baseline" above this share of ln(V): a model that has learned
@@ -214,7 +219,7 @@ def health(run_dir: Path) -> list[Signal]:
 def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
     marks = {HEALTHY: "healthy", PROBLEM: "PROBLEM", UNKNOWN: "n/a"}
     width = max(len(s.name) for s in signals)
-    head = f"health of {run_dir}" if run_dir else "health"
+    head = f"{rundir.REPORT_HEAD}{run_dir}" if run_dir else "health"
     lines = [head]
     if run_dir is not None:  # a cooldown branch names its parent (anneal.config.branch)
         from anneal.config.branch import lineage
@@ -228,24 +233,49 @@ def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
 
 
 def write_report(run_dir: Path) -> str:
-    """The table, also written to ``RUN/report.txt``; returns it."""
+    """The table, also written to ``RUN/report.txt``; returns it. A ``report.txt`` there that
+    Anneal did not write (``anneal.rundir.written_by_anneal``) is kept, and a warning says so."""
     text = format_table(health(run_dir), run_dir=run_dir)
-    rundir.report_path(run_dir).write_text(text + "\n")
+    path = rundir.report_path(run_dir)
+    if (path.exists() or path.is_symlink()) and not rundir.written_by_anneal(path):
+        log.warning(
+            "%s: not a report Anneal wrote, so it is kept and the report is not saved. Move it "
+            "away, then run `anneal report %s` (which prints the report).",
+            path,
+            run_dir,
+        )
+    else:
+        write_atomic(path, text + "\n")
     return text
 
 
 def end_of_run(run_dir: Path) -> None:
     """What a run does after its last step (``anneal.observe.progress.finish_run`` runs it in a
-    child process): its plots, then its health report, printed and saved."""
+    child process): its plots, then its health report, printed and saved. A file of someone
+    else's where a chart or the report goes is kept (a warning says so), never replaced."""
     from anneal.observe import plots
 
-    plots.plot_run(run_dir)
+    plots.plot_run(run_dir, keep_others=True)
     print(write_report(run_dir), flush=True)
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str]) -> int:
+    """``python -m anneal.observe.report RUN --end-of-run``: ``end_of_run``; a UserError (a
+    damaged metrics.jsonl, say) is one paragraph on stderr and exit status 2."""
+    from anneal.errors import UserError
 
-    if len(sys.argv) != 3 or sys.argv[2] != "--end-of-run":
-        sys.exit("usage: python -m anneal.observe.report RUN --end-of-run (or: anneal report RUN)")
-    end_of_run(Path(sys.argv[1]))
+    if len(argv) != 2 or argv[1] != "--end-of-run":
+        print("usage: python -m anneal.observe.report RUN --end-of-run", file=sys.stderr)
+        print("(or: anneal report RUN, anneal plot RUN)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        end_of_run(Path(argv[0]))
+    except UserError as e:  # anything else is a bug or the environment: keep its traceback
+        print(f"error: plots and report at the end of the run: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
