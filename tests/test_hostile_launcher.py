@@ -13,7 +13,8 @@ Proves, one surface at a time:
   nodes, no ``--no-ssh``) recipe flags, the recipe, the working directory and the Python with
   shell syntax are refused, and only there; DeepSpeed's own pdsh command line, run by bash,
   delivers every accepted value unchanged.
-- ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``, ...,
+- ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``,
+  ``HF_BEARER``, ``HF_HUB_CREDS``, ``TORCH_LOGIN``, ...,
   but not ``PATH`` or the shell's ``PWD``) and credentials in values (``user:pass@``) are left
   out, and the launcher prints their names, never their values.
 - ``--num-gpus 0`` says what ``--num-gpus`` is and how to fix it.
@@ -549,6 +550,9 @@ SECRETS = {
     "HF_COOKIE": "cookie-value",
     "TORCH_PRIVATE_KEY_FILE": "private-value",
     "HF_CREDENTIALS": "credential-value",
+    "HF_BEARER": "bearer-value",
+    "HF_HUB_CREDS": "creds-value",
+    "TORCH_LOGIN": "login-value",
     "HF_ENDPOINT": "https://user:hunter2@hub.example",
     "HF_MIRROR": "https://ghp_tokenvalue@mirror.example/x",
     "NCCL_PROXY": "alice:s3cret@proxy:3128",
@@ -585,7 +589,8 @@ def test_secrets_by_name_part_and_credentials_in_values_stay_out(tmp_path):
 
 def test_env_flag_refuses_secrets_but_not_path_or_the_shell_pwd():
     environ = {**SECRETS, "PWD": "/work", "CUDA_PATH": "/usr/local/cuda"}
-    for name in ("HF_PWD", "HF_HUB_PAT", "HF_GPG_PASSPHRASE", "HF_SESSION_ID"):
+    names = ("HF_PWD", "HF_HUB_PAT", "HF_GPG_PASSPHRASE", "HF_SESSION_ID", "HF_BEARER")
+    for name in (*names, "HF_HUB_CREDS", "TORCH_LOGIN"):
         with pytest.raises(UserError, match=f"--env {name}: looks like a secret"):
             dsenv.select(environ, [name])
     with pytest.raises(UserError, match="--env HF_ENDPOINT: .*user:password@ credential"):
