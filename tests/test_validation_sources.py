@@ -8,13 +8,14 @@ spread evenly over its own range, so the same source prepared alone and validate
 ``eval_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
 is evaluated once, with equal batch counts; source names become clean metric keys, one per
 source and never two equal. With the real DeepSpeed engine (one gloo rank in this process,
-ZeRO-1 fp32 on CPU, two steps trained so the weights are off init): two text sources prepared as a blend and each alone with the blend's
-tokenizer hold the same val windows, and the engine's per-source ``val_loss/<source>`` and
-``val_bpb/<source>`` on the blend equal ``validate`` on each source alone within 1e-6 relative,
-while the total is the token-weighted mean of the sources; two runs through the recipe, 1 rank
-and 2, agree on them (slow). A blend's figures reach TensorBoard (read back with its own
-reader), ``anneal plot`` (val_sources.png), ``anneal report`` (a source rising while the total
-falls is flagged as forgotten) and the console's validation line.
+ZeRO-1 fp32 on CPU, two steps trained so the weights are off init): two text sources prepared as
+a blend and each alone with the blend's tokenizer hold the same val windows, and the engine's
+per-source ``val_loss/<source>`` and ``val_bpb/<source>`` on the blend equal ``validate`` on
+each source alone within 1e-6 relative, while the total is the token-weighted mean of the
+sources; two runs through the recipe, 1 rank and 2, agree on them (slow). A blend's figures
+reach TensorBoard (read back with its own reader), ``anneal plot`` (val_sources.png), ``anneal
+report`` (a source rising while the total falls is flagged as forgotten) and the console's
+validation line.
 """
 
 from __future__ import annotations
