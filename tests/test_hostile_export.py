@@ -9,7 +9,9 @@ a checkpoint (manifest rewritten to match) is named by the scan and never runs, 
 verification's own reader refuses it even without the scan; `--tag` names a checkpoint of this
 run only; a manifest that names files outside its directory is refused; a broken config.json,
 frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
-values or an over-long prompt for generate, are refused clearly.
+values or an over-long prompt for generate, are refused clearly; a checkpoint missing a
+tensor-parallel rank's files is named with those files and the fix (copy the whole tag
+directory), not "train it first".
 
 The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
 cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
@@ -358,6 +360,38 @@ def test_manifest_naming_files_outside_its_directory_is_refused(run, tmp_path, c
             names=[str(tag_dir / "manifest.json"), repr(where)],
             untouched=[run],
         )
+
+
+def test_a_missing_tensor_parallel_rank_is_named_not_train_it_first(run, tmp_path, capsys):
+    """Every checkpoint's manifest made that of a tensor-parallel degree 2 save whose rank 1
+    files (listed, as every rank's files are) did not come along with the copy: the export,
+    with --tag or without, names the checkpoint and rank 1's files and says to copy the whole
+    tag directory or export an intact checkpoint, not to train the run first."""
+    for tag_dir in sorted((run / "checkpoints").glob("step*")):
+        path = tag_dir / "manifest.json"
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        for name in [n for n in files if "mp_rank_00" in n]:
+            files[name.replace("mp_rank_00", "mp_rank_01")] = files[name]
+        path.write_text(json.dumps({**manifest, "tensor_parallel_size": 2}))
+    for tag in (TAG, None):
+        err = refused(
+            capsys,
+            "export",
+            run,
+            *(["--tag", tag] if tag else []),
+            "--out",
+            tmp_path / "hf",
+            names=[
+                str(run / "checkpoints" / TAG),
+                "missing tensor-parallel rank files",
+                "mp_rank_01_model_states.pt",
+                "Copy the whole tag directory",
+                "export an intact checkpoint",
+            ],
+            untouched=[run],
+        )
+        assert "Train it first" not in err and "\n" not in err.strip(), err
 
 
 def test_malformed_manifest_is_refused_naming_it(run, tmp_path, capsys):
