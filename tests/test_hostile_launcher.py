@@ -8,7 +8,9 @@ Proves, one surface at a time:
   directory), by renaming a complete new file over it; hostfiles with garbage, binary bytes,
   Unicode digits, huge slot counts or duplicate hosts are refused with the line.
 - ``submit``: the rendered sbatch script quotes or refuses every value; a newline or ``%`` in
-  the run directory, a control character in a path or a recipe flag are refused by name.
+  the run directory, a control character in a path or a recipe flag are refused by name; a
+  virtual environment at ``u"$(touch MARKER)"/bin`` is only a path when the rendered script
+  runs under bash (fake srun and scontrol): MARKER never appears.
 - ``run``: ``--master-addr`` goes through the host-name check; for a pdsh launch (several
   nodes, no ``--no-ssh``) recipe flags, the recipe, the working directory and the Python with
   shell syntax are refused, and only there; DeepSpeed's own pdsh command line, run by bash,
