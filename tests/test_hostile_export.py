@@ -11,7 +11,9 @@ run only; a manifest that names files outside its directory is refused; a broken
 frozen parameters, another model's shapes, a `--shard-size` or `--dtype` typo, and bad sampling
 values or an over-long prompt for generate, are refused clearly; a checkpoint missing a
 tensor-parallel rank's files is named with those files and the fix (copy the whole tag
-directory), not "train it first".
+directory), not "train it first"; a data directory whose tokenizer.json disagrees with its
+tokenizer.model is named, by its meta.json's hashes before anything is written, or (prepared
+before those) by the export's tokenizer check, in a paragraph.
 
 The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
 cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
@@ -392,6 +394,42 @@ def test_a_missing_tensor_parallel_rank_is_named_not_train_it_first(run, tmp_pat
             untouched=[run],
         )
         assert "Train it first" not in err and "\n" not in err.strip(), err
+
+
+def test_a_tokenizer_json_that_disagrees_with_the_data_is_a_paragraph(
+    run, tiny_data, tmp_path, capsys
+):
+    """Two ids swapped in the tokenizer.json of a copy of the run's prepared data (its
+    tokenizer.model, the ids the run trained on, unchanged): the export names the data
+    directory and tokenizer.json before it writes anything. The same directory as an older
+    Anneal prepared it (meta.json without ``tokenizer_files``) gets through to the export's
+    check of the shipped tokenizer, which names the data directory and its files in one
+    paragraph instead of a traceback that blames the exporter. Nothing is left behind."""
+    from anneal.hf.verify import VERIFY_TEXT
+    from tests.test_hostile_data import swap_two_ids
+
+    data = Path(shutil.copytree(tiny_data, tmp_path / "data"))
+    swap_two_ids(data / "tokenizer.json", VERIFY_TEXT)
+    out = tmp_path / "hf"
+    args = ["export", run, "--tokenizer", data, "--out", out]
+    err = refused(
+        capsys,
+        *args,
+        names=[f"{data}: tokenizer.json differ", f"anneal data verify {data}"],
+        untouched=[run, data],
+    )
+    assert "Nothing was exported" in err and not out.exists(), err
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["tokenizer_files"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    err = refused(
+        capsys,
+        *args,
+        names=[f"--tokenizer {data}", "tokenizer.json", "tokenizer.model there", "data verify"],
+        untouched=[run, data],
+    )
+    assert "Traceback" not in err and "\n" not in err.strip(), err
+    assert not out.exists() and not list(tmp_path.glob(".hf.partial*"))
 
 
 def test_malformed_manifest_is_refused_naming_it(run, tmp_path, capsys):

@@ -379,9 +379,13 @@ def _hf_token_bytes(tk, vocab_size: int) -> np.ndarray:
     return lengths
 
 
+def ids_file(directory: Path) -> Path:
+    """The file that defines the ids of the tokenizer in a directory (what ``load`` reads):
+    ``tokenizer.model``, else ``tokenizer.json``."""
+    model = Path(directory) / "tokenizer.model"
+    return model if model.is_file() else Path(directory) / "tokenizer.json"
+
+
 def tokenizer_sha256(directory: Path) -> str:
-    """Identity of the tokenizer in a prepared directory: the hash of the file that defines
-    the ids (``tokenizer.model``, else ``tokenizer.json``)."""
-    directory = Path(directory)
-    model = directory / "tokenizer.model"
-    return file_sha256(model if model.is_file() else directory / "tokenizer.json")
+    """Identity of the tokenizer in a prepared directory: the hash of ``ids_file``."""
+    return file_sha256(ids_file(directory))

@@ -152,6 +152,8 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
             f"The run's data directory moved? Pass --tokenizer DIR (the prepared data "
             f"directory the run trained on)."
         )
+    if (source / "meta.json").is_file():  # a prepared directory: its files as prepared
+        _check_tokenizer_files(source)
     want = manifest.get("tokenizer_sha256")
     if want and tokenizer_sha256(source) != want:
         raise UserError(
@@ -160,6 +162,23 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
             f"directory."
         )
     return source
+
+
+def _check_tokenizer_files(data_dir: Path) -> None:
+    """Every tokenizer file of a prepared directory as meta.json recorded it (what ``anneal
+    data verify`` checks), before anything is written: the export copies them."""
+    from anneal.data.prepared import read_meta
+    from anneal.data.tokenizer_files import tokenizer_changes
+
+    changed = [name for name, *_ in tokenizer_changes(data_dir, read_meta(data_dir))]
+    if changed:
+        raise UserError(
+            f"{data_dir}: {', '.join(changed)} differ(s) from the sha256 that meta.json "
+            f"recorded when the data was prepared (missing, edited or damaged), so the export "
+            f"would ship another tokenizer than the run trained with. Put the original files "
+            f"back (`anneal data verify {data_dir}` lists them), or pass --tokenizer with an "
+            f"intact copy of the run's prepared data directory. Nothing was exported."
+        )
 
 
 def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
