@@ -425,7 +425,7 @@ def test_a_tokenizer_json_that_disagrees_with_the_data_is_a_paragraph(
     err = refused(
         capsys,
         *args,
-        names=[f"--tokenizer {data}", "tokenizer.json", "tokenizer.model there", "data verify"],
+        names=[f"{data}: AutoTokenizer on its tokenizer.json", "tokenizer.model there"],
         untouched=[run, data],
     )
     assert "Traceback" not in err and "\n" not in err.strip(), err

@@ -67,7 +67,7 @@ def verify_export(
     theirs = tok(VERIFY_TEXT, add_special_tokens=False)["input_ids"]
     if ours != theirs:  # the files are copies of the data directory's: they disagree there
         raise UserError(
-            f"--tokenizer {data_tokenizer}: AutoTokenizer on its tokenizer.json (as exported) "
+            f"{data_tokenizer}: AutoTokenizer on its tokenizer.json (as exported) "
             f"encodes the check text differently from the run's tokenizer, "
             f"{toklib.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
             f"the directory's tokenizer files disagree. `anneal data verify {data_tokenizer}` "
