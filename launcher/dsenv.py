@@ -5,9 +5,10 @@ Only names on an allow-list are written (``NCCL_*``, ``HF_*``, ``CUDA_*``, ``TOR
 puts the values on a command line that other users can read in ``ps`` on every node. Left out,
 with their names (never their values) printed by the launcher:
 - a name that looks like a secret: ``TOKEN``, ``KEY``, ``SECRET``, ``PASSW``, ``PASSPHRASE``,
-  ``CREDENTIAL``, ``AUTH``, ``PRIVATE``, ``SESSION`` or ``COOKIE`` anywhere in it, or ``PASS``,
-  ``PWD`` or ``PAT`` as a part between underscores (``HF_PWD``, ``HF_HUB_PAT``; ``PATH`` and
-  the shell's own ``PWD`` and ``OLDPWD`` are not secrets);
+  ``CRED`` (``CREDS``, ``CREDENTIAL``), ``AUTH``, ``BEARER``, ``LOGIN``, ``PRIVATE``,
+  ``SESSION``, ``COOKIE`` or ``JWT`` anywhere in it, or ``PASS``, ``PWD``, ``PW`` or ``PAT`` as
+  a part between underscores (``HF_PWD``, ``HF_HUB_PAT``; ``PATH`` and the shell's own ``PWD``
+  and ``OLDPWD`` are not secrets);
 - a value that carries a credential: ``user:password@`` or any ``scheme://user@`` (a token in
   a URL, ``HF_ENDPOINT=https://user:pass@host``);
 - a value that the remote shell would expand or split: a control character (a newline), or
@@ -46,9 +47,10 @@ DEEPSPEED_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Prefixes DeepSpeed 0.19's runner exports from its own environment (runner.py EXPORT_ENVS
 and the CUDA accelerator's ``export_envs``)."""
 _SECRET_WORDS = re.compile(
-    r"TOKEN|KEY|SECRET|PASSW|PASSPHRASE|CREDENTIAL|AUTH|PRIVATE|SESSION|COOKIE", re.IGNORECASE
+    r"TOKEN|KEY|SECRET|PASSW|PASSPHRASE|CRED|AUTH|BEARER|LOGIN|PRIVATE|SESSION|COOKIE|JWT",
+    re.IGNORECASE,
 )
-_SECRET_PARTS = re.compile(r"(?:^|_)(?:PASS|PWD|PAT)(?:_|$)", re.IGNORECASE)
+_SECRET_PARTS = re.compile(r"(?:^|_)(?:PASS|PWD|PW|PAT)(?:_|$)", re.IGNORECASE)
 NOT_SECRETS = ("PWD", "OLDPWD")
 """The shell's working directories, not passwords."""
 _CREDENTIAL = re.compile(r"[^\s/@:]*:[^\s/@]*@|://[^\s/@]+@")

@@ -6,7 +6,10 @@
   checkpoint, its copy's config.json saying wsd): S + ceil(N / tokens per step) steps, the parent's
   tag as what it loads, its config.json naming the parent run, step and the manifest's sha256;
   on another data directory with the same tokenizer it starts that data at position 0 and says
-  so. Each bad input is one paragraph naming the fix, and the parent is byte-identical after.
+  so. Each bad input is one paragraph naming the fix (a manifest whose step disagrees with its
+  tag, or whose tokens is not a count, included), and the parent is byte-identical after.
+- A tag reached through a link (a fake run directory linking to a real tag) is the real
+  parent's: an --out inside the real parent is refused, and the lineage names the real run.
 - The drill (slow): a real WSD parent and two cooldowns of different lengths from one of its
   checkpoints, run at once; each ends with a validation loss below the parent's at the branch
   step, applies the closed-form LR at every step, names its lineage in its report and draws its
@@ -140,6 +143,8 @@ WORDS = {
     "with --resume": ["--resume and --restart do not apply"],
     "at the floor": ["already at its floor", "stable phase"],
     "a length, no branch": ["not a cooldown branch", "--branch-from"],
+    "manifest step edited": ["says step 1", "its directory is step00000002", "restore"],
+    "tokens not a count": ['tokens is "abc"', "not a count of tokens", "Restore"],
 }
 
 
@@ -175,6 +180,13 @@ def bad_launch(case, *, parent, cosine, data, tmp) -> tuple[list[str], int]:
         (parent / "config.json").write_text(json.dumps(doc))
     elif case == "a length, no branch":
         start = None
+    elif case in ("manifest step edited", "tokens not a count"):  # sizes still match
+        start = parent / "checkpoints" / "step00000002"
+        path = start / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest.update({"step": 1} if case == "manifest step edited" else {"tokens": "abc"})
+        path.write_text(json.dumps(manifest))
+        more = [] if case == "tokens not a count" else more  # the message that reads tokens
     args = ["--out", str(out), "--data", str(data), *SMALL, *more]
     return args + (["--branch-from", str(start)] if start else []), world
 
@@ -189,6 +201,32 @@ def test_each_bad_branch_is_one_clear_error(case, wsd_parent, tiny_run, tiny_dat
     msg = str(e.value)
     assert all(w in msg for w in WORDS[case]) and "\n" not in msg, msg
     assert tree(wsd_parent, tiny_run) == before and not (tmp_path / "b").exists()
+
+
+def test_a_branch_through_a_linked_tag_is_the_real_parents(wsd_parent, tiny_data, tmp_path):
+    """A fake run directory whose checkpoints/step00000002 is a link to the real parent's tag,
+    with a config.json of its own: the branch's parent is the run the checkpoint really lies
+    in. An --out inside the real parent (its checkpoints/ directory, where the fake parent
+    would have let the branch write) is refused naming it; an --out elsewhere records the real
+    parent and tag. The real parent's tree is the same before and after."""
+    real_tag = wsd_parent / "checkpoints" / "step00000002"
+    fake = tmp_path / "fake"
+    (fake / "checkpoints").mkdir(parents=True)
+    shutil.copy(wsd_parent / "config.json", fake / "config.json")
+    (fake / "checkpoints" / "step00000002").symlink_to(real_tag)
+    before = tree(wsd_parent)
+    n = ["--set", "optim.cooldown_tokens=1000"]
+    for given in (fake / "checkpoints" / "step00000002", fake):
+        for out in (wsd_parent / "checkpoints", real_tag / "b"):
+            with pytest.raises(UserError) as e:
+                plan_for(branch_args(given, tiny_data, out, *n))
+            msg = str(e.value)
+            assert f"the parent run {wsd_parent}, and a branch never writes" in msg, msg
+        launch = plan_for(branch_args(given, tiny_data, tmp_path / "b", *n))
+        doc = launch.config_document()["branch"]
+        assert (doc["parent_run"], doc["checkpoint"]) == (str(wsd_parent), str(real_tag))
+        assert launch.resume_from == real_tag
+    assert tree(wsd_parent) == before and not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow

@@ -5,12 +5,14 @@ directory their own command wrote, never an input, `.`, a file or a stranger's d
 leave no `OUT.old-PID` behind; the clean-up of interrupted prepares deletes only a dead
 prepare's own partial directory; a shard whose bytes changed at the same size is named when a
 window is read (a UserError, also through the prefetch thread) and `anneal data verify` lists
-every damaged file; meta.json may not name a file outside its directory; tokenizer training
-reports a bad record or an empty input as packing does; bad weights, overlapping and
-same-named inputs get their own message; `anneal fit --out` replaces only a fit file; and any
-garbage in meta.json is a UserError naming meta.json and the key. Each refusal exits 2 (or
-raises UserError), names the problem and the fix, prints no traceback, and leaves every file
-around it as it was (the tree is hashed before and after).
+every damaged file, every tokenizer file included (two ids swapped in tokenizer.json beside an
+unchanged tokenizer.model); meta.json may not name a file outside its directory; tokenizer
+training reports a bad record or an empty input as packing does, and a --vocab-size too small
+(or too large) for the sample as one to raise (or lower), with the bound; bad weights
+(``a.txt:abc`` included), overlapping and same-named inputs get their own message; `anneal fit
+--out` replaces only a fit file; and any garbage in meta.json is a UserError naming meta.json
+and the key. Each refusal exits 2 (or raises UserError), names the problem and the fix, prints
+no traceback, and leaves every file around it as it was (the tree is hashed before and after).
 """
 
 from __future__ import annotations
@@ -270,6 +272,44 @@ def test_data_verify_lists_every_damaged_file(data, capsys):
     assert "2 of" in err and "anneal data prepare" in err and "--force" in err
 
 
+def swap_two_ids(tokenizer_json: Path, text: str) -> tuple[str, str]:
+    """Swap the ids of the first two different pieces that ``text`` encodes to in a Hugging
+    Face ``tokenizer.json`` (same pieces, same size class of edit: what a careless edit or a
+    mix-up of vocabularies does). Returns the two pieces."""
+    from tokenizers import Tokenizer
+
+    pieces = list(dict.fromkeys(Tokenizer.from_file(str(tokenizer_json)).encode(text).tokens))
+    doc = json.loads(tokenizer_json.read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = pieces[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tokenizer_json.write_text(json.dumps(doc, ensure_ascii=False))
+    return a, b
+
+
+def test_data_verify_covers_every_tokenizer_file(data, capsys):
+    """meta.json records every file the tokenizer was saved as; two ids swapped in
+    tokenizer.json (tokenizer.model unchanged) fail `anneal data verify` and the training-time
+    check, naming tokenizer.json. A directory prepared before that record (no
+    ``tokenizer_files``) still verifies, and says which tokenizer files it could not cover."""
+    files = read_meta(data)["tokenizer_files"]
+    assert sorted(files) == ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    assert main(["data", "verify", str(data)]) == 0
+    assert "tokenizer.json, tokenizer.model, tokenizer_config.json" in capsys.readouterr().out
+    swap_two_ids(data / "tokenizer.json", TEXT)
+    err = refused(["data", "verify", str(data)], capsys, root=data.parent, names=())
+    assert "1 of" in err and "tokenizer.json (sha256 differs" in err and "--force" in err, err
+    with pytest.raises(UserError, match=r"tokenizer\.json: its sha256 .* differs from the tok"):
+        check_prepared(data)
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["tokenizer_files"]  # as prepared by an older Anneal
+    (data / "meta.json").write_text(json.dumps(meta))
+    assert check_prepared(data)["vocab_size"] == 300
+    assert main(["data", "verify", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "(tokenizer.model)" in out and "no sha256 for tokenizer.json, tokenizer_config" in out
+
+
 # --- item 14: file names in meta.json stay inside their directory -----------------------------
 
 
@@ -338,16 +378,44 @@ def test_absurd_vocab_size_is_refused_before_anything(tmp_path, capsys, size):
     refused(argv, capsys, root=tmp_path, names=(f"--vocab-size {size}", "at least 260", "8192"))
 
 
+def test_a_vocabulary_too_small_or_too_large_for_the_text_says_which_way(tmp_path, capsys):
+    """A sample of 200 distinct characters needs room for each: --vocab-size 300 is told to
+    choose a larger one, with the minimum, and that minimum trains; three short lines support
+    only so many merges: 5000 is told to choose a smaller one, with the most."""
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(0x4E00, 0x4E00 + 200)]
+    wide = tmp_path / "wide.txt"
+    wide.write_text("\n\n".join("".join(rng.choices(chars, k=300)) for _ in range(50)))
+    argv = _prep_args([wide], tmp_path / "out") + ["--vocab-size", "300"]
+    err = refused(argv, capsys, root=tmp_path, names=("vocabulary of 300", "larger --vocab-size"))
+    assert "smaller --vocab-size" not in err and "character_coverage" not in err, err
+    least = int(err.split("at least ")[-1].rstrip(".\n").replace(",", ""))
+    assert 456 <= least < 470, err  # 256 bytes, 200 characters, a few control pieces
+    assert main(_prep_args([wide], tmp_path / "out") + ["--vocab-size", str(least)]) == 0
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n\nfoo bar baz\n")
+    argv = _prep_args([short], tmp_path / "out2") + ["--vocab-size", "5000"]
+    err = refused(argv, capsys, root=tmp_path, names=("smaller --vocab-size", "or less here"))
+    assert "larger" not in err
+
+
 # --- item 9: inputs ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("weight", ["-1", "0", "1e", "nan", "inf", "-0.5", "+0"])
+@pytest.mark.parametrize(
+    "weight", ["-1", "0", "1e", "nan", "inf", "-0.5", "+0", "abc", "", "0.5x", "½"]
+)
 def test_a_bad_weight_is_called_a_bad_weight(tmp_path, capsys, weight):
+    """Number-like or not (``a.txt:abc``), what follows the last colon of an existing input
+    is called a weight that is not a (positive) number, never a missing file."""
     src = _corpus(tmp_path)
     a = src / "0.txt"
     argv = _prep_args([f"{a}:{weight}", f"{src / '1.txt'}:1"], tmp_path / "out")
     err = refused(argv, capsys, root=tmp_path, names=(f"--input {a}:{weight}", "weight"))
     assert "no such file" not in err and "above 0" in err
+    assert f"the weight {weight!r} after the last colon is not a" in err, err
+    for spec in (f"stdlib:{weight}", f"{src / '*.txt'}:{weight}"):  # not a path alone
+        refused(_prep_args([spec], tmp_path / "out"), capsys, root=tmp_path, names=("weight",))
 
 
 def test_weights_whose_sum_overflows_are_refused(tmp_path, capsys):
@@ -472,6 +540,8 @@ GARBAGE = [
     ("sources.0.name", None, "sources[0].name"),
     ("blend", "weighted", "sources[0].weight"),
     ("blend", 3, "blend"),
+    ("tokenizer_files", [], "tokenizer_files"),
+    ("tokenizer_files", {"tokenizer.json": "xyz"}, "tokenizer_files['tokenizer.json']"),
 ]
 
 

@@ -9,7 +9,11 @@ checkpoint (manifest rewritten to match) is refused by torch's weights-only load
 export's reader opens the file, and never runs; the verification's own reader refuses it too;
 `--tag` names a checkpoint of this run only; a manifest that names files outside its directory is
 refused; a broken config.json, frozen parameters, another model's shapes, a `--shard-size` or
-`--dtype` typo, and bad sampling values or an over-long prompt for generate, are refused clearly.
+`--dtype` typo, and bad sampling values or an over-long prompt for generate, are refused clearly; a
+checkpoint missing a tensor-parallel rank's files is named with those files and the fix (copy the
+whole tag directory), not "train it first"; a data directory whose tokenizer.json disagrees with
+its tokenizer.model is named, by its meta.json's hashes before anything is written, or (prepared
+before those) by the export's tokenizer check, in a paragraph.
 
 The run exported is the session's one tiny run (conftest's `tiny_run`, shared with the hostile
 cases of resume: 10-20 s, paid once); the rest takes about 10 s: everything runs in-process
@@ -357,6 +361,74 @@ def test_manifest_naming_files_outside_its_directory_is_refused(run, tmp_path, c
             names=[str(tag_dir / "manifest.json"), repr(where)],
             untouched=[run],
         )
+
+
+def test_a_missing_tensor_parallel_rank_is_named_not_train_it_first(run, tmp_path, capsys):
+    """Every checkpoint's manifest made that of a tensor-parallel degree 2 save whose rank 1
+    files (listed, as every rank's files are) did not come along with the copy: the export,
+    with --tag or without, names the checkpoint and rank 1's files and says to copy the whole
+    tag directory or export an intact checkpoint, not to train the run first."""
+    for tag_dir in sorted((run / "checkpoints").glob("step*")):
+        path = tag_dir / "manifest.json"
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        for name in [n for n in files if "mp_rank_00" in n]:
+            files[name.replace("mp_rank_00", "mp_rank_01")] = files[name]
+        path.write_text(json.dumps({**manifest, "tensor_parallel_size": 2}))
+    for tag in (TAG, None):
+        err = refused(
+            capsys,
+            "export",
+            run,
+            *(["--tag", tag] if tag else []),
+            "--out",
+            tmp_path / "hf",
+            names=[
+                str(run / "checkpoints" / TAG),
+                "missing tensor-parallel rank files",
+                "mp_rank_01_model_states.pt",
+                "Copy the whole tag directory",
+                "export an intact checkpoint",
+            ],
+            untouched=[run],
+        )
+        assert "Train it first" not in err and "\n" not in err.strip(), err
+
+
+def test_a_tokenizer_json_that_disagrees_with_the_data_is_a_paragraph(
+    run, tiny_data, tmp_path, capsys
+):
+    """Two ids swapped in the tokenizer.json of a copy of the run's prepared data (its
+    tokenizer.model, the ids the run trained on, unchanged): the export names the data
+    directory and tokenizer.json before it writes anything. The same directory as an older
+    Anneal prepared it (meta.json without ``tokenizer_files``) gets through to the export's
+    check of the shipped tokenizer, which names the data directory and its files in one
+    paragraph instead of a traceback that blames the exporter. Nothing is left behind."""
+    from anneal.hf.verify import VERIFY_TEXT
+    from tests.test_hostile_data import swap_two_ids
+
+    data = Path(shutil.copytree(tiny_data, tmp_path / "data"))
+    swap_two_ids(data / "tokenizer.json", VERIFY_TEXT)
+    out = tmp_path / "hf"
+    args = ["export", run, "--tokenizer", data, "--out", out]
+    err = refused(
+        capsys,
+        *args,
+        names=[f"{data}: tokenizer.json differ", f"anneal data verify {data}"],
+        untouched=[run, data],
+    )
+    assert "Nothing was exported" in err and not out.exists(), err
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["tokenizer_files"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    err = refused(
+        capsys,
+        *args,
+        names=[f"{data}: AutoTokenizer on its tokenizer.json", "tokenizer.model there"],
+        untouched=[run, data],
+    )
+    assert "Traceback" not in err and "\n" not in err.strip(), err
+    assert not out.exists() and not list(tmp_path.glob(".hf.partial*"))
 
 
 def test_malformed_manifest_is_refused_naming_it(run, tmp_path, capsys):

@@ -8,12 +8,15 @@ Proves, one surface at a time:
   directory), by renaming a complete new file over it; hostfiles with garbage, binary bytes,
   Unicode digits, huge slot counts or duplicate hosts are refused with the line.
 - ``submit``: the rendered sbatch script quotes or refuses every value; a newline or ``%`` in
-  the run directory, a control character in a path or a recipe flag are refused by name.
+  the run directory, a control character in a path or a recipe flag are refused by name; a
+  virtual environment at ``u"$(touch MARKER)"/bin`` is only a path when the rendered script
+  runs under bash (fake srun and scontrol): MARKER never appears.
 - ``run``: ``--master-addr`` goes through the host-name check; for a pdsh launch (several
   nodes, no ``--no-ssh``) recipe flags, the recipe, the working directory and the Python with
   shell syntax are refused, and only there; DeepSpeed's own pdsh command line, run by bash,
   delivers every accepted value unchanged.
-- ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``, ...,
+- ``.deepspeed_env``: secrets by name part (``HF_PWD``, ``HF_HUB_PAT``, ``*_PASSPHRASE``,
+  ``HF_BEARER``, ``HF_HUB_CREDS``, ``TORCH_LOGIN``, ...,
   but not ``PATH`` or the shell's ``PWD``) and credentials in values (``user:pass@``) are left
   out, and the launcher prints their names, never their values.
 - ``--num-gpus 0`` says what ``--num-gpus`` is and how to fix it.
@@ -296,6 +299,65 @@ def test_a_run_directory_with_a_space_is_quoted_on_the_sbatch_line():
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
+FAKE_SLURM = {
+    "srun": '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
+    "scontrol": '#!/bin/sh\n[ "$2" = hostnames ] && echo node1\n'
+    '[ "$2" = node ] && echo "NodeName=node1 NodeAddr=127.0.0.1"\nexit 0\n',
+}
+
+
+def test_an_interpreter_path_with_shell_syntax_never_runs(tmp_path):
+    """The sbatch script rendered for a virtual environment at ``u"$(touch MARKER)"/bin``,
+    then run by bash as the batch job (fake srun and scontrol on PATH that run the node's
+    command here; a fake ``deepspeed`` in that environment records what it was given): the
+    path is only ever a path, so MARKER never appears, and deepspeed at that path receives
+    the hostfile, node rank, rendezvous and the recipe command exactly."""
+    venv = tmp_path / 'u"$(touch MARKER)"' / "bin"
+    fake = tmp_path / "slurm"
+    for d in (venv, fake, tmp_path / "code"):
+        d.mkdir(parents=True)
+    record = tmp_path / "deepspeed.argv"
+    scripts = {
+        venv / "python": "#!/bin/sh\nexit 0\n",
+        venv / "deepspeed": f'#!/bin/sh\nprintf "%s\\0" "$0" "$@" > {shlex.quote(str(record))}\n',
+        **{fake / name: text for name, text in FAKE_SLURM.items()},
+    }
+    for path, text in scripts.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    run_dir = tmp_path / "run"
+    recipe_args = ["--out", str(run_dir), "--set", "x=$(touch MARKER)"]
+    script = tmp_path / "submit.sbatch"
+    script.write_text(
+        _render(
+            run_dir=run_dir,
+            workdir=tmp_path / "code",
+            python=str(venv / "python"),
+            recipe_args=recipe_args,
+        )
+    )
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    env = {
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "1",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NODEID": "0",
+    }
+    done = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path / "code", env=env, capture_output=True, text=True
+    )
+    assert not list(tmp_path.rglob("MARKER")), done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = record.read_text().split("\0")[:-1]
+    assert got == [
+        str(venv / "deepspeed"),
+        *("--hostfile", f"{run_dir}/hostfile", "--no_ssh", "--node_rank", "0"),
+        *("--master_addr", "127.0.0.1", "--master_port", "29500"),
+        "recipes/pretrain_tiny.py",
+        *recipe_args,
+    ]
+
+
 def test_submit_refuses_a_newline_in_out_and_writes_nothing(tmp_path, capsys, tiny_data):
     base = ["submit", RECIPE, *"--nodes 2 --gpus-per-node 1 --partition p --device cpu".split()]
     base += ["--time", "01:00:00"]
@@ -549,6 +611,9 @@ SECRETS = {
     "HF_COOKIE": "cookie-value",
     "TORCH_PRIVATE_KEY_FILE": "private-value",
     "HF_CREDENTIALS": "credential-value",
+    "HF_BEARER": "bearer-value",
+    "HF_HUB_CREDS": "creds-value",
+    "TORCH_LOGIN": "login-value",
     "HF_ENDPOINT": "https://user:hunter2@hub.example",
     "HF_MIRROR": "https://ghp_tokenvalue@mirror.example/x",
     "NCCL_PROXY": "alice:s3cret@proxy:3128",
@@ -585,7 +650,8 @@ def test_secrets_by_name_part_and_credentials_in_values_stay_out(tmp_path):
 
 def test_env_flag_refuses_secrets_but_not_path_or_the_shell_pwd():
     environ = {**SECRETS, "PWD": "/work", "CUDA_PATH": "/usr/local/cuda"}
-    for name in ("HF_PWD", "HF_HUB_PAT", "HF_GPG_PASSPHRASE", "HF_SESSION_ID"):
+    names = ("HF_PWD", "HF_HUB_PAT", "HF_GPG_PASSPHRASE", "HF_SESSION_ID", "HF_BEARER")
+    for name in (*names, "HF_HUB_CREDS", "TORCH_LOGIN"):
         with pytest.raises(UserError, match=f"--env {name}: looks like a secret"):
             dsenv.select(environ, [name])
     with pytest.raises(UserError, match="--env HF_ENDPOINT: .*user:password@ credential"):

@@ -6,15 +6,16 @@ min(eval_samples, n)), so single-source validation figures are unchanged; source
 gets its size's share of ``eval_samples`` (largest remainder, at least one window, at most all),
 spread evenly over its own range, so the same source prepared alone and validated with
 ``eval_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
-is evaluated once, with equal batch counts; source names become clean metric keys. With the
-real DeepSpeed engine (one gloo rank in this process, ZeRO-1 fp32 on CPU, two steps trained so
-the weights are off init): two text sources prepared as a blend and each alone with the blend's
-tokenizer hold the same val windows, and the engine's per-source ``val_loss/<source>`` and
-``val_bpb/<source>`` on the blend equal ``validate`` on each source alone within 1e-6 relative,
-while the total is the token-weighted mean of the sources; two runs through the recipe, 1 rank
-and 2, agree on them (slow). A blend's figures reach TensorBoard (read back with its own
-reader), ``anneal plot`` (val_sources.png), ``anneal report`` (a source rising while the total
-falls is flagged as forgotten) and the console's validation line.
+is evaluated once, with equal batch counts; source names become clean metric keys, one per
+source and never two equal. With the real DeepSpeed engine (one gloo rank in this process,
+ZeRO-1 fp32 on CPU, two steps trained so the weights are off init): two text sources prepared as
+a blend and each alone with the blend's tokenizer hold the same val windows, and the engine's
+per-source ``val_loss/<source>`` and ``val_bpb/<source>`` on the blend equal ``validate`` on
+each source alone within 1e-6 relative, while the total is the token-weighted mean of the
+sources; two runs through the recipe, 1 rank and 2, agree on them (slow). A blend's figures
+reach TensorBoard (read back with its own reader), ``anneal plot`` (val_sources.png), ``anneal
+report`` (a source rising while the total falls is flagged as forgotten) and the console's
+validation line.
 """
 
 from __future__ import annotations
@@ -111,6 +112,27 @@ def test_source_keys():
         "hf_wikitext_config_a_b",
     ]
     assert source_keys(["a/x", "a_x", ""]) == ["a_x_0", "a_x_1", "_"]
+
+
+def test_source_keys_never_coincide():
+    """Two names that clean to one key get their index appended, and that suffix never takes
+    the key of a third source (``a_b.txt_1`` here), whose figures would otherwise vanish; the
+    names that stay as they are keep their keys. Then every list of names drawn from an
+    alphabet of cleaned-away, suffix and plain characters: one key per source, all distinct."""
+    assert source_keys(["a b.txt", "a_b.txt", "a_b.txt_1"]) == [
+        "a_b.txt_0",
+        "a_b.txt_1_1",
+        "a_b.txt_1",
+    ]
+    assert source_keys(["x", "x", "x_1", "x_1_1"]) == ["x_0", "x_1_1_1", "x_1", "x_1_1"]
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        names = ["".join(rng.choice(list("a _1/"), rng.integers(0, 5))) for _ in range(6)]
+        keys = source_keys(names)
+        assert len(set(keys)) == len(names), (names, keys)
+        cleaned = ["".join(c if c in "a1_" else "_" for c in n) or "_" for n in names]
+        kept = [k for k, c in zip(keys, cleaned, strict=True) if cleaned.count(c) == 1]
+        assert kept == [c for c in cleaned if cleaned.count(c) == 1], (names, keys)
 
 
 # --- the real engine ---------------------------------------------------------------------------

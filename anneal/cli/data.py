@@ -86,7 +86,14 @@ def _data_verify(args: argparse.Namespace) -> int:
     found = verify(Path(args.dir))
     what = f"{found['shards']} shard files ({found['bytes'] / 1e6:,.1f} MB)"
     what += " and the tokenizer match" if found["tokenizer"] else " match"
-    print(f"verified {args.dir}: {what} the sha256 recorded in meta.json")
+    files = f" ({', '.join(found['tokenizer'])})" if found["tokenizer"] else ""
+    print(f"verified {args.dir}: {what} the sha256 recorded in meta.json{files}")
+    if found["uncovered"]:
+        print(
+            f"note: meta.json records no sha256 for {', '.join(found['uncovered'])} (prepared "
+            f"before Anneal recorded every tokenizer file, or added since), so they were not "
+            f"verified; prepare the directory again to cover them."
+        )
     return 0
 
 
@@ -245,8 +252,9 @@ def _add_verify(data_sub) -> None:
         "verify",
         help="re-hash every shard of a prepared directory against meta.json",
         description="Read every shard file of a prepared data directory and compare its sha256 "
-        "with the one meta.json recorded when it was written (and the tokenizer with "
-        "tokenizer_sha256). Exit 0 when all match; 2 with the list of files that do not.",
+        "with the one meta.json recorded when it was written, and every tokenizer file with "
+        "tokenizer_files (tokenizer_sha256 for a directory prepared before it). Exit 0 when all "
+        "match; 2 with the list of files that do not.",
     )
     verify.add_argument(
         "dir", metavar="DIR", type=path, help="a directory written by `anneal data prepare`"

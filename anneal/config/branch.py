@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 from anneal import rundir
@@ -91,10 +92,11 @@ def resolve(
             f"{FLAG} starts a new run in --out from the parent's checkpoint, and a relaunch with "
             f"the same command continues it; --resume and --restart do not apply. Drop them."
         )
-    tag = parent_checkpoint(cfg.train.branch_from)
+    tag = parent_checkpoint(cfg.train.branch_from)  # links resolved: the real parent's
     manifest, parent_run = read_manifest(tag), rundir.of_checkpoint(tag)
-    parent = rundir.read_config(parent_run)
     where = f"{FLAG} {tag}"
+    _check_manifest(tag, manifest, where=where)
+    parent = rundir.read_config(parent_run)
     ratio = _branch_ratio(parent, manifest["step"], where=where, run=parent_run)
     _check_topology(parent, manifest, ds, world_size, layout.tensor_parallel, where=where)
     _check_tokenizer(manifest, meta, cfg.data.path, where=where)
@@ -126,14 +128,16 @@ def resolve(
 
 def parent_checkpoint(given: str) -> Path:
     """The tag directory ``--branch-from`` names: a tag directory, or a run or checkpoints
-    directory (its newest intact checkpoint)."""
+    directory (its newest intact checkpoint); with every link resolved, so that the parent run
+    (``RUN`` of ``RUN/checkpoints/<tag>``) is where the checkpoint really lies, never a
+    directory that only links to it."""
     path = Path(given)
     if is_intact(path):
-        return path
+        return path.resolve()
     if path.is_dir():
         found = intact_checkpoints(rundir.checkpoints_dir(path)) or intact_checkpoints(path)
         if found:
-            return found[-1]
+            return found[-1].resolve()
     what = "not an intact checkpoint, and holds none" if path.exists() else "no such directory"
     raise UserError(
         f"{FLAG} {given}: {what}. "
@@ -181,6 +185,28 @@ def lineage(run_dir: Path, *, depth: int = 8) -> list[str]:
         )
         doc = rundir.config_or_empty(Path(str(b.get("parent_run"))))
     return lines
+
+
+def _check_manifest(tag: Path, manifest: dict, *, where: str) -> None:
+    """The manifest's step agrees with the checkpoint's own name (its directory's, and the tag
+    the manifest recorded at the save: ``stepNNNNNNNN``), and its ``tokens`` is a count: the
+    branch's step, schedule and length come from it."""
+    step, tokens = manifest["step"], manifest.get("tokens")
+    for what, name in (("its directory", tag.name), ("the tag it records", manifest.get("tag"))):
+        named = re.fullmatch(r"step(\d{8,})", str(name))
+        if named and int(named[1]) != step:
+            raise UserError(
+                f"{where}: its {MANIFEST} says step {step}, but {what} is {name} (step "
+                f"{int(named[1])}): the manifest was edited or belongs to another checkpoint, "
+                f"and the branch would start from the wrong step. Branch from a checkpoint as "
+                f"the run saved it, or restore this one."
+            )
+    if tokens is not None and (type(tokens) is not int or tokens < 0):
+        raise UserError(
+            f"{where}: its {MANIFEST}'s tokens is {json.dumps(tokens)[:40]}, not a count of "
+            f"tokens: not a manifest Anneal writes. Restore the checkpoint as the run saved it, "
+            f"or branch from another one."
+        )
 
 
 def _branch_ratio(parent: dict, step: int, *, where: str, run: Path) -> float:
@@ -289,8 +315,8 @@ def _check_out(out: Path, branch: Branch) -> bool:
     if not found:
         return False
     mine = rundir.config_or_empty(out).get("branch") or {}
-    if (mine.get("checkpoint"), mine.get("manifest_sha256")) == (
-        branch.checkpoint,
+    if (Path(str(mine.get("checkpoint"))).resolve(), mine.get("manifest_sha256")) == (
+        Path(branch.checkpoint),
         branch.manifest_sha256,
     ):  # this branch, relaunched: from its own newest checkpoint, else the parent's again
         return bool(intact_checkpoints(rundir.checkpoints_dir(out)))

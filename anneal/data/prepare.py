@@ -2,7 +2,7 @@
 
 Output layout::
 
-    DIR/meta.json               vocab size, dtype, counts per split and source, tokenizer hash,
+    DIR/meta.json               vocab size, dtype, counts per split and source, tokenizer hashes,
                                 sources and weights, the command
     DIR/tokenizer.model         SentencePiece model (absent for a reused HF tokenizer)
     DIR/tokenizer.json ...      Hugging Face files: AutoTokenizer.from_pretrained(DIR)
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.data import tokenizer as toklib
+from anneal.data import tokenizer_files
 from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.pack import pack_all
 from anneal.data.prepared import FORMAT_VERSION, SPLITS, has_validation, is_prepared_dir
@@ -221,6 +222,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     problems = Problems(cfg.read.on_error)
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     tok_info = make_tokenizer(partial, cfg, sources, units)
+    tok_files = tokenizer_files.record(partial)  # all that is there yet: the tokenizer's files
     tok = toklib.load(partial)
     dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
     np.save(partial / "token_bytes.npy", tok.token_bytes())
@@ -252,6 +254,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         "eos_id": tok.eos_id,
         "dtype": dtype.name,
         "tokenizer_sha256": toklib.tokenizer_sha256(partial),
+        "tokenizer_files": tok_files,
         "tokenizer": tok_info,
         "sources": [_source_meta(s, per_source) for s in sources],
         "blend": "weighted" if sources[0].weight is not None else "natural",

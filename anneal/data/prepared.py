@@ -14,6 +14,8 @@ import numpy as np
 
 from anneal import rundir
 from anneal.data import tokenizer as toklib
+from anneal.data import tokenizer_files
+from anneal.data.tokenizer_files import tokenizer_changes, tokenizer_records
 from anneal.errors import UserError
 from anneal.files import confined, sha256_file
 
@@ -114,6 +116,10 @@ def read_meta(data_dir: Path, *, splits: tuple[str, ...] = SPLITS) -> dict:
     if eos is not None and eos >= vocab:
         raise _meta_error(meta_path, "eos_id", f"is {eos}, not below vocab_size {vocab}")
     _typed(meta, "tokenizer_sha256", str, at="tokenizer_sha256", required=False, **kw)
+    files = _typed(meta, "tokenizer_files", dict, at="tokenizer_files", required=False, **kw)
+    for name in files or {}:
+        confined(data_dir, name, where=f"{meta_path}, key tokenizer_files")
+        _sha256(files, name, at=f"tokenizer_files[{name!r}]", **kw)
     n_sources = _check_sources(meta, **kw)
     all_splits = _typed(meta, "splits", dict, at="splits", **kw)
     for split in splits:
@@ -162,15 +168,19 @@ def _check_split(info: dict, directory: Path, n_sources: int, *, meta_path: Path
             raise _meta_error(
                 meta_path, f"{where}.source", f"is {source}, but there are {n_sources} sources"
             )
-        sha = _typed(shard, "sha256", str, at=f"{where}.sha256", required=False, **kw)
-        if sha is not None and (len(sha) != SHA256_CHARS or not _is_hex(sha)):
-            raise _meta_error(meta_path, f"{where}.sha256", "is not 64 hexadecimal digits")
+        _sha256(shard, "sha256", at=f"{where}.sha256", required=False, **kw)
     for key in ("tokens", "bytes", "documents"):
         _count(info, key, at=f"{at}.{key}", required=False, **kw)
     if "tokens" in info and info["tokens"] != total:
         raise _meta_error(
             meta_path, f"{at}.tokens", f"is {info['tokens']}, but its shards hold {total}"
         )
+
+
+def _sha256(obj: dict, key: str, *, meta_path: Path, at: str, required: bool = True) -> None:
+    sha = _typed(obj, key, str, meta_path=meta_path, at=at, required=required)
+    if sha is not None and (len(sha) != SHA256_CHARS or not _is_hex(sha)):
+        raise _meta_error(meta_path, at, "is not 64 hexadecimal digits")
 
 
 def _is_hex(text: str) -> bool:
@@ -244,27 +254,23 @@ def check_prepared(data_dir: Path) -> dict:
         n_entries = None
     if n_entries != vocab:
         raise UserError(f"{token_bytes}: missing or not one entry per id ({vocab}). {redo}")
-    if "tokenizer_sha256" in meta:
-        model = data_dir / "tokenizer.model"
-        hf = data_dir / "tokenizer.json"
-        if model.is_file() or hf.is_file():
-            actual = toklib.tokenizer_sha256(data_dir)
-            if actual != meta["tokenizer_sha256"]:
-                name = "tokenizer.model" if model.is_file() else "tokenizer.json"
-                raise UserError(
-                    f"{data_dir / name}: its sha256 {actual[:12]}... differs from the tokenizer "
-                    f"the shards were made with ({meta['tokenizer_sha256'][:12]}... in "
-                    f"meta.json): the ids in the shards would be read with another "
-                    f"vocabulary. Put the original tokenizer back, or {redo[0].lower()}{redo[1:]}"
-                )
+    if changes := tokenizer_changes(data_dir, meta):
+        name, actual, want = changes[0]
+        now = f"its sha256 {actual[:12]}... differs from" if actual else "missing, but part of"
+        raise UserError(
+            f"{data_dir / name}: {now} the tokenizer the shards were made with ({want[:12]}... "
+            f"in meta.json): the ids in the shards would be read, or a model exported, with "
+            f"another vocabulary. Put the original file back, or {redo[0].lower()}{redo[1:]}"
+        )
     return meta
 
 
 def verify(data_dir: Path) -> dict:
-    """``anneal data verify``: re-hash every shard against the sha256 in meta.json (and the
-    tokenizer against ``tokenizer_sha256``). Returns the shards checked, their bytes and
-    whether the tokenizer was; a UserError lists every file that is missing, of the wrong
-    size or differs."""
+    """``anneal data verify``: re-hash every shard against the sha256 in meta.json, and every
+    tokenizer file (``tokenizer_records``). Returns the shards checked, their bytes, the
+    tokenizer files checked and the top-level files meta.json has no hash for ("uncovered": a
+    directory prepared before ``tokenizer_files``); a UserError lists every file that is
+    missing, of the wrong size or differs."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
     dtype = np.dtype(meta["dtype"])
@@ -286,22 +292,19 @@ def verify(data_dir: Path) -> dict:
                 nbytes += want_size
                 if sha256_file(path) != shard["sha256"]:
                     bad.append(f"{rel} (sha256 differs: the bytes changed)")
-    shards = files
-    if "tokenizer_sha256" in meta:
-        files += 1
-        model, hf = data_dir / "tokenizer.model", data_dir / "tokenizer.json"
-        name = "tokenizer.model" if model.is_file() else "tokenizer.json"
-        if not (model.is_file() or hf.is_file()):
-            bad.append("tokenizer.model (missing, and no tokenizer.json)")
-        elif toklib.tokenizer_sha256(data_dir) != meta["tokenizer_sha256"]:
-            bad.append(f"{name} (sha256 differs from tokenizer_sha256: another tokenizer)")
+    shards, tokenizer = files, sorted(tokenizer_records(data_dir, meta))
+    files += len(tokenizer)
+    changed = tokenizer_changes(data_dir, meta)
+    bad += [f"{n} ({'sha256 differs' if a else 'missing'})" for n, a, _ in changed]
     if bad:
         listed = "; ".join(bad[:20]) + (f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
+        export = ", and an export would ship another tokenizer" if changed else ""
         raise UserError(
             f"{data_dir}: {len(bad)} of {files} files do not match meta.json: {listed}. "
-            f"Training on them would read wrong token ids. {_redo(data_dir)}"
+            f"Training on them would read wrong token ids{export}. {_redo(data_dir)}"
         )
-    return {"shards": shards, "bytes": nbytes, "tokenizer": "tokenizer_sha256" in meta}
+    uncovered = sorted(set(tokenizer_files.record(data_dir, hashed=False)) - set(tokenizer))
+    return {"shards": shards, "bytes": nbytes, "tokenizer": tokenizer, "uncovered": uncovered}
 
 
 def unigram_entropy_bits_per_byte(data_dir: Path, split: str = "train") -> float:

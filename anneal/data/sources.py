@@ -95,22 +95,37 @@ def _parse(spec: str, index: int) -> Source:
 
 def _split_weight(spec: str) -> tuple[str, float | None]:
     """``SRC:WEIGHT`` -> (SRC, WEIGHT); (spec, None) without a weight, or when the whole spec
-    names an existing path (a file name may hold a colon)."""
+    names an existing path (a file name may hold a colon). Text after the last colon of an
+    input that exists without it (``a.txt:abc``) is a weight that is not a number."""
     m = _WEIGHT.match(spec)
-    if not m or Path(spec).exists():
+    if Path(spec).exists():
         return spec, None
-    spec, text = m["src"], m["w"]
+    if m:
+        spec, text = m["src"], m["w"]
+    else:
+        src, colon, text = spec.rpartition(":")
+        if not (colon and "/" not in text and _exists(src)):
+            return spec, None
+        spec = src
     try:
         weight = float(text)
     except ValueError:
         weight = math.nan
     if not (math.isfinite(weight) and weight > 0):
+        what = "a number" if _WEIGHT.match(f"x:{text}") is None else "a finite number above 0"
         raise UserError(
-            f"--input {spec}:{text}: the weight {text!r} is not a finite number above 0. "
-            f"Give a positive share after the last colon (--input {spec}:0.5), or no "
-            f"weight on any input to blend by size."
+            f"--input {spec}:{text}: the weight {text!r} after the last colon is not {what}. "
+            f"Give a share above 0 there (--input {spec}:0.5), or no weight on any input to "
+            f"blend by size."
         )
     return spec, weight
+
+
+def _exists(src: str) -> bool:
+    """Whether ``src`` names an input without a weight: stdlib, a path or a matching glob."""
+    if src == "stdlib" or Path(src).exists():
+        return True
+    return glob.has_magic(src) and bool(glob.glob(src, recursive=True))
 
 
 def _hub_source(spec: str, index: int, weight: float | None) -> Source:

@@ -110,12 +110,34 @@ def train_sentencepiece(
             hard_vocab_limit=model_type != "unigram",
         )
     except RuntimeError as e:
+        # SentencePiece's own advice names its flags (--character_coverage), not Anneal's
+        reason = re.sub(r"\s*Increase vocab_size.*", "", _spm_reason(e))
         raise UserError(
             f"sentencepiece could not train a {model_type} vocabulary of {vocab_size} on the "
-            f"sample ({_spm_reason(e)}). A vocabulary needs at least 256 byte pieces plus the "
-            f"sample's characters and merges: choose a smaller --vocab-size or give more text."
+            f"sample ({reason}). {_vocab_fix(reason)}"
         ) from None
     out_path.write_bytes(proto.getvalue())
+
+
+def _vocab_fix(reason: str) -> str:
+    """What to change, from SentencePiece's reason: a vocabulary too small for the sample's
+    characters ("smaller than required_chars. 300 vs 459") needs a larger --vocab-size; one
+    too large for the text ("too high (5000). Please set it to a value <= 301") a smaller one,
+    or more text."""
+    small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason)
+    if small:
+        return (
+            f"The sample holds more distinct characters than this vocabulary has room for "
+            f"(each is a piece of its own): choose a larger --vocab-size, at least "
+            f"{int(small[1]):,}."
+        )
+    high = re.search(r"<= (\d+)", reason)
+    most = f" ({int(high[1]):,} or less here)" if high else ""
+    return (
+        f"A vocabulary needs at least 256 byte pieces plus the sample's characters and merges, "
+        f"and the text supports only so many merges: choose a smaller --vocab-size{most}, or "
+        f"give more text."
+    )
 
 
 def _spm_reason(error: Exception) -> str:
@@ -357,9 +379,13 @@ def _hf_token_bytes(tk, vocab_size: int) -> np.ndarray:
     return lengths
 
 
+def ids_file(directory: Path) -> Path:
+    """The file that defines the ids of the tokenizer in a directory (what ``load`` reads):
+    ``tokenizer.model``, else ``tokenizer.json``."""
+    model = Path(directory) / "tokenizer.model"
+    return model if model.is_file() else Path(directory) / "tokenizer.json"
+
+
 def tokenizer_sha256(directory: Path) -> str:
-    """Identity of the tokenizer in a prepared directory: the hash of the file that defines
-    the ids (``tokenizer.model``, else ``tokenizer.json``)."""
-    directory = Path(directory)
-    model = directory / "tokenizer.model"
-    return file_sha256(model if model.is_file() else directory / "tokenizer.json")
+    """Identity of the tokenizer in a prepared directory: the hash of ``ids_file``."""
+    return file_sha256(ids_file(directory))

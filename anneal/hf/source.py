@@ -42,10 +42,51 @@ def _tags(ckpt_dir: Path) -> str:
     return ", ".join(names) or "none"
 
 
+def _incomplete(tag_dir: Path) -> str | None:
+    """Why ``tag_dir`` is not intact when its manifest reads but files it lists are missing or
+    of another size (a sentence naming them: tensor-parallel rank files said so), else None."""
+    manifest = checkpoint.read_manifest(tag_dir)
+    if manifest is None:
+        return None
+    entries = {n: e if isinstance(e, dict) else {"size": e} for n, e in manifest["files"].items()}
+    missing = [
+        n
+        for n, e in entries.items()
+        if not (tag_dir / n).is_file() or (tag_dir / n).stat().st_size != e["size"]
+    ]
+    if not missing:
+        return None
+    listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    tp = manifest.get("tensor_parallel_size", 1)
+    if isinstance(tp, int) and tp > 1 and any(re.search(r"mp_rank_\d+_", n) for n in missing):
+        what = (
+            f"is missing tensor-parallel rank files that its {checkpoint.MANIFEST} lists "
+            f"({listed}): it was saved by {tp} tensor-parallel ranks, and the export needs "
+            f"every rank's slices"
+        )
+    else:
+        what = f"lacks files that its {checkpoint.MANIFEST} lists, or has them cut ({listed})"
+    return (
+        f"{tag_dir}: the checkpoint {what}. Copy the whole tag directory again from where it "
+        f"was saved, or export an intact checkpoint (--tag; intact: {_tags(tag_dir.parent)})."
+    )
+
+
+def _newest_incomplete(ckpt_dir: Path) -> str | None:
+    """``_incomplete`` of the newest tag directory of ``ckpt_dir`` that has one, else None."""
+    tags = ckpt_dir.iterdir() if ckpt_dir.is_dir() else []
+    for tag_dir in sorted((p for p in tags if p.is_dir() and p.name[:1] != "."), reverse=True):
+        if why := _incomplete(tag_dir):
+            return why
+    return None
+
+
 def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
     ckpt_dir = rundir.checkpoints_dir(run_dir)
     if tag is None:  # a manifest that names a file outside its directory stops the search
         intact = checkpoint.intact_checkpoints(ckpt_dir)
+        if not intact and (why := _newest_incomplete(ckpt_dir)):
+            raise UserError(why)
         if not intact:
             raise UserError(
                 f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
@@ -66,6 +107,8 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
             f"--tag {tag}: no such checkpoint in {ckpt_dir}. Intact tags there: {have}."
         )
     if not checkpoint.is_intact(tag_dir):  # confines the manifest's names, or refuses
+        if why := _incomplete(tag_dir):
+            raise UserError(why)
         raise UserError(
             f"--tag {tag}: not intact ({tag_dir / checkpoint.MANIFEST} missing or not a "
             f"manifest Anneal writes, or a file of the wrong size: a save that was "
@@ -111,6 +154,8 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
             f"The run's data directory moved? Pass --tokenizer DIR (the prepared data "
             f"directory the run trained on)."
         )
+    if (source / "meta.json").is_file():  # a prepared directory: its files as prepared
+        _check_tokenizer_files(source)
     want = manifest.get("tokenizer_sha256")
     if want and tokenizer_sha256(source) != want:
         raise UserError(
@@ -119,6 +164,23 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
             f"directory."
         )
     return source
+
+
+def _check_tokenizer_files(data_dir: Path) -> None:
+    """Every tokenizer file of a prepared directory as meta.json recorded it (what ``anneal
+    data verify`` checks), before anything is written: the export copies them."""
+    from anneal.data.prepared import read_meta
+    from anneal.data.tokenizer_files import tokenizer_changes
+
+    changed = [name for name, *_ in tokenizer_changes(data_dir, read_meta(data_dir))]
+    if changed:
+        raise UserError(
+            f"{data_dir}: {', '.join(changed)} differ(s) from the sha256 that meta.json "
+            f"recorded when the data was prepared (missing, edited or damaged), so the export "
+            f"would ship another tokenizer than the run trained with. Put the original files "
+            f"back (`anneal data verify {data_dir}` lists them), or pass --tokenizer with an "
+            f"intact copy of the run's prepared data directory. Nothing was exported."
+        )
 
 
 def check_checkpoint(tag_dir: Path, manifest: dict) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from anneal import model as modellib
+from anneal.errors import UserError
 from anneal.hf.tp_merge import reference_tp_state_dict
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
@@ -64,10 +65,15 @@ def verify_export(
     tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
     ours = toklib.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
     theirs = tok(VERIFY_TEXT, add_special_tokens=False)["input_ids"]
-    if ours != theirs:
-        raise ExportMismatch(
-            f"{out}: AutoTokenizer encodes the check text differently from the run's tokenizer "
-            f"({theirs[:8]}... vs {ours[:8]}...)"
+    if ours != theirs:  # the files are copies of the data directory's: they disagree there
+        raise UserError(
+            f"{data_tokenizer}: AutoTokenizer on its tokenizer.json (as exported) "
+            f"encodes the check text differently from the run's tokenizer, "
+            f"{toklib.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
+            f"the directory's tokenizer files disagree. `anneal data verify {data_tokenizer}` "
+            f"names a file changed since prepare: put it back, or prepare the data again; if "
+            f"it finds none, the tokenizer could not be converted exactly: report it. Nothing "
+            f"was exported."
         )
     hf = AutoModelForCausalLM.from_pretrained(
         str(out), dtype=torch.float32, trust_remote_code=False

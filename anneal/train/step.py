@@ -193,8 +193,18 @@ def _figures(nats: float, tokens: float, n_bytes: float) -> dict:
 
 
 def source_keys(names: list[str]) -> list[str]:
-    """Each source's name (meta.json) as the suffix of its validation keys and TensorBoard tags:
-    characters other than letters, digits, ``.``, ``-`` and ``_`` become ``_``; names that then
-    coincide get ``_<source index>`` appended."""
-    keys = [re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_" for name in names]
-    return [f"{k}_{s}" if keys.count(k) > 1 else k for s, k in enumerate(keys)]
+    """Each source's name (meta.json) as the suffix of its validation keys and TensorBoard tags,
+    one key per source, no two equal: characters other than letters, digits, ``.``, ``-`` and
+    ``_`` become ``_``; names that then coincide get ``_<source index>`` appended, and again
+    while that is another source's key (``a b.txt``, ``a_b.txt``, ``a_b.txt_1`` give
+    ``a_b.txt_0``, ``a_b.txt_1_1``, ``a_b.txt_1``)."""
+    cleaned = [re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_" for name in names]
+    taken, keys = set(cleaned), []  # a name that stays as it is keeps its key
+    for s, k in enumerate(cleaned):
+        if cleaned.count(k) > 1:
+            k = f"{k}_{s}"
+            while k in taken:
+                k = f"{k}_{s}"
+            taken.add(k)
+        keys.append(k)
+    return keys
