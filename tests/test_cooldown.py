@@ -207,7 +207,8 @@ def test_a_branch_through_a_linked_tag_is_the_real_parents(wsd_parent, tiny_data
     """A fake run directory whose checkpoints/step00000002 is a link to the real parent's tag,
     with a config.json of its own: the branch's parent is the run the checkpoint really lies
     in. An --out inside the real parent (its checkpoints/ directory, where the fake parent
-    would have let the branch write) is refused naming it; an --out elsewhere records the real
+    would have let the branch write) is refused naming it, even with --force (which lets a run
+    train beside files that are not a run's, as checkpoints/ is); an --out elsewhere records the real
     parent and tag. The real parent's tree is the same before and after."""
     real_tag = wsd_parent / "checkpoints" / "step00000002"
     fake = tmp_path / "fake"
@@ -219,7 +220,7 @@ def test_a_branch_through_a_linked_tag_is_the_real_parents(wsd_parent, tiny_data
     for given in (fake / "checkpoints" / "step00000002", fake):
         for out in (wsd_parent / "checkpoints", real_tag / "b"):
             with pytest.raises(UserError) as e:
-                plan_for(branch_args(given, tiny_data, out, *n))
+                plan_for(branch_args(given, tiny_data, out, *n, "--force"))
             msg = str(e.value)
             assert f"the parent run {wsd_parent}, and a branch never writes" in msg, msg
         launch = plan_for(branch_args(given, tiny_data, tmp_path / "b", *n))
