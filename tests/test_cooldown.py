@@ -208,8 +208,8 @@ def test_a_branch_through_a_linked_tag_is_the_real_parents(wsd_parent, tiny_data
     with a config.json of its own: the branch's parent is the run the checkpoint really lies
     in. An --out inside the real parent (its checkpoints/ directory, where the fake parent
     would have let the branch write) is refused naming it, even with --force (which lets a run
-    train beside files that are not a run's, as checkpoints/ is); an --out elsewhere records the real
-    parent and tag. The real parent's tree is the same before and after."""
+    train beside files that are not a run's, as checkpoints/ is); an --out elsewhere records the
+    real parent and tag. The real parent's tree is the same before and after."""
     real_tag = wsd_parent / "checkpoints" / "step00000002"
     fake = tmp_path / "fake"
     (fake / "checkpoints").mkdir(parents=True)
