@@ -144,7 +144,7 @@ def one_repeat(engine, work: Path, i: int, r: dict, n_bytes: int) -> int:
         t0 = time.perf_counter()
         assert checkpoint.verified_resume(tag_dir, fallback=False) == tag_dir
         t1 = time.perf_counter()
-        checkpoint.load(engine, tag_dir)
+        checkpoint.load(engine, tag_dir, ckpt_dir=ckpt)
         r["verify_s"].append(t1 - t0)
         r["load_s"].append(time.perf_counter() - t1)
 
