@@ -23,6 +23,7 @@ from anneal import rundir
 from anneal.errors import UserError
 from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
 from anneal.resilience import checkpoint, safeload
+from anneal.resilience.manifest import missing_files
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,7 @@ def _incomplete(tag_dir: Path) -> str | None:
     manifest = checkpoint.read_manifest(tag_dir)
     if manifest is None:
         return None
-    entries = {n: e if isinstance(e, dict) else {"size": e} for n, e in manifest["files"].items()}
-    missing = [
-        n
-        for n, e in entries.items()
-        if not (tag_dir / n).is_file() or (tag_dir / n).stat().st_size != e["size"]
-    ]
+    missing = missing_files(tag_dir, manifest)
     if not missing:
         return None
     listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")

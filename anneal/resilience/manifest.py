@@ -147,12 +147,18 @@ def _entries(manifest: dict) -> dict[str, dict]:
     return {n: e if isinstance(e, dict) else {"size": e} for n, e in manifest["files"].items()}
 
 
+def missing_files(tag_dir: Path, manifest: dict) -> list[str]:
+    """The files of ``manifest`` absent from ``tag_dir`` or of another size (no hashing)."""
+    return [
+        name
+        for name, e in _entries(manifest).items()
+        if not (tag_dir / name).is_file() or (tag_dir / name).stat().st_size != e["size"]
+    ]
+
+
 def sizes_match(tag_dir: Path, manifest: dict) -> bool:
     """Every file of ``manifest`` present in ``tag_dir`` with its size (no hashing)."""
-    return all(
-        (tag_dir / name).is_file() and (tag_dir / name).stat().st_size == e["size"]
-        for name, e in _entries(manifest).items()
-    )
+    return not missing_files(tag_dir, manifest)
 
 
 def is_intact(tag_dir: Path) -> bool:
