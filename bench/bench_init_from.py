@@ -61,7 +61,7 @@ def rank_main(directory: Path, stage: int) -> None:
 
     from anneal import model as modellib
     from anneal.config.run import ModelConfig
-    from anneal.dist import all_gather, init_distributed, rank
+    from anneal.dist import all_gather, init_distributed, rank, shutdown
     from anneal.hf.load import pretrained_preset
     from anneal.hf.load_weights import load_pretrained_
 
@@ -105,6 +105,7 @@ def rank_main(directory: Path, stage: int) -> None:
             )
         )
     torch.distributed.barrier()
+    shutdown()
 
 
 def main() -> None:
@@ -117,6 +118,8 @@ def main() -> None:
     args, _ = p.parse_known_args()
     if args.rank_of:
         return rank_main(Path(args.rank_of[0]), int(args.rank_of[1]))
+    from anneal.dist import free_port
+
     with tempfile.TemporaryDirectory(prefix="anneal-init-from-") as tmp:
         directory = make_checkpoint(
             Path(tmp) / "model", hidden=args.hidden, layers=args.layers, vocab=args.vocab
@@ -127,6 +130,8 @@ def main() -> None:
                 str(Path(sys.executable).parent / "deepspeed"),
                 "--num_gpus",
                 str(args.ranks),
+                "--master_port",  # not 29500: another run on this host may hold it
+                str(free_port()),
                 __file__,
                 "--rank-of",
                 str(directory),

@@ -67,7 +67,7 @@ def worker(args) -> None:
 
     from anneal.cli.recipe import config_from_args, load_recipe
     from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.dist import rank
+    from anneal.dist import rank, shutdown
     from anneal.hardware import process_memory_bytes
     from anneal.train import engine as enginelib
     from anneal.train import step as steplib
@@ -100,6 +100,7 @@ def worker(args) -> None:
     row["losses"] = [float(np.float64(x)) for x in losses]
     with open(Path(args.run) / f"rank{rank()}.json", "w") as f:
         json.dump(row, f)
+    shutdown()
 
 
 def arm(args, *, sp: int, seq: int, tmp: Path) -> list[dict]:

@@ -231,4 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from anneal.dist import shutdown
+
+    shutdown()
+    sys.exit(code)

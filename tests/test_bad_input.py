@@ -221,6 +221,40 @@ def test_entry_point_prints_user_errors_by_rank(rank, monkeypatch, capsys):
         main(preset="tiny", ds_config="cpu.json", argv=["--data", "d"])
 
 
+@pytest.mark.parametrize("ends", ["finished", "refused"])
+def test_entry_point_destroys_its_process_group(ends, monkeypatch):
+    """A rank that finishes, or refuses with a UserError, leaves no process group for the
+    interpreter's shutdown to tear down (gloo's threads then aborted a finished two-rank run now
+    and then: exit -6, "terminate called without an active exception", seen in CI). The entry
+    point runs here as a world of one with a real gloo group, started by anneal.train.run's
+    stand-in the way the trainer starts it."""
+    import torch.distributed as dist
+
+    import anneal.train
+    from anneal.cli.recipe import main
+    from anneal.dist import init_distributed, world_of_one_env
+
+    for name, value in world_of_one_env().items():
+        monkeypatch.setenv(name, value)
+
+    def run(cfg, overrides):
+        init_distributed(60)
+        assert dist.is_initialized()
+        if ends == "refused":
+            raise UserError("the shard went away", every_rank=True)
+        keys = ("train_loss", "val_loss", "val_bpb", "tokens_per_s")
+        return {"step": 1, "tokens": 8, "run_dir": "runs/x", **dict.fromkeys(keys)}
+
+    monkeypatch.setattr(anneal.train, "run", run)
+    if ends == "refused":
+        with pytest.raises(SystemExit) as exit:
+            main(preset="tiny", ds_config="cpu.json", argv=["--data", "d"])
+        assert exit.value.code == 2
+    else:
+        assert main(preset="tiny", ds_config="cpu.json", argv=["--data", "d"]) is None
+    assert not dist.is_initialized()
+
+
 def test_data_without_validation_trains_only_with_evaluation_off(shared_runs, tmp_path):
     """A data directory prepared with --val-fraction 0 is refused while validation is on (one
     paragraph, nothing written) and trains with train.eval_samples=0 (the session's "noval"

@@ -428,7 +428,7 @@ TWO_RANKS = """
 import json, sys
 from pathlib import Path
 from anneal.cli.recipe import config_from_args, load_recipe
-from anneal.dist import init_distributed, rank
+from anneal.dist import init_distributed, rank, shutdown
 from anneal.train import run
 from tests.test_init_from import TRAINED_AT, anneal_step0, recipe_args, transformers_loss
 
@@ -447,6 +447,7 @@ for kind, (model_dir, data) in pairs.items():
     run(*config_from_args(argv, prog="recipes/continue_pretraining.py", on_cpu=True, **recipe))
 if rank() == 0:
     print("ROWS " + json.dumps(rows))
+shutdown()
 """
 
 

@@ -178,6 +178,8 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
     """
     import torch
 
+    from anneal.dist import shutdown
+
     argv = sys.argv[1:] if argv is None else argv
     prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "recipe"
     on_cpu = not torch.cuda.is_available()
@@ -197,8 +199,10 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
         else:
             where = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
             print(f"error ({where}): {e}", file=sys.stderr, flush=True)
+        shutdown()  # a refusing rank is in no collective
         sys.exit(2)
     print_once(format_summary(summary))
+    shutdown()
 
 
 def _flag_given(argv: list[str], flag: str) -> bool:

@@ -17,7 +17,7 @@ from anneal import model as modellib
 from anneal.config.run import ModelConfig, RunConfig, TrainConfig
 from anneal.config.run_checks import apply_overrides
 from anneal.data.stream import PackedSplit, TokenStream
-from anneal.dist import init_distributed, rank, world_size
+from anneal.dist import init_distributed, rank, shutdown, world_size
 from anneal.train import TrainState, build_engine, next_token_loss, resolve_run, train_step
 
 
@@ -138,3 +138,4 @@ def dataclasses_replace_data(cfg, data_dir):
 
 if __name__ == "__main__":
     main()
+    shutdown()
