@@ -1,8 +1,8 @@
 """Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, the measured CPU peak,
 and the host memory of a process tree (through psutil).
 
-MFU (``anneal.observe.metrics``), the planner (``anneal.scaling``) and the memory estimator
-(``anneal.scaling.memory``) read their hardware numbers here and nowhere else. docs/planning.md
+MFU (``anneal.observe.metrics``), the planner (``anneal.planning``) and the memory estimator
+(``anneal.planning.memory``) read their hardware numbers here and nowhere else. docs/planning.md
 lists the table and how the CPU peak is measured.
 """
 

@@ -57,7 +57,7 @@ LAUNCHER_FILES = (
     PREEMPT,
 )
 """What ``python -m launcher run|submit`` and its sbatch script put into a run directory before
-the recipe starts (``launcher.dsenv``, ``anneal.scaling.forecast``, ``launcher.slurm``); with
+the recipe starts (``launcher.dsenv``, ``anneal.planning.forecast``, ``launcher.slurm``); with
 ``previous-<time>/``, the only entries that a directory holding no run may hold without
 ``--force``."""
 RUN_DIRS = (CHECKPOINTS, PLOTS, TB, HF, HEARTBEAT, PREEMPT)
@@ -322,7 +322,7 @@ class RunDir:
 
     @classmethod
     def for_launch(cls, launch) -> RunDir:
-        """The writes of launch ``launch`` (an ``anneal.config.launch.Launch``)."""
+        """The writes of launch ``launch`` (an ``anneal.launch.resolve.Launch``)."""
         return cls(launch.out, launch.config_document(), restart=launch.cfg.restart)
 
     def undo(self) -> None:

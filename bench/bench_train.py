@@ -145,13 +145,14 @@ def cpu_peak_flops() -> float:
 def flops_per_token(model: str, data: str) -> float:
     from anneal.config.run import ModelConfig, RunConfig
     from anneal.config.run_checks import apply_overrides
+    from anneal.launch.preset import model_preset
     from anneal.model import flops_per_token as fpt
 
     meta = json.loads((Path(data) / "meta.json").read_text())
     cfg = apply_overrides(
         RunConfig(out="", ds_config="cpu.json", model=ModelConfig(preset="tiny")), MODELS[model]
     )
-    return fpt(cfg.model.resolve(meta["vocab_size"]))
+    return fpt(model_preset(cfg.model, meta["vocab_size"]))
 
 
 def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Path) -> dict:

@@ -4,7 +4,7 @@ there is no final checkpoint of many GB to wait for) once the warmup and measure
 or at its timeout; then its result line, with the reason in the log's own words when it failed.
 
 The arithmetic is here too: FLOPs per token (``6N + 12*L*H*Q*T``, ``anneal.model``), the memory
-estimate of ``anneal.scaling.memory`` and TFLOP/s and MFU of a throughput. The peak a row is
+estimate of ``anneal.planning.memory`` and TFLOP/s and MFU of a throughput. The peak a row is
 divided by is the one its run logged (tokens/s x FLOPs per token / its ``mfu``), so that the
 driver checks the run's own figure instead of trusting it.
 """
@@ -41,10 +41,10 @@ def flops_per_token(model_doc: dict) -> float:
 
 
 def memory_estimate_gib(doc: dict) -> float:
-    """``anneal.scaling.memory``'s peak per GPU for a run's config.json, in GiB (compared with the
+    """``anneal.planning.memory``'s peak per GPU for a run's config.json, in GiB (compared with the
     measured peak in results.jsonl)."""
     from anneal.model import preset_from_dict
-    from anneal.scaling.memory import Workload, ZeroSetup, estimate
+    from anneal.planning.memory import Workload, ZeroSetup, estimate
 
     preset = preset_from_dict(doc["model"], source="config.json", prefix="model.")
     ds = doc["ds_config"]

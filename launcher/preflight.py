@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.scaling import forecast, memory, memory_tp
+from anneal.planning import forecast, memory, memory_tp
 
 SSH_TIMEOUT_S = 10
 
@@ -27,7 +27,7 @@ SSH_TIMEOUT_S = 10
 class Preflight:
     """What pre-flight resolved: the launch the ranks will make, and the forecast."""
 
-    launch: object  # anneal.config.launch.Launch
+    launch: object  # anneal.launch.resolve.Launch
     world_size: int
     device_type: str
     checkpoint_bytes: int
@@ -99,15 +99,15 @@ def world_size(
 
 
 def resolve(cfg, overrides, *, world_size: int, device_type: str):
-    """``anneal.config.launch.resolve_launch``: the ranks' own resolution, for this world size."""
-    from anneal.config.launch import resolve_launch
+    """``anneal.launch.resolve.resolve_launch``: the ranks' own resolution, for this world size."""
+    from anneal.launch.resolve import resolve_launch
 
     return resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
 
 
 def checkpoint_bytes(launch) -> int:
     """Bytes of one checkpoint: 16-bit (or fp32) weights plus fp32 master weights and Adam's
-    two moments, over all ranks (anneal/scaling/memory.py's model states without gradients).
+    two moments, over all ranks (anneal/planning/memory.py's model states without gradients).
     Under tensor parallelism each rank of a group saves the replicated parameters (embedding,
     norms) again beside its slices: t x (replicated + sharded / t)."""
     zero = memory.ZeroSetup.from_ds_config(launch.ds_config)
@@ -127,7 +127,7 @@ def check_disk(out: Path, *, need_bytes: int) -> None:
         raise UserError(
             f"--out {out}: {memory.format_bytes(free)} free on its file system ({probe}), but "
             f"two checkpoints of this model need {memory.format_bytes(need_bytes)} (weights and "
-            f"optimizer state, anneal/scaling/memory.py). Free space, or choose an --out on a "
+            f"optimizer state, anneal/planning/memory.py). Free space, or choose an --out on a "
             f"larger "
             f"file system."
         )

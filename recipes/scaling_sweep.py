@@ -3,7 +3,7 @@
 Every run goes through ``anneal.train.run`` (the same path as ``recipes/pretrain_*.py``) in this
 process, one after another, each with its own run directory under ``--out``; a finished run is
 skipped when the sweep is started again. Each run's cosine schedule ends at its own last step,
-as in Hoffmann et al. Then ``anneal.scaling.fit_points`` fits L(N, D) to the final validation
+as in Hoffmann et al. Then ``anneal.planning.fit_points`` fits L(N, D) to the final validation
 losses and writes ``fit.json`` and ``fit.png`` (the same files as ``anneal fit``).
 
     python recipes/scaling_sweep.py --out runs/scaling_sweep --data data/stdlib
@@ -33,7 +33,7 @@ from anneal.config.run import (
 )
 from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
-from anneal.scaling import fit_points
+from anneal.planning import fit_points
 
 # Every run of the sweep: 8 sequences of 256 tokens per step (divides across 1 or 2 CPU ranks at
 # cpu.json's micro-batch of 4; on GPUs pass --set optim.global_batch_tokens=...), the tiny
@@ -130,11 +130,11 @@ def _finished(run_dir: Path) -> bool:
 
 def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
     """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution
-    (``anneal.config.launch.resolve_launch``), for a long run in a directory that holds no run."""
+    (``anneal.launch.resolve.resolve_launch``), for a long run in a directory that holds no run."""
     import torch
 
-    from anneal.config.launch import resolve_launch
     from anneal.dist import world_size
+    from anneal.launch.resolve import resolve_launch
 
     probe = dataclasses.replace(
         cfg, out=str(probe_dir), train=dataclasses.replace(cfg.train, max_steps=10**9)
@@ -212,15 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     if not is_main_process():
         return 0
 
-    from anneal import scaling
+    from anneal import planning
     from anneal.observe.formula_plots import plot_fit
 
     run_dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
-    points = [scaling.read_run(d) for d in run_dirs]
+    points = [planning.read_run(d) for d in run_dirs]
     start = time.perf_counter()
-    result = scaling.fit_points(points, n_bootstrap=args.bootstrap, grid_starts=args.starts)
-    fit_path = scaling.write_fit(result, out / "fit.json")
-    print(scaling.format_fit(result))
+    result = planning.fit_points(points, n_bootstrap=args.bootstrap, grid_starts=args.starts)
+    fit_path = planning.write_fit(result, out / "fit.json")
+    print(planning.format_fit(result))
     try:
         plot = plot_fit(result, out / "fit.png", title=f"scaling sweep ({args.grid} grid)")
         print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")

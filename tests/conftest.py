@@ -565,7 +565,7 @@ def world_of_one():
 def resolve_tiny(args: list[str], *, world_size: int):
     """The launch the tiny recipe resolves from ``args`` on ``world_size`` CPU ranks."""
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.config.launch import resolve_launch
+    from anneal.launch.resolve import resolve_launch
 
     tiny = ROOT / "recipes" / "pretrain_tiny.py"
     cfg, overrides = config_from_args(args, prog=str(tiny), on_cpu=True, **load_recipe(tiny))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
-from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
+from anneal.launch.resolve import resolve_launch
 from tests.conftest import ROOT, SMALL, run_recipe
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
@@ -56,7 +56,7 @@ def test_ds_config_not_json(tiny_data, tmp_path):
 
 
 def test_ds_config_typo(tiny_data, tmp_path):
-    from anneal.config.ds import DS_CONFIG_DIR
+    from anneal.launch.ds import DS_CONFIG_DIR
 
     cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
     cfg["gradient_clipp1ng"] = cfg.pop("gradient_clipping")

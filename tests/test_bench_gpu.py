@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
-from anneal.config.launch import resolve_launch
 from anneal.hardware import GPUS
+from anneal.launch.resolve import resolve_launch
 from anneal.model import llama_config
-from anneal.scaling.memory import Workload, ZeroSetup, estimate
+from anneal.planning.memory import Workload, ZeroSetup, estimate
 from tests.conftest import ROOT, env, run_process
 
 sys.path.insert(0, str(ROOT / "bench"))

@@ -4,7 +4,7 @@
   through an allowed module, and pickle bytes in front of the zip), planted in a real
   checkpoint whose manifest is rewritten to match, are refused on every path that loads one:
   resume (``checkpoint.load`` after ``verified_resume``, as the trainer does), a guard rewind
-  (``Guard.rewind``), a cooldown branch (the tag its ``--branch-from`` resolves to, then the
+  (``Guard.rewind``), a cooldown branch (the tag its ``--cooldown-from`` resolves to, then the
   load) and DeepSpeed's universal converter (run on the planted files directly, without the
   check in front of it). The marker file the payload would touch never appears, and each
   refusal is one paragraph naming the file.
@@ -95,7 +95,7 @@ def test_a_planted_checkpoint_is_refused_on_resume_rewind_and_branch(
 
     parent = _wsd(run)
     args = ["--out", str(tmp_path / "b"), "--data", str(tiny_data), *SMALL]
-    args += ["--branch-from", str(parent), "--set", "optim.cooldown_tokens=1000"]
+    args += ["--cooldown-from", str(parent), "--set", "optim.cooldown_tokens=1000"]
     branch = resolve_tiny(args, world_size=1)
     assert branch.resume_from == target.parent
     with pytest.raises(UserError) as e:

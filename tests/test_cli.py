@@ -1,7 +1,7 @@
 """The `anneal` CLI's contract for the planning commands (plan, fit, estimate).
 
 Proves that every default these commands give argparse is the library's own (a parameter
-default of `scaling.plan` / `scaling.fit_points` or a module constant), so that the CLI and the
+default of `planning.plan` / `planning.fit_points` or a module constant), so that the CLI and the
 library cannot drift apart again (the bootstrap count once was 100 in one and 200 in the other),
 and that `main()` turns only `UserError` into `anneal <cmd>: error: ...` and exit 2 while any
 other exception keeps its traceback.
@@ -14,9 +14,9 @@ import inspect
 
 import pytest
 
-from anneal import cli, hardware, scaling
-from anneal.cli import planning
-from anneal.scaling import memory
+from anneal import cli, hardware, planning
+from anneal.cli import planning as planning_commands
+from anneal.planning import memory
 
 
 def signature_default(fn, name: str):
@@ -25,12 +25,12 @@ def signature_default(fn, name: str):
 
 # (command, argparse dest) -> the library's default it must equal.
 LIBRARY_DEFAULTS = {
-    ("plan", "gpu"): signature_default(scaling.plan, "gpu"),
-    ("plan", "global_batch"): signature_default(scaling.plan, "global_batch"),
-    ("plan", "fit"): scaling.DEFAULT_FIT,
-    ("fit", "bootstrap"): signature_default(scaling.fit_points, "n_bootstrap"),
-    ("fit", "starts"): signature_default(scaling.fit_points, "grid_starts"),
-    ("fit", "seed"): signature_default(scaling.fit_points, "seed"),
+    ("plan", "gpu"): signature_default(planning.plan, "gpu"),
+    ("plan", "global_batch"): signature_default(planning.plan, "global_batch"),
+    ("plan", "fit"): planning.DEFAULT_FIT,
+    ("fit", "bootstrap"): signature_default(planning.fit_points, "n_bootstrap"),
+    ("fit", "starts"): signature_default(planning.fit_points, "grid_starts"),
+    ("fit", "seed"): signature_default(planning.fit_points, "seed"),
     ("estimate", "gpu"): hardware.DEFAULT_GPU,
     ("estimate", "nodes"): memory.DEFAULT_NODES,
     ("estimate", "gpus_per_node"): memory.DEFAULT_GPUS_PER_NODE,
@@ -63,20 +63,20 @@ def test_every_planning_default_is_the_librarys():
 
 
 def test_library_defaults_agree_with_each_other():
-    assert signature_default(scaling.plan, "gpu") == hardware.DEFAULT_GPU
-    assert signature_default(scaling.plan, "global_batch") == scaling.DEFAULT_GLOBAL_BATCH
-    assert scaling.DEFAULT_FIT in scaling.FITS and hardware.DEFAULT_GPU in hardware.GPUS
+    assert signature_default(planning.plan, "gpu") == hardware.DEFAULT_GPU
+    assert signature_default(planning.plan, "global_batch") == planning.DEFAULT_GLOBAL_BATCH
+    assert planning.DEFAULT_FIT in planning.FITS and hardware.DEFAULT_GPU in hardware.GPUS
 
 
 def test_help_shows_the_defaults_in_use():
     parsers = subparsers()
     fit_help = " ".join(parsers["fit"].format_help().split())  # unwrapped
-    n_bootstrap = signature_default(scaling.fit_points, "n_bootstrap")
+    n_bootstrap = signature_default(planning.fit_points, "n_bootstrap")
     assert f"bootstrap resamples (default {n_bootstrap})" in fit_help
     assert "default all 4500" in fit_help
     plan_help = " ".join(parsers["plan"].format_help().split())
-    assert f"(default {scaling.DEFAULT_MFU})" in plan_help
-    assert f"(default {scaling.DEFAULT_GLOBAL_BATCH})" in plan_help
+    assert f"(default {planning.DEFAULT_MFU})" in plan_help
+    assert f"(default {planning.DEFAULT_GLOBAL_BATCH})" in plan_help
     assert memory.DEFAULT_DS_CONFIG in parsers["estimate"].format_help().replace("\n", "")
 
 
@@ -92,6 +92,6 @@ def test_main_lets_any_other_exception_keep_its_traceback(monkeypatch, exc):
     def broken(args):
         raise exc
 
-    monkeypatch.setattr(planning, "_plan", broken)
+    monkeypatch.setattr(planning_commands, "_plan", broken)
     with pytest.raises(type(exc)):
         cli.main(["plan", "--flops", "1e21"])

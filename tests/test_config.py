@@ -3,10 +3,10 @@ the one batch-arithmetic function, and which config differences block a relaunch
 
 import pytest
 
-from anneal.config.ds_resolve import batch_arithmetic
 from anneal.config.run import RunConfig, config_differences
 from anneal.config.run_checks import apply_overrides, optim_keys_set
 from anneal.errors import UserError
+from anneal.launch.ds_resolve import batch_arithmetic
 
 
 def test_batch_arithmetic_from_accumulation():

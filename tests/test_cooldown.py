@@ -1,4 +1,4 @@
-"""Cooldown branches (``--branch-from``, ``anneal.config.branch``; docs/training.md).
+"""Cooldown branches (``--cooldown-from``, ``anneal.launch.cooldown``; docs/training.md).
 
 - The branch's schedule is the closed form: after step S, where the parent's ratio was r, the LR
   decays as ``m + (r - m) * f((t - S) / D)`` to the floor m at S + D, for each shape.
@@ -64,7 +64,7 @@ def test_the_branch_schedule_is_the_closed_form(shape, floor, ratio):
 
 def plan_for(args: list[str], *, world_size: int = 1):
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.config.launch import resolve_launch
+    from anneal.launch.resolve import resolve_launch
 
     spec = load_recipe(ROOT / "recipes" / "pretrain_tiny.py")
     cfg, overrides = config_from_args(args, prog="recipes/pretrain_tiny.py", on_cpu=True, **spec)
@@ -84,7 +84,7 @@ def wsd_parent(tiny_run, tmp_path) -> Path:
 
 
 def branch_args(parent, data, out, *more):
-    return ["--out", str(out), "--data", str(data), *SMALL, "--branch-from", str(parent), *more]
+    return ["--out", str(out), "--data", str(data), *SMALL, "--cooldown-from", str(parent), *more]
 
 
 def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path):
@@ -106,6 +106,11 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
     (tmp_path / "b").mkdir()
     rundir.write_config(tmp_path / "b", launch.config_document())
     again = plan_for(branch_args(wsd_parent, tiny_data, tmp_path / "b", *n))
+    old_flag = [
+        a.replace("--cooldown-from", "--branch-from")
+        for a in branch_args(wsd_parent, tiny_data, tmp_path / "b", *n)
+    ]
+    assert plan_for(old_flag).config_document() == again.config_document()  # its old name
     chart = plot_schedule_file(tmp_path / "b", steps=None, out=tmp_path / "s.png")  # --schedule
     assert is_matplotlib_png(chart)
     assert again.resume_from == tag and again.config_document() == launch.config_document()
@@ -142,7 +147,7 @@ WORDS = {
     "no checkpoint": ["no such directory", "RUN/checkpoints/stepNNNNNNNN"],
     "with --resume": ["--resume and --restart do not apply"],
     "at the floor": ["already at its floor", "stable phase"],
-    "a length, no branch": ["not a cooldown branch", "--branch-from"],
+    "a length, no branch": ["not a cooldown branch", "--cooldown-from"],
     "manifest step edited": ["says step 1", "its directory is step00000002", "restore"],
     "tokens not a count": ['tokens is "abc"', "not a count of tokens", "Restore"],
 }
@@ -188,7 +193,7 @@ def bad_launch(case, *, parent, cosine, data, tmp) -> tuple[list[str], int]:
         path.write_text(json.dumps(manifest))
         more = [] if case == "tokens not a count" else more  # the message that reads tokens
     args = ["--out", str(out), "--data", str(data), *SMALL, *more]
-    return args + (["--branch-from", str(start)] if start else []), world
+    return args + (["--cooldown-from", str(start)] if start else []), world
 
 
 @pytest.mark.parametrize("case", WORDS)
@@ -250,7 +255,7 @@ def test_two_cooldowns_from_one_wsd_run(tiny_data, tmp_path):
     run_recipes(
         [
             {
-                "args": [*common, "--out", str(runs[name]), "--branch-from", str(tag)]
+                "args": [*common, "--out", str(runs[name]), "--cooldown-from", str(tag)]
                 + ["--set", f"optim.cooldown_tokens={512 * steps}"]
             }
             for name, steps in lengths.items()

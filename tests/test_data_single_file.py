@@ -22,7 +22,8 @@ import pytest
 
 from anneal.cli import build_parser, main
 from anneal.data import tokenizer as toklib
-from anneal.data.prepare import SEQ_LEN, PrepareConfig, prepare
+from anneal.data.prepare import prepare
+from anneal.data.prepare_config import SEQ_LEN, PrepareConfig
 from anneal.data.prepared import has_validation, read_meta
 from anneal.data.readers import ReadOptions
 from anneal.data.stream import PackedSplit

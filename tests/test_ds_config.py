@@ -1,4 +1,4 @@
-"""DeepSpeed JSON (anneal.config.ds, ds_schema, ds_resolve) is read strictly: typos, wrong
+"""DeepSpeed JSON (anneal.launch.ds, ds_schema, ds_resolve) is read strictly: typos, wrong
 types, duplicate keys and broken JSON are errors that name the file and key; ``--set ds.*``
 overrides go through the same schema. The run-dependent values written ``"auto"`` are filled
 from the run config by the documented rules (batch from the recipe's global batch, LR from the
@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from anneal.config import ds as dslib
 from anneal.config.ds_schema import DS_SCHEMA
 from anneal.config.run import OptimConfig
 from anneal.errors import UserError
+from anneal.launch import ds as dslib
 
 OPTIM = OptimConfig(lr=6e-4, global_batch_tokens=2**19, warmup_tokens=375_000_000)
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from anneal.config.ds import load_ds_config
 from anneal.errors import UserError
+from anneal.launch.ds import load_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 INTERNAL_VALUE_ERRORS = {
-    ("anneal/config/ds_resolve.py", "batch_arithmetic"): (
+    ("anneal/launch/ds_resolve.py", "batch_arithmetic"): (
         "its one caller, resolve_ds_config, always passes the accumulation or the "
         "global batch (a missing key reads as auto, and auto/auto computes the batch)"
     ),
@@ -32,7 +32,7 @@ INTERNAL_VALUE_ERRORS = {
         "warmup_type reaches it only through the strict loader, whose RANGES refuse all but "
         "'linear' (test_warmup_type_is_refused_by_the_loader)"
     ),
-    ("anneal/config/launch.py", "_resolve"): (
+    ("anneal/launch/resolve.py", "_resolve"): (
         "device_type comes from torch or from the launcher's --device, an argparse choice of "
         "cuda/cpu"
     ),

@@ -35,7 +35,7 @@ from anneal.data.prepare import prepare
 from anneal.data.prepared import check_prepared, read_meta
 from anneal.data.sources import parse_inputs
 from anneal.errors import UserError
-from anneal.scaling.law import FIT_FORMAT
+from anneal.planning.law import FIT_FORMAT
 from tests.conftest import tree
 
 SEQ = 16

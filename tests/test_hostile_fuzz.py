@@ -132,7 +132,7 @@ def test_run_config_overrides():
 
 
 def test_ds_config_loader(tmp_path):
-    from anneal.config.ds import load_ds_config
+    from anneal.launch.ds import load_ds_config
 
     rng = random.Random(2)
     shipped = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())

@@ -67,7 +67,7 @@ def copy_run(trained: Path, dest: Path) -> Path:
 def plan_for(args: list[str], *, world_size: int = 1):
     """The launch as every rank (and the pre-flight) resolves it, from recipe flags."""
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.config.launch import resolve_launch
+    from anneal.launch.resolve import resolve_launch
 
     spec = load_recipe(ROOT / RECIPE)
     cfg, overrides = config_from_args(args, prog=RECIPE, on_cpu=True, **spec)
@@ -384,7 +384,7 @@ def test_set_garbage(data, tmp_path, item, expect):
 
 
 def test_a_ds_config_with_wrong_types_or_bytes(data, tmp_path):
-    from anneal.config.ds import DS_CONFIG_DIR
+    from anneal.launch.ds import DS_CONFIG_DIR
 
     cfg = json.loads((DS_CONFIG_DIR / "cpu.json").read_text())
     cfg["zero_optimization"]["stage"] = "3"
@@ -528,8 +528,8 @@ def test_out_with_files_but_no_run_needs_force_and_force_replaces_none(data, tmp
 def test_the_launchers_files_are_the_ones_rundir_allows():
     """``anneal.rundir.LAUNCHER_FILES`` names what the launcher writes before the recipe starts
     (the recipe's check above relies on it; the launcher's own constants are the truth)."""
+    from anneal.planning import forecast
     from anneal.rundir import LAUNCHER_FILES, PREEMPT
-    from anneal.scaling import forecast
     from launcher import dsenv
 
     written = {dsenv.FILE, dsenv.RUNNER_FILE, forecast.FILE, "submit.sbatch", "hostfile", "logs"}
@@ -568,7 +568,7 @@ def test_the_recipe_refuses_an_empty_out_as_one_paragraph(data, tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
-PATH_FLAGS = ["--out", "--data", "--ds-config", "--resume", "--init-from", "--branch-from"]
+PATH_FLAGS = ["--out", "--data", "--ds-config", "--resume", "--init-from", "--cooldown-from"]
 
 
 @pytest.mark.parametrize("flag", PATH_FLAGS)

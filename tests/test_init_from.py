@@ -142,7 +142,7 @@ def config(model_dir: Path, data: Path, out: Path, *extra: str):
 
 
 def resolve(model_dir: Path, data: Path, out: Path, *extra: str):
-    from anneal.config.launch import resolve_launch
+    from anneal.launch.resolve import resolve_launch
 
     cfg, overrides = config(model_dir, data, out, *extra)
     return resolve_launch(cfg, overrides, world_size=1, device_type="cpu")
@@ -226,7 +226,7 @@ def test_the_recipe_resolves_with_its_defaults(models, model_data, tmp_path, dev
     checkpoint's context, a tenth of Llama 2's peak LR, WSD with a 20% (1 - sqrt) cooldown to
     0, a warmup of 1% of the run, 4M tokens a step. Without --init-from it says to give it."""
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.config.launch import resolve_launch
+    from anneal.launch.resolve import resolve_launch
 
     spec = load_recipe(ROOT / "recipes" / "continue_pretraining.py")
     data = ["--data", str(model_data["llama"]), "--out", str(tmp_path / "run")]

@@ -136,14 +136,16 @@ MAY_IMPORT = {
     "rundir": {"ground"},
     "model": {"ground"},
     "data": {"ground", "rundir"},
-    "scaling": {"ground", "rundir", "model"},
+    "planning": {"ground", "rundir", "model"},
     "resilience": {"ground", "rundir", "model"},
-    "config": {"ground", "rundir", "model", "data", "resilience"},
-    "observe": {"ground", "rundir", "model", "data", "scaling", "config"},
-    "train": {"ground", "rundir", "model", "data", "scaling", "resilience", "config", "observe"},
+    "config": {"ground"},
+    "launch": {"ground", "rundir", "model", "data", "resilience", "config"},
+    "observe": {"ground", "rundir", "model", "data", "planning", "config", "launch"},
+    "train": {"ground", "rundir", "model", "data", "planning", "resilience", "config", "launch",
+              "observe"},
     "hf": {"ground", "rundir", "model", "data", "resilience"},
-    "cli": {"ground", "rundir", "model", "data", "scaling", "resilience", "config", "observe",
-            "train", "hf"},
+    "cli": {"ground", "rundir", "model", "data", "planning", "resilience", "config", "launch",
+            "observe", "train", "hf"},
 }  # fmt: skip
 # Single modules that a part may import from a part the table keeps it from. Continued
 # pretraining (--init-from) reads a Hugging Face checkpoint when the launch is resolved
@@ -151,7 +153,7 @@ MAY_IMPORT = {
 # read the weight files through hf.weight_files; these three modules import nothing else of
 # hf/ (test_the_hf_loader_imports_nothing_of_the_export).
 MAY_IMPORT_MODULES = {
-    "config": {"anneal.hf.load", "anneal.hf.weight_files"},
+    "launch": {"anneal.hf.load", "anneal.hf.weight_files"},
     "train": {"anneal.hf.load", "anneal.hf.load_weights", "anneal.hf.weight_files"},
 }
 

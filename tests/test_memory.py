@@ -1,4 +1,4 @@
-"""The per-GPU memory estimator (anneal/scaling/memory.py, `anneal estimate`).
+"""The per-GPU memory estimator (anneal/planning/memory.py, `anneal estimate`).
 
 Proves the ZeRO model-state formulas (stage 1 4P+12P/n, stage 2 2P+14P/n, stage 3 16P/n,
 offload), agreement with DeepSpeed's own estimators where both count the same thing, the
@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from anneal import cli
-from anneal.config.ds import find_ds_config, load_ds_config
 from anneal.errors import UserError
+from anneal.launch.ds import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
-from anneal.scaling import forecast, memory, memory_io, memory_levers, memory_tp
-from anneal.scaling.memory import GiB
+from anneal.planning import forecast, memory, memory_io, memory_levers, memory_tp
+from anneal.planning.memory import GiB
 from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -463,7 +463,7 @@ def test_cli_estimate_counts_the_loss(capsys):
     assert doc["levers"][0]["name"] == "chunked loss"
 
 
-# Tensor parallelism (anneal/scaling/memory_tp.py): DeepSpeed AutoTP shards q, k, v, o, gate, up,
+# Tensor parallelism (anneal/planning/memory_tp.py): DeepSpeed AutoTP shards q, k, v, o, gate, up,
 # down and the LM head over t ranks; embeddings and norms stay whole; ZeRO partitions over n / t.
 
 
@@ -594,7 +594,7 @@ def test_cli_estimate_reads_tp_from_the_flag_and_the_ds_config(tmp_path, capsys)
 
 
 def test_forecast_per_gpu_is_lower_under_tp():
-    """The launcher's pre-flight forecast (anneal/scaling/forecast.make, given the launch's
+    """The launcher's pre-flight forecast (anneal/planning/forecast.make, given the launch's
     ds_config) reads tensor_parallel.autotp_size: the 7b recipe's shape on 8 GPUs."""
     ds = {
         **load_ds_config(find_ds_config("zero3_bf16.json")),

@@ -1,4 +1,4 @@
-"""The memory estimator under Ulysses sequence parallelism (anneal/scaling/memory_sp.py), and the
+"""The memory estimator under Ulysses sequence parallelism (anneal/planning/memory_sp.py), and the
 estimate against the measured peak memory of a real tensor-parallel run on CPU.
 
 Fast: SP=1 is the estimate as before, bit for bit; at SP=s each rank's activations and logits are
@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from anneal import cli
-from anneal.config.ds import find_ds_config, load_ds_config
 from anneal.errors import UserError
+from anneal.launch.ds import find_ds_config, load_ds_config
 from anneal.model import get_preset
-from anneal.scaling import forecast, memory, memory_levers
-from anneal.scaling.memory import GiB
+from anneal.planning import forecast, memory, memory_levers
+from anneal.planning.memory import GiB
 from tests.conftest import BIN, free_port
 from tests.test_memory import estimate_for, wait_peak_rss
 

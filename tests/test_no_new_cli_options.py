@@ -22,7 +22,7 @@ RECIPE_FLAGS = [
     # a file of those); the flag the other writing commands (data prepare, export, fit) use.
     "--force",
     "--init-from",
-    "--branch-from",
+    "--cooldown-from/--branch-from",
     "--eval-every",
     "--save-every",
     "--seed",

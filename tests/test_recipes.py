@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
-from anneal.config.launch import resolve_launch
+from anneal.launch.resolve import resolve_launch
 from launcher import hostfile
 from tests.conftest import ROOT, read_metrics, run_recipe
 

@@ -1,4 +1,4 @@
-"""The Chinchilla planner and fitter (anneal/scaling/, `anneal plan`, `anneal fit`).
+"""The Chinchilla planner and fitter (anneal/planning/, `anneal plan`, `anneal fit`).
 
 Proves that the planner reproduces published numbers (the Epoch fit's ~72B and ~18 tokens per
 parameter at Chinchilla's 5.76e23 FLOPs; the 20-tokens rule's 70B / 1.4T; Hoffmann's closed
@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from anneal import cli, scaling
+from anneal import cli, planning
 from anneal.errors import UserError
-from anneal.scaling import FITS, RunPoint, plan
+from anneal.planning import FITS, RunPoint, plan
 
 CHINCHILLA_FLOPS = 5.76e23  # Hoffmann et al. 2022, table 3: Chinchilla's training compute
 
@@ -31,7 +31,7 @@ def test_epoch_fit_at_chinchilla_compute_gives_72b_and_18_tokens_per_param():
 
 
 def test_rule_of_20_gives_chinchillas_70b_and_1_4t_at_its_compute():
-    p = plan(flops=CHINCHILLA_FLOPS, tokens_per_param=scaling.parse_rule("tokens-per-param=20"))
+    p = plan(flops=CHINCHILLA_FLOPS, tokens_per_param=planning.parse_rule("tokens-per-param=20"))
     assert p.params == pytest.approx(70e9, rel=0.02)
     assert p.tokens == pytest.approx(1.4e12, rel=0.02)
     assert p.tokens_per_param == pytest.approx(20, rel=1e-12)
@@ -83,7 +83,7 @@ def test_six_nd_holds_and_the_budget_is_met(budget, fit, rule):
     if "flops" in budget:
         assert p.flops == pytest.approx(budget["flops"], rel=1e-9)
     if "hours" in budget:
-        assert p.flops == pytest.approx(256 * 336 * 3600 * 989e12 * scaling.DEFAULT_MFU, rel=1e-9)
+        assert p.flops == pytest.approx(256 * 336 * 3600 * 989e12 * planning.DEFAULT_MFU, rel=1e-9)
         assert p.wall_clock_hours == pytest.approx(336, rel=1e-9)
     if "params" in budget:
         assert p.params == pytest.approx(7e9, rel=1e-12)
@@ -111,7 +111,7 @@ def test_mfu_defaults_to_the_measured_median_of_a_run(tmp_path):
     rows = [{"kind": "train", "step": i, "mfu": m} for i, m in enumerate([0.9] + [0.3] * 9, 1)]
     rows.append({"kind": "val", "step": 10, "val_loss": 3.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mfu, source = scaling.mfu_from_run(tmp_path)
+    mfu, source = planning.mfu_from_run(tmp_path)
     assert mfu == 0.3  # the first 10% of steps (warm-up) are skipped
     assert str(tmp_path) in source
 
@@ -203,21 +203,23 @@ def synthetic_points(truth, *, sigma: float, seed: int) -> list[RunPoint]:
     ]
 
 
-TRUTH = scaling.ChinchillaFit(E=1.8, A=400.0, B=1500.0, alpha=0.34, beta=0.37, name="t", source="t")
+TRUTH = planning.ChinchillaFit(
+    E=1.8, A=400.0, B=1500.0, alpha=0.34, beta=0.37, name="t", source="t"
+)
 
 
 def test_fit_recovers_a_noise_free_law_exactly():
     points = synthetic_points(TRUTH, sigma=0.0, seed=0)
-    result = scaling.fit_points(points, n_bootstrap=0, grid_starts=200)
-    for k in scaling.PARAM_NAMES:
+    result = planning.fit_points(points, n_bootstrap=0, grid_starts=200)
+    for k in planning.PARAM_NAMES:
         assert result.values[k] == pytest.approx(getattr(TRUTH, k), rel=1e-3), k
 
 
 @pytest.mark.slow
 def test_fit_recovers_a_noisy_law_within_its_confidence_intervals():
     """The default fit (all 4500 grid starts, 100 bootstrap resamples) on 0.5% noise."""
-    result = scaling.fit_points(synthetic_points(TRUTH, sigma=0.005, seed=0), n_bootstrap=100)
-    for k in scaling.PARAM_NAMES:
+    result = planning.fit_points(synthetic_points(TRUTH, sigma=0.005, seed=0), n_bootstrap=100)
+    for k in planning.PARAM_NAMES:
         lo, hi = result.ci95[k]
         assert lo <= getattr(TRUTH, k) <= hi, (k, lo, hi)
         assert lo <= result.values[k] <= hi
@@ -235,12 +237,12 @@ def test_anneal_fit_csv_writes_a_fit_file_and_plot_that_plan_reads(tmp_path, cap
     code, text, _ = run_cli(capsys, *argv, "--bootstrap", "10")
     assert code == 0 and "95% CI" in text
     doc = json.loads(out.read_text())
-    assert doc["format"] == scaling.FIT_FORMAT and len(doc["points"]) == 36
+    assert doc["format"] == planning.FIT_FORMAT and len(doc["points"]) == 36
     assert doc["fit"]["alpha"] == pytest.approx(TRUTH.alpha, rel=0.05)
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    fitted = scaling.load_fit(out)
-    assert set(k for k, _, _ in fitted.ci95) == set(scaling.PARAM_NAMES)
+    fitted = planning.load_fit(out)
+    assert set(k for k, _, _ in fitted.ci95) == set(planning.PARAM_NAMES)
     code, text, _ = run_cli(capsys, "plan", "--flops", "1e22", "--fit", str(out), "--json")
     assert code == 0
     assert json.loads(text)["params"] == pytest.approx(fitted.optimal_params(1e22), rel=1e-12)
@@ -255,7 +257,7 @@ def test_fit_input_errors(tmp_path, capsys):
     assert code == 2 and "not a run directory" in err
     few = [RunPoint(params=1e6 * i, tokens=1e8, loss=5.0) for i in range(1, 5)]
     with pytest.raises(UserError, match="at least 5 runs with at least 2 model sizes"):
-        scaling.fit_points(few)
+        planning.fit_points(few)
 
 
 def test_read_run_takes_params_tokens_and_final_val_loss(tmp_path):
@@ -268,12 +270,12 @@ def test_read_run_takes_params_tokens_and_final_val_loss(tmp_path):
         {"kind": "event", "step": 2, "event": "checkpoint"},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert scaling.read_run(tmp_path) == RunPoint(
+    assert planning.read_run(tmp_path) == RunPoint(
         params=7358720, tokens=4096, loss=7.5, source=str(tmp_path)
     )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
     with pytest.raises(UserError, match="last validation is at step 1 but training went"):
-        scaling.read_run(tmp_path)
+        planning.read_run(tmp_path)
 
 
 def test_mfu_from_a_run_without_metrics_is_a_clear_error(tmp_path, capsys):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from anneal import scaling
+from anneal import planning
 from anneal.model import count_params, flops_per_token, get_preset
 from tests.conftest import read_metrics, run_process
 
@@ -75,7 +75,7 @@ def test_every_run_of_the_grid_trained_its_budget(swept, stdlib_data):
             assert [r["tokens"] for r in train] == [
                 BATCH_TOKENS * i for i in range(1, tokens // BATCH_TOKENS + 1)
             ]
-            point = scaling.read_run(run_dir)
+            point = planning.read_run(run_dir)
             assert (point.params, point.tokens) == (count_params(preset), tokens)
             losses[shape.hidden_size, tokens] = point.loss
             assert not (run_dir / "checkpoints").exists()  # removed unless --keep-checkpoints
@@ -90,12 +90,12 @@ def test_every_run_of_the_grid_trained_its_budget(swept, stdlib_data):
 def test_fit_file_and_plot_hold_exactly_the_runs(swept):
     out, _, stdout = swept
     doc = json.loads((out / "fit.json").read_text())
-    assert doc["format"] == scaling.FIT_FORMAT
+    assert doc["format"] == planning.FIT_FORMAT
     runs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
     assert len(runs) == 6
-    expected = sorted((p.params, p.tokens, p.loss) for p in map(scaling.read_run, runs))
+    expected = sorted((p.params, p.tokens, p.loss) for p in map(planning.read_run, runs))
     assert sorted((p["params"], p["tokens"], p["loss"]) for p in doc["points"]) == expected
-    assert set(doc["ci95"]) == set(scaling.PARAM_NAMES)
+    assert set(doc["ci95"]) == set(planning.PARAM_NAMES)
     assert (out / "fit.png").read_bytes()[:4] == b"\x89PNG"
     assert "fit of 6 runs" in stdout
 

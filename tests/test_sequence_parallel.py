@@ -30,9 +30,9 @@ import json
 import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
-from anneal.config import parallel
-from anneal.config.launch import resolve_launch
 from anneal.errors import UserError
+from anneal.launch import parallel
+from anneal.launch.resolve import resolve_launch
 from anneal.model import get_preset
 from launcher.__main__ import main as launcher_main
 from tests.conftest import (

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from anneal.config import parallel
 from anneal.errors import UserError
+from anneal.launch import parallel
 from anneal.model import get_preset
 from anneal.resilience.manifest import owner_of
 from launcher.__main__ import main as launcher_main

@@ -26,11 +26,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from anneal.config import ds as dslib
 from anneal.config.run import OptimConfig, RunConfig
 from anneal.config.run_checks import apply_overrides, check_ranges
 from anneal.config.schedule import Schedule, WarmupDecay, lr_ratio
 from anneal.errors import UserError
+from anneal.launch import ds as dslib
 from tests.conftest import ROOT, SMALL, read_metrics, run_process, run_recipes
 
 SHAPES = {

@@ -107,7 +107,7 @@ def add_commands(sub) -> None:
 
 
 def _add_prepare(data_sub) -> None:
-    from anneal.data.prepare import PrepareConfig
+    from anneal.data.prepare_config import PrepareConfig
     from anneal.data.readers import ReadOptions
 
     cfg = PrepareConfig(inputs=(), out=Path())
@@ -181,7 +181,7 @@ def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
 
 def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:
     """The split, the workers and the shards written (``PrepareConfig`` ``cfg``)."""
-    from anneal.data.prepare import DTYPES
+    from anneal.data.prepare_config import DTYPES
 
     prep.add_argument(
         "--val-fraction",

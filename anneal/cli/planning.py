@@ -1,5 +1,5 @@
 """``anneal plan``, ``anneal fit``, ``anneal estimate``: what to train for a budget, the scaling
-law fitted to finished runs, and the per-GPU memory of a run (anneal/scaling/; docs/planning.md).
+law fitted to finished runs, and the per-GPU memory of a run (anneal/planning/; docs/planning.md).
 
 Every default below is read from the library (a signature or a module constant), never typed
 again here; tests/test_cli.py checks that.
@@ -25,12 +25,12 @@ def _default(fn, name: str):
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from anneal import scaling
+    from anneal import planning
 
     mfu, mfu_source = args.mfu, None
     if mfu is None and args.mfu_from:
-        mfu, mfu_source = scaling.mfu_from_run(args.mfu_from)
-    result = scaling.plan(
+        mfu, mfu_source = planning.mfu_from_run(args.mfu_from)
+    result = planning.plan(
         flops=args.flops,
         params=args.params,
         tokens=args.tokens,
@@ -40,31 +40,31 @@ def _plan(args: argparse.Namespace) -> int:
         gpu=args.gpu,
         mfu=mfu,
         mfu_source=mfu_source,
-        fit=scaling.load_fit(args.fit),
-        tokens_per_param=scaling.parse_rule(args.rule) if args.rule else None,
+        fit=planning.load_fit(args.fit),
+        tokens_per_param=planning.parse_rule(args.rule) if args.rule else None,
         global_batch=args.global_batch,
         seq_len=args.seq_len,
     )
-    print(json.dumps(result.to_dict()) if args.json else scaling.format_plan(result))
+    print(json.dumps(result.to_dict()) if args.json else planning.format_plan(result))
     return 0
 
 
 def _fit(args: argparse.Namespace) -> int:
     import json
 
-    from anneal import scaling
-    from anneal.scaling.fit import claim_fit_outputs
+    from anneal import planning
+    from anneal.planning.fit import claim_fit_outputs
 
     if bool(args.runs) == bool(args.csv):
         raise UserError("anneal fit: give run directories or --csv FILE (one of the two).")
-    points = scaling.read_csv(args.csv) if args.csv else [scaling.read_run(r) for r in args.runs]
+    points = planning.read_csv(args.csv) if args.csv else [planning.read_run(r) for r in args.runs]
     out = Path(args.out)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     claim_fit_outputs(out, plot, force=args.force)  # before the fit, which takes time
-    result = scaling.fit_points(
+    result = planning.fit_points(
         points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed
     )
-    out = scaling.write_fit(result, out)
+    out = planning.write_fit(result, out)
     try:
         result.to_fit()
         from anneal.observe.formula_plots import plot_fit
@@ -76,7 +76,7 @@ def _fit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.to_json(), "fit_file": str(out), "plot": plot and str(plot)}))
     else:
-        print(scaling.format_fit(result))
+        print(planning.format_fit(result))
         print(f"wrote {out}" + (f" and {plot}" if plot else ""))
     return 0
 
@@ -84,9 +84,9 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from anneal.config.ds import find_ds_config, load_ds_config
     from anneal.hardware import get_gpu
-    from anneal.scaling import memory, memory_io, memory_levers, memory_sp, memory_tp
+    from anneal.launch.ds import find_ds_config, load_ds_config
+    from anneal.planning import memory, memory_io, memory_levers, memory_sp, memory_tp
 
     preset = memory_io.load_model(args.model)
     if args.vocab_size:
@@ -169,7 +169,7 @@ def _gpu_names() -> str:
 
 
 def _add_plan(sub) -> None:
-    from anneal import scaling
+    from anneal import planning
 
     plan = sub.add_parser(
         "plan",
@@ -182,13 +182,13 @@ def _add_plan(sub) -> None:
     plan.add_argument("--hours", type=float, help="wall-clock hours on --gpus")
     plan.add_argument(
         "--gpu",
-        default=_default(scaling.plan, "gpu"),
+        default=_default(planning.plan, "gpu"),
         help=f"{_gpu_names()} (default %(default)s)",
     )
     plan.add_argument(
         "--mfu",
         type=float,
-        help=f"model FLOPs utilisation in (0, 1] (default {scaling.DEFAULT_MFU})",
+        help=f"model FLOPs utilisation in (0, 1] (default {planning.DEFAULT_MFU})",
     )
     plan.add_argument(
         "--mfu-from", metavar="RUN_DIR", type=path, help="use the MFU measured in a run"
@@ -199,14 +199,14 @@ def _add_plan(sub) -> None:
     plan.add_argument(
         "--fit",
         type=path,
-        default=scaling.DEFAULT_FIT,
-        help=f"{' | '.join(scaling.FITS)} | a file from `anneal fit` (default %(default)s)",
+        default=planning.DEFAULT_FIT,
+        help=f"{' | '.join(planning.FITS)} | a file from `anneal fit` (default %(default)s)",
     )
     plan.add_argument("--rule", help="tokens-per-param=R instead of the fit's frontier")
     plan.add_argument(
         "--global-batch",
         type=int,
-        default=_default(scaling.plan, "global_batch"),
+        default=_default(planning.plan, "global_batch"),
         help="sequences per optimizer step (default %(default)s)",
     )
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
@@ -217,12 +217,12 @@ def _add_plan(sub) -> None:
 def _add_fit(sub) -> None:
     import math
 
-    from anneal import scaling
+    from anneal import planning
 
     fit = sub.add_parser(
         "fit",
         help="fit L(N, D) = E + A/N^alpha + B/D^beta to finished runs",
-        description=f"Hoffmann et al. 2022 approach 3: Huber loss (delta {scaling.HUBER_DELTA:g}) "
+        description=f"Hoffmann et al. 2022 approach 3: Huber loss (delta {planning.HUBER_DELTA:g}) "
         "on log-loss, L-BFGS from a grid of starts, bootstrap 95% intervals. "
         "See docs/planning.md.",
     )
@@ -240,20 +240,20 @@ def _add_fit(sub) -> None:
     fit.add_argument(
         "--bootstrap",
         type=int,
-        default=_default(scaling.fit_points, "n_bootstrap"),
+        default=_default(planning.fit_points, "n_bootstrap"),
         help="bootstrap resamples (default %(default)s)",
     )
-    grid_size = math.prod(len(v) for v in scaling.INIT_GRID.values())
+    grid_size = math.prod(len(v) for v in planning.INIT_GRID.values())
     fit.add_argument(
         "--starts",
         type=int,
-        default=_default(scaling.fit_points, "grid_starts"),
+        default=_default(planning.fit_points, "grid_starts"),
         help=f"L-BFGS from this many best grid points (default all {grid_size})",
     )
     fit.add_argument(
         "--seed",
         type=int,
-        default=_default(scaling.fit_points, "seed"),
+        default=_default(planning.fit_points, "seed"),
         help="seed of the bootstrap resamples (default %(default)s)",
     )
     fit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -263,7 +263,7 @@ def _add_fit(sub) -> None:
 def _add_estimate(sub) -> None:
     from anneal.hardware import DEFAULT_GPU
     from anneal.model import NOMINAL_VOCAB
-    from anneal.scaling import memory
+    from anneal.planning import memory
 
     est = sub.add_parser(
         "estimate",

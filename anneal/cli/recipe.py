@@ -64,7 +64,9 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
         "replaces the preset's (model.init_from)",
     )
     p.add_argument(
-        "--branch-from",
+        "--cooldown-from",
+        "--branch-from",  # its name before issue 28, kept for scripts that use it
+        dest="branch_from",
         metavar="CKPT",
         type=path,
         help="start a cooldown branch of a WSD run in a new --out: from this checkpoint (a tag "
@@ -121,7 +123,7 @@ def config_from_args(
         model = dataclasses.replace(model, init_from=args.init_from)
     if args.branch_from is not None and not args.branch_from.strip():
         raise UserError(
-            "--branch-from is empty: give a checkpoint of a WSD run (RUN/checkpoints/stepNNNNNNNN) "
+            "--cooldown-from is empty: give a checkpoint of a WSD run (RUN/checkpoints/stepNNNNNNNN) "
             "or its run directory."
         )
     train = dataclasses.replace(

@@ -1,5 +1,4 @@
-"""Configuration: the typed run config (``run``) and its ``--set`` overrides and ranges
-(``run_checks``); DeepSpeed JSON configs, read strictly (``ds``) against their schema
-(``ds_schema``), with the run's values filled in where they say ``"auto"`` (``ds_resolve``); the
-learning-rate schedule their ``scheduler`` section describes (``schedule``); and resolving one
-launch for a world size and device before anything is written (``launch``)."""
+"""Configuration, the typed schema and its checks: the run config (``run``) and its ``--set``
+overrides and ranges (``run_checks``); the DeepSpeed JSON schema (``ds_schema``); the
+learning-rate schedule a ds_config's ``scheduler`` section describes (``schedule``). Nothing here
+reads a disk beyond the schema's own defaults: resolving a launch is ``anneal.launch``."""

@@ -111,9 +111,9 @@ DS_SCHEMA: dict[str, Any] = {
         "output_file": str,
     },
     "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
-    # DeepSpeed's AutoTP training (anneal/config/parallel.py); its other keys are not taken.
+    # DeepSpeed's AutoTP training (anneal/launch/parallel.py); its other keys are not taken.
     "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
-    # DeepSpeed's Ulysses sequence parallelism (anneal/config/parallel.py, train/sequence.py).
+    # DeepSpeed's Ulysses sequence parallelism (anneal/launch/parallel.py, train/sequence.py).
     "sequence_parallel_size": int,
     # Anneal turns load_universal on by itself for the one load that changes the world size.
     "checkpoint": {"load_universal": bool, "tag_validation": str, "use_node_local_storage": bool},

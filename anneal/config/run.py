@@ -2,7 +2,7 @@
 change between launches of one run.
 
 What a model size wants (preset, peak LR, warmup, global batch, run length) lives here, with
-the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.config.ds``).
+the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.launch.ds``).
 ``--set section.key=value`` overrides go through these types and the range of every numeric key
 is checked (``anneal.config.run_checks``). User mistakes raise ``anneal.errors.UserError`` with
 one paragraph naming the flag or key and how to fix it.
@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 from typing import Any
-
-from anneal.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO = "auto"
@@ -43,52 +41,6 @@ class ModelConfig:
     """A Hugging Face model directory to continue pretraining from (``--init-from``): its
     config.json gives the architecture (the preset's shape is not used; seq_len 0 keeps its
     max_position_embeddings) and its weights the start. Empty: the preset, initialised."""
-
-    def resolve(self, vocab_size: int):
-        """The preset with this config's overrides and the data's vocabulary (or, with
-        ``init_from``, the checkpoint's model: ``anneal.hf.load.pretrained_preset``)."""
-        from anneal.model import get_preset
-
-        if self.init_from:
-            if self.rope_theta:
-                raise UserError(
-                    f"model.rope_theta {self.rope_theta:g} with --init-from {self.init_from}: "
-                    f"a pretrained model's RoPE is its config.json's. Drop --set "
-                    f"model.rope_theta, or set rope_theta (or rope scaling) in that config.json."
-                )
-            from anneal.hf.load import pretrained_preset
-
-            return pretrained_preset(Path(self.init_from), data_vocab=vocab_size, model=self)
-        preset = get_preset(self.preset).with_vocab(vocab_size)
-        shape = {
-            k: getattr(self, k)
-            for k in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if getattr(self, k)
-        }
-        if "num_attention_heads" in shape:
-            shape["num_key_value_heads"] = shape["num_attention_heads"]
-        if self.seq_len:
-            shape["seq_len"] = self.seq_len
-        if self.rope_theta:
-            shape["rope_theta"] = float(self.rope_theta)
-        preset = dataclasses.replace(preset, **shape)
-        heads, hidden = preset.num_attention_heads, preset.hidden_size
-        if hidden % heads or (hidden // heads) % 2:
-            fits = [h for h in range(1, 129) if hidden % h == 0 and hidden // h % 2 == 0]
-            other = f"--set model.num_attention_heads to one of {fits[-4:]}, or " if fits else ""
-            near = 2 * heads * max(1, round(hidden / heads / 2))
-            raise UserError(
-                f"model.hidden_size ({hidden}) must be model.num_attention_heads ({heads}) "
-                f"times an even head size (rotary embeddings turn pairs of channels), but "
-                f"{hidden} / {heads} = {hidden / heads:g}. Set {other}--set model.hidden_size "
-                f"to a multiple of {2 * heads} (e.g. {near})."
-            )
-        return preset
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,7 +82,7 @@ class OptimConfig:
     the schedule's default, 0.0 under wsd and under cosine the ds_config's
     ``scheduler.params.cos_min_ratio`` (0.1 in every shipped config; 0.1 if it says "auto")."""
     cooldown_tokens: int = 0
-    """A cooldown branch (``--branch-from``): tokens over which the LR decays from the parent's
+    """A cooldown branch (``--cooldown-from``): tokens over which the LR decays from the parent's
     at the branch step to the floor, in ``decay_shape``; the branch ends after
     ceil(cooldown_tokens / tokens per step) steps (docs/training.md, "Cooldown branches")."""
 
@@ -183,7 +135,7 @@ class TrainConfig:
     """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
     (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
     branch_from: str = ""
-    """A checkpoint of a WSD run to branch a cooldown from (``--branch-from``): a tag directory
+    """A checkpoint of a WSD run to branch a cooldown from (``--cooldown-from``): a tag directory
     (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
     only read. Empty: not a branch."""

@@ -17,17 +17,14 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from anneal.data import pack, tokenizer_hf
 from anneal.data import tokenizer as toklib
+from anneal.data.prepare_config import PrepareConfig
 from anneal.data.readers import Problems
 from anneal.data.sources import Source
 from anneal.data.units import read_unit, units_of
 from anneal.errors import UserError
-
-if TYPE_CHECKING:
-    from anneal.data.prepare import PrepareConfig
 
 log = logging.getLogger(__name__)
 

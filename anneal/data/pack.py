@@ -18,18 +18,15 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from anneal.data import tokenizer as toklib
+from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared import SPLITS
 from anneal.data.readers import Problems, ReadOptions, Unit
 from anneal.data.sources import Source
 from anneal.data.units import read_unit, units_of
-
-if TYPE_CHECKING:
-    from anneal.data.prepare import PrepareConfig
 
 ENCODE_BATCH_CHARS = 1 << 18  # characters per tokenizer call (bounds list-of-int memory)
 

@@ -13,7 +13,7 @@ import numpy as np
 from anneal.config.run import AUTO
 from anneal.config.schedule import DEFAULT_FLOOR, Schedule
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
-from anneal.scaling.fit import FitResult
+from anneal.planning.fit import FitResult
 
 
 def plot_fit(result: FitResult, path: str | Path, *, title: str = "") -> Path:
@@ -105,7 +105,7 @@ def schedule_phases(ax, schedule: Schedule, *, colors: dict) -> None:
         ax.axvspan(0, warm, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
     ax.axvspan(warm, start, color=colors["clip"], alpha=0.08, lw=0, label="stable (peak)")
     label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
-    if schedule.cooldown_step:  # a cooldown branch (anneal.config.branch)
+    if schedule.cooldown_step:  # a cooldown branch (anneal.launch.cooldown)
         label = f"{schedule.decay_shape} cooldown from step {start}"
     ax.axvspan(start, end, color=colors["cos"], alpha=0.18, lw=0, label=label)
 
@@ -167,8 +167,8 @@ def _read_schedule_source(config: Path) -> tuple[Path, dict, dict]:
     import json
 
     from anneal import rundir
-    from anneal.config.ds import find_ds_config
     from anneal.errors import UserError
+    from anneal.launch.ds import find_ds_config
 
     run_config = rundir.config_path(config) if Path(config).is_dir() else None
     path = run_config if run_config and run_config.is_file() else find_ds_config(str(config))
@@ -229,9 +229,9 @@ def plot_schedule_file(
         floor = given if kind == "cosine" and not _auto(given) else DEFAULT_FLOOR[kind]
     params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
     schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
-    if optim:  # a run's config.json: a cooldown branch's decay (anneal.config.branch)
+    if optim:  # a run's config.json: a cooldown branch's decay (anneal.launch.cooldown)
         from anneal import rundir
-        from anneal.config.branch import with_branch
+        from anneal.launch.cooldown import with_branch
 
         schedule = with_branch(schedule, rundir.config_or_empty(Path(path).parent))
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")

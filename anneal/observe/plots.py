@@ -81,11 +81,11 @@ def plot_run(
 
 
 def _parent_rows(cfg: dict) -> tuple[str, list[dict], list[dict]] | None:
-    """A cooldown branch's parent (``anneal.config.branch``): its name, train and val rows,
+    """A cooldown branch's parent (``anneal.launch.cooldown``): its name, train and val rows,
     drawn under the branch's; None when not a branch or its metrics cannot be read."""
     from anneal import rundir
-    from anneal.config.branch import parent_of
     from anneal.errors import UserError
+    from anneal.launch.cooldown import parent_of
 
     run = parent_of(cfg)
     try:
@@ -173,8 +173,8 @@ def _plot_lr(plt, c, train, cfg, path, name, parent=None) -> Path:
     warm = sched.get("warmup_num_steps")
     peak = (ds.get("optimizer") or {}).get("params", {}).get("lr")
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
-        from anneal.config.branch import with_branch
         from anneal.config.schedule import Schedule
+        from anneal.launch.cooldown import with_branch
         from anneal.observe.formula_plots import planned_lr, schedule_phases
 
         optim = (cfg.get("run") or {}).get("optim") or {}

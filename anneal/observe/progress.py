@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from anneal.dist import is_main_process
 from anneal.hardware import process_memory_bytes
-from anneal.scaling.forecast import format_duration
+from anneal.planning.forecast import format_duration
 
 if TYPE_CHECKING:
     import torch

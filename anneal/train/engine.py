@@ -11,16 +11,16 @@ from pathlib import Path
 import torch
 
 from anneal import model as modellib
-from anneal.config.launch import Launch, resolve_launch
 from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
+from anneal.launch.resolve import Launch, resolve_launch
 from anneal.train import loss as losslib
 from anneal.train import sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
-    """Resolve this launch for the live world and device (see ``anneal.config.launch``)."""
+    """Resolve this launch for the live world and device (see ``anneal.launch.resolve``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())

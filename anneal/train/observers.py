@@ -15,9 +15,9 @@ from anneal import rundir
 from anneal.dist import is_main_process, print0, rank, world_size
 from anneal.observe import progress as live
 from anneal.observe.metrics import MetricsLogger
+from anneal.planning import forecast
 from anneal.resilience import heartbeat
 from anneal.resilience.preempt import Preemption
-from anneal.scaling import forecast
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Metrics(Observer):
 
 class ForecastCheck(Observer):
     """The launcher's forecast against the measured step time and memory
-    (``anneal.scaling.forecast``)."""
+    (``anneal.planning.forecast``)."""
 
     def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, device, metrics):
         self.check = forecast.Check(run_dir, start_step=start_step)

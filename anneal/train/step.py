@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from anneal.config.launch import Launch
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
+from anneal.launch.resolve import Launch
 from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
 from anneal.train import loss as losslib

@@ -19,13 +19,13 @@ import torch
 
 from anneal import model as modellib
 from anneal import rundir
-from anneal.config.launch import Launch
 from anneal.config.run import RunConfig
 from anneal.config.run_checks import check_ranges
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
 from anneal.hardware import device_peak_flops
+from anneal.launch.resolve import Launch
 from anneal.observe import progress as live
 from anneal.observe.metrics import MetricsLogger
 from anneal.resilience import checkpoint, faults

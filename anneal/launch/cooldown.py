@@ -3,7 +3,7 @@ checkpoint of a WSD run, whose LR decays from the parent's at that step to the f
 ``optim.cooldown_tokens``, on the parent's data or on another prepared directory with the same
 tokenizer.
 
-Resolved with the launch (``anneal.config.launch``), before anything is written: the parent's
+Resolved with the launch (``anneal.launch.resolve``), before anything is written: the parent's
 checkpoint (a tag directory, or a run directory's newest), whether it can be branched (a WSD
 parent; the same number of ranks, tensor-parallel degree and ZeRO stage, as ZeRO shards are
 per rank; the data's tokenizer), the ``--out`` (a new directory outside the parent, or this
@@ -22,15 +22,15 @@ import re
 from pathlib import Path
 
 from anneal import rundir
-from anneal.config import ds as ds_config
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.schedule import Schedule
 from anneal.errors import UserError
 from anneal.files import sha256_file
+from anneal.launch import ds as ds_config
 from anneal.resilience.manifest import MANIFEST, is_intact, read_manifest
 from anneal.resilience.resume import intact_checkpoints
 
-FLAG = "--branch-from"
+FLAG = "--cooldown-from"
 EXPECTED_DIFFERENCES = ("train.max_steps", "train.branch_from", "optim.cooldown_tokens", "out")
 """Keys in which a branch differs from its parent by construction (not reported)."""
 
@@ -127,7 +127,7 @@ def resolve(
 
 
 def parent_checkpoint(given: str) -> Path:
-    """The tag directory ``--branch-from`` names: a tag directory, or a run or checkpoints
+    """The tag directory ``--cooldown-from`` names: a tag directory, or a run or checkpoints
     directory (its newest intact checkpoint); with every link resolved, so that the parent run
     (``RUN`` of ``RUN/checkpoints/<tag>``) is where the checkpoint really lies, never a
     directory that only links to it."""

@@ -54,7 +54,7 @@ def check(
     preset: ModelPreset, *, stage: int, n_gpus: int, tp: int, sp: int, seq_len: int, eager: bool
 ) -> None:
     """One UserError where Anneal would refuse this Ulysses layout before launch
-    (anneal/config/parallel.py), with the flag to change."""
+    (anneal/launch/parallel.py), with the flag to change."""
     if sp < 1:
         raise UserError(f"--sp {sp}: the sequence-parallel degree must be at least 1.")
     if sp == 1:

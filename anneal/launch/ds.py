@@ -5,7 +5,7 @@ Every DeepSpeed key has one home: a JSON file in ``ds_configs/``, edited per clu
 reads it strictly against ``anneal.config.ds_schema`` (DeepSpeed itself silently accepts a
 top-level ``gradient_clipp1ng``) and applies ``--set ds.*`` overrides through the same schema.
 The values that belong to the run rather than the cluster are filled where the file says
-``"auto"`` by ``resolve_ds_config`` (``anneal.config.ds_resolve``), named here too because the
+``"auto"`` by ``resolve_ds_config`` (``anneal.launch.ds_resolve``), named here too because the
 launch resolves a ds_config through this module.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from anneal.config.ds_resolve import resolve_ds_config as resolve_ds_config
 from anneal.config.ds_schema import REQUIRED, check_ranges, validate_ds_config
 from anneal.config.run import REPO_ROOT
 from anneal.errors import UserError
+from anneal.launch.ds_resolve import resolve_ds_config as resolve_ds_config
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 

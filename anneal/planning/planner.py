@@ -2,7 +2,7 @@
 parameters, tokens or a target loss), N and D on a fit's frontier or by a tokens-per-parameter
 rule, the predicted loss, the nearest preset, optimizer steps and GPU-hours.
 
-The law and its fits are in ``anneal.scaling.law``; docs/planning.md has the formulas.
+The law and its fits are in ``anneal.planning.law``; docs/planning.md has the formulas.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from anneal.errors import UserError
 from anneal.hardware import DEFAULT_GPU, get_gpu
-from anneal.scaling.forecast import format_duration
-from anneal.scaling.law import DEFAULT_FIT, FITS, ChinchillaFit
+from anneal.planning.forecast import format_duration
+from anneal.planning.law import DEFAULT_FIT, FITS, ChinchillaFit
 
 DEFAULT_MFU = 0.40
 """MFU assumed when none is given or measured: dense bf16 pretraining on H100s at scale

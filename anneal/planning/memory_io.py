@@ -1,6 +1,6 @@
 """What ``anneal estimate`` reads and prints: the model from a preset name or a config file
 (an Anneal run's or a Hugging Face one), the ds_config a run resolved, and the table of the
-estimate with its levers. The estimate itself is ``anneal.scaling.memory``.
+estimate with its levers. The estimate itself is ``anneal.planning.memory``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from anneal.errors import UserError
 from anneal.model import PRESETS, ModelPreset, count_params, get_preset, preset_from_dict
-from anneal.scaling.memory import MemoryEstimate, Workload, ZeroSetup, format_bytes
-from anneal.scaling.memory_levers import Lever
+from anneal.planning.memory import MemoryEstimate, Workload, ZeroSetup, format_bytes
+from anneal.planning.memory_levers import Lever
 
 
 def load_model(spec: str) -> ModelPreset:

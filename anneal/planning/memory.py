@@ -36,8 +36,8 @@ import math
 
 from anneal.errors import UserError
 from anneal.model import ModelPreset, count_params
-from anneal.scaling import memory_sp, memory_tp
-from anneal.scaling.memory_tp import largest_layer_params
+from anneal.planning import memory_sp, memory_tp
+from anneal.planning.memory_tp import largest_layer_params
 
 GiB = 2**30
 
@@ -116,7 +116,7 @@ class Workload:
     """Tokens per sequence."""
     n_gpus: int
     """GPUs (nodes x GPUs per node); ZeRO partitions over the n_gpus / tp data-parallel ones."""
-    tp: int = 1  # tensor_parallel.autotp_size: anneal.scaling.memory_tp
+    tp: int = 1  # tensor_parallel.autotp_size: anneal.planning.memory_tp
     sp: int = 1  # sequence_parallel_size (Ulysses; each rank holds seq / sp): memory_sp
     activation_checkpointing: bool = False
     eager_attention: bool = False

@@ -10,7 +10,7 @@ The names below are the public interface; ``from anneal import scaling`` and
 formulas, the fits and the checks.
 """
 
-from anneal.scaling.fit import (
+from anneal.planning.fit import (
     HUBER_DELTA,
     INIT_GRID,
     FitResult,
@@ -19,7 +19,7 @@ from anneal.scaling.fit import (
     huber_objective,
     write_fit,
 )
-from anneal.scaling.law import (
+from anneal.planning.law import (
     DEFAULT_FIT,
     FIT_FORMAT,
     FIT_VERSION,
@@ -28,7 +28,7 @@ from anneal.scaling.law import (
     ChinchillaFit,
     load_fit,
 )
-from anneal.scaling.planner import (
+from anneal.planning.planner import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MFU,
     ComputePlan,
@@ -38,7 +38,7 @@ from anneal.scaling.planner import (
     parse_rule,
     plan,
 )
-from anneal.scaling.runs import RunPoint, read_csv, read_run
+from anneal.planning.runs import RunPoint, read_csv, read_run
 
 __all__ = [
     "DEFAULT_FIT",

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from anneal import model as modellib
 from anneal import rundir
-from anneal.config import branch as branchlib
-from anneal.config import ds as ds_config
-from anneal.config import parallel
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
 from anneal.errors import UserError
 from anneal.files import claim_output
+from anneal.launch import cooldown, parallel
+from anneal.launch import ds as ds_config
+from anneal.launch.preset import model_preset
 from anneal.resilience import checkpoint
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -53,8 +53,8 @@ class Launch:
     meta: dict
     """The data directory's meta.json."""
     notes: list[str]
-    branch: branchlib.Branch | None = None
-    """A cooldown branch's start (``anneal.config.branch``); None for any other run."""
+    branch: cooldown.Branch | None = None
+    """A cooldown branch's start (``anneal.launch.cooldown``); None for any other run."""
 
     @property
     def seq_len(self) -> int:
@@ -62,7 +62,7 @@ class Launch:
 
     @property
     def layout(self) -> parallel.Layout:
-        """TP or SP degree x data-parallel size (``anneal.config.parallel``)."""
+        """TP or SP degree x data-parallel size (``anneal.launch.parallel``)."""
         ds = self.ds_config
         return parallel.Layout(
             self.world_size, parallel.tensor_parallel_size(ds), parallel.sequence_parallel_size(ds)
@@ -192,11 +192,11 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
 
     data_dir = Path(cfg.data.path)
     meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
-    preset = cfg.model.resolve(meta["vocab_size"])
+    preset = model_preset(cfg.model, meta["vocab_size"])
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
     old_config = check_run_dir(cfg, out, data_dir=data_dir)
-    cfg, branch, branch_notes = branchlib.resolve(
+    cfg, branch, branch_notes = cooldown.resolve(
         cfg,
         ds,
         meta=meta,

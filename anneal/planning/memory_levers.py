@@ -4,7 +4,7 @@ quality (micro-batch, with more accumulation), then context, then tensor paralle
 shards the layers' matrices and activations over the GPUs of a node, and costs communication),
 then Ulysses sequence parallelism (it splits every sequence's activations and logits over the
 GPUs of a node, not the weights, for two all-to-alls per layer), then model shape. Each lever
-but the loss is the largest setting that fits by ``anneal.scaling.memory.estimate``, found by
+but the loss is the largest setting that fits by ``anneal.planning.memory.estimate``, found by
 bisection, since the estimate grows with each of them.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from anneal.model import ModelPreset
-from anneal.scaling.memory import GiB, Workload, ZeroSetup, estimate
+from anneal.planning.memory import GiB, Workload, ZeroSetup, estimate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,7 +167,7 @@ def _sequence_parallel(
 ) -> Lever:
     """The smallest power-of-2 Ulysses degree above the current one, up to 8 (one node), that
     divides the head counts, the sequence and the GPUs and fits; none where Anneal would refuse
-    Ulysses (with TP, below ZeRO-2, eager attention: anneal.scaling.memory_sp)."""
+    Ulysses (with TP, below ZeRO-2, eager attention: anneal.planning.memory_sp)."""
     name = "sequence parallel"
     if work.tp > 1 or zero.stage < 2 or work.eager_attention:
         why = "not with TP" if work.tp > 1 else "needs ZeRO-2 or 3 and SDPA attention"

@@ -1,6 +1,6 @@
 """The forecast printed before a launch, and the check of it after ``CHECK_AT_STEP`` steps.
 
-Before: per-GPU memory by ``anneal.scaling.memory.estimate``, and time per optimizer step and to
+Before: per-GPU memory by ``anneal.planning.memory.estimate``, and time per optimizer step and to
 the end of the run at an assumed MFU (``--mfu``)::
 
     step_s = flops_per_token x train_batch_size x seq_len / (mfu x peak_flops x world_size)
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal import model as modellib
-from anneal.scaling import memory, memory_sp, memory_tp
+from anneal.planning import memory, memory_sp, memory_tp
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +107,7 @@ def format_duration(seconds: float) -> str:
 def describe(f: Forecast) -> str:
     return (
         f"forecast: {memory.format_bytes(f.memory_bytes_per_gpu)} per GPU "
-        f"(anneal/scaling/memory.py); "
+        f"(anneal/planning/memory.py); "
         f"{f.step_s:.3g} s per step and {format_duration(f.remaining_s)} for the "
         f"{f.remaining_steps} steps left at MFU {f.mfu:.0%} of {f.peak_flops / 1e12:.3g} TFLOP/s "
         f"x {f.world_size} devices (validation and checkpoints not counted)"
