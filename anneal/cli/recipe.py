@@ -123,8 +123,8 @@ def config_from_args(
         model = dataclasses.replace(model, init_from=args.init_from)
     if args.branch_from is not None and not args.branch_from.strip():
         raise UserError(
-            "--cooldown-from is empty: give a checkpoint of a WSD run (RUN/checkpoints/stepNNNNNNNN) "
-            "or its run directory."
+            "--cooldown-from is empty: give a checkpoint of a WSD run "
+            "(RUN/checkpoints/stepNNNNNNNN) or its run directory."
         )
     train = dataclasses.replace(
         train,
