@@ -1,5 +1,6 @@
-"""Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, the measured CPU peak,
-and the host memory of a process tree (through psutil).
+"""Device peaks: dense bf16 FLOP/s and memory of the GPUs Anneal knows, the measured CPU peak;
+the host memory of a process tree (through psutil), and the one probe of a process's peak
+memory (``peak_memory_bytes``: the train rows, the forecast check and the export read it).
 
 MFU (``anneal.observe.metrics``), the planner (``anneal.planning``) and the memory estimator
 (``anneal.planning.memory``) read their hardware numbers here and nowhere else. docs/planning.md
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+GiB = 2**30
 
 # Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a fragment of the name
 # torch reports; the first fragment found in the name wins, so variants come before the family.
@@ -147,3 +150,45 @@ def process_memory_bytes(pid: int | None = None, *, tree: bool = False, pss: boo
         except psutil.Error:
             pass
     return total
+
+
+def peak_memory_bytes(device: torch.device | None = None, *, reset: bool = False) -> int:
+    """The one memory probe: this process's peak memory in bytes, since it began or since the
+    last ``reset`` (which starts the next peak after this read).
+
+    On a CUDA ``device``: the allocator's peak (``torch.cuda.max_memory_allocated``). On the
+    host: the peak resident set (Linux's VmHWM; ``reset`` through ``/proc/self/clear_refs``).
+    Where ``/proc`` cannot tell: ``getrusage``'s ``ru_maxrss``, which nothing resets. A reset of
+    the host's peak also lowers what a parent's ``wait4`` reads of this process, so a training
+    process never resets it (``anneal.train.step``)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:
+        import resource
+        import sys
+
+        scale = 1 if sys.platform == "darwin" else 1024  # KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    if reset:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the resident set
+        except OSError:
+            pass
+    return peak
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes; None where there is no such file."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -69,8 +69,8 @@ def worker(args) -> None:
     from anneal.data.stream import PackedSplit, TokenStream
     from anneal.dist import rank, shutdown
     from anneal.hardware import process_memory_bytes
-    from anneal.train import engine as enginelib
-    from anneal.train import step as steplib
+    from anneal.train.engine import build_engine, data_parallel, resolve_run, setup_process
+    from anneal.train.step import StepShape, TrainState, train_step
 
     argv = ["--out", args.run, "--data", args.data, "--max-steps", str(args.steps + 1)]
     for s in [
@@ -84,16 +84,16 @@ def worker(args) -> None:
     ]:
         argv += ["--set", s]
     cfg, overrides = config_from_args(argv, prog=str(TINY), on_cpu=True, **load_recipe(TINY))
-    enginelib.setup_process()
-    launch = enginelib.resolve_run(cfg, overrides)
-    engine = enginelib.build_engine(launch)
-    dp_rank, dp_size = enginelib.data_parallel(engine)
+    setup_process()
+    launch = resolve_run(cfg, overrides)
+    engine = build_engine(launch)
+    dp_rank, dp_size = data_parallel(engine)
     split = PackedSplit(Path(args.data), "train", seq_len=launch.seq_len)
     stream = TokenStream(split, seed=0, rank=dp_rank, world_size=dp_size, micro_batch=1)
-    state, losses = steplib.TrainState(), []
+    state, shape, losses = TrainState(), StepShape.of(launch), []
     before = process_memory_bytes()
     for _ in range(args.steps):
-        losses.append(steplib.train_step(engine, stream, state, launch)["loss"])
+        losses.append(train_step(engine, stream, state, shape)["loss"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     stream.close()
     row = {"rank": rank(), "sp": args.sp, "seq": args.seq, "before": before, "peak": peak}

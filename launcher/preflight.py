@@ -209,6 +209,7 @@ def preflight(
     fc = forecast.make(
         preset=launch.preset,
         ds_config=launch.ds_config,
+        tokens_per_step=launch.tokens_per_step,
         world_size=world_size,
         max_steps=launch.cfg.train.max_steps,
         start_step=start,

@@ -90,7 +90,9 @@ def test_a_planted_checkpoint_is_refused_on_resume_rewind_and_branch(
 
     guard = Guard(launch.cfg.guard, run_dir=tmp_path / "new", resuming=False)
     with pytest.raises(UserError) as e:  # a spike at step 3 rewinds to step 2
-        guard.rewind(eng, run / "checkpoints", spike_step=3, spike_end=48, samples_per_step=16)
+        guard.load_before_spike(
+            eng, run / "checkpoints", spike_step=3, spike_end=48, samples_per_step=16
+        )
     one_paragraph(e.value, str(target))
 
     parent = _wsd(run)

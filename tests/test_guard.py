@@ -26,14 +26,17 @@ from anneal.config.run import GuardConfig
 from anneal.errors import UserError
 from anneal.resilience import faults
 from anneal.resilience.guard import Guard
+from anneal.train.observers import Observer
 from tests.conftest import SMALL, read_metrics, run_recipe
 
 
-class Sink:
+class Sink(Observer):
+    """The run's observers, as far as the guard tells them: its events, kept."""
+
     def __init__(self):
         self.rows = []
 
-    def event(self, step, event, **fields):
+    def on_event(self, step, event, **fields):
         self.rows.append({"step": step, "event": event, **fields})
 
 
@@ -51,7 +54,7 @@ class StepEngine:
 def check(guard, step, loss, sink, applied=True, grad_norm=1.0, **kwargs):
     row = {"step": step, "loss": loss}
     engine = StepEngine(applied, grad_norm)
-    return guard.check(row, engine, samples=(step * 8, step * 8 + 8), metrics=sink, **kwargs)
+    return guard.check(row, engine, samples=(step * 8, step * 8 + 8), events=sink, **kwargs)
 
 
 def test_default_thresholds_ignore_noise_and_catch_a_spike(tmp_path):

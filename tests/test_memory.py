@@ -602,7 +602,13 @@ def test_forecast_per_gpu_is_lower_under_tp():
         "train_micro_batch_size_per_gpu": 4,
     }
     kw = dict(
-        preset=get_preset("7b"), world_size=8, max_steps=10, start_step=0, mfu=0.4, peak_flops=1e15
+        preset=get_preset("7b"),
+        tokens_per_step=32 * get_preset("7b").seq_len,
+        world_size=8,
+        max_steps=10,
+        start_step=0,
+        mfu=0.4,
+        peak_flops=1e15,
     )
     one = forecast.make(ds_config=ds, **kw).memory_bytes_per_gpu
     two = forecast.make(

@@ -277,7 +277,8 @@ def test_tensorboard_reader_sees_the_expected_tags(real_run):
 
 
 def test_memory_is_summarised_unless_per_rank_is_asked_for():
-    from anneal.observe.progress import GiB, memory_fields
+    from anneal.hardware import GiB
+    from anneal.train.step import memory_fields
 
     per_rank = [2 * GiB, 5 * GiB, 3 * GiB]
     assert memory_fields(per_rank) == {"mem_min_gib": 2.0, "mem_max_gib": 5.0, "mem_max_rank": 1}

@@ -12,13 +12,16 @@ import torch
 
 from anneal.resilience import checkpoint
 from anneal.resilience.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from anneal.train.observers import Observer
 
 
-class Events:
+class Events(Observer):
+    """The run's observers, as far as preemption tells them: its events, kept."""
+
     def __init__(self):
         self.rows = []
 
-    def event(self, step, event, **fields):
+    def on_event(self, step, event, **fields):
         self.rows.append({"step": step, "event": event, **fields})
 
 
@@ -44,7 +47,7 @@ def test_second_signal_during_the_save(tmp_path):
 
     events = Events()
     with pytest.raises(Preempted) as info:
-        p.stop(step=7, ckpt_dir=tmp_path / "checkpoints", save=save, metrics=events)
+        p.stop(step=7, ckpt_dir=tmp_path / "checkpoints", save=save, events=events)
     assert info.value.code == PREEMPTED_EXIT_CODE == 75
     assert saves == [7]
     assert checkpoint.is_intact(tmp_path / "checkpoints" / "step00000007")
@@ -61,4 +64,4 @@ def test_no_save_when_the_step_was_just_saved(tmp_path):
     tag.mkdir(parents=True)
     (tag / checkpoint.MANIFEST).write_text(json.dumps({"step": 3, "files": {}}))
     with pytest.raises(Preempted):
-        p.stop(step=3, ckpt_dir=tmp_path / "checkpoints", save=pytest.fail, metrics=Events())
+        p.stop(step=3, ckpt_dir=tmp_path / "checkpoints", save=pytest.fail, events=Events())

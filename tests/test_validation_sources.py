@@ -20,7 +20,6 @@ validation line.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -177,7 +176,7 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
     a few seconds."""
     from anneal.cli.recipe import config_from_args
     from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.train import TrainState, build_engine, resolve_run, train_step, validate
+    from anneal.train import StepShape, TrainState, build_engine, evaluate, resolve_run, train_step
 
     argv = ["--data", str(blend["blend"]), "--out", str(tmp_path / "run"), *SMALL]
     argv += ["--set", f"model.seq_len={SEQ}", "--set", "train.eval_samples=24", *FAST]
@@ -191,11 +190,17 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
         **dict(seed=0, rank=0, world_size=1, micro_batch=launch.micro_batch, prefetch=0),
     )
     for _ in range(STEPS):  # off the near-uniform init, so the sources' losses differ
-        train_step(engine, stream, TrainState(), launch)
+        train_step(engine, stream, TrainState(), StepShape.of(launch))
     token_bytes = np.load(blend["blend"] / "token_bytes.npy")
     val = PackedSplit(blend["blend"], "val", seq_len=SEQ)
     assert val.source_names == ["prose.txt", "code.txt"]
-    row = validate(engine, val, token_bytes, launch)
+    row = evaluate(
+        engine,
+        val,
+        token_bytes,
+        n_samples=launch.cfg.train.eval_samples,
+        micro_batch=launch.micro_batch,
+    )
     counts = heldout_counts([n for _, n in val.source_windows], 24)
     assert sum(counts) == 24 and min(counts) > 1
     nats = tokens = 0.0
@@ -205,9 +210,8 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
         assert alone_val.n_windows == n and alone_val.source_names == [name]
         assert len(alone_val._shards) > 3  # windows within shards cut alike
         assert all((alone_val.window(j) == val.window(first + j)).all() for j in range(n))
-        train = dataclasses.replace(launch.cfg.train, eval_samples=k)
-        alone = dataclasses.replace(launch, cfg=dataclasses.replace(launch.cfg, train=train))
-        ref = validate(engine, alone_val, np.load(blend[name] / "token_bytes.npy"), alone)
+        alone_bytes = np.load(blend[name] / "token_bytes.npy")
+        ref = evaluate(engine, alone_val, alone_bytes, n_samples=k, micro_batch=launch.micro_batch)
         assert set(ref) == {"kind", "step", "val_loss", "val_ppl", "val_bpb"}  # one source
         assert row[f"val_loss/{name}"] == pytest.approx(ref["val_loss"], rel=1e-6)
         assert row[f"val_bpb/{name}"] == pytest.approx(ref["val_bpb"], rel=1e-6)

@@ -18,6 +18,7 @@ import torch
 
 from anneal import model as modellib
 from anneal.errors import UserError
+from anneal.hardware import peak_memory_bytes, process_memory_bytes
 from anneal.hf.zero import TensorSource, ZeroCheckpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -107,28 +108,13 @@ def write_safetensors(sources, out: Path, *, dtype: torch.dtype, shard_bytes: in
 
 @contextlib.contextmanager
 def _peak_rss():
-    """Linux ``/proc``: yields a dict that holds, on exit, ``rss_before_bytes`` (VmRSS at
-    entry) and ``peak_rss_bytes`` (VmHWM, the peak resident set, reset to the RSS at entry
-    through ``clear_refs``), each None where ``/proc`` cannot tell. The one memory probe of
-    the export; a psutil-based probe for the whole package (issue 19, item 9) replaces it."""
-
-    def status(field: str) -> int | None:
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    result = {"rss_before_bytes": status("VmRSS"), "peak_rss_bytes": None}
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        tracked = True
-    except OSError:
-        tracked = False
+    """Yields a dict that holds, on exit, ``rss_before_bytes`` (the resident set at entry) and
+    ``peak_rss_bytes`` (the peak resident set within, restarted at entry:
+    ``anneal.hardware.peak_memory_bytes``)."""
+    result = {"rss_before_bytes": process_memory_bytes(), "peak_rss_bytes": None}
+    peak_memory_bytes(reset=True)
     yield result
-    result["peak_rss_bytes"] = status("VmHWM") if tracked else None
+    result["peak_rss_bytes"] = peak_memory_bytes()
 
 
 # --- the conversion --------------------------------------------------------------------------

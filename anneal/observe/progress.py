@@ -1,5 +1,6 @@
-"""The live view of a run: memory per rank, the rank-0 progress bar, optional Weights & Biases,
-and what a run writes when it ends (plots, health report).
+"""What a person watches of a run: the rank-0 progress bar, optional Weights & Biases, and
+what a run writes when it ends (plots, health report). The Trainer's observers
+(``anneal.train.observers``: ``LiveView``, ``PlotsAndReport``) drive them.
 
 On a terminal, tqdm draws the progress bar in place and a plain line is kept every
 ``log_every`` steps so the history scrolls. When stdout is not a terminal (CI, Slurm logs, a
@@ -15,41 +16,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from anneal.dist import is_main_process
-from anneal.hardware import process_memory_bytes
 from anneal.planning.forecast import format_duration
 
-if TYPE_CHECKING:
-    import torch
-
 log = logging.getLogger(__name__)
-GiB = 2**30
-
-
-# --- memory --------------------------------------------------------------------------------------
-
-
-def local_memory_bytes(device: torch.device) -> int:
-    """GPU: peak allocated since the previous call (the peak is reset); CPU: resident set."""
-    if device.type == "cuda":
-        import torch
-
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(peak)
-    return process_memory_bytes()
-
-
-def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dict:
-    """The memory of a train row, from each rank's bytes: the smallest and the largest in GiB
-    and the rank of the largest, so a row has the same size at any number of ranks; with
-    ``per_rank`` (``train.memory_per_rank``) also every rank's, ``mem_gib``."""
-    gib = [round(b / GiB, 4) for b in per_rank_bytes]
-    top = max(range(len(gib)), key=gib.__getitem__)
-    fields = {"mem_min_gib": min(gib), "mem_max_gib": gib[top], "mem_max_rank": top}
-    return fields | {"mem_gib": gib} if per_rank else fields
 
 
 # --- progress ----------------------------------------------------------------------------------
@@ -194,27 +165,6 @@ class WandbSink:
         if self._run is not None:
             self._run.finish()
             self._run = None
-
-
-class LiveView:
-    """What the Trainer's observers (``anneal.train.observers``) call: ``update(row)`` for
-    every metrics row, ``close()`` at the end."""
-
-    def __init__(self, run_dir: Path, *, cfg, config_doc: dict, start_step: int = 0):
-        wandb = cfg.train.wandb or os.environ.get("ANNEAL_WANDB") == "1"
-        self.bar = ProgressBar(
-            max_steps=cfg.train.max_steps, log_every=cfg.train.log_every, start_step=start_step
-        )
-        self.wandb = WandbSink(run_dir, config=config_doc, enabled=wandb)
-
-    def update(self, row: dict) -> None:
-        if row.get("kind") == "train":
-            self.bar.update(row)
-        self.wandb.log(row)
-
-    def close(self) -> None:
-        self.bar.close()
-        self.wandb.close()
 
 
 def finish_run(run_dir: Path) -> None:

@@ -3,12 +3,13 @@
 Before: per-GPU memory by ``anneal.planning.memory.estimate``, and time per optimizer step and to
 the end of the run at an assumed MFU (``--mfu``)::
 
-    step_s = flops_per_token x train_batch_size x seq_len / (mfu x peak_flops x world_size)
+    step_s = flops_per_token x tokens_per_step / (mfu x peak_flops x world_size)
 
 Time to the end is ``step_s x`` the steps left; validation and checkpoints are not counted.
 The launcher writes it to ``RUN/forecast.json``. After ``CHECK_AT_STEP`` steps rank 0 logs an
-``event`` (``"event": "forecast"``) with the measured median step time and peak memory next to
-the forecast, so a job that will not fit its time or memory shows it in the first minutes.
+``event`` (``"event": "forecast"``) with the measured median step time and peak memory (the
+train row's ``mem_max_gib``) next to the forecast, so a job that will not fit its time or memory
+shows it in the first minutes.
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ import dataclasses
 import json
 import logging
 import math
-import resource
 import statistics
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from anneal import model as modellib
+from anneal.hardware import GiB
+from anneal.model import ModelPreset, flops_per_token
 from anneal.planning import memory, memory_sp, memory_tp
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +55,9 @@ class Forecast:
 
 def make(
     *,
-    preset: modellib.ModelPreset,
+    preset: ModelPreset,
     ds_config: dict,
+    tokens_per_step: int,
     world_size: int,
     max_steps: int,
     start_step: int,
@@ -81,11 +78,10 @@ def make(
             activation_checkpointing=activation_checkpointing,
         ),
     )
-    flops = modellib.flops_per_token(preset, seq_len=preset.seq_len)
-    tokens = ds_config["train_batch_size"] * preset.seq_len
+    flops = flops_per_token(preset, seq_len=preset.seq_len)
     return Forecast(
         memory_bytes_per_gpu=est.total,
-        step_s=flops * tokens / (mfu * peak_flops * world_size),
+        step_s=flops * tokens_per_step / (mfu * peak_flops * world_size),
         remaining_steps=max(0, max_steps - start_step),
         mfu=mfu,
         peak_flops=peak_flops,
@@ -114,18 +110,8 @@ def describe(f: Forecast) -> str:
     )
 
 
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """This process's peak: CUDA allocator peak on GPUs, max resident set size on CPUs."""
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "ru_maxrss"
-
-
 class Check:
-    """Rank 0: collects step times, logs the forecast event at ``CHECK_AT_STEP``."""
+    """Collects step times; at ``CHECK_AT_STEP`` returns the forecast event's fields."""
 
     def __init__(self, run_dir: Path, *, start_step: int) -> None:
         path = Path(run_dir) / FILE
@@ -136,14 +122,17 @@ class Check:
         self.at_step = start_step + CHECK_AT_STEP
         self.step_s: list[float] = []
 
-    def after_step(self, row: dict, tokens_per_step: int, device, metrics) -> None:
+    def after_step(self, row: dict, tokens_per_step: int) -> dict | None:
+        """``row``: a train row. At ``CHECK_AT_STEP``: the event's fields (and the log line);
+        else None. Peak memory: the row's, the largest rank's (``anneal.hardware``'s probe:
+        the device's peak in this step, the host's since the process began)."""
         if self.forecast is None or row["step"] > self.at_step:
-            return
+            return None
         self.step_s.append(tokens_per_step / row["tokens_per_s"])
         if row["step"] < self.at_step:
-            return
+            return None
         measured_s = statistics.median(self.step_s[1:] or self.step_s)  # the first step warms up
-        peak, how = peak_memory_bytes(device)
+        peak, how = round(row["mem_max_gib"] * GiB), "mem_max_gib"
         fields = {
             "step_s": round(measured_s, 6),
             "forecast_step_s": self.forecast["step_s"],
@@ -154,7 +143,6 @@ class Check:
             "memory_ratio": round(peak / self.forecast["memory_bytes_per_gpu"], 3),
             "assumed_mfu": self.forecast["mfu"],
         }
-        metrics.event(row["step"], "forecast", **fields)
         log.info(
             "forecast check at step %d: %.3g s per step (forecast %.3g, x%.2f); peak memory "
             "%s (forecast %s, x%.2f)",
@@ -166,3 +154,4 @@ class Check:
             memory.format_bytes(self.forecast["memory_bytes_per_gpu"]),
             fields["memory_ratio"],
         )
+        return fields

@@ -122,7 +122,7 @@ class Faults:
         ``step_end`` around it, and each micro-batch's loss (``loss_fn``) made faulty where
         asked, knowing its global samples from the stream it reads."""
 
-        def faulty_step(engine, stream, state, launch, preemption=None):
+        def faulty_step(engine, stream, state, shape, preemption=None):
             step = state.step + 1
             self.step_start(step, engine.module)
             seen = _Recording(stream)
@@ -130,7 +130,7 @@ class Faults:
             def loss(logits, targets):
                 return self.loss(loss_fn(logits, targets), step, seen.samples)
 
-            row = step_fn(engine, seen, state, launch, preemption, loss_fn=loss)
+            row = step_fn(engine, seen, state, shape, preemption, loss_fn=loss)
             self.step_end(step, engine.module)
             return row
 

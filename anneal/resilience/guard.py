@@ -17,10 +17,11 @@ from that checkpoint's data position to the end of the spiking step plus
 More than ``max_rewinds`` incidents within ``span_steps`` steps stop the run with a message
 naming the steps and samples. A run whose loss has not been finite once stops sooner, with a
 message of its own: after ``NEVER_FINITE_STEPS`` steps, at its last step, or when
-``max_rewinds`` would stop it, whichever comes first. Every decision is an ``event`` row in
-metrics.jsonl and a console line. The skipped ranges and the LR scale are kept in each
-checkpoint's client state and in ``<run>/guard.json`` (written at once), so a resume from a
-checkpoint older than the rewind skips them too.
+``max_rewinds`` would stop it, whichever comes first. Every decision is an event to the run's
+observers (``on_event``: a row of metrics.jsonl, ``anneal.train.observers``) and a console
+line. The skipped ranges and the LR scale are kept in each checkpoint's client state and in
+``<run>/guard.json`` (written at once), so a resume from a checkpoint older than the rewind skips
+them too.
 """
 
 from __future__ import annotations
@@ -126,14 +127,16 @@ class Guard:
         return max(median + self.cfg.mad_k * MAD_TO_SIGMA * mad, median * (1 + self.cfg.min_jump))
 
     def check(
-        self, row: dict, engine, *, samples: tuple[int, int], metrics, last: bool = False
+        self, row: dict, engine, *, samples: tuple[int, int], events, last: bool = False
     ) -> str:
         """``ok``, ``skipped`` (non-finite, update skipped by the optimizer) or ``rewind``.
 
-        ``row``: the step's train row (its loss is the mean over ranks); ``engine`` says whether
-        the update was applied and the global grad norm (None where the engine does not
-        compute one, as without ZeRO: then only the loss is checked); ``last``: the run's last
-        step (a run that never had a finite loss stops there at the latest)."""
+        ``events``: the run's observers (``anneal.train.observers.Observer``), told each
+        decision through ``on_event``. ``row``: the step's train row (its loss is the mean
+        over ranks); ``engine`` says whether the update was applied and the global grad norm
+        (None where the engine does not compute one, as without ZeRO: then only the loss is
+        checked); ``last``: the run's last step (a run that never had a finite loss stops
+        there at the latest)."""
         if not self.cfg.enabled:
             return "ok"
         step, loss = row["step"], row["loss"]
@@ -152,7 +155,7 @@ class Guard:
                 self.history = [*self.history, (step, loss)][-self.cfg.window :]
                 return "ok"
             reason, verdict = "loss", "rewind"
-        metrics.event(
+        events.on_event(
             step,
             "spike",
             reason=reason,
@@ -176,7 +179,7 @@ class Guard:
         self._stop_if_too_many(step)
         if verdict == "skipped":  # consumed without an update; a replay consumes them again
             self._save_log()
-            metrics.event(step, "skip", samples=list(samples), reason="update skipped")
+            events.on_event(step, "skip", samples=list(samples), reason="update skipped")
         return verdict
 
     def _stop_if_never_finite(self, step: int, *, last: bool) -> None:
@@ -220,14 +223,14 @@ class Guard:
 
     # -- rewind ------------------------------------------------------------------------------
 
-    def rewind(
+    def load_before_spike(
         self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int
     ) -> tuple[dict, Path]:
         """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
         the skip of the samples from its position to ``spike_end`` plus the margin, and the
         lower LR. Returns its client state, for the caller to restore from as from any
         checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
-        where it was; then ``rewound`` logs it."""
+        where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
@@ -245,18 +248,19 @@ class Guard:
         self._rewound_skip = (start, end)
         return client, tag_dir
 
-    def rewound(self, spike_step: int, client: dict, tag_dir: Path, metrics) -> None:
-        """After ``rewind`` and the restore: the log file, the events and the console line."""
+    def rewound(self, spike_step: int, client: dict, tag_dir: Path, events) -> None:
+        """After ``load_before_spike`` and the restore: the log file, the events (to
+        ``events.on_event``, as in ``check``) and the console line."""
         self._save_log()
         start, end = self._rewound_skip
-        metrics.event(
+        events.on_event(
             spike_step,
             "rewind",
             to_step=client["step"],
             checkpoint=str(tag_dir),
             lr_scale=self.lr_scale,
         )
-        metrics.event(spike_step, "skip", samples=[start, end], reason="rewind")
+        events.on_event(spike_step, "skip", samples=[start, end], reason="rewind")
         print0(
             f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "
             f"[{start}, {end}); peak LR x{self.lr_scale:g}"

@@ -85,8 +85,9 @@ class Preemption:
             flag = bool(t.item())
         return flag
 
-    def stop(self, *, step: int, ckpt_dir: Path, save, metrics) -> None:
-        """Collective: save at ``step`` unless that checkpoint exists, log the event, raise."""
+    def stop(self, *, step: int, ckpt_dir: Path, save, events) -> None:
+        """Collective: save at ``step`` unless that checkpoint exists, tell the run's observers
+        (``events.on_event``: ``anneal.train.observers``), raise ``Preempted``."""
         start = time.perf_counter()
         tag_dir = Path(ckpt_dir) / checkpoint.tag_for(step)
         if not checkpoint.is_intact(tag_dir):
@@ -94,7 +95,7 @@ class Preemption:
         save_s = time.perf_counter() - start
         size = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
         name = signal.Signals(self.signum).name if self.signum else "peer"
-        metrics.event(
+        events.on_event(
             step,
             "preempt",
             signal=name,

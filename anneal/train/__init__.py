@@ -1,21 +1,23 @@
 """Training: the Trainer and its loop (``trainer``), building the engine (``engine``: the one
-call of ``deepspeed.initialize``), one optimizer step and validation (``step``), and what
-watches a run (``observers``). Recipes call ``run(cfg)``."""
+call of ``deepspeed.initialize``), one optimizer step and the loss on held-out windows
+(``step``), and what watches a run (``observers``). Recipes call ``run(cfg)``."""
 
 from anneal.train.engine import build_engine, resolve_run, setup_process
-from anneal.train.observers import ExportAfterSave
-from anneal.train.step import TrainState, next_token_loss, train_step, validate
+from anneal.train.observers import ExportAfterSave, Observer
+from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
 from anneal.train.trainer import Trainer, run
 
 __all__ = [
     "ExportAfterSave",
+    "Observer",
+    "StepShape",
     "TrainState",
     "Trainer",
     "build_engine",
+    "evaluate",
     "next_token_loss",
     "resolve_run",
     "run",
     "setup_process",
     "train_step",
-    "validate",
 ]

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-from anneal import model as modellib
 from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.launch.resolve import Launch, resolve_launch
-from anneal.train import loss as losslib
-from anneal.train import sequence
+from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
+from anneal.train import loss, sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -51,18 +50,18 @@ def build_engine(launch: Launch):
     if zero3:
         # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
         # tensor construction; importing it inside fails with a dynamo signature mismatch.
-        modellib.model_class(modellib.hf_model_config(preset))
+        model_class(hf_model_config(preset))
         # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
         # (under Ulysses: the sequence-data-parallel group, all ranks)
         dp_group = _partition_group(mpu)
         with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
-            model = modellib.build_model(preset)
+            model = build_model(preset)
         gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
     else:
-        model = modellib.build_model(preset)
+        model = build_model(preset)
         gather = None
     if preset.init_from is None:
-        modellib.init_weights_(
+        init_weights_(
             model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
         )
     else:
@@ -78,7 +77,7 @@ def build_engine(launch: Launch):
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
     engine, *_ = deepspeed.initialize(
         model=model,
-        model_parameters=modellib.param_groups(model, weight_decay=opt_params["weight_decay"]),
+        model_parameters=param_groups(model, weight_decay=opt_params["weight_decay"]),
         config=engine_config,
         lr_scheduler=lambda opt: WarmupDecay(opt, schedule),
         mpu=mpu,
@@ -86,7 +85,7 @@ def build_engine(launch: Launch):
     if ds.get("zero_optimization", {}).get("stage", 0) == 0 and not launch.bf16:
         _keep_fp32_clip_norm(engine)
     train = launch.cfg.train
-    if train.loss == "chunked" and not losslib.install(
+    if train.loss == "chunked" and not loss.install(
         engine.module, chunk_tokens=train.loss_chunk_tokens
     ):
         # After initialize, as AutoTP replaces the head with its vocabulary-sharded layer.

@@ -1,7 +1,16 @@
-"""What watches a run, behind one small interface that the Trainer calls from one place:
-``on_step(row)`` after each optimizer step, ``on_val(row)`` after each validation,
-``on_checkpoint(tag_dir)`` after each complete save, ``on_failure(error)`` when the loop raises,
-and ``close()`` at the end (in reverse order, so the metrics file closes last)."""
+"""What watches a run, behind one interface of methods (``Observer``) that the Trainer calls
+through one object (``Observers``): rows and events alike go this way out of the loop.
+
+- ``on_step(row)`` after each optimizer step, before the guard looks at it;
+- ``on_event(step, event, **fields)`` for each event: resume, spike, skip, rewind,
+  checkpoint, forecast, preempt (the guard, preemption and the forecast check emit theirs
+  through it too);
+- ``on_val(row)`` after each validation; ``on_checkpoint(tag_dir)`` after each complete save;
+- ``on_failure(error)`` when the loop raises (not on a ``UserError``);
+- ``on_end()`` once the run's last step (``max_steps``) is done;
+- ``close()`` at the end, whatever happened, in reverse order: the metrics file closes after
+  the others, and the end-of-run plots and report come after everything.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +22,8 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.dist import is_main_process, print0, rank, world_size
-from anneal.observe import progress as live
 from anneal.observe.metrics import MetricsLogger
+from anneal.observe.progress import ProgressBar, WandbSink, finish_run
 from anneal.planning import forecast
 from anneal.resilience import heartbeat
 from anneal.resilience.preempt import Preemption
@@ -29,15 +38,59 @@ class Observer:
 
     def on_val(self, row: dict) -> None: ...
 
+    def on_event(self, step: int, event: str, **fields) -> None: ...
+
     def on_checkpoint(self, tag_dir: Path) -> None: ...
 
     def on_failure(self, error: BaseException) -> None: ...
 
+    def on_end(self) -> None: ...
+
     def close(self) -> None: ...
 
 
+class Observers(Observer):
+    """A run's observers as one: each call goes to every member, in order; ``close`` in
+    reverse order."""
+
+    def __init__(self, members: list[Observer]):
+        self.members = list(members)
+
+    def add(self, *members: Observer) -> None:
+        self.members += members
+
+    def on_step(self, row: dict) -> None:
+        for member in self.members:
+            member.on_step(row)
+
+    def on_val(self, row: dict) -> None:
+        for member in self.members:
+            member.on_val(row)
+
+    def on_event(self, step: int, event: str, **fields) -> None:
+        for member in self.members:
+            member.on_event(step, event, **fields)
+
+    def on_checkpoint(self, tag_dir: Path) -> None:
+        for member in self.members:
+            member.on_checkpoint(tag_dir)
+
+    def on_failure(self, error: BaseException) -> None:
+        for member in self.members:
+            member.on_failure(error)
+
+    def on_end(self) -> None:
+        for member in self.members:
+            member.on_end()
+
+    def close(self) -> None:
+        for member in reversed(self.members):
+            member.close()
+
+
 class Metrics(Observer):
-    """Every row to metrics.jsonl and TensorBoard (rank 0); the console line of a validation."""
+    """Every row and event to metrics.jsonl and TensorBoard (rank 0); the console line of a
+    validation."""
 
     def __init__(self, logger: MetricsLogger):
         self.logger = logger
@@ -45,9 +98,12 @@ class Metrics(Observer):
     def on_step(self, row: dict) -> None:
         self.logger.write(row)
 
+    def on_event(self, step: int, event: str, **fields) -> None:
+        self.logger.event(step, event, **fields)
+
     def on_val(self, row: dict) -> None:
         self.logger.write(row)
-        per_source = [  # a blend: each source's bits per byte (anneal.train.step.validate)
+        per_source = [  # a blend: each source's bits per byte (anneal.train.step.evaluate)
             f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items() if k.startswith("val_bpb/")
         ]
         print0(
@@ -62,33 +118,43 @@ class Metrics(Observer):
 
 class ForecastCheck(Observer):
     """The launcher's forecast against the measured step time and memory
-    (``anneal.planning.forecast``)."""
+    (``anneal.planning.forecast``), told to ``events`` (the run's observers)."""
 
-    def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, device, metrics):
+    def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, events):
         self.check = forecast.Check(run_dir, start_step=start_step)
-        self.tokens_per_step, self.device, self.metrics = tokens_per_step, device, metrics
+        self.tokens_per_step, self.events = tokens_per_step, events
 
     def on_step(self, row: dict) -> None:
-        self.check.after_step(row, self.tokens_per_step, self.device, self.metrics)
+        fields = self.check.after_step(row, self.tokens_per_step)
+        if fields is not None:
+            self.events.on_event(row["step"], "forecast", **fields)
 
 
 class LiveView(Observer):
-    """The progress bar and Weights & Biases (``anneal.observe.progress``)."""
+    """The progress bar of the train rows and, when asked for (``train.wandb`` or
+    ``ANNEAL_WANDB=1``), Weights & Biases of every row (``anneal.observe.progress``)."""
 
-    def __init__(self, view: live.LiveView):
-        self.view = view
+    def __init__(self, run_dir: Path, *, cfg, config_doc: dict, start_step: int = 0):
+        self.bar = ProgressBar(
+            max_steps=cfg.train.max_steps, log_every=cfg.train.log_every, start_step=start_step
+        )
+        wandb = cfg.train.wandb or os.environ.get("ANNEAL_WANDB") == "1"
+        self.wandb = WandbSink(run_dir, config=config_doc, enabled=wandb)
 
     def on_step(self, row: dict) -> None:
-        self.view.update(row)
+        self.bar.update(row)
+        self.wandb.log(row)
 
-    on_val = on_step
+    def on_val(self, row: dict) -> None:
+        self.wandb.log(row)
 
     def close(self) -> None:
-        self.view.close()
+        self.bar.close()
+        self.wandb.close()
 
 
-class Heartbeat(Observer):
-    """This rank's liveness, and the peers' watched (``anneal.resilience.heartbeat``)."""
+class Liveness(Observer):
+    """This rank's heartbeat, and the peers' watched (``anneal.resilience.heartbeat``)."""
 
     def __init__(self, run_dir: Path, *, timeout_s: float):
         self.beat = heartbeat.start(
@@ -113,6 +179,33 @@ class PreemptionSignals(Observer):
 
     def close(self) -> None:
         self.preemption.close()
+
+
+class KeepRunDir(Observer):
+    """The run directory's undo rule (``anneal.rundir.RunDir``): a launch that fails before its
+    first step puts the directory back as it found it; from the first step on it is kept."""
+
+    def __init__(self, run_dir: rundir.RunDir):
+        self.run_dir = run_dir
+
+    def on_step(self, row: dict) -> None:
+        self.run_dir.stepped = True
+
+
+class PlotsAndReport(Observer):
+    """Rank 0, once the run's last step is done: its plots and health report
+    (``anneal.observe.progress.finish_run``), drawn at ``close``, after the other observers
+    closed (the first member of ``Observers`` closes last)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.ended = run_dir, False
+
+    def on_end(self) -> None:
+        self.ended = True
+
+    def close(self) -> None:
+        if self.ended:
+            finish_run(self.run_dir)
 
 
 class ExportAfterSave(Observer):

@@ -39,8 +39,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from anneal import model as modellib
 from anneal.launch.resolve import Launch
+from anneal.model import hf_model_config
 
 
 def register(launch: Launch):
@@ -53,8 +53,8 @@ def register(launch: Launch):
         return None
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    config = modellib.hf_model_config(launch.preset)
-    config._attn_implementation = ATTENTION  # as modellib.build_model builds it
+    config = hf_model_config(launch.preset)
+    config._attn_implementation = ATTENTION  # as anneal.model.build_model builds it
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=types.SimpleNamespace(config=config),  # a model's config suffices
         core_attn_implementation=ATTENTION,

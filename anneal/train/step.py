@@ -23,11 +23,10 @@ import torch.distributed as dist
 
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
+from anneal.hardware import GiB, peak_memory_bytes
 from anneal.launch.resolve import Launch
-from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
-from anneal.train import loss as losslib
-from anneal.train import sequence
+from anneal.train import loss, sequence
 from anneal.train.engine import data_parallel
 
 
@@ -42,13 +41,34 @@ class TrainState:
         return dataclasses.asdict(self)
 
 
-next_token_loss = losslib.next_token_loss
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What one optimizer step takes of the launch (``StepShape.of``)."""
+
+    grad_accum: int
+    """Micro-batches per optimizer step (``gradient_accumulation_steps``)."""
+    tokens_per_step: int
+    """Tokens of one optimizer step over all data-parallel replicas: ``Launch.tokens_per_step``,
+    the one definition."""
+    memory_per_rank: bool = False
+    """``train.memory_per_rank``: every rank's memory in the row too (``memory_fields``)."""
+
+    @classmethod
+    def of(cls, launch: Launch) -> StepShape:
+        return cls(
+            grad_accum=launch.grad_accum,
+            tokens_per_step=launch.tokens_per_step,
+            memory_per_rank=launch.cfg.train.memory_per_rank,
+        )
+
+
+next_token_loss = loss.next_token_loss
 """Mean cross-entropy in fp32 of the model's output (its (B, T, V) logits, or the loss its
 chunked head computed: ``anneal.train.loss``) against (B, T) next tokens."""
 
 
 def _step_collective(
-    loss: torch.Tensor,
+    step_loss: torch.Tensor,
     device: torch.device,
     preemption: Preemption | None,
     *,
@@ -59,10 +79,12 @@ def _step_collective(
     the mean loss over ranks, the memory fields of the row, and whether any rank was signalled.
     """
     flag = float(preemption is not None and preemption.signalled)
-    mem = float(live.local_memory_bytes(device))
+    # the device's peak since the previous step; the host's since the process began (its reset
+    # would hide the process's peak from the parent that waits on it: anneal.hardware)
+    mem = float(peak_memory_bytes(device, reset=device.type == "cuda"))
     mine = torch.stack(
         [
-            loss.to(torch.float64),
+            step_loss.to(torch.float64),
             torch.tensor(mem, dtype=torch.float64, device=device),
             torch.tensor(flag, dtype=torch.float64, device=device),
         ]
@@ -75,24 +97,34 @@ def _step_collective(
     # and with sequence parallelism once per slice, each over as many tokens, so the mean over
     # ranks is still the mean over data-parallel replicas.
     rows = mine.view(-1, 3).tolist()
-    memory = live.memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
+    memory = memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
     loss_mean = sum(r[0] for r in rows) / len(rows)
     return loss_mean, memory, any(r[2] > 0 for r in rows)
+
+
+def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dict:
+    """The memory of a train row, from each rank's bytes: the smallest and the largest in GiB
+    and the rank of the largest, so a row has the same size at any number of ranks; with
+    ``per_rank`` (``train.memory_per_rank``) also every rank's, ``mem_gib``."""
+    gib = [round(b / GiB, 4) for b in per_rank_bytes]
+    top = max(range(len(gib)), key=gib.__getitem__)
+    fields = {"mem_min_gib": min(gib), "mem_max_gib": gib[top], "mem_max_rank": top}
+    return fields | {"mem_gib": gib} if per_rank else fields
 
 
 def train_step(
     engine,
     stream: TokenStream,
     state: TrainState,
-    launch: Launch,
+    shape: StepShape,
     preemption: Preemption | None = None,
     loss_fn=next_token_loss,
 ) -> dict:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; advances ``state``
-    and returns the step's train row. ``preemption``: the run's ``Preemption``; this step's
-    collective sets its ``requested_by_any`` on every rank. ``loss_fn(output, targets)``: the
-    loss of one micro-batch from the model's output (its logits, or the loss its chunked head
-    computed).
+    and returns the step's train row. ``shape``: what the step takes of the launch.
+    ``preemption``: the run's ``Preemption``; this step's collective sets its
+    ``requested_by_any`` on every rank. ``loss_fn(output, targets)``: the loss of one
+    micro-batch from the model's output (its logits, or the loss its chunked head computed).
 
     The micro-batch losses stay on the device and are read once, at the end of the step, in
     the step's one collective (``_step_collective``)."""
@@ -100,28 +132,28 @@ def train_step(
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
-    for _ in range(launch.grad_accum):
+    for _ in range(shape.grad_accum):
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         inputs, y = sequence.shard(engine, x, y)  # Ulysses: this rank's slice, its positions
-        with losslib.targets(engine.module, y):  # train.loss=chunked: no full logits
-            loss = loss_fn(engine(**inputs).logits, y)
+        with loss.targets(engine.module, y):  # train.loss=chunked: no full logits
+            micro_loss = loss_fn(engine(**inputs).logits, y)
         # scales by 1/accumulation; reduces only at the boundary (Ulysses: this slice's share)
-        engine.backward(loss * sequence.loss_share(engine))
+        engine.backward(micro_loss * sequence.loss_share(engine))
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
-        loss_sum += loss.detach()
+        loss_sum += micro_loss.detach()
     loss_mean, memory, preempt = _step_collective(
-        loss_sum / launch.grad_accum,
+        loss_sum / shape.grad_accum,
         device,
         preemption,
-        memory_per_rank=launch.cfg.train.memory_per_rank,
+        memory_per_rank=shape.memory_per_rank,
     )
     if preemption is not None:
         preemption.requested_by_any = preempt
     state.step += 1
-    state.tokens += launch.ds_config["train_batch_size"] * launch.seq_len
+    state.tokens += shape.tokens_per_step
     grad_norm = engine.get_global_grad_norm()
     elapsed = time.perf_counter() - start
     return {
@@ -131,7 +163,7 @@ def train_step(
         "loss": loss_mean,
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "tokens_per_s": launch.ds_config["train_batch_size"] * launch.seq_len / elapsed,
+        "tokens_per_s": shape.tokens_per_step / elapsed,
         "data_wait_s": round(wait_s, 6),
         "data_wait_share": round(wait_s / elapsed, 6),  # of step time; prefetch keeps it < 1%
         **memory,
@@ -140,11 +172,13 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) -> dict:
-    """Loss on the fixed held-out windows (chosen per source: ``validation_windows``); bits per
-    UTF-8 byte so tokenizers compare. With more than one source the row adds each source's
-    ``val_loss/<key>`` and ``val_bpb/<key>`` (``source_keys``; sources without a window left out).
-    """
+def evaluate(
+    engine, val: PackedSplit, token_bytes: np.ndarray, *, n_samples: int, micro_batch: int
+) -> dict:
+    """Loss on ``n_samples`` fixed held-out windows (chosen per source: ``validation_windows``),
+    ``micro_batch`` at a time; bits per UTF-8 byte so tokenizers compare. With more than one
+    source the row adds each source's ``val_loss/<key>`` and ``val_bpb/<key>`` (``source_keys``;
+    sources without a window left out)."""
     engine.eval()
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
@@ -152,10 +186,10 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
     dp_rank, dp_size = data_parallel(engine)  # a tensor-parallel group reads as one
     for windows in validation_windows(
         val.n_windows,
-        n_samples=launch.cfg.train.eval_samples,
+        n_samples=n_samples,
         rank=dp_rank,
         world_size=dp_size,
-        micro_batch=launch.micro_batch,
+        micro_batch=micro_batch,
         sources=val.source_windows,
     ):
         real = [max(j, 0) for j in windows]  # -1: padding, weight 0
@@ -163,8 +197,8 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
         x, y = x.to(device), y.to(device)
         inputs, y = sequence.shard(engine, x, y)  # Ulysses: each rank adds its slice's sums
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
-        with losslib.targets(engine.module, y, per_token=True):
-            nats = losslib.token_nats(engine(**inputs).logits, y)  # (B, T)
+        with loss.targets(engine.module, y, per_token=True):
+            nats = loss.token_nats(engine(**inputs).logits, y)  # (B, T)
         per_window = torch.stack(  # (B, 3): nats, tokens, bytes
             [nats.double().sum(1), torch.full_like(weight, y.size(1)), byte_table[y].sum(1)], 1
         )

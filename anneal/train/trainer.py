@@ -2,9 +2,10 @@
 
 It owns the engine, the token stream, the train state, the guard and the run directory, and
 one ``state_dict`` / ``load_state_dict`` that a save, a resume and a guard rewind all go
-through, so a new piece of resume state is added in one place. What watches the run sits
-behind ``anneal.train.observers``. ``run(cfg)`` checks everything, builds the engine and loads
-the checkpoint before anything is written to the run directory (``anneal.rundir.RunDir``).
+through, so a new piece of resume state is added in one place. Everything that leaves the
+loop, rows and events alike, goes to the run's observers (``anneal.train.observers``).
+``run(cfg)`` checks everything, builds the engine and loads the checkpoint before anything is
+written to the run directory (``anneal.rundir.RunDir``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from anneal import model as modellib
 from anneal import rundir
 from anneal.config.run import RunConfig
 from anneal.config.run_checks import check_ranges
@@ -26,16 +27,15 @@ from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
 from anneal.hardware import device_peak_flops
 from anneal.launch.resolve import Launch
-from anneal.observe import progress as live
+from anneal.model import count_params, flops_per_token
 from anneal.observe.metrics import MetricsLogger
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption
 from anneal.rundir import RunDir
-from anneal.train import engine as enginelib
 from anneal.train import observers
-from anneal.train import step as steplib
-from anneal.train.step import TrainState
+from anneal.train.engine import build_engine, data_parallel, resolve_run, setup_process
+from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,15 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     first step puts the directory back as it found it (``RunDir``), so the corrected relaunch
     starts cleanly instead of meeting the config of a run that never trained."""
     check_ranges(cfg)  # before the process group: collective_timeout_s goes there
-    enginelib.setup_process(cfg.train.collective_timeout_s)
-    launch = enginelib.resolve_run(cfg, overrides)
+    setup_process(cfg.train.collective_timeout_s)
+    launch = resolve_run(cfg, overrides)
     for note in launch.notes:
         log.warning(note)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     data = Data.open(launch)
     print0(launch.describe())
-    engine = enginelib.build_engine(launch)
+    engine = build_engine(launch)
     recompute = getattr(engine.module, "is_gradient_checkpointing", False)
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     t0 = time.perf_counter()
@@ -94,23 +94,36 @@ class Data:
 
 
 class Trainer:
-    """Owns the engine, the token stream, the train state, the guard and the run directory."""
+    """Owns the engine, the token stream, the train state, the guard and the run directory.
 
-    def __init__(self, launch: Launch, engine, guard: Guard, run_dir: RunDir, data: Data):
+    ``train_step`` and ``evaluate`` are the step functions (``anneal.train.step``; the first
+    wrapped by fault injection when ``ANNEAL_FAULTS`` asks). ``watchers``: observers of the run
+    besides its own (``start``), told everything after them."""
+
+    def __init__(
+        self,
+        launch: Launch,
+        engine,
+        guard: Guard,
+        run_dir: RunDir,
+        data: Data,
+        *,
+        watchers: Sequence[observers.Observer] = (),
+    ):
         self.launch, self.cfg, self.engine, self.guard = launch, launch.cfg, engine, guard
-        self.run_dir, self.data = run_dir, data
+        self.run_dir, self.data, self.watchers = run_dir, data, list(watchers)
         self.state, self.stream = TrainState(), None
-        self.metrics = MetricsLogger(launch.out)
+        self.observers = observers.Observers([])
         self.preemption = Preemption(launch.out)  # SIGUSR1/SIGTERM: checkpoint, then exit 75
         self.exports = observers.ExportAfterSave(self.cfg.train.export_every_save)
         fault = faults.from_env(rank())  # ANNEAL_FAULTS: drills and tests only
-        base = steplib.train_step
-        self.train_step = fault.wrap(base, steplib.next_token_loss) if fault else base
+        self.train_step = fault.wrap(train_step, next_token_loss) if fault else train_step
+        self.evaluate = evaluate
+        self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
-        flops = modellib.flops_per_token(launch.preset, seq_len=launch.seq_len)
+        flops = flops_per_token(launch.preset, seq_len=launch.seq_len)
         self.flops_per_s = flops / (device_peak_flops(engine.device) * world_size())
         self.last_train, self.last_val = None, None
-        self.watchers: list[observers.Observer] = []
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
 
@@ -136,7 +149,7 @@ class Trainer:
     def _open_stream(self, position: int) -> None:
         if self.stream is not None:
             self.stream.close()
-        dp_rank, dp_size = enginelib.data_parallel(self.engine)  # a TP group reads as one
+        dp_rank, dp_size = data_parallel(self.engine)  # a TP group reads as one
         self.stream = TokenStream(
             self.data.train,
             seed=self.cfg.train.seed,
@@ -150,78 +163,73 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def train(self, client: dict | None, resumed: dict) -> dict:
-        """Restore, then until the last step: step, observe, guard, validate, checkpoint, and
-        stop if a rank was asked to."""
-        self.restore(client, resumed)
+        """Start (from the checkpoint, if resuming), then until the last step: step, observe,
+        guard (a rewind goes back and on), validate and save when due, and stop if a rank was
+        asked to. docs/architecture.md, "The loop"."""
+        self.start(client, resumed)
         try:
             while self.state.step < self.end_step():
                 row = self.step()
-                self.observe("on_step", row)
-                self.run_dir.stepped = True
+                self.observers.on_step(row)
                 if self.guard_check(row) == "rewind":
                     self.rewind()
                     continue
-                self.validate()
-                self.checkpoint()
+                if self.validation_due():
+                    self.validate()
+                if self.save_due():
+                    self.checkpoint()
                 if self.preemption.requested_by_any:  # any rank (the step's collective)
-                    self.preemption.stop(
-                        step=self.state.step,
-                        ckpt_dir=rundir.checkpoints_dir(self.launch.out),
-                        metrics=self.metrics,
-                        save=lambda: self.checkpoint(force=True),
-                    )
+                    self.preempt()
+            if self.state.step >= self.cfg.train.max_steps:
+                self.observers.on_end()
         except UserError:
             raise
         except Exception as e:
-            self.observe("on_failure", e)
+            self.observers.on_failure(e)
             raise
         finally:
-            for watcher in reversed(self.watchers):
-                watcher.close()
             self.stream.close()
-        if self.state.step >= self.cfg.train.max_steps:
-            live.finish_run(self.launch.out)  # rank 0: RUN/plots/*.png, the health report
+            self.observers.close()
         return self.summary()
 
-    def restore(self, client: dict | None, resumed: dict) -> None:
+    def start(self, client: dict | None, resumed: dict) -> None:
         """The checkpoint's state (if resuming), then the observers, which start from it."""
-        self.watchers = [observers.Metrics(self.metrics)]
+        out = self.launch.out
+        self.observers = observers.Observers(
+            [observers.PlotsAndReport(out), observers.Metrics(MetricsLogger(out))]
+        )
         if client is None:
             self._open_stream(0)
         else:
             self.load_state_dict(client)
-            self.metrics.event(self.state.step, "resume", position=self.stream.position, **resumed)
+            position = self.stream.position
+            self.observers.on_event(self.state.step, "resume", position=position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
             change = self.engine.lr_scheduler.change_on_resume()  # e.g. a new --max-steps
             if self.launch.branch is not None and self.state.step == self.launch.branch.step:
                 change = None  # a branch's decay: the launch's notes said it
             if change and rank() == 0:
                 log.warning(change)
-        out, start = self.launch.out, self.state.step
-        self.watchers += [
+        start = self.state.step
+        self.observers.add(
             observers.ForecastCheck(
                 out,
                 start_step=start,
-                device=self.engine.device,
-                tokens_per_step=self.launch.tokens_per_step,
-                metrics=self.metrics,
+                tokens_per_step=self.shape.tokens_per_step,
+                events=self.observers,
             ),
             observers.LiveView(
-                live.LiveView(
-                    out, cfg=self.cfg, start_step=start, config_doc=self.launch.config_document()
-                )
+                out, cfg=self.cfg, start_step=start, config_doc=self.launch.config_document()
             ),
-            observers.Heartbeat(out, timeout_s=self.cfg.train.heartbeat_timeout_s),
+            observers.Liveness(out, timeout_s=self.cfg.train.heartbeat_timeout_s),
             observers.PreemptionSignals(self.preemption),
             self.exports,
-        ]
-
-    def observe(self, event: str, arg) -> None:
-        for watcher in self.watchers:
-            getattr(watcher, event)(arg)
+            observers.KeepRunDir(self.run_dir),
+            *self.watchers,
+        )
 
     def step(self) -> dict:
-        row = self.train_step(self.engine, self.stream, self.state, self.launch, self.preemption)
+        row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
         row["mfu"] = self.flops_per_s * row["tokens_per_s"]
         self.last_train = row
         return row
@@ -234,13 +242,13 @@ class Trainer:
     def guard_check(self, row: dict) -> str:
         samples = (self.stream.position - self.samples_per_step, self.stream.position)
         last = row["step"] >= self.end_step()
-        return self.guard.check(row, self.engine, samples=samples, metrics=self.metrics, last=last)
+        return self.guard.check(row, self.engine, samples=samples, events=self.observers, last=last)
 
     def rewind(self) -> None:
         """The guard's rewind: back to the newest intact checkpoint before the spike, through
         ``load_state_dict`` as for a resume, with the spike's samples skipped."""
         spike_step, spike_end = self.state.step, self.stream.position
-        client, tag_dir = self.guard.rewind(
+        client, tag_dir = self.guard.load_before_spike(
             self.engine,
             rundir.checkpoints_dir(self.launch.out),
             spike_step=spike_step,
@@ -248,24 +256,34 @@ class Trainer:
             samples_per_step=self.samples_per_step,
         )
         self.load_state_dict(client)
-        self.guard.rewound(spike_step, client, tag_dir, self.metrics)
+        self.guard.rewound(spike_step, client, tag_dir, self.observers)
 
-    def validate(self) -> None:
+    def validation_due(self) -> bool:
         """Every ``eval_every`` steps and after the last step (never without val data)."""
         train = self.cfg.train
-        if self.data.val is None or not _due(self.state.step, train.eval_every, train.max_steps):
-            return
-        row = steplib.validate(self.engine, self.data.val, self.data.token_bytes, self.launch)
-        self.last_val = {**row, "step": self.state.step}
-        self.observe("on_val", self.last_val)
+        return self.data.val is not None and _due(
+            self.state.step, train.eval_every, train.max_steps
+        )
 
-    def checkpoint(self, *, force: bool = False) -> None:
-        """Every ``save_every`` steps, after the last step and at ``stop_at_step`` (``force``:
-        now, for a preemption)."""
+    def validate(self) -> None:
+        row = self.evaluate(
+            self.engine,
+            self.data.val,
+            self.data.token_bytes,
+            n_samples=self.cfg.train.eval_samples,
+            micro_batch=self.launch.micro_batch,
+        )
+        self.last_val = {**row, "step": self.state.step}
+        self.observers.on_val(self.last_val)
+
+    def save_due(self) -> bool:
+        """Every ``save_every`` steps, after the last step and at ``stop_at_step``."""
         train, step = self.cfg.train, self.state.step
-        due = _due(step, train.save_every, train.max_steps) or step == train.stop_at_step
-        if not (due or force):
-            return
+        return _due(step, train.save_every, train.max_steps) or step == train.stop_at_step
+
+    def checkpoint(self) -> None:
+        """A checkpoint of this step, then the ``checkpoint`` event and ``on_checkpoint``."""
+        train, step = self.cfg.train, self.state.step
         self.exports.wait()  # the previous export reads its tag; keep-K may remove it now
         tag_dir = checkpoint.save(
             self.engine,
@@ -276,8 +294,18 @@ class Trainer:
             keep_every=train.keep_every,
             model=dataclasses.asdict(self.launch.preset),
         )
-        self.metrics.event(step, "checkpoint", path=str(tag_dir))
-        self.observe("on_checkpoint", tag_dir)
+        self.observers.on_event(step, "checkpoint", path=str(tag_dir))
+        self.observers.on_checkpoint(tag_dir)
+
+    def preempt(self) -> None:
+        """Collective: save this step (unless the regular save just did), tell the observers,
+        and exit 75 for a requeue (``anneal.resilience.preempt``)."""
+        self.preemption.stop(
+            step=self.state.step,
+            ckpt_dir=rundir.checkpoints_dir(self.launch.out),
+            save=self.checkpoint,
+            events=self.observers,
+        )
 
     def summary(self) -> dict:
         train, val = self.last_train or {}, self.last_val or {}
@@ -289,7 +317,7 @@ class Trainer:
             "tokens_per_s": train.get("tokens_per_s"),
             "val_loss": val.get("val_loss"),
             "val_bpb": val.get("val_bpb"),
-            "params": modellib.count_params(self.launch.preset),
+            "params": count_params(self.launch.preset),
         }
 
 

@@ -18,7 +18,14 @@ from anneal.config.run import ModelConfig, RunConfig, TrainConfig
 from anneal.config.run_checks import apply_overrides
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import init_distributed, rank, shutdown, world_size
-from anneal.train import TrainState, build_engine, next_token_loss, resolve_run, train_step
+from anneal.train import (
+    StepShape,
+    TrainState,
+    build_engine,
+    next_token_loss,
+    resolve_run,
+    train_step,
+)
 
 
 def gathered_state(module) -> dict[str, torch.Tensor]:
@@ -53,7 +60,7 @@ def main() -> None:
         micro_batch=plan.micro_batch,
         prefetch=0,
     )
-    row = train_step(engine, stream, TrainState(), plan)
+    row = train_step(engine, stream, TrainState(), StepShape.of(plan))
     after = gathered_state(engine.module)
     if rank() != 0:
         return
