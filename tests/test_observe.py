@@ -1,6 +1,7 @@
 """Seeing a run: a real (1-rank, tiny) run's TensorBoard events hold the expected tags, memory
 as min, max and the rank of the max (per rank only on request), read by TensorBoard's own
-reader; its piped stdout gets plain progress lines (tqdm's bar only on a terminal);
+reader; the one memory probe keeps a host peak until it is reset; its piped stdout gets plain
+progress lines (tqdm's bar only on a terminal);
 it writes its plots and health report at the end. Every plot is a valid PNG of a sensible size,
 drawn with no display; the schedule plot reads a ds_config and asks for "auto" values; the
 health report flags a synthetic bad run (flat loss near ln V, rising dev loss, NaN grad norm) and
@@ -284,6 +285,25 @@ def test_memory_is_summarised_unless_per_rank_is_asked_for():
     assert memory_fields(per_rank) == {"mem_min_gib": 2.0, "mem_max_gib": 5.0, "mem_max_rank": 1}
     detail = memory_fields(per_rank, per_rank=True)
     assert detail["mem_gib"] == [2.0, 5.0, 3.0] and detail["mem_max_rank"] == 1
+
+
+def test_the_memory_probe_keeps_the_host_peak_until_a_reset():
+    """``anneal.hardware.peak_memory_bytes`` on the host: 256 MiB written and freed stay in
+    the peak; on Linux, where ``/proc/self/clear_refs`` takes a reset, the next peak starts
+    from the resident set."""
+    import os
+
+    from anneal.hardware import GiB, peak_memory_bytes, process_memory_bytes
+
+    size, page = GiB // 4, os.sysconf("SC_PAGE_SIZE")
+    before = process_memory_bytes()
+    buffer = bytearray(size)
+    buffer[::page] = b"\1" * len(range(0, size, page))  # every page resident
+    del buffer
+    peak = peak_memory_bytes(reset=True)
+    assert peak > before + size * 0.9, (peak, before)
+    if os.access("/proc/self/clear_refs", os.W_OK):
+        assert peak_memory_bytes() < peak - size // 2
 
 
 def test_run_prints_plain_progress_and_writes_plots_and_report(real_run):
