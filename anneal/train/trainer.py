@@ -188,8 +188,10 @@ class Trainer:
             self.observers.on_failure(e)
             raise
         finally:
-            self.stream.close()
-            self.observers.close()
+            try:
+                self.stream.close()
+            finally:
+                self.observers.close()  # the end-of-run plots last, the stream's thread gone
         return self.summary()
 
     def start(self, client: dict | None, resumed: dict) -> None:
