@@ -16,6 +16,49 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("anneal", "launcher", "recipes") for p in (ROOT / d).rglob("*.py")]
 
 
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+LIMITED = [p for d in ("anneal", "launcher", "recipes", "bench") for p in (ROOT / d).rglob("*.py")]
+
+
+def _over_limits(name: str, text: str) -> list[str]:
+    """What of one module (``text``, reported as ``name``) is over the house limits: the module
+    over MAX_MODULE_LINES lines, and each function (methods, nested and async ones included;
+    from its ``def`` line to its last, as the AST numbers them) over MAX_FUNCTION_LINES."""
+    over = []
+    if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+        over.append(f"{name}: {lines} lines")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                over.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    return over
+
+
+def test_modules_and_functions_within_the_house_limits():
+    """Every module of anneal/, launcher/, recipes/ and bench/ holds at most 400 lines and
+    every function in them at most 80: a longer one is split where its meaning splits."""
+    assert len(LIMITED) > 100, "the walk found too few modules: it is broken"
+    over = [v for p in LIMITED for v in _over_limits(str(p.relative_to(ROOT)), p.read_text())]
+    assert not over, "\n".join(["over the house limits (lines of a module, of a function):", *over])
+
+
+def test_the_limit_check_sees_a_long_function_and_a_long_module():
+    """The check above on made-up modules: a function of 80 lines and a module of 400 pass; a
+    method of 81 lines (async, in a class), a nested function of 81 and a module of 401 do
+    not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    fits = "def f():\n" + body
+    assert len(fits.splitlines()) == 80 and _over_limits("m.py", fits) == []
+    method = "class C:\n    async def g(self):\n        y = 0\n" + body.replace("    ", "        ")
+    nested = "def outer():\n    def inner():\n        y = 0\n" + body.replace("    ", "        ")
+    assert _over_limits("m.py", method) == ["m.py:2 g: 81 lines"]
+    assert _over_limits("m.py", nested) == ["m.py:1 outer: 82 lines", "m.py:2 inner: 81 lines"]
+    module = "".join(f"x{i} = {i}\n" for i in range(400))
+    assert _over_limits("m.py", module) == []
+    assert _over_limits("m.py", module + "y = 0\n") == ["m.py: 401 lines"]
+
+
 def test_deepspeed_initialize_is_called_once():
     calls = [
         (p.name, n)
