@@ -5,8 +5,8 @@ memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_le
 change when it does not fit, ``memory_io`` what the command reads and prints) and the forecast a
 run checks itself against (``forecast``).
 
-The names below are the public interface; ``from anneal import scaling`` and
-``scaling.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
+The names below are the public interface; ``from anneal import planning`` and
+``planning.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
 formulas, the fits and the checks.
 """
 
