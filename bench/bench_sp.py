@@ -87,7 +87,7 @@ def worker(args) -> None:
     enginelib.setup_process()
     launch = enginelib.resolve_run(cfg, overrides)
     engine = enginelib.build_engine(launch)
-    dp_rank, dp_size = enginelib.data_parallel(engine)
+    dp_rank, dp_size = enginelib.data_replica(engine)
     split = PackedSplit(Path(args.data), "train", seq_len=launch.seq_len)
     stream = TokenStream(split, seed=0, rank=dp_rank, world_size=dp_size, micro_batch=1)
     state, losses = steplib.TrainState(), []

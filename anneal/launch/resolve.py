@@ -14,6 +14,7 @@ from pathlib import Path
 
 from anneal import model as modellib
 from anneal import rundir
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
@@ -64,9 +65,7 @@ class Launch:
     def layout(self) -> parallel.Layout:
         """TP or SP degree x data-parallel size (``anneal.launch.parallel``)."""
         ds = self.ds_config
-        return parallel.Layout(
-            self.world_size, parallel.tensor_parallel_size(ds), parallel.sequence_parallel_size(ds)
-        )
+        return parallel.Layout(self.world_size, autotp_size(ds), sequence_parallel_size(ds))
 
     @property
     def micro_batch(self) -> int:

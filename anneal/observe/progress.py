@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal.dist import is_main_process
-from anneal.hardware import process_memory_bytes
+from anneal.hardware import GiB, process_memory_bytes
 from anneal.planning.forecast import format_duration
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-GiB = 2**30
 
 
 # --- memory --------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from anneal.planning.law import (
 )
 from anneal.planning.planner import (
     DEFAULT_GLOBAL_BATCH,
-    DEFAULT_MFU,
     ComputePlan,
     format_plan,
     mfu_from_run,
@@ -43,7 +42,6 @@ from anneal.planning.runs import RunPoint, read_csv, read_run
 __all__ = [
     "DEFAULT_FIT",
     "DEFAULT_GLOBAL_BATCH",
-    "DEFAULT_MFU",
     "FITS",
     "FIT_FORMAT",
     "FIT_VERSION",

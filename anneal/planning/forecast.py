@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from anneal import model as modellib
-from anneal.planning import memory, memory_sp, memory_tp
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+from anneal.planning import memory
 
 if TYPE_CHECKING:
     import torch
@@ -33,10 +34,6 @@ log = logging.getLogger(__name__)
 
 CHECK_AT_STEP = 20
 FILE = "forecast.json"
-
-DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.45}
-"""Assumed MFU. GPUs: 40%, the figure docs/planning.md uses (Llama 3 paper, table 4). CPUs: the
-demo of docs/benchmarks.md ran at 45-55% of the measured fp32 matmul peak."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,8 +73,8 @@ def make(
             micro_batch=micro,
             seq_len=preset.seq_len,
             n_gpus=world_size,
-            tp=memory_tp.autotp_size(ds_config),
-            sp=memory_sp.sequence_parallel_size(ds_config),
+            tp=autotp_size(ds_config),
+            sp=sequence_parallel_size(ds_config),
             activation_checkpointing=activation_checkpointing,
         ),
     )

@@ -35,11 +35,10 @@ import dataclasses
 import math
 
 from anneal.errors import UserError
+from anneal.hardware import GiB
 from anneal.model import ModelPreset, count_params
 from anneal.planning import memory_sp, memory_tp
 from anneal.planning.memory_tp import largest_layer_params
-
-GiB = 2**30
 
 DEFAULT_DS_CONFIG = "zero3_bf16.json"
 """The ds_config ``anneal estimate`` assumes when neither ``--ds-config`` nor a run's

@@ -28,7 +28,7 @@ from anneal.observe import progress as live
 from anneal.resilience.preempt import Preemption
 from anneal.train import loss as losslib
 from anneal.train import sequence
-from anneal.train.engine import data_parallel
+from anneal.train.engine import data_replica
 
 
 @dataclasses.dataclass
@@ -149,7 +149,7 @@ def validate(engine, val: PackedSplit, token_bytes: np.ndarray, launch: Launch) 
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
     sums = torch.zeros(len(val.source_windows), 3, dtype=torch.float64, device=device)
-    dp_rank, dp_size = data_parallel(engine)  # a tensor-parallel group reads as one
+    dp_rank, dp_size = data_replica(engine)  # a tensor-parallel group reads as one
     for windows in validation_windows(
         val.n_windows,
         n_samples=launch.cfg.train.eval_samples,

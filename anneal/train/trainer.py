@@ -136,7 +136,7 @@ class Trainer:
     def _open_stream(self, position: int) -> None:
         if self.stream is not None:
             self.stream.close()
-        dp_rank, dp_size = enginelib.data_parallel(self.engine)  # a TP group reads as one
+        dp_rank, dp_size = enginelib.data_replica(self.engine)  # a TP group reads as one
         self.stream = TokenStream(
             self.data.train,
             seed=self.cfg.train.seed,
