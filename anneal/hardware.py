@@ -65,6 +65,15 @@ GPUS = {
 DEFAULT_GPU = "h100"
 """The short name the planner and the memory estimator assume when no ``--gpu`` is given."""
 
+DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.45}
+"""Model FLOPs utilisation assumed, by device type, when none is given or measured (the planner,
+the launcher's forecast). GPUs: dense bf16 pretraining on H100s at scale reaches 38-43% (Llama 3
+paper, Dubey et al. 2024, table 4); 40% is the round middle. CPUs: the demo of
+docs/benchmarks.md ran at 45-55% of the measured fp32 matmul peak."""
+
+GiB = 2**30
+"""Bytes in a GiB, the unit of every memory figure Anneal prints."""
+
 
 def get_gpu(name: str) -> GpuSpec:
     """The GpuSpec for a short name (h100, h200, a100); UserError naming the choices."""

@@ -69,7 +69,7 @@ def worker(args) -> None:
     from anneal.data.stream import PackedSplit, TokenStream
     from anneal.dist import rank, shutdown
     from anneal.hardware import process_memory_bytes
-    from anneal.train.engine import build_engine, data_parallel, resolve_run, setup_process
+    from anneal.train.engine import build_engine, data_replica, resolve_run, setup_process
     from anneal.train.step import StepShape, TrainState, train_step
 
     argv = ["--out", args.run, "--data", args.data, "--max-steps", str(args.steps + 1)]
@@ -87,7 +87,7 @@ def worker(args) -> None:
     setup_process()
     launch = resolve_run(cfg, overrides)
     engine = build_engine(launch)
-    dp_rank, dp_size = data_parallel(engine)
+    dp_rank, dp_size = data_replica(engine)
     split = PackedSplit(Path(args.data), "train", seq_len=launch.seq_len)
     stream = TokenStream(split, seed=0, rank=dp_rank, world_size=dp_size, micro_batch=1)
     state, shape, losses = TrainState(), StepShape.of(launch), []

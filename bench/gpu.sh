@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU benchmark (docs/benchmarks.md, "GPU"): 1b and 125m on one GPU, bf16, ZeRO-1 and ZeRO-3,
-# sequence 2048, act. checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory. Optional rows
-# (1b at 32K, chunked and plain loss; --only NAME,... runs them alone) use the time left of 8 min.
+# The GPU benchmark (docs/benchmarks.md, "GPU"): first the tests marked gpu (every row resolved on
+# this GPU, three steps of the 125m recipe in bf16), then 1b and 125m on one GPU, bf16, ZeRO-1 and
+# ZeRO-3, sequence 2048, act. checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory.
+# Optional rows (1b at 32K, chunked and plain loss; --only NAME,... runs them alone) use the time
+# left of 8 min.
 #
 #   bash bench/gpu.sh LOGDIR [bench_gpu.py options]        the benchmark, logs into LOGDIR
 #   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, fp32)
@@ -16,7 +18,9 @@
 # removed on exit: a fixed path under /tmp there would let another user of the host plant a
 # sitecustomize.py that this python runs. WORK (data, runs; ANNEAL_BENCH_WORK) defaults to
 # SCRATCH/work. Nothing is downloaded on the GPU machine.
-# Exit: 0 all rows measured or skipped for time, 1 a row failed or nothing measured, 2 set-up.
+# Exit: 0 the gpu tests passed (on --cpu-smoke: skipped) and all rows measured or skipped for
+# time; 1 a gpu test failed or could not run (no pytest), a row failed or nothing measured;
+# 2 set-up.
 set -uo pipefail
 export ANNEAL_BENCH_T0=${ANNEAL_BENCH_T0:-$(date +%s.%N)}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -48,7 +52,9 @@ fetch_wheels() {
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in
                ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-                "typing-extensions")))
+                "typing-extensions",
+                # pytest and its needs, for the tests marked gpu that gpu.sh runs first
+                "pytest", "pluggy", "iniconfig", "pygments", "packaging", "pytest-timeout")))
 EOF
   ) || return 2
   # shellcheck disable=SC2086
@@ -74,6 +80,19 @@ pick_python() {  # $1: cpu|gpu
         >/dev/null 2>&1 && { echo "$py"; return; }
     fi
   done
+}
+
+gpu_tests() {  # $1: cpu|gpu. The tests marked gpu, in a pytest session of their own (on the
+  # CPU smoke with no GPU visible: they skip, and the step is exercised all the same)
+  if ! "$py" -c "import pytest" >/dev/null 2>&1; then
+    echo "gpu tests: not run: $py cannot import pytest (bash bench/gpu.sh --fetch-wheels puts it among the wheels)"
+    return 1
+  fi
+  local hide=()
+  [[ $1 == cpu ]] && hide=(CUDA_VISIBLE_DEVICES=)
+  echo "gpu tests: pytest -m gpu tests/test_bench_gpu.py"
+  (cd "$repo" && env -u ANNEAL_TEST_SHARD ${hide[@]+"${hide[@]}"} timeout -k 10 300 "$py" -m pytest -q -m gpu \
+    -p no:cacheprovider --basetemp "$scratch/pytest" tests/test_bench_gpu.py)
 }
 
 stack_ok() {  # what a recipe imports, without starting anything
@@ -116,9 +135,15 @@ main() {
   fi
   echo "set-up: training stack imports (PYTHONPATH=$path)"
   export PYTHONPATH=$path
+  local tests=0
+  gpu_tests $mode || tests=$?
+  [[ $tests != 0 ]] && echo "gpu tests: failed or not run (exit $tests, above); the benchmark runs all the same, and gpu.sh exits 1"
   local args=("$logdir")
   [[ $mode == cpu ]] && args+=(--cpu-smoke)
   "$py" "$repo/bench/bench_gpu.py" "${args[@]}" "$@"
+  local code=$?
+  [[ $code == 0 && $tests != 0 ]] && code=1
+  return $code
 }
 
 if [[ ${1:-} == --fetch-wheels ]]; then
@@ -127,7 +152,7 @@ if [[ ${1:-} == --fetch-wheels ]]; then
   exit $?
 fi
 if [[ $# -lt 1 || ${1:-} == -h || ${1:-} == --help || (${1:-} == --cpu-smoke && $# -lt 2) ]]; then
-  sed -n '2,19p' "$0"
+  sed -n '2,23p' "$0"
   exit 2
 fi
 logdir=$1

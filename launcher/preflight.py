@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.hardware import DEFAULT_MFU
 from anneal.planning import forecast, memory, memory_tp
 
 SSH_TIMEOUT_S = 10
@@ -34,18 +35,9 @@ class Preflight:
     forecast: forecast.Forecast
 
 
-def load_recipe(path: str) -> dict:
-    """The recipe file's ``RECIPE`` dict (the arguments it passes to ``anneal.cli.recipe.main``)."""
-    if not Path(path).is_file():
-        raise UserError(f"recipe {path}: no such file (see recipes/).")
-    from anneal.cli.recipe import load_recipe as load
-
-    return load(path)
-
-
 def recipe_config(recipe: str, recipe_args: list[str], *, device_type: str):
     """(RunConfig, overrides) exactly as the recipe will build them from ``recipe_args``."""
-    from anneal.cli.recipe import config_from_args
+    from anneal.cli.recipe import config_from_args, load_recipe
 
     spec = load_recipe(recipe)
     err = io.StringIO()
@@ -198,7 +190,7 @@ def preflight(
     launch = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
     ckpt = checkpoint_bytes(launch)
     check_disk(Path(launch.out), need_bytes=2 * ckpt)
-    mfu = forecast.DEFAULT_MFU[device_type] if mfu is None else mfu
+    mfu = DEFAULT_MFU[device_type] if mfu is None else mfu
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu}: a fraction of peak in (0, 1]; 40% is --mfu 0.4.")
     start = 0

@@ -132,6 +132,61 @@ def check_plain(value: str, *, what: str, why: str, also: str = "") -> str:
     return value
 
 
+def _check_job(
+    *,
+    time: str,
+    nodes: int,
+    gpus_per_node: int,
+    partition: str,
+    account: str | None,
+    grace_s: int,
+    master_port: int,
+) -> None:
+    """The job's request as Slurm and the rendezvous read it: the time limit in one of Slurm's
+    forms, counts of at least 1, names from a safe alphabet, the signal's lead and the port in
+    range."""
+    if not re.fullmatch(r"\d+:\d\d:\d\d|\d+-\d+(:\d\d(:\d\d)?)?|\d+", time, re.ASCII):
+        raise UserError(f"--time {time!r}: give HH:MM:SS (e.g. 04:00:00) or D-HH[:MM[:SS]].")
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1.")
+    for flag, value in (("--partition", partition), ("--account", account or "x")):
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+            raise UserError(f"{flag} {value!r}: letters, digits, '.', '-' and '_' only.")
+    if not 1 <= grace_s <= MAX_SIGNAL_S:
+        raise UserError(
+            f"--grace-s {grace_s}: Slurm sends the preemption signal 1..{MAX_SIGNAL_S} s "
+            f"before the time limit. Give a number of seconds in that range (or leave it out)."
+        )
+    if not 1 <= master_port <= 65535:
+        raise UserError(f"--master-port {master_port}: a TCP port is 1..65535, e.g. 29500.")
+
+
+def _check_command(*, run_dir: Path, workdir: Path, python: str, args: list[str]) -> None:
+    """What the script carries on its lines (the run directory, the working directory, the
+    Python, the recipe and its arguments) holds no control character, and the run directory
+    none of what Slurm reads in ``--output`` itself (RUN_DIR_REFUSED)."""
+    check_plain(
+        str(run_dir), what=f"--out {str(run_dir)!r}", also=RUN_DIR_REFUSED, why=_RUN_DIR_WHY
+    )
+    check_plain(
+        str(workdir),
+        what=f"the working directory {str(workdir)!r}",
+        why="the script `cd`s there. Run from a directory without one (rename it)",
+    )
+    check_plain(
+        python,
+        what=f"the Python {python!r}",
+        why="the script runs it by path. Use a virtual environment at a plain path",
+    )
+    for arg in args:
+        check_plain(
+            arg,
+            what=f"recipe argument {arg!r}",
+            why="the script carries the command on one line. Remove it",
+        )
+
+
 def render_sbatch(
     *,
     template: str = "multinode.sbatch",
@@ -157,42 +212,17 @@ def render_sbatch(
     the ``#SBATCH --output=`` line and srun's ``--output`` carry) also free of what Slurm reads
     there itself: ``%`` patterns, quotes, ``\\`` and ``#``.
     """
-    if not re.fullmatch(r"\d+:\d\d:\d\d|\d+-\d+(:\d\d(:\d\d)?)?|\d+", time, re.ASCII):
-        raise UserError(f"--time {time!r}: give HH:MM:SS (e.g. 04:00:00) or D-HH[:MM[:SS]].")
-    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: must be at least 1.")
-    for flag, value in (("--partition", partition), ("--account", account or "x")):
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
-            raise UserError(f"{flag} {value!r}: letters, digits, '.', '-' and '_' only.")
-    if not 1 <= grace_s <= MAX_SIGNAL_S:
-        raise UserError(
-            f"--grace-s {grace_s}: Slurm sends the preemption signal 1..{MAX_SIGNAL_S} s "
-            f"before the time limit. Give a number of seconds in that range (or leave it out)."
-        )
-    if not 1 <= master_port <= 65535:
-        raise UserError(f"--master-port {master_port}: a TCP port is 1..65535, e.g. 29500.")
-    run_dir = Path(
-        check_plain(
-            str(run_dir), what=f"--out {str(run_dir)!r}", also=RUN_DIR_REFUSED, why=_RUN_DIR_WHY
-        )
+    _check_job(
+        time=time,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        partition=partition,
+        account=account,
+        grace_s=grace_s,
+        master_port=master_port,
     )
-    check_plain(
-        str(workdir),
-        what=f"the working directory {str(workdir)!r}",
-        why="the script `cd`s there. Run from a directory without one (rename it)",
-    )
-    check_plain(
-        python,
-        what=f"the Python {python!r}",
-        why="the script runs it by path. Use a virtual environment at a plain path",
-    )
-    for arg in [recipe, *recipe_args]:
-        check_plain(
-            arg,
-            what=f"recipe argument {arg!r}",
-            why="the script carries the command on one line. Remove it",
-        )
+    _check_command(run_dir=run_dir, workdir=workdir, python=python, args=[recipe, *recipe_args])
+    run_dir = Path(run_dir)
     fields = {
         "JOB_NAME": re.sub(r"[^A-Za-z0-9_.\-]", "_", job_name),
         "NODES": str(nodes),

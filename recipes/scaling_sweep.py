@@ -145,73 +145,59 @@ def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> i
     ).tokens_per_step
 
 
-def main(argv: list[str] | None = None) -> int:
+def _train_point(shape: Shape, tokens: int, args: argparse.Namespace) -> dict | None:
+    """Train one point of the grid in its own run directory under ``--out`` (its checkpoints
+    removed after, unless ``--keep-checkpoints``): its summary and seconds taken, or None when
+    that run finished before."""
     import torch
 
-    from anneal.cli.recipe import _single_process_env, print_once
+    from anneal.cli.recipe import print_once
     from anneal.dist import is_main_process
-
-    args = build_parser().parse_args(argv)
-    grid = GRIDS[args.grid]
-    out = Path(args.out)
-    _single_process_env()
-    from anneal.dist import init_distributed
-
-    init_distributed()
     from anneal.train import run
 
-    rows = []
-    try:
-        for shape in grid.shapes:
-            for tokens in grid.tokens:
-                cfg = apply_overrides(
-                    RunConfig(
-                        out="",
-                        ds_config=args.ds_config,
-                        model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
-                        optim=OPTIM,
-                        data=DataConfig(path=args.data),
-                        train=TrainConfig(eval_every=0, save_every=0, seed=args.seed),
-                    ),
-                    args.set,
-                )
-                batch_tokens = _tokens_per_step(cfg, args.set, out / ".probe")
-                steps = max(1, -(-tokens // batch_tokens))
-                run_dir = out / f"{shape.name}_d{steps * batch_tokens}"
-                if run_dir.is_dir() and (run_dir / "config.json").is_file() and _finished(run_dir):
-                    print_once(f"sweep: {run_dir} is finished; skipping")
-                    continue
-                cfg = dataclasses.replace(
-                    cfg,
-                    out=str(run_dir),
-                    train=dataclasses.replace(
-                        cfg.train, max_steps=steps, log_every=max(1, steps // 4)
-                    ),
-                )
-                overrides = [
-                    f"ds.scheduler.params.warmup_num_steps={max(1, steps // 10)}",
-                    *args.set,
-                ]
-                cfg = apply_overrides(cfg, overrides)
-                start = time.perf_counter()
-                summary = run(cfg, overrides)
-                seconds = time.perf_counter() - start
-                rows.append({**summary, "seconds": round(seconds, 1)})
-                print_once(
-                    f"sweep: {run_dir.name}: {summary['params']:,} params, "
-                    f"{summary['tokens']:,} tokens, val loss {summary['val_loss']:.4f}, "
-                    f"{seconds:.0f} s"
-                )
-                if not args.keep_checkpoints and is_main_process():
-                    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-                if torch.distributed.is_initialized():
-                    torch.distributed.barrier()
-    except UserError as e:
-        print_once(f"error: {e}", file=sys.stderr)
-        return 2
-    if not is_main_process():
-        return 0
+    out = Path(args.out)
+    cfg = apply_overrides(
+        RunConfig(
+            out="",
+            ds_config=args.ds_config,
+            model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
+            optim=OPTIM,
+            data=DataConfig(path=args.data),
+            train=TrainConfig(eval_every=0, save_every=0, seed=args.seed),
+        ),
+        args.set,
+    )
+    batch_tokens = _tokens_per_step(cfg, args.set, out / ".probe")
+    steps = max(1, -(-tokens // batch_tokens))
+    run_dir = out / f"{shape.name}_d{steps * batch_tokens}"
+    if run_dir.is_dir() and (run_dir / "config.json").is_file() and _finished(run_dir):
+        print_once(f"sweep: {run_dir} is finished; skipping")
+        return None
+    cfg = dataclasses.replace(
+        cfg,
+        out=str(run_dir),
+        train=dataclasses.replace(cfg.train, max_steps=steps, log_every=max(1, steps // 4)),
+    )
+    overrides = [f"ds.scheduler.params.warmup_num_steps={max(1, steps // 10)}", *args.set]
+    cfg = apply_overrides(cfg, overrides)
+    start = time.perf_counter()
+    summary = run(cfg, overrides)
+    seconds = time.perf_counter() - start
+    print_once(
+        f"sweep: {run_dir.name}: {summary['params']:,} params, "
+        f"{summary['tokens']:,} tokens, val loss {summary['val_loss']:.4f}, "
+        f"{seconds:.0f} s"
+    )
+    if not args.keep_checkpoints and is_main_process():
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return {**summary, "seconds": round(seconds, 1)}
 
+
+def _fit(out: Path, args: argparse.Namespace) -> None:
+    """Fit the law to every finished run under ``out``: fit.json, fit.png (where the fit has a
+    compute-optimal frontier), printed as ``anneal fit`` prints it."""
     from anneal import planning
     from anneal.observe.formula_plots import plot_fit
 
@@ -226,6 +212,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {fit_path} and {plot} (fit took {time.perf_counter() - start:.0f} s)")
     except UserError as e:  # a fit without a compute-optimal frontier
         print(f"wrote {fit_path}; no plot: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from anneal.cli.recipe import _single_process_env, print_once
+    from anneal.dist import is_main_process
+
+    args = build_parser().parse_args(argv)
+    grid = GRIDS[args.grid]
+    out = Path(args.out)
+    _single_process_env()
+    from anneal.dist import init_distributed
+
+    init_distributed()
+    rows = []
+    try:
+        for shape in grid.shapes:
+            for tokens in grid.tokens:
+                if (row := _train_point(shape, tokens, args)) is not None:
+                    rows.append(row)
+    except UserError as e:
+        print_once(f"error: {e}", file=sys.stderr)
+        return 2
+    if not is_main_process():
+        return 0
+    _fit(out, args)
     (out / "sweep.json").write_text(json.dumps({"grid": args.grid, "runs": rows}, indent=2))
     return 0
 

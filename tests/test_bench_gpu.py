@@ -2,15 +2,18 @@
 can run on CPU runs here: the MFU arithmetic against the 6N + 12*L*H*Q*T count worked by hand,
 every GPU row's command resolved as one GPU will resolve it (and its memory estimate on an 80 GB
 H100), the per-row timeout killing a whole process session, and the CPU smoke going through the
-same script, driver, parsing, table and log files, with a row that fails on purpose."""
+same script, driver, parsing, table and log files, with a row that fails on purpose. On a GPU
+the tests marked gpu run as well (bench/gpu.sh runs them first; elsewhere they skip): every row
+resolved by the rank's own path on this GPU and fitting its memory, and three steps of the 125m
+recipe in bf16."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+import math
+import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,16 +76,19 @@ def test_h100_and_h200_peaks_are_the_dense_bf16_989():
     assert gpu_table.H100_H200_PEAK == GPU_PEAK_FLOPS["H100"] == GPU_PEAK_FLOPS["H200"] == 989e12
 
 
-@pytest.mark.parametrize("row", gpu_rows.gpu_rows(), ids=lambda r: r.name)
-def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
-    """What the recipe does with the row's command on one CUDA rank, up to the engine."""
+def _row_config(row: gpu_rows.Row, data: Path, out: Path) -> tuple:
+    """(run config, overrides) of the row's command, as its recipe reads it on a CUDA rank."""
     path = ROOT / "recipes" / f"pretrain_{row.preset}.py"
-    argv = row.command(sys.executable, data=stdlib_data, out=tmp_path / "run", cpu=False)
+    argv = row.command(sys.executable, data=data, out=out, cpu=False)
     assert argv[:2] == [sys.executable, str(path)]
-    spec = load_recipe(path)
-    cfg, overrides = config_from_args(argv[2:], prog=str(path), on_cpu=False, **spec)
-    plan = resolve_launch(cfg, overrides, world_size=1, device_type="cuda", fast_bf16=True)
+    return config_from_args(argv[2:], prog=str(path), on_cpu=False, **load_recipe(path))
+
+
+def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
+    """The launch ``plan`` resolved from the row's command is the row's, and fits a GPU of
+    ``capacity`` bytes by Anneal's own estimate."""
     ds = plan.ds_config
+    assert plan.device_type == "cuda" and plan.world_size == 1
     assert plan.cfg.ds_config == f"zero{row.zero}_bf16.json"
     assert ds["zero_optimization"]["stage"] == row.zero
     assert ds["bf16"]["enabled"] is True and plan.seq_len == row.seq_len
@@ -96,7 +102,6 @@ def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
     params = ds["optimizer"]["params"]
     assert params["torch_adam"] is (row.optimizer != "ds-fused")
     assert params.get("fused", False) is (row.optimizer == "torch-fused")
-    # It fits an 80 GB H100 by Anneal's own estimate (the H200 has 141 GB).
     est = estimate(
         plan.preset,
         ZeroSetup.from_ds_config(ds),
@@ -108,9 +113,67 @@ def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
             loss=row.loss,
             loss_chunk_tokens=plan.cfg.train.loss_chunk_tokens,
         ),
-        capacity=GPUS["h100"].memory_bytes,
+        capacity=capacity,
     )
-    assert est.fits, f"{row.name}: {est.total / 2**30:.1f} GiB"
+    assert est.fits, f"{row.name}: {est.total / 2**30:.1f} GiB of {capacity / 2**30:.1f}"
+
+
+@pytest.mark.parametrize("row", gpu_rows.gpu_rows(), ids=lambda r: r.name)
+def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
+    """What the recipe does with the row's command on one CUDA rank, up to the engine, resolved
+    here for a CUDA device with fast bf16; it fits an 80 GB H100 (the H200 has 141 GB)."""
+    cfg, overrides = _row_config(row, stdlib_data, tmp_path / "run")
+    plan = resolve_launch(cfg, overrides, world_size=1, device_type="cuda", fast_bf16=True)
+    _check_row_launch(row, plan, capacity=GPUS["h100"].memory_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", gpu_rows.gpu_rows(), ids=lambda r: r.name)
+def test_every_gpu_row_resolves_on_this_gpu(row, stdlib_data, tmp_path):
+    """On a GPU, the row's command resolved in this process by the rank's own path
+    (``anneal.train.resolve_run``: the device, its bf16 support and the world as DeepSpeed's
+    accelerator and torch report them) is the row's, and fits this GPU's memory."""
+    import torch
+
+    from anneal.train import resolve_run
+
+    cfg, overrides = _row_config(row, stdlib_data, tmp_path / "run")
+    plan = resolve_run(cfg, overrides)
+    _check_row_launch(row, plan, capacity=torch.cuda.get_device_properties(0).total_memory)
+
+
+@pytest.mark.gpu
+def test_three_steps_of_the_125m_recipe_in_bf16_on_one_gpu(stdlib_data, tmp_path):
+    """On a GPU, the 125m recipe as a user starts it (its ds_config zero1_bf16.json: bf16,
+    ZeRO-1, torch's AdamW, nothing for nvcc to build) trains three optimizer steps of 2^19
+    tokens: config.json records bf16 on cuda, and each step logs a finite loss within 1 of
+    ln(vocabulary) (a fresh model; the LR is still warming up), its tokens/s and its memory.
+    Over 10 s: a training process starts, steps and validates; not yet timed on a GPU (about
+    a minute expected on an H200)."""
+    from tests.conftest import read_metrics, run_recipe
+
+    out = tmp_path / "run"
+    args = ["--data", str(stdlib_data), "--out", str(out), "--max-steps", "3"]
+    # gpu.sh's PYTHONPATH carries the wheels it installed (DeepSpeed, on the lent machine)
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    run_recipe(
+        [*args, "--eval-every", "0", "--save-every", "0", "--set", "train.log_every=1"],
+        recipe="recipes/pretrain_125m.py",
+        timeout_s=300,
+        extra_env={"PYTHONPATH": pythonpath},
+    )
+    doc = json.loads((out / "config.json").read_text())
+    ds = doc["ds_config"]
+    assert doc["launch"]["device"] == "cuda" and doc["launch"]["world_size"] == 1
+    assert ds["bf16"]["enabled"] is True and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["train_batch_size"] * doc["model"]["seq_len"] == 2**19
+    rows = read_metrics(out, "train")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert (
+            math.isfinite(r["loss"]) and abs(r["loss"] - math.log(doc["model"]["vocab_size"])) < 1
+        )
+        assert r["tokens_per_s"] > 0 and r["mem_max_gib"] > 0
 
 
 def test_gpu_rows_put_the_1b_figures_first_and_cover_the_matrix():
@@ -235,8 +298,9 @@ def _metrics_in_rows_log(text: str, row: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
-    """gpu.sh --cpu-smoke: set-up, data preparation, three rows (the second made to fail with
-    an unknown --set key), the table, the files, the report and the exit status."""
+    """gpu.sh --cpu-smoke: set-up, the tests marked gpu (skipped: no GPU), data preparation,
+    three rows (the second made to fail with an unknown --set key), the table, the files, the
+    report and the exit status."""
     logdir, report = tmp_path / "logs", tmp_path / "report.md"
     e = {**env(), "ANNEAL_PYTHON": sys.executable, "ANNEAL_BENCH_WORK": str(tmp_path / "work")}
     e.pop("ANNEAL_BENCH_T0", None)
@@ -311,6 +375,12 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
     console = (logdir / "gpu_bench.log").read_text()
     assert "set-up: python " + sys.executable in console and table.split("\n\n")[1] in console
     assert "tiny-z3-nockpt: start" in console
+    # The tests marked gpu ran first, in a session of their own, and skipped without a GPU.
+    assert console.index("gpu tests: pytest -m gpu") < console.index("tiny-z1-nockpt: start")
+    assert (
+        f"\n{len(gpu_rows.gpu_rows()) + 1} skipped, " in console
+        and "gpu tests: failed" not in console
+    )
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["bench"] == "gpu" and doc["cpu_smoke"] is True
     assert [r["status"] for r in doc["rows"]] == ["ok", "exited", "ok"]
@@ -350,29 +420,24 @@ def test_past_the_deadline_no_row_starts_and_the_table_still_prints(tmp_path, st
     assert not (tmp_path / "runs").exists()
 
 
-def _has_gpu() -> bool:
-    return bool(shutil.which("nvidia-smi")) and (
-        subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-    )
-
-
 @pytest.mark.slow  # two real bench_gpu.py processes (~9-20 s): make test-all
-@pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
 def test_without_a_gpu(tmp_path):
-    """`make bench` runs every bench script with no arguments: here that says why and exits 0.
-    gpu.sh asked for the GPU benchmark with a python that sees no GPU: a set-up error (2). The
-    two are independent processes that mostly wait on imports, so they run side by side."""
-    e = {**env(), "ANNEAL_PYTHON": sys.executable}
+    """`make bench` runs every bench script with no arguments: where no GPU is visible that says
+    why and exits 0. gpu.sh asked for the GPU benchmark with a python that sees no GPU: a set-up
+    error (2). The GPU is hidden from both (CUDA_VISIBLE_DEVICES empty), so that a GPU machine
+    runs this as well, beside the tests marked gpu. The two are independent processes that
+    mostly wait on imports, so they run side by side."""
+    hidden = {**env(), "CUDA_VISIBLE_DEVICES": ""}
     with ThreadPoolExecutor(2) as pool:
         bare = pool.submit(
-            run_process, [sys.executable, "bench/bench_gpu.py"], timeout_s=300, cwd=ROOT, env=env()
+            run_process, [sys.executable, "bench/bench_gpu.py"], timeout_s=300, cwd=ROOT, env=hidden
         )
         sh = pool.submit(
             run_process,
             ["bash", str(GPU_SH), str(tmp_path / "logs")],
             timeout_s=300,
             cwd=ROOT,
-            env=e,
+            env={**hidden, "ANNEAL_PYTHON": sys.executable},
         )
         out, sh_out = bare.result(), sh.result()
     assert out.returncode == 0

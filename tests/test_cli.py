@@ -75,7 +75,7 @@ def test_help_shows_the_defaults_in_use():
     assert f"bootstrap resamples (default {n_bootstrap})" in fit_help
     assert "default all 4500" in fit_help
     plan_help = " ".join(parsers["plan"].format_help().split())
-    assert f"(default {planning.DEFAULT_MFU})" in plan_help
+    assert f"(default {hardware.DEFAULT_MFU['cuda']})" in plan_help
     assert f"(default {planning.DEFAULT_GLOBAL_BATCH})" in plan_help
     assert memory.DEFAULT_DS_CONFIG in parsers["estimate"].format_help().replace("\n", "")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from anneal.cli.args import path
 from anneal.errors import UserError
+from anneal.hardware import DEFAULT_MFU, GiB
 
 
 def _default(fn, name: str):
@@ -84,9 +85,10 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
+    from anneal.config.ds_schema import autotp_size, sequence_parallel_size
     from anneal.hardware import get_gpu
     from anneal.launch.ds import find_ds_config, load_ds_config
-    from anneal.planning import memory, memory_io, memory_levers, memory_sp, memory_tp
+    from anneal.planning import memory, memory_io, memory_levers
 
     preset = memory_io.load_model(args.model)
     if args.vocab_size:
@@ -100,7 +102,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.gpu_mem_gib is not None:
         if not args.gpu_mem_gib > 0:
             raise UserError(f"--gpu-mem-gib {args.gpu_mem_gib}: must be positive.")
-        capacity, capacity_name = int(args.gpu_mem_gib * memory.GiB), f"{args.gpu_mem_gib:g} GiB"
+        capacity, capacity_name = int(args.gpu_mem_gib * GiB), f"{args.gpu_mem_gib:g} GiB"
     else:
         spec = get_gpu(args.gpu)
         capacity, capacity_name = spec.memory_bytes, spec.name
@@ -115,8 +117,8 @@ def _estimate(args: argparse.Namespace) -> int:
         n_gpus=args.nodes * args.gpus_per_node,
         activation_checkpointing=args.activation_checkpointing,
         eager_attention=args.eager_attention,
-        tp=memory_tp.autotp_size(ds) if args.tp is None else args.tp,
-        sp=memory_sp.sequence_parallel_size(ds) if args.sp is None else args.sp,
+        tp=autotp_size(ds) if args.tp is None else args.tp,
+        sp=sequence_parallel_size(ds) if args.sp is None else args.sp,
         **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)
@@ -188,7 +190,7 @@ def _add_plan(sub) -> None:
     plan.add_argument(
         "--mfu",
         type=float,
-        help=f"model FLOPs utilisation in (0, 1] (default {planning.DEFAULT_MFU})",
+        help=f"model FLOPs utilisation in (0, 1] (default {DEFAULT_MFU['cuda']})",
     )
     plan.add_argument(
         "--mfu-from", metavar="RUN_DIR", type=path, help="use the MFU measured in a run"

@@ -158,11 +158,11 @@ def config_from_args(
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
-    """The ``RECIPE`` dict of a recipe file (its defaults), without running its main."""
-    try:
-        namespace = runpy.run_path(str(path), run_name="anneal_recipe")
-    except FileNotFoundError:
-        raise UserError(f"recipe {path}: no such file (the recipes are in recipes/).") from None
+    """The ``RECIPE`` dict of a recipe file (its defaults, the arguments it passes to
+    ``main``), without running its main."""
+    if not os.path.isfile(path):
+        raise UserError(f"recipe {path}: no such file (the recipes are in recipes/).")
+    namespace = runpy.run_path(str(path), run_name="anneal_recipe")
     if not isinstance(namespace.get("RECIPE"), dict):
         raise UserError(
             f"recipe {path}: defines no RECIPE dict, so it is not an Anneal recipe (see "

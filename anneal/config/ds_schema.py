@@ -198,7 +198,21 @@ def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
             )
 
 
-def check_ranges(cfg: dict, *, source: str) -> None:
+def autotp_size(ds: dict) -> int:
+    """``tensor_parallel.autotp_size`` of a ds_config: the ranks per tensor-parallel group
+    (DeepSpeed takes 0 and 1 as off: 1)."""
+    section = ds.get("tensor_parallel", {})
+    return max(1, int(section.get("autotp_size", 0) if isinstance(section, dict) else 0))
+
+
+def sequence_parallel_size(ds: dict) -> int:
+    """``sequence_parallel_size`` of a ds_config: the ranks that share each sequence
+    (DeepSpeed's default, 1: none)."""
+    value = ds.get("sequence_parallel_size", 1)
+    return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def check_ds_ranges(cfg: dict, *, source: str) -> None:
     """UserError for a number out of its key's bounds (``RANGES``)."""
     _check_numbers(cfg, source=source)
     for path, (ok, want) in RANGES.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from anneal.config.ds_schema import REQUIRED, check_ranges, validate_ds_config
+from anneal.config.ds_schema import REQUIRED, check_ds_ranges, validate_ds_config
 from anneal.config.run import REPO_ROOT
 from anneal.errors import UserError
 from anneal.launch.ds_resolve import resolve_ds_config as resolve_ds_config
@@ -77,7 +77,7 @@ def load_ds_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise UserError(f"{source}: the top level must be a JSON object.")
     validate_ds_config(cfg, source=source)
-    check_ranges(cfg, source=source)
+    check_ds_ranges(cfg, source=source)
     for key_path in REQUIRED:
         node = cfg
         for k in key_path:
@@ -131,7 +131,7 @@ def override_ds_config(cfg: dict, overrides: list[tuple[list[str], str]], *, sou
                 )
         node[keys[-1]] = value
     validate_ds_config(cfg, source=f"{source} (with --set ds.* overrides)")
-    check_ranges(cfg, source=f"{source} (with --set ds.* overrides)")
+    check_ds_ranges(cfg, source=f"{source} (with --set ds.* overrides)")
     return cfg
 
 

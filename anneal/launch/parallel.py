@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.errors import UserError
 
 
@@ -52,22 +53,12 @@ class Layout:
         )
 
 
-def tensor_parallel_size(ds: dict) -> int:
-    """``tensor_parallel.autotp_size`` of a ds_config; DeepSpeed takes 0 and 1 as off."""
-    return max(1, int(ds.get("tensor_parallel", {}).get("autotp_size", 0)))
-
-
-def sequence_parallel_size(ds: dict) -> int:
-    """``sequence_parallel_size`` of a ds_config (DeepSpeed's default: 1, none)."""
-    return max(1, int(ds.get("sequence_parallel_size", 1)))
-
-
 def layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
     """The launch's layout, refused (UserError) where AutoTP would not shard this model evenly
     over these ranks (a world size that does not split into groups, query or key-value heads
     that do not divide by the degree). Any ZeRO stage goes with it, and so does
     ``train.export_every_save``: export merges the ranks' slices (``anneal.hf.tp_merge``)."""
-    tp, sp = tensor_parallel_size(ds), sequence_parallel_size(ds)
+    tp, sp = autotp_size(ds), sequence_parallel_size(ds)
     if sp > 1:
         return _sequence_parallel_layout(ds, preset, world_size=world_size, source=source)
     if tp == 1:
@@ -95,7 +86,7 @@ def _sequence_parallel_layout(ds: dict, preset, *, world_size: int, source: str)
     """The layout with Ulysses sequence parallelism, refused where it cannot run: with tensor
     parallelism, below ZeRO-2, on a world, sequence length or head counts that do not divide
     by the degree, or on a model whose attention masks a sliding window."""
-    sp, tp = sequence_parallel_size(ds), tensor_parallel_size(ds)
+    sp, tp = sequence_parallel_size(ds), autotp_size(ds)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     fix = f"Set ds.sequence_parallel_size (now {sp}, from {source} or --set)"
     if tp > 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from anneal import model as modellib
 from anneal import rundir
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
@@ -64,9 +65,7 @@ class Launch:
     def layout(self) -> parallel.Layout:
         """TP or SP degree x data-parallel size (``anneal.launch.parallel``)."""
         ds = self.ds_config
-        return parallel.Layout(
-            self.world_size, parallel.tensor_parallel_size(ds), parallel.sequence_parallel_size(ds)
-        )
+        return parallel.Layout(self.world_size, autotp_size(ds), sequence_parallel_size(ds))
 
     @property
     def micro_batch(self) -> int:
@@ -179,7 +178,7 @@ def resolve_launch(
 
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
-    from anneal.data.prepared import check_matches_run, check_prepared
+    from anneal.data.prepared import check_prepared
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
@@ -218,19 +217,6 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     )
     notes += resolved_from.messages
     ds_config.check_with_deepspeed(ds, source=str(ds_path))
-
-    if resume_from is not None:
-        check_matches_run(meta, data_dir=data_dir, run_dir=out)
-        checkpoint.check_tokenizer(
-            resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
-        )
-        check_checkpoint_fits(
-            resume_from,
-            preset,
-            world_size=world_size,
-            zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
-            layout=layout,
-        )
     launch = Launch(
         cfg=cfg,
         ds_config=ds,
@@ -244,23 +230,56 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         notes=notes,
         branch=branch,
     )
-    if not launch.has_validation and cfg.train.eval_samples > 0:
+    if resume_from is not None:
+        _check_resume_target(launch)
+    _check_validation_data(launch)
+    if old_config is not None and not cfg.restart:
+        _check_same_run(launch, old_config)
+    return launch
+
+
+def _check_resume_target(launch: Launch) -> None:
+    """The checkpoint ``launch`` resumes from belongs to this data, this tokenizer and this
+    model's shape and layout (``check_checkpoint_fits``)."""
+    from anneal.data.prepared import check_matches_run
+
+    data_dir, tag_dir = Path(launch.cfg.data.path), launch.resume_from
+    check_matches_run(launch.meta, data_dir=data_dir, run_dir=launch.out)
+    checkpoint.check_tokenizer(
+        tag_dir, data_dir=data_dir, tokenizer_sha256=launch.meta.get("tokenizer_sha256")
+    )
+    check_checkpoint_fits(
+        tag_dir,
+        launch.preset,
+        world_size=launch.world_size,
+        zero_stage=launch.ds_config.get("zero_optimization", {}).get("stage", 0),
+        layout=launch.layout,
+    )
+
+
+def _check_validation_data(launch: Launch) -> None:
+    """A run that evaluates needs at least one validation window in its data."""
+    if not launch.has_validation and launch.cfg.train.eval_samples > 0:
+        data_dir, val_tokens = Path(launch.cfg.data.path), launch.meta["splits"]["val"]["tokens"]
         raise UserError(
             f"--data {data_dir}: has no validation windows of {launch.seq_len + 1} tokens (its val "
-            f"split holds {meta['splits']['val']['tokens']:,} tokens), so validation cannot run. "
+            f"split holds {val_tokens:,} tokens), so validation cannot run. "
             f"Prepare it again with a larger --val-fraction, or train without evaluation: "
             f"--set train.eval_samples=0."
         )
-    if old_config is not None and not cfg.restart:
-        diffs = config_differences(old_config, launch.config_document())
-        if diffs and not cfg.resume_explicit:
-            raise UserError(
-                f"--out {out} holds a different run (its config.json differs: "
-                f"{'; '.join(diffs[:5])}). Anneal will not mix two runs in one directory: "
-                f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "
-                f"that run with the new settings."
-            )
-    return launch
+
+
+def _check_same_run(launch: Launch, old_config: dict) -> None:
+    """``launch`` continues the run whose ``config.json`` its ``--out`` holds, or says so with
+    ``--resume``: one directory never mixes two runs."""
+    diffs = config_differences(old_config, launch.config_document())
+    if diffs and not launch.cfg.resume_explicit:
+        raise UserError(
+            f"--out {launch.out} holds a different run (its config.json differs: "
+            f"{'; '.join(diffs[:5])}). Anneal will not mix two runs in one directory: "
+            f"choose a new --out, or pass --resume auto (or a checkpoint path) to continue "
+            f"that run with the new settings."
+        )
 
 
 def resumed_warmup(tag_dir: Path | None) -> int | None:

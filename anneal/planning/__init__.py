@@ -5,8 +5,8 @@ memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_le
 change when it does not fit, ``memory_io`` what the command reads and prints) and the forecast a
 run checks itself against (``forecast``).
 
-The names below are the public interface; ``from anneal import scaling`` and
-``scaling.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
+The names below are the public interface; ``from anneal import planning`` and
+``planning.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
 formulas, the fits and the checks.
 """
 
@@ -30,7 +30,6 @@ from anneal.planning.law import (
 )
 from anneal.planning.planner import (
     DEFAULT_GLOBAL_BATCH,
-    DEFAULT_MFU,
     ComputePlan,
     format_plan,
     mfu_from_run,
@@ -43,7 +42,6 @@ from anneal.planning.runs import RunPoint, read_csv, read_run
 __all__ = [
     "DEFAULT_FIT",
     "DEFAULT_GLOBAL_BATCH",
-    "DEFAULT_MFU",
     "FITS",
     "FIT_FORMAT",
     "FIT_VERSION",

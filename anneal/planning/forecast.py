@@ -21,18 +21,15 @@ import math
 import statistics
 from pathlib import Path
 
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, flops_per_token
-from anneal.planning import memory, memory_sp, memory_tp
+from anneal.planning import memory
 
 log = logging.getLogger(__name__)
 
 CHECK_AT_STEP = 20
 FILE = "forecast.json"
-
-DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.45}
-"""Assumed MFU. GPUs: 40%, the figure docs/planning.md uses (Llama 3 paper, table 4). CPUs: the
-demo of docs/benchmarks.md ran at 45-55% of the measured fp32 matmul peak."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,8 +70,8 @@ def make(
             micro_batch=micro,
             seq_len=preset.seq_len,
             n_gpus=world_size,
-            tp=memory_tp.autotp_size(ds_config),
-            sp=memory_sp.sequence_parallel_size(ds_config),
+            tp=autotp_size(ds_config),
+            sp=sequence_parallel_size(ds_config),
             activation_checkpointing=activation_checkpointing,
         ),
     )

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from anneal.hardware import GiB
 from anneal.model import ModelPreset
-from anneal.planning.memory import GiB, Workload, ZeroSetup, estimate
+from anneal.planning.memory import Workload, ZeroSetup, estimate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

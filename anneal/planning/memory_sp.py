@@ -29,12 +29,6 @@ from anneal.errors import UserError
 from anneal.model import ModelPreset
 
 
-def sequence_parallel_size(ds: dict) -> int:
-    """``sequence_parallel_size`` of a ds_config (DeepSpeed's default, 1: none)."""
-    value = ds.get("sequence_parallel_size", 1)
-    return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
-
-
 def local_workload(preset: ModelPreset, stage: int, work):
     """``work`` (a ``memory.Workload``) as one rank of a sequence-parallel group sees it: its
     ``seq / sp`` tokens of each sequence. Checked first (``check``)."""

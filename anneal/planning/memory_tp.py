@@ -35,12 +35,6 @@ REPLICATED_TENSORS = (
 GPT block they sum to Korthikanti's 10 s b h; in the Llama block, the two RMSNorms'."""
 
 
-def autotp_size(ds: dict) -> int:
-    """``tensor_parallel.autotp_size`` of a ds_config; DeepSpeed takes 0 and 1 as off."""
-    section = ds.get("tensor_parallel", {})
-    return max(1, int(section.get("autotp_size", 0) if isinstance(section, dict) else 0))
-
-
 def sharded_params(preset: ModelPreset) -> int:
     """Parameters AutoTP shards: q, k, v, o, gate, up, down in every layer, and the LM head."""
     h, f = preset.hidden_size, preset.intermediate_size

@@ -13,13 +13,9 @@ import statistics
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.hardware import DEFAULT_GPU, get_gpu
+from anneal.hardware import DEFAULT_GPU, DEFAULT_MFU, get_gpu
 from anneal.planning.forecast import format_duration
 from anneal.planning.law import DEFAULT_FIT, FITS, ChinchillaFit
-
-DEFAULT_MFU = 0.40
-"""MFU assumed when none is given or measured: dense bf16 pretraining on H100s at scale
-reaches 38-43% (Llama 3 paper, Dubey et al. 2024, table 4); 40% is the round middle."""
 
 DEFAULT_GLOBAL_BATCH = 512
 """Sequences per optimizer step when planning steps (x the sequence length: 1M tokens at
@@ -183,7 +179,7 @@ def plan(
         seq_len=seq_len,
     )
     mfu_source = mfu_source or ("--mfu" if mfu is not None else "assumed (docs/planning.md)")
-    mfu = mfu if mfu is not None else DEFAULT_MFU
+    mfu = mfu if mfu is not None else DEFAULT_MFU["cuda"]
     if hours is not None:
         if flops is not None:
             raise UserError(

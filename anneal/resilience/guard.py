@@ -31,16 +31,14 @@ import logging
 import math
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from anneal import rundir
+from anneal.config.run import GuardConfig
 from anneal.dist import is_main_process, print0
 from anneal.errors import UserError
 from anneal.files import write_atomic
 from anneal.resilience import checkpoint
-
-if TYPE_CHECKING:  # the type only: resilience sits below config (docs/architecture.md)
-    from anneal.config.run import GuardConfig
+from anneal.resilience.manifest import saved_step
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +229,7 @@ class Guard:
         lower LR. Returns its client state, for the caller to restore from as from any
         checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
         where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three."""
-        older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if _step(p) < spike_step]
+        older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if saved_step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
             raise UserError(
@@ -265,10 +263,6 @@ class Guard:
             f"guard: rewound to {tag_dir.name} (step {client['step']}); skipping samples "
             f"[{start}, {end}); peak LR x{self.lr_scale:g}"
         )
-
-
-def _step(tag_dir: Path) -> int:
-    return checkpoint.read_manifest(tag_dir)["step"]
 
 
 def _scale_peak_lr(engine, factor: float) -> None:

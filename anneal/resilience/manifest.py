@@ -123,6 +123,12 @@ def read_manifest(tag_dir: Path) -> dict | None:
     return doc
 
 
+def saved_step(tag_dir: Path) -> int:
+    """The step a checkpoint was saved at, as its manifest records it; the caller has found
+    the manifest (``read_manifest``: not None)."""
+    return read_manifest(tag_dir)["step"]
+
+
 def _well_formed(doc) -> bool:
     def count(v, low: int = 0) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= low

@@ -16,7 +16,14 @@ from pathlib import Path, PurePosixPath
 
 from anneal.errors import UserError
 from anneal.files import confined
-from anneal.resilience.manifest import MANIFEST, is_intact, read_manifest, sizes_match, verify
+from anneal.resilience.manifest import (
+    MANIFEST,
+    is_intact,
+    read_manifest,
+    saved_step,
+    sizes_match,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +65,7 @@ def verified_resume(chosen: Path, *, fallback: bool) -> Path | None:
     the newest older checkpoint that verifies, saying so (None when none does)."""
     candidates = [chosen]
     if fallback:
-        older = [p for p in intact_checkpoints(chosen.parent) if _step(p) < _step(chosen)]
+        older = [p for p in intact_checkpoints(chosen.parent) if saved_step(p) < saved_step(chosen)]
         candidates += older[::-1]
     for tag_dir in candidates:
         bad = verify(tag_dir)
@@ -79,10 +86,6 @@ def verified_resume(chosen: Path, *, fallback: bool) -> Path | None:
         log.warning("%s; falling back to an older checkpoint", msg)
     log.warning("no checkpoint in %s verifies: starting from scratch", chosen.parent)
     return None
-
-
-def _step(tag_dir: Path) -> int:
-    return read_manifest(tag_dir)["step"]
 
 
 def intact_checkpoints(ckpt_dir: Path) -> list[Path]:

@@ -121,14 +121,14 @@ def _partition_group(mpu):
     return mpu.get_data_parallel_group()
 
 
-def data_parallel(engine) -> tuple[int, int]:
+def data_replica(engine) -> tuple[int, int]:
     """(this rank's index among the data-parallel replicas, their number), from the engine's
     own data-parallel process group: the ranks of one tensor-parallel group share an index, so
     they read the same samples (AutoTP needs identical inputs across a group); so do the ranks
-    of a sequence-parallel group (``anneal.train.sequence.data_parallel``)."""
+    of a sequence-parallel group (``anneal.train.sequence.sp_data_replica``)."""
     import torch.distributed as dist
 
-    replica = sequence.data_parallel(engine)
+    replica = sequence.sp_data_replica(engine)
     if replica is not None:
         return replica
     return dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size

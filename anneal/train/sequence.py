@@ -8,7 +8,7 @@ sequence for 1/N of the heads and then takes its own slice back. Everything else
 
 How Anneal drives it, as DeepSpeed's own test and ALST tutorial do, with one difference in how
 a micro-batch reaches the ranks: every rank of a group reads the same samples from the token
-stream (the group is one data-parallel replica, ``anneal.train.engine.data_parallel``) and
+stream (the group is one data-parallel replica, ``anneal.train.engine.data_replica``) and
 keeps its own slice of each (``shard``), where DeepSpeed's data-loader adapter reads on each
 rank and exchanges the samples. The slice comes with its ``position_ids``, which the Ulysses
 attention gathers so that the causal mask and RoPE see global positions.
@@ -100,7 +100,7 @@ def loss_share(engine) -> float:
     return 1.0 / engine.sequence_parallel_size
 
 
-def data_parallel(engine) -> tuple[int, int] | None:
+def sp_data_replica(engine) -> tuple[int, int] | None:
     """(replica index, replicas) under sequence parallelism, None without. DeepSpeed's
     sequence-parallel mpu has no data-parallel group (the engine's ``data_parallel_group`` is
     None): its groups are blocks of N consecutive ranks (``parallel_state_sp``), the index of

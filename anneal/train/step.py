@@ -27,7 +27,7 @@ from anneal.hardware import GiB, peak_memory_bytes
 from anneal.launch.resolve import Launch
 from anneal.resilience.preempt import Preemption
 from anneal.train import loss, sequence
-from anneal.train.engine import data_parallel
+from anneal.train.engine import data_replica
 
 
 @dataclasses.dataclass
@@ -183,7 +183,7 @@ def evaluate(
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
     sums = torch.zeros(len(val.source_windows), 3, dtype=torch.float64, device=device)
-    dp_rank, dp_size = data_parallel(engine)  # a tensor-parallel group reads as one
+    dp_rank, dp_size = data_replica(engine)  # a tensor-parallel group reads as one
     for windows in validation_windows(
         val.n_windows,
         n_samples=n_samples,

@@ -34,7 +34,7 @@ from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption
 from anneal.rundir import RunDir
 from anneal.train import observers
-from anneal.train.engine import build_engine, data_parallel, resolve_run, setup_process
+from anneal.train.engine import build_engine, data_replica, resolve_run, setup_process
 from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Trainer:
     def _open_stream(self, position: int) -> None:
         if self.stream is not None:
             self.stream.close()
-        dp_rank, dp_size = data_parallel(self.engine)  # a TP group reads as one
+        dp_rank, dp_size = data_replica(self.engine)  # a TP group reads as one
         self.stream = TokenStream(
             self.data.train,
             seed=self.cfg.train.seed,
