@@ -140,6 +140,7 @@ def test_cli_and_forecast_read_sp(tmp_path, capsys):
     ds = {**ds, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1}
     kw = dict(
         preset=dataclasses.replace(get_preset("7b"), seq_len=32768),
+        tokens_per_step=4 * 32768,  # train_batch_size x seq_len
         world_size=8,
         max_steps=10,
         start_step=0,
