@@ -62,11 +62,11 @@ def rank_main(directory: Path, stage: int) -> None:
     from anneal import model as modellib
     from anneal.config.run import ModelConfig
     from anneal.dist import all_gather, init_distributed, rank, shutdown
-    from anneal.hf.load import pretrained_preset
+    from anneal.hf.load import pretrained_preset, read_hf_config
     from anneal.hf.load_weights import load_pretrained_
 
     init_distributed(600)
-    doc = json.loads((directory / "config.json").read_text())
+    doc = read_hf_config(directory)
     preset = pretrained_preset(directory, data_vocab=doc["vocab_size"], model=ModelConfig())
     gather = None
     if stage == 3:

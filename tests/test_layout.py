@@ -133,19 +133,21 @@ GROUND = ("anneal", "anneal.errors", "anneal.files", "anneal.dist", "anneal.hard
 # deliberate change of this table and of the picture.
 MAY_IMPORT = {
     "ground": set(),
-    "rundir": {"ground"},
+    "run_record": {"ground"},
+    "rundir": {"ground", "run_record"},
     "model": {"ground"},
-    "data": {"ground", "rundir"},
-    "planning": {"ground", "rundir", "model"},
-    "resilience": {"ground", "rundir", "model"},
+    "data": {"ground", "run_record", "rundir"},
+    "planning": {"ground", "run_record", "rundir", "model"},
+    "resilience": {"ground", "run_record", "rundir", "model"},
     "config": {"ground"},
-    "launch": {"ground", "rundir", "model", "data", "resilience", "config"},
-    "observe": {"ground", "rundir", "model", "data", "planning", "config", "launch"},
-    "train": {"ground", "rundir", "model", "data", "planning", "resilience", "config", "launch",
-              "observe"},
-    "hf": {"ground", "rundir", "model", "data", "resilience"},
-    "cli": {"ground", "rundir", "model", "data", "planning", "resilience", "config", "launch",
-            "observe", "train", "hf"},
+    "launch": {"ground", "run_record", "rundir", "model", "data", "resilience", "config"},
+    "observe": {"ground", "run_record", "rundir", "model", "data", "planning", "config",
+                "launch"},
+    "train": {"ground", "run_record", "rundir", "model", "data", "planning", "resilience",
+              "config", "launch", "observe"},
+    "hf": {"ground", "run_record", "rundir", "model", "data", "resilience"},
+    "cli": {"ground", "run_record", "rundir", "model", "data", "planning", "resilience",
+            "config", "launch", "observe", "train", "hf"},
 }  # fmt: skip
 # Single modules that a part may import from a part the table keeps it from. Continued
 # pretraining (--init-from) reads a Hugging Face checkpoint when the launch is resolved

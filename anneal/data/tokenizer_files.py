@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from anneal.data.prepared_dir import META, TOKEN_BYTES
 from anneal.data.tokenizer import ids_file
 from anneal.files import sha256_file
 
 MODEL = "tokenizer.model"
-NOT_TOKENIZER = ("meta.json", "token_bytes.npy")
+NOT_TOKENIZER = (META, TOKEN_BYTES)
 """The files of a prepared directory's top level that are not the tokenizer's."""
 
 

@@ -59,17 +59,17 @@ def verify_export(
     where the model's tp_plan cut them (``anneal.hf.tp_merge.reference_tp_state_dict``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anneal.data import tokenizer as toklib
+    from anneal.data import tokenizer
 
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
-    ours = toklib.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
+    ours = tokenizer.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
     theirs = tok(VERIFY_TEXT, add_special_tokens=False)["input_ids"]
     if ours != theirs:  # the files are copies of the data directory's: they disagree there
         raise UserError(
             f"{data_tokenizer}: AutoTokenizer on its tokenizer.json (as exported) "
             f"encodes the check text differently from the run's tokenizer, "
-            f"{toklib.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
+            f"{tokenizer.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
             f"the directory's tokenizer files disagree. `anneal data verify {data_tokenizer}` "
             f"names a file changed since prepare: put it back, or prepare the data again; if "
             f"it finds none, the tokenizer could not be converted exactly: report it. Nothing "

@@ -173,12 +173,12 @@ def convert(
 def write_configs(out: Path, preset, tok_dir: Path, torch_dtype) -> int | None:
     from transformers import GenerationConfig
 
-    from anneal.data import tokenizer as toklib
+    from anneal.data import tokenizer
 
     for name in TOKENIZER_FILES:
         if (tok_dir / name).is_file():
             shutil.copyfile(tok_dir / name, out / name)
-    eos_id = toklib.load(tok_dir).eos_id
+    eos_id = tokenizer.load(tok_dir).eos_id
     config = modellib.hf_model_config(preset)  # a continued checkpoint's own architecture
     config.eos_token_id = eos_id  # generation stops at the documents' separator
     config.architectures = [modellib.model_class(config).__name__]

@@ -23,6 +23,7 @@ from anneal.launch import cooldown, parallel
 from anneal.launch import ds as ds_config
 from anneal.launch.preset import model_preset
 from anneal.resilience import checkpoint
+from anneal.run_record import RunRecord
 
 DEVICE_TYPES = ("cpu", "cuda")
 SHAPE_KEYS = (
@@ -180,6 +181,7 @@ def resolve_launch(
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     from anneal.data.prepared import check_matches_run, check_prepared
+    from anneal.data.prepared_dir import PreparedDir
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
@@ -190,12 +192,13 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     ds, note = _precision(cfg, ds, fast_bf16=fast_bf16, device_type=device_type)
     notes = [note] if note else []
 
-    data_dir = Path(cfg.data.path)
-    meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
+    data = PreparedDir(cfg.data.path)
+    data_dir = data.path
+    meta = check_prepared(data)  # complete, undamaged, tokenizer unchanged
     preset = model_preset(cfg.model, meta["vocab_size"])
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
-    old_config = check_run_dir(cfg, out, data_dir=data_dir)
+    old_record = check_run_dir(cfg, out, data_dir=data_dir)
     cfg, branch, branch_notes = cooldown.resolve(
         cfg,
         ds,
@@ -221,7 +224,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
 
     if resume_from is not None:
         check_matches_run(meta, data_dir=data_dir, run_dir=out)
-        checkpoint.check_tokenizer(
+        checkpoint.check_checkpoint_tokenizer(
             resume_from, data_dir=data_dir, tokenizer_sha256=meta.get("tokenizer_sha256")
         )
         check_checkpoint_fits(
@@ -251,8 +254,8 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
             f"Prepare it again with a larger --val-fraction, or train without evaluation: "
             f"--set train.eval_samples=0."
         )
-    if old_config is not None and not cfg.restart:
-        diffs = config_differences(old_config, launch.config_document())
+    if old_record is not None and not cfg.restart:
+        diffs = config_differences(old_record.doc, launch.config_document())
         if diffs and not cfg.resume_explicit:
             raise UserError(
                 f"--out {out} holds a different run (its config.json differs: "
@@ -269,12 +272,10 @@ def resumed_warmup(tag_dir: Path | None) -> int | None:
     with a larger one must not warm up again. None when there is no such record."""
     if tag_dir is None:
         return None
-    doc = rundir.config_or_empty(rundir.of_checkpoint(tag_dir))
-    warm = doc.get("ds_config", {}).get("scheduler", {}).get("params", {}).get("warmup_num_steps")
-    return warm if isinstance(warm, int) and not isinstance(warm, bool) else None
+    return rundir.record_or_empty(rundir.of_checkpoint(tag_dir)).warmup_steps
 
 
-def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
+def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> RunRecord | None:
     """Refuse an ``--out`` this launch must not write into; returns the config.json of the run
     already there (None when there is none).
 
@@ -294,7 +295,7 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     claim_output(target, in_place=True, what="run directory", inputs=[data_dir])
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
-    old = _read_run_config(out)
+    old = _read_run_record(out)
     found = rundir.holds_run(out)
     if not found:
         rundir.check_others_entries(out, force=cfg.force)
@@ -321,10 +322,10 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     return old
 
 
-def _read_run_config(out: Path) -> dict | None:
+def _read_run_record(out: Path) -> RunRecord | None:
     """``out/config.json`` when it is a run's (a JSON object with a "run" section)."""
     try:
-        return rundir.read_config(out, missing_ok=True)
+        return rundir.read_record(out, missing_ok=True)
     except UserError:
         raise UserError(
             f"--out {out}: its config.json is not the config of an Anneal run (not JSON, or no "
@@ -349,7 +350,8 @@ def check_checkpoint_fits(
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
         run_dir = rundir.of_checkpoint(tag_dir)
-        source, saved = rundir.config_path(run_dir), rundir.config_or_empty(run_dir).get("model")
+        record = rundir.record_or_empty(run_dir)
+        source, saved = record.path, record.doc.get("model")
     if isinstance(saved, dict):
         diffs = [
             f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"
