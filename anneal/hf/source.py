@@ -121,7 +121,7 @@ def preset_from_record(record: RunRecord) -> ModelPreset:
     integer or the heads do not divide."""
     return preset_from_dict(
         record.model,
-        source=str(record.path or "config.json"),
+        source=str(record.path or rundir.CONFIG),
         prefix="model.",
         hint="Give the config.json of the run that wrote the checkpoint (a run writes it when "
         "it starts).",
