@@ -280,6 +280,27 @@ def test_a_runs_loss_is_read_from_its_config(tmp_path):
     assert memory_io.load_model("7b")[1] is None
 
 
+def test_estimate_reads_a_runs_config_once(tmp_path, capsys, monkeypatch):
+    """``anneal estimate --model RUN/config.json`` reads the file once, and takes from that one
+    reading the run's model, its resolved ds_config and its loss (it had parsed it three
+    times: once for each)."""
+    ds = load_ds_config(find_ds_config("zero3_bf16.json"))
+    run = tmp_path / "config.json"
+    doc = {"run": {"train": {"loss": "plain"}}, "ds_config": ds}
+    run.write_text(json.dumps({**doc, "model": dataclasses.asdict(get_preset("7b"))}))
+    reads, read_text = [], Path.read_text
+
+    def counted(self, *args, **kwargs):
+        reads.append(self)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    assert cli.main(["estimate", "--model", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert reads.count(run) == 1
+    assert (out["loss"], out["zero_stage"], out["param_count"]) == ("plain", 3, P7B)
+
+
 def run_cli(capsys, *argv):
     code = cli.main(list(argv))
     out, err = capsys.readouterr()

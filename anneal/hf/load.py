@@ -29,10 +29,10 @@ import logging
 import re
 from pathlib import Path
 
-from anneal import model as modellib
 from anneal.files import sha256_file
 from anneal.hf.weight_files import check_fit, check_links, weight_files, weight_shapes
 from anneal.hf.weight_files import error as _error
+from anneal.model import ModelPreset, build_model, preset_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _check_activation(directory: Path, doc: dict) -> None:
 # --- the preset ------------------------------------------------------------------------------
 
 
-def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.ModelPreset:
+def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset:
     """The run's model from ``DIR/config.json`` (``model`` is the run's ``ModelConfig``: its
     ``seq_len`` sets the training context, 0 keeps the checkpoint's ``max_position_embeddings``;
     a shape override is refused), with where its weights come from."""
@@ -151,7 +151,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
         )
     files = weight_files(directory)
     shapes = weight_shapes(directory, files)
-    preset = modellib.preset_from_dict(
+    preset = preset_from_dict(
         {**doc, "rope_theta": _rope_theta(doc)},
         source=f"--init-from {directory}/config.json",
         hint="The file is not a decoder's config as save_pretrained writes it.",
@@ -210,7 +210,7 @@ def _check_against_weights(directory: Path, preset, shapes: dict[str, tuple]) ->
         )
     try:
         with torch.device("meta"):
-            built = modellib.build_model(preset)
+            built = build_model(preset)
     except _BUILD_ERRORS as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise _error(
@@ -272,7 +272,7 @@ def _describe(directory: Path, doc: dict, preset, seq_len: int, *, recipe_preset
 # --- the tokenizer ---------------------------------------------------------------------------
 
 
-def check_model_tokenizer(preset: modellib.ModelPreset, *, meta: dict, data_dir: Path) -> None:
+def check_model_tokenizer(preset: ModelPreset, *, meta: dict, data_dir: Path) -> None:
     """The data must be tokenized with the model's own tokenizer: the data's
     ``tokenizer_sha256`` is that of the tokenizer files in the model directory, or of what
     ``anneal data prepare --tokenizer DIR`` installs from them. UserError before any weight is

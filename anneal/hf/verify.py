@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from anneal import model as modellib
 from anneal.errors import UserError
 from anneal.hf.tp_merge import reference_tp_state_dict
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
+from anneal.model import build_model
 from anneal.resilience import checkpoint
 
 # Logits of the exported model vs the reference (both in fp32, identical weights): any
@@ -79,7 +79,7 @@ def verify_export(
         str(out), dtype=torch.float32, trust_remote_code=False
     ).eval()
     manifest = checkpoint.read_manifest(tag_dir) or {}
-    ref = modellib.build_model(preset).eval()
+    ref = build_model(preset).eval()
     if tensor_parallel > 1:
         sd = reference_tp_state_dict(tag_dir, zero_stage, tensor_parallel, ref)
     else:

@@ -12,7 +12,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from anneal import model as modellib
 from anneal import rundir
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
@@ -22,6 +21,7 @@ from anneal.files import claim_output
 from anneal.launch import cooldown, parallel
 from anneal.launch import ds as ds_config
 from anneal.launch.preset import model_preset
+from anneal.model import ModelPreset, count_params, human_count
 from anneal.resilience import checkpoint
 from anneal.run_record import RunRecord
 
@@ -46,7 +46,7 @@ class Launch:
     """The DeepSpeed config exactly as the engine gets it ("auto" values filled in)."""
     resolved_from: dict[str, str]
     """For each run-dependent ds_config key: its value and where it came from."""
-    preset: modellib.ModelPreset
+    preset: ModelPreset
     out: Path
     resume_from: Path | None
     world_size: int
@@ -109,7 +109,7 @@ class Launch:
             "model": {
                 **dataclasses.asdict(self.preset),
                 "seq_len": self.seq_len,
-                "params": modellib.count_params(self.preset),
+                "params": count_params(self.preset),
             },
             "launch": {
                 "world_size": self.world_size,
@@ -123,10 +123,10 @@ class Launch:
     def describe(self) -> str:
         """The resolved launch, printed at start."""
         ds = self.ds_config
-        n_params = modellib.count_params(self.preset)
+        n_params = count_params(self.preset)
         lines = [
             f"model {self.cfg.model.preset}: {n_params:,} parameters "
-            f"({modellib.human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
+            f"({human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
             f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
             f"{ds.get('zero_optimization', {}).get('stage', 0)}, "
             f"{'bf16' if self.bf16 else 'fp32'}",
@@ -336,7 +336,7 @@ def _read_run_record(out: Path) -> RunRecord | None:
 
 def check_checkpoint_fits(
     tag_dir: Path,
-    preset: modellib.ModelPreset,
+    preset: ModelPreset,
     *,
     world_size: int,
     zero_stage: int,

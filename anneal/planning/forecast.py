@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from anneal import model as modellib
+from anneal.model import ModelPreset, flops_per_token
 from anneal.planning import memory, memory_sp, memory_tp
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Forecast:
 
 def make(
     *,
-    preset: modellib.ModelPreset,
+    preset: ModelPreset,
     ds_config: dict,
     world_size: int,
     max_steps: int,
@@ -81,7 +81,7 @@ def make(
             activation_checkpointing=activation_checkpointing,
         ),
     )
-    flops = modellib.flops_per_token(preset, seq_len=preset.seq_len)
+    flops = flops_per_token(preset, seq_len=preset.seq_len)
     tokens = ds_config["train_batch_size"] * preset.seq_len
     return Forecast(
         memory_bytes_per_gpu=est.total,
