@@ -3,7 +3,8 @@ of anneal/, launcher/ or recipes/ but its owner spells the file's name as a path
 is the name, or ends in /name; the text of a message, an f-string's literal part or a
 docstring, may mention it). The owners: ``anneal.rundir`` for a run's ``config.json`` (read as
 ``anneal.run_record.RunRecord``), ``anneal.data.prepared_dir`` for a prepared directory's
-``meta.json`` and ``token_bytes.npy``, ``anneal.hf.export`` for an export's marker."""
+``meta.json`` and ``token_bytes.npy``, ``anneal.hf.export`` for an export's marker. And a run's
+record: read strictly where a run must be there, leniently for labels, its accessors typed."""
 
 import ast
 from pathlib import Path
@@ -92,3 +93,66 @@ def f(d, e):
         (6, "token_bytes.npy"),
         (7, "anneal_export.json"),
     ]
+
+
+def test_a_run_record_reads_strictly_and_its_accessors_never_raise(tmp_path):
+    """``rundir.read_record`` refuses what is not a run's config.json with a UserError that
+    names the file (none there, not JSON, no such section) and gives None for a missing one
+    with ``missing_ok``; ``record_or_empty`` reads anything, and its accessors give the values
+    of a run's document, or empty ones for a section or key of another type."""
+    import json
+
+    import pytest
+
+    from anneal import rundir
+    from anneal.errors import UserError
+
+    with pytest.raises(UserError, match="no config.json; not an Anneal run directory"):
+        rundir.read_record(tmp_path)
+    assert rundir.read_record(tmp_path, missing_ok=True) is None
+    path = rundir.config_path(tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(UserError, match=r"config.json: cannot be read as JSON"):
+        rundir.read_record(tmp_path)
+    path.write_text(json.dumps({"model": {"vocab_size": 300}}))
+    with pytest.raises(UserError, match=r"config.json: not a run's config.json \(no 'run'"):
+        rundir.read_record(tmp_path)
+    assert rundir.read_record(tmp_path, section="model").vocab_size == 300
+    doc = {
+        "run": {
+            "data": {"path": "/data"},
+            "optim": {"schedule": "wsd"},
+            "train": {"loss": "plain"},
+        },
+        "model": {"vocab_size": 300, "params": 1234},
+        "ds_config": {
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 2},
+            "scheduler": {"params": {"warmup_num_steps": 10}},
+            "optimizer": {"params": {"lr": 3e-4}},
+        },
+        "launch": {"device": "cuda"},
+        "branch": {"parent_run": "/runs/parent"},
+    }
+    path.write_text(json.dumps(doc))
+    record = rundir.read_record(tmp_path)
+    assert record.path == path and record.doc == doc
+    assert (record.data_path, record.optim, record.loss_settings) == (
+        "/data",
+        {"schedule": "wsd"},
+        {"loss": "plain"},
+    )
+    assert (record.vocab_size, record.params, record.gradient_clipping) == (300, 1234, 1.0)
+    assert (record.zero_stage, record.warmup_steps, record.peak_lr) == (2, 10, 3e-4)
+    assert (record.device, record.parent_run) == ("cuda", Path("/runs/parent"))
+    garbage = {k: ["not", "a", "section"] for k in doc}
+    for text in ("[1, 2]", "{broken", json.dumps(garbage)):
+        path.write_text(text)
+        empty = rundir.record_or_empty(tmp_path)
+        assert (empty.run, empty.model, empty.ds_config, empty.branch) == ({}, {}, {}, None)
+        assert (empty.data_path, empty.vocab_size, empty.warmup_steps, empty.device) == (
+            None,
+            None,
+            None,
+            "?",
+        )
