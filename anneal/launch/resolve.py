@@ -16,6 +16,7 @@ from anneal import rundir
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.launch import cooldown, parallel
@@ -181,7 +182,6 @@ def resolve_launch(
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     from anneal.data.prepared import check_matches_run, check_prepared
-    from anneal.data.prepared_dir import PreparedDir
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
@@ -192,9 +192,8 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     ds, note = _precision(cfg, ds, fast_bf16=fast_bf16, device_type=device_type)
     notes = [note] if note else []
 
-    data = PreparedDir(cfg.data.path)
-    data_dir = data.path
-    meta = check_prepared(data)  # complete, undamaged, tokenizer unchanged
+    data_dir = Path(cfg.data.path)
+    meta = check_prepared(PreparedDir(data_dir))  # complete, undamaged, tokenizer unchanged
     preset = model_preset(cfg.model, meta["vocab_size"])
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
