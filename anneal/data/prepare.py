@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.data import tokenizer, tokenizer_files
+from anneal.data import tokenizer
 from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.pack import pack_all
 from anneal.data.prepare_config import DTYPES, MAX_VOCAB, PrepareConfig
@@ -182,7 +182,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     problems = Problems(cfg.read.on_error)
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     tok_info = make_tokenizer(partial, cfg, sources, units)
-    tok_files = tokenizer_files.record(partial)  # all that is there yet: the tokenizer's files
+    tok_files = PreparedDir(partial).tokenizer_files()  # all there yet: the tokenizer's files
     tok = tokenizer.load(partial)
     dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
     PreparedDir(partial).write_token_bytes(tok.token_bytes())

@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from anneal import rundir
-from anneal.data import tokenizer, tokenizer_files
+from anneal.data import tokenizer
 from anneal.data.prepared_dir import SPLITS, PreparedDir, prepare_again
-from anneal.data.tokenizer_files import tokenizer_changes, tokenizer_records
 from anneal.errors import UserError
 from anneal.files import sha256_file
 
@@ -72,7 +71,7 @@ def check_prepared(data: Path | PreparedDir) -> dict:
         n_entries = None
     if n_entries != vocab:
         raise UserError(f"{token_bytes}: missing or not one entry per id ({vocab}). {redo}")
-    if changes := tokenizer_changes(data_dir, meta):
+    if changes := prepared.tokenizer_changes(meta):
         name, actual, want = changes[0]
         now = f"its sha256 {actual[:12]}... differs from" if actual else "missing, but part of"
         raise UserError(
@@ -85,7 +84,7 @@ def check_prepared(data: Path | PreparedDir) -> dict:
 
 def verify(data_dir: Path) -> dict:
     """``anneal data verify``: re-hash every shard against the sha256 in meta.json, and every
-    tokenizer file (``tokenizer_records``). Returns the shards checked, their bytes, the
+    tokenizer file (``PreparedDir.tokenizer_records``). Returns the shards checked, their bytes, the
     tokenizer files checked and the top-level files meta.json has no hash for ("uncovered": a
     directory prepared before ``tokenizer_files``); a UserError lists every file that is
     missing, of the wrong size or differs."""
@@ -110,9 +109,9 @@ def verify(data_dir: Path) -> dict:
                 nbytes += want_size
                 if sha256_file(path) != shard["sha256"]:
                     bad.append(f"{rel} (sha256 differs: the bytes changed)")
-    shards, tokenizer_names = files, sorted(tokenizer_records(data_dir, meta))
+    shards, tokenizer_names = files, sorted(prepared.tokenizer_records(meta))
     files += len(tokenizer_names)
-    changed = tokenizer_changes(data_dir, meta)
+    changed = prepared.tokenizer_changes(meta)
     bad += [f"{n} ({'sha256 differs' if a else 'missing'})" for n, a, _ in changed]
     if bad:
         listed = "; ".join(bad[:20]) + (f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
@@ -121,7 +120,7 @@ def verify(data_dir: Path) -> dict:
             f"{data_dir}: {len(bad)} of {files} files do not match meta.json: {listed}. "
             f"Training on them would read wrong token ids{export}. {prepare_again(data_dir)}"
         )
-    uncovered = sorted(set(tokenizer_files.record(data_dir, hashed=False)) - set(tokenizer_names))
+    uncovered = sorted(set(prepared.tokenizer_files(hashed=False)) - set(tokenizer_names))
     return {
         "shards": shards,
         "bytes": nbytes,

@@ -1,20 +1,26 @@
 """The one owner of a prepared data directory's layout (the output of ``anneal data prepare``;
 docs/data.md): the names of its files, reading and writing ``meta.json`` (its structure checked
-by ``read_meta``), the ``token_bytes.npy`` table and where each shard lies. Every other module
-reaches these files through a ``PreparedDir``.
+by ``read_meta``), the ``token_bytes.npy`` table, where each shard lies, and the tokenizer's
+files with the sha256 of each that meta.json records (``tokenizer_files``, every file the
+tokenizer was saved as: tokenizer.model, tokenizer.json, tokenizer_config.json, ...), and those
+that differ now, which ``check_prepared`` refuses and ``anneal data verify`` lists. Every other
+module reaches these files through a ``PreparedDir``.
+
+A directory prepared before ``tokenizer_files`` existed records only ``tokenizer_sha256``, the
+hash of the file that defines the ids (``anneal.data.tokenizer.tokenizer_sha256``); its other
+tokenizer files are not covered, and ``anneal data verify`` says so.
 
 ```
 DIR/
   meta.json          vocab size, dtype, counts per split and source, tokenizer hashes, ...
   token_bytes.npy    the UTF-8 bytes each id stands for (bits per byte)
-  tokenizer.*        the tokenizer's files (anneal.data.tokenizer_files records their hashes)
+  tokenizer.*        the tokenizer's files (meta.json's tokenizer_files records their hashes)
   train/ val/        each split's shards (SS_NNNNN.bin: source SS, shard NNNNN; meta.json's
                      splits.<split>.shards[].file) and SS_docs.bin (where documents end)
 ```
 
 A synthetic corpus (``anneal data synth``) carries a ``meta.json`` too, read as a JSON object
-through ``PreparedDir.meta_object``. Imports no tokenizer: reading the layout loads nothing
-else of ``anneal.data``.
+through ``PreparedDir.meta_object``.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.data.tokenizer import ids_file
 from anneal.errors import UserError
-from anneal.files import confined
+from anneal.files import confined, sha256_file
 
 META = "meta.json"
 TOKEN_BYTES = "token_bytes.npy"
+TOKENIZER_MODEL = "tokenizer.model"
+NOT_TOKENIZER = (META, TOKEN_BYTES)
+"""The files of a prepared directory's top level that are not the tokenizer's."""
 SPLITS = ("train", "val")
 FORMAT_VERSION = 2
 """meta.json's ``format_version`` written by this Anneal; also the marker that ``--force``
@@ -104,6 +114,39 @@ class PreparedDir:
 
     def write_token_bytes(self, table: np.ndarray) -> None:
         np.save(self.token_bytes_file, table)
+
+    def tokenizer_files(self, *, hashed: bool = True) -> dict[str, str]:
+        """{file: sha256 (or "" unless ``hashed``)} of every file of the top level but
+        dotfiles and ``NOT_TOKENIZER``: called right after the tokenizer is saved into a new
+        prepared directory, these are the tokenizer's files."""
+        return {
+            p.name: sha256_file(p) if hashed else ""
+            for p in sorted(self.path.iterdir())
+            if p.is_file() and p.name[:1] != "." and p.name not in NOT_TOKENIZER
+        }
+
+    def tokenizer_records(self, meta: dict) -> dict[str, str]:
+        """{file: sha256} of the tokenizer as ``meta`` (its meta.json) records it: each of
+        ``tokenizer_files`` and the file that defines the ids (``tokenizer_sha256``: all that a
+        directory prepared before ``tokenizer_files`` records)."""
+        records = dict(meta.get("tokenizer_files") or {})
+        if "tokenizer_sha256" in meta:
+            has_json = (self.path / "tokenizer.json").is_file()
+            ids = ids_file(self.path).name if has_json else TOKENIZER_MODEL
+            if records.setdefault(ids, meta["tokenizer_sha256"]) != meta["tokenizer_sha256"]:
+                return {**records, ids: ""}  # two records disagree: neither can be matched
+        return records
+
+    def tokenizer_changes(self, meta: dict) -> list[tuple[str, str | None, str]]:
+        """(file, its sha256 now or None when missing, the sha256 recorded) for every tokenizer
+        file that differs from ``tokenizer_records``."""
+        changes = []
+        for name, want in self.tokenizer_records(meta).items():
+            path = self.path / name
+            actual = sha256_file(path) if path.is_file() else None
+            if actual != want:
+                changes.append((name, actual, want))
+        return changes
 
 
 def prepare_again(data_dir: Path) -> str:

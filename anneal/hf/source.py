@@ -164,9 +164,8 @@ def tokenizer_dir(record: RunRecord, manifest: dict, tokenizer: Path | None) -> 
 def _check_tokenizer_files(data_dir: Path) -> None:
     """Every tokenizer file of a prepared directory as meta.json recorded it (what ``anneal
     data verify`` checks), before anything is written: the export copies them."""
-    from anneal.data.tokenizer_files import tokenizer_changes
-
-    changed = [name for name, *_ in tokenizer_changes(data_dir, PreparedDir(data_dir).meta())]
+    prepared = PreparedDir(data_dir)
+    changed = [name for name, *_ in prepared.tokenizer_changes(prepared.meta())]
     if changed:
         raise UserError(
             f"{data_dir}: {', '.join(changed)} differ(s) from the sha256 that meta.json "
