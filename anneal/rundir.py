@@ -4,7 +4,8 @@ its ``config.json``, the one reader of its ``metrics.jsonl``, and a launch's wri
 
 ```
 RUN/
-  config.json      the resolved run config and ds_config, as launched (read_config/write_config)
+  config.json      the resolved run config and ds_config, as launched (write_config; read as an
+                   anneal.run_record.RunRecord by read_record and record_or_empty)
   metrics.jsonl    one JSON object per line (anneal.observe.metrics writes it; read_metrics reads
   it)
   guard.json       the spike guard's record (anneal.resilience.guard)
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from anneal.errors import UserError
 from anneal.files import is_matplotlib_png, make_dir, write_atomic
+from anneal.run_record import RunRecord
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -118,41 +120,19 @@ def preempt_dir(run_dir: str | Path) -> Path:
 # -- config.json ---------------------------------------------------------------------------------
 
 
-def read_config(run_dir: str | Path, *, section: str = "run", missing_ok: bool = False):
-    """The run's ``config.json``: a UserError naming the file when it cannot be read or is not
-    a run's (a JSON object with a ``section`` object: "run" for the launcher and the runs,
-    "model" for the exporter, which needs only the shape). When there is none: None with
-    ``missing_ok``, else a UserError. The one reader of a run's config; a Hugging Face model
+def read_record(run_dir: str | Path, *, section: str = "run", missing_ok: bool = False):
+    """The run's ``config.json`` as a ``RunRecord`` (``anneal.run_record``): a UserError naming
+    the file when it cannot be read or is not a run's (a JSON object with a ``section`` object:
+    "run" for the launcher and the runs, "model" for the exporter, which needs only the shape).
+    When there is none: None with ``missing_ok``, else a UserError. A Hugging Face model
     directory's own ``config.json`` is ``anneal.hf``'s."""
-    path = config_path(run_dir)
-    if not path.is_file():
-        if missing_ok and not path.exists():
-            return None
-        raise UserError(
-            f"{run_dir}: no {CONFIG}; not an Anneal run directory (give the --out of a run)."
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise UserError(
-            f"{path}: cannot be read as JSON ({e}); it is not as the run wrote it. Give a run "
-            f"directory whose {CONFIG} is intact, or restore this one."
-        ) from None
-    if not (isinstance(doc, dict) and isinstance(doc.get(section), dict)):
-        raise UserError(
-            f"{path}: not a run's {CONFIG} (no '{section}' section). Give the --out of a run."
-        )
-    return doc
+    return RunRecord.from_file(config_path(run_dir), section=section, missing_ok=missing_ok)
 
 
-def config_or_empty(run_dir: str | Path) -> dict:
-    """The run's ``config.json`` when it is a readable JSON object, else ``{}`` (for labels and
-    optional checks that have something else to fall back on)."""
-    try:
-        doc = json.loads(config_path(run_dir).read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+def record_or_empty(run_dir: str | Path) -> RunRecord:
+    """The run's ``config.json`` when it is a readable JSON object, else an empty record (for
+    labels and optional checks that have something else to fall back on)."""
+    return RunRecord.lenient(config_path(run_dir))
 
 
 def write_config(run_dir: str | Path, doc: dict) -> None:

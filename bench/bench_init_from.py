@@ -59,24 +59,24 @@ def rank_main(directory: Path, stage: int) -> None:
     import deepspeed
     import torch
 
-    from anneal import model as modellib
     from anneal.config.run import ModelConfig
     from anneal.dist import all_gather, init_distributed, rank, shutdown
-    from anneal.hf.load import pretrained_preset
+    from anneal.hf.load import pretrained_preset, read_hf_config
     from anneal.hf.load_weights import load_pretrained_
+    from anneal.model import build_model, hf_model_config, model_class
 
     init_distributed(600)
-    doc = json.loads((directory / "config.json").read_text())
+    doc = read_hf_config(directory)
     preset = pretrained_preset(directory, data_vocab=doc["vocab_size"], model=ModelConfig())
     gather = None
     if stage == 3:
-        modellib.model_class(modellib.hf_model_config(preset))
+        model_class(hf_model_config(preset))
         ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
         with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = modellib.build_model(preset)
+            model = build_model(preset)
         gather = lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)  # noqa: E731
     else:
-        model = modellib.build_model(preset)
+        model = build_model(preset)
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     counts = load_pretrained_(model, directory, gather=gather)

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from prepare_record import markdown, part_header, write_record  # noqa: E402
 from prepare_sides import anneal_prepare, datasets_map, encode_limit  # noqa: E402
 
-from anneal.data import tokenizer as toklib  # noqa: E402
+from anneal.data import tokenizer  # noqa: E402
 from anneal.data.prepare import default_workers  # noqa: E402
 
 
@@ -112,7 +112,9 @@ def tokenizer_dir(work: Path, texts: list[str], *, smoke: bool) -> Path:
     tok_dir.mkdir(exist_ok=True)
     if not (tok_dir / "tokenizer.model").exists():
         sample, vocab = (texts[:80], 1024) if smoke else (texts, 8192)
-        toklib.train_sentencepiece(sample, vocab_size=vocab, out_path=tok_dir / "tokenizer.model")
+        tokenizer.train_sentencepiece(
+            sample, vocab_size=vocab, out_path=tok_dir / "tokenizer.model"
+        )
     return tok_dir
 
 

@@ -50,9 +50,10 @@ SHAPE = [
 def corpus(out: Path, *, tokens: int) -> Path:
     """A byte-level corpus of about ``tokens`` tokens (prepared once per directory)."""
     from anneal.data.prepare import prepare
+    from anneal.data.prepared_dir import PreparedDir
 
     data = out / "data"
-    if not (data / "meta.json").exists():
+    if not PreparedDir(data).meta_file.exists():
         src = out / "text.txt"
         doc = "the quick brown fox jumps over the lazy dog; " * 40  # 1,800 characters
         n_docs = 3 * tokens // len(doc) + 1  # at least a token per 3 characters

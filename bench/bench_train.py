@@ -145,10 +145,11 @@ def cpu_peak_flops() -> float:
 def flops_per_token(model: str, data: str) -> float:
     from anneal.config.run import ModelConfig, RunConfig
     from anneal.config.run_checks import apply_overrides
+    from anneal.data.prepared_dir import PreparedDir
     from anneal.launch.preset import model_preset
     from anneal.model import flops_per_token as fpt
 
-    meta = json.loads((Path(data) / "meta.json").read_text())
+    meta = PreparedDir(data).meta()
     cfg = apply_overrides(
         RunConfig(out="", ds_config="cpu.json", model=ModelConfig(preset="tiny")), MODELS[model]
     )

@@ -192,10 +192,12 @@ def measure(
         "first_step_s": first_s and round(first_s, 1),
         "steps_done": len(steps),
     }
-    doc = _read_json(out / "config.json")
+    from anneal.rundir import config_path, record_or_empty
+
+    doc = record_or_empty(out).doc or None
     if doc is None and status == "ok":
         status, result["status"] = "error", "error"
-        result["reason"] = f"the run wrote no readable {out / 'config.json'}"
+        result["reason"] = f"the run wrote no readable {config_path(out)}"
     if doc:
         result.update(_config_figures(doc))
     if status == "ok":
@@ -250,10 +252,3 @@ def _step_figures(row: Row, steps: list[dict], *, flops_tok: float) -> dict:
         peak_flops=peak,
         peak_mem_gib=max(s.get("mem_max_gib", 0.0) for s in steps),
     )
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

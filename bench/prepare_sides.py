@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from anneal.data import tokenizer as toklib  # noqa: E402
+from anneal.data import tokenizer  # noqa: E402
 from anneal.data.pack import ENCODE_BATCH_CHARS  # noqa: E402
+from anneal.data.prepared_dir import PreparedDir  # noqa: E402
 from anneal.data.readers import Problems, ReadOptions  # noqa: E402
 from anneal.data.sources import parse_inputs  # noqa: E402
 from anneal.data.units import list_units, read_unit  # noqa: E402
@@ -104,7 +105,7 @@ def anneal_prepare(inp: Path, tok: Path, out: Path, workers: int, val: float = 0
         "--quiet",
     ]
     wall, peak, cpu, _ = run_measured(cmd, env={"PYTHONPATH": str(REPO)})
-    meta = json.loads((out / "meta.json").read_text())
+    meta = PreparedDir(out).meta()
     shutil.rmtree(out, ignore_errors=True)
     mb = meta["input_bytes"] / 1e6
     return {
@@ -147,10 +148,10 @@ def _encode_child(inp: str, tok_dir: str) -> None:
                 texts.append(rec.text)
                 chars += len(rec.text)
                 if chars >= ENCODE_BATCH_CHARS:
-                    batches.append(toklib._lines(texts)[0])
+                    batches.append(tokenizer._lines(texts)[0])
                     texts, chars = [], 0
             if texts:
-                batches.append(toklib._lines(texts)[0])
+                batches.append(tokenizer._lines(texts)[0])
     sp = spm.SentencePieceProcessor(model_file=str(Path(tok_dir) / "tokenizer.model"))
     wall, cpu = time.perf_counter(), time.process_time()
     tokens = 0
@@ -194,7 +195,7 @@ def _datasets_child(inp: str, tok_dir: str, workers: int, cache: str) -> None:
     load_s = time.time() - t0
     avg_chars = sum(len(t) for t in ds[:200]["text"]) / 200
     batch = max(1, round(ENCODE_BATCH_CHARS / avg_chars))
-    tok = toklib.load(Path(tok_dir))
+    tok = tokenizer.load(Path(tok_dir))
 
     def encode(rows):
         return {"input_ids": tok.encode_batch(rows["text"])}

@@ -34,6 +34,7 @@ from anneal.config.run import (
 from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
 from anneal.planning import fit_points
+from anneal.rundir import config_path
 
 # Every run of the sweep: 8 sequences of 256 tokens per step (divides across 1 or 2 CPU ranks at
 # cpu.json's micro-batch of 4; on GPUs pass --set optim.global_batch_tokens=...), the tiny
@@ -120,11 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _finished(run_dir: Path) -> bool:
     """A run counts as done once it validated after its last step."""
     from anneal.observe.metrics import read_metrics
+    from anneal.rundir import read_record
 
     if not (run_dir / "metrics.jsonl").is_file():
         return False
-    cfg = json.loads((run_dir / "config.json").read_text())
-    last = cfg["run"]["train"]["max_steps"]
+    last = read_record(run_dir).train["max_steps"]
     return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 
@@ -170,7 +171,7 @@ def _train_point(shape: Shape, tokens: int, args: argparse.Namespace) -> dict | 
     batch_tokens = _tokens_per_step(cfg, args.set, out / ".probe")
     steps = max(1, -(-tokens // batch_tokens))
     run_dir = out / f"{shape.name}_d{steps * batch_tokens}"
-    if run_dir.is_dir() and (run_dir / "config.json").is_file() and _finished(run_dir):
+    if run_dir.is_dir() and config_path(run_dir).is_file() and _finished(run_dir):
         print_once(f"sweep: {run_dir} is finished; skipping")
         return None
     cfg = dataclasses.replace(

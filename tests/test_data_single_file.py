@@ -24,7 +24,8 @@ from anneal.cli import build_parser, main
 from anneal.data import tokenizer as toklib
 from anneal.data.prepare import prepare
 from anneal.data.prepare_config import SEQ_LEN, PrepareConfig
-from anneal.data.prepared import has_validation, read_meta
+from anneal.data.prepared import has_validation
+from anneal.data.prepared_dir import read_meta
 from anneal.data.readers import ReadOptions
 from anneal.data.stream import PackedSplit
 from anneal.data.text_readers import DOC_BYTES, starts_document

@@ -64,9 +64,10 @@ def reference_logits(run: Path, tag: str, batch: torch.Tensor, dtype=None) -> to
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from anneal import model as modellib
-    from anneal.hf.source import preset_from_config
+    from anneal.hf.source import preset_from_record
+    from anneal.rundir import read_record
 
-    preset = preset_from_config(json.loads((run / "config.json").read_text()))
+    preset = preset_from_record(read_record(run))
     sd = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=tag)
     if dtype is not None:
         sd = {k: v.to(dtype).float() for k, v in sd.items()}
@@ -156,8 +157,9 @@ def test_tampered_export_fails_verification(zero3_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from anneal.hf.export import export
-    from anneal.hf.source import preset_from_config
+    from anneal.hf.source import preset_from_record
     from anneal.hf.verify import ExportMismatch, verify_export
+    from anneal.rundir import read_record
 
     out = tmp_path / "hf"
     report = export(zero3_run, out=out, dtype="fp32", verify=False)
@@ -165,7 +167,7 @@ def test_tampered_export_fails_verification(zero3_run, tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     weights[name] = weights[name].flip(0).contiguous()
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    preset = preset_from_config(json.loads((zero3_run / "config.json").read_text()))
+    preset = preset_from_record(read_record(zero3_run))
     data = Path(json.loads((zero3_run / "config.json").read_text())["run"]["data"]["path"])
     with pytest.raises(ExportMismatch, match="do not ship it"):
         verify_export(
@@ -354,19 +356,19 @@ def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
 
 
 def test_failed_export_leaves_the_previous_one(zero3_run, tmp_path, monkeypatch):
-    from anneal.hf import export as exportlib
+    from anneal.hf.export import ExportMismatch, export, read_marker
 
     out = tmp_path / "hf"
-    first = exportlib.export(zero3_run, out=out, tag="step00000001", verify=False)
-    assert json.loads((out / "anneal_export.json").read_text())["step"] == first["step"] == 1
+    first = export(zero3_run, out=out, tag="step00000001", verify=False)
+    assert read_marker(out)["step"] == first["step"] == 1
 
     def mismatch(*args, **kwargs):
-        raise exportlib.ExportMismatch("logits differ; do not ship it.")
+        raise ExportMismatch("logits differ; do not ship it.")
 
-    monkeypatch.setattr(exportlib, "verify_export", mismatch)
-    with pytest.raises(exportlib.ExportMismatch, match="kept in .*hf.partial"):
-        exportlib.export(zero3_run, out=out, force=True)
-    assert json.loads((out / "anneal_export.json").read_text())["step"] == 1  # untouched
+    monkeypatch.setattr("anneal.hf.export.verify_export", mismatch)
+    with pytest.raises(ExportMismatch, match="kept in .*hf.partial"):
+        export(zero3_run, out=out, force=True)
+    assert read_marker(out)["step"] == 1  # untouched
 
 
 def test_a_failed_export_at_save_is_logged_not_raised(zero3_run, caplog):

@@ -8,7 +8,6 @@ trains with the setting on: one run and two export children, about 65 s on 2 cor
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from tests.conftest import ROOT, SMALL, env, run_recipe
 
 
 def test_a_save_is_exported_by_a_child_process(tiny_run, tmp_path):
+    from anneal.hf.export import read_marker
     from anneal.train import ExportAfterSave
 
     run = tmp_path / "run"
@@ -27,12 +27,14 @@ def test_a_save_is_exported_by_a_child_process(tiny_run, tmp_path):
     exports.on_checkpoint(run / "checkpoints" / "step00000002")
     exports.close()  # waits for the child
     hf = run / "hf" / "step00000002"
-    assert json.loads((hf / "anneal_export.json").read_text())["step"] == 2
+    assert read_marker(hf)["step"] == 2
     assert (hf / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
 def test_each_save_of_a_run_is_exported(tiny_data, tmp_path):
+    from anneal.hf.export import read_marker
+
     out = tmp_path / "run"
     stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
     done = run_recipe(
@@ -52,7 +54,7 @@ def test_each_save_of_a_run_is_exported(tiny_data, tmp_path):
     for step in (1, 2):
         hf = out / "hf" / f"step{step:08d}"
         assert (hf / "model.safetensors").is_file(), sorted(out.rglob("*"))
-        assert json.loads((hf / "anneal_export.json").read_text())["step"] == step
+        assert read_marker(hf)["step"] == step
     assert done.stdout.count("verified:") == 2, done.stdout[-3000:]
 
 

@@ -32,7 +32,8 @@ from anneal.cli import main
 from anneal.data import prepare as prepare_module
 from anneal.data import tokenizer as toklib
 from anneal.data.prepare import prepare
-from anneal.data.prepared import check_prepared, read_meta
+from anneal.data.prepared import check_prepared
+from anneal.data.prepared_dir import read_meta
 from anneal.data.sources import parse_inputs
 from anneal.errors import UserError
 from anneal.planning.law import FIT_FORMAT

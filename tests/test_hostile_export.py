@@ -150,7 +150,7 @@ def test_out_dot_the_run_its_checkpoints_and_the_data_are_refused(
 
 
 def test_force_replaces_only_an_earlier_export_and_leaves_a_partial_alone(run, tmp_path, capsys):
-    from anneal.hf.export import export
+    from anneal.hf.export import export, read_marker
 
     foreign = tmp_path / "models"
     foreign.mkdir()
@@ -171,10 +171,10 @@ def test_force_replaces_only_an_earlier_export_and_leaves_a_partial_alone(run, t
     stray.mkdir()
     (stray / "draft.txt").write_text("not export's")
     export(run, out=hf, tag="step00000001", verify=False)
-    assert json.loads((hf / "anneal_export.json").read_text())["step"] == 1
+    assert read_marker(hf)["step"] == 1
     assert (stray / "draft.txt").read_text() == "not export's"
     export(run, out=hf, force=True, verify=False)
-    assert json.loads((hf / "anneal_export.json").read_text())["step"] == 2
+    assert read_marker(hf)["step"] == 2
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".hf.partial"]
 
 

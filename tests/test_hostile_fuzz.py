@@ -191,7 +191,9 @@ def test_checkpoint_manifest(tmp_path, checkpoint_tree):
         found = checkpoint.find_resume("auto", ckpt)
         if found is not None:
             checkpoint.damaged_files(found)
-            checkpoint.check_tokenizer(found, data_dir=tmp_path, tokenizer_sha256="cd" * 32)
+            checkpoint.check_checkpoint_tokenizer(
+                found, data_dir=tmp_path, tokenizer_sha256="cd" * 32
+            )
 
     for doc in mutations(good, rng):
         (tag / "manifest.json").write_text(_dump(doc))

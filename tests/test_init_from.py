@@ -497,9 +497,10 @@ def test_trained_then_exported_gives_the_checkpoints_logits(two_ranks, models, k
 
     from anneal import model as modellib
     from anneal.cli import main as cli_main
-    from anneal.hf.source import preset_from_config
+    from anneal.hf.source import preset_from_record
     from anneal.hf.zero import reference_state_dict
     from anneal.resilience.checkpoint import intact_checkpoints
+    from anneal.rundir import read_record
 
     run, out = two_ranks["out"] / kind, two_ranks["out"] / f"{kind}-hf"
     assert cli_main(["export", str(run), "--out", str(out), "--dtype", "fp32"]) == 0
@@ -508,9 +509,9 @@ def test_trained_then_exported_gives_the_checkpoints_logits(two_ranks, models, k
     saved = json.loads((out / "config.json").read_text())
     assert saved["max_position_embeddings"] == 128
     assert saved["tie_word_embeddings"] == ARCHS[kind]["tie_word_embeddings"]
-    doc = json.loads((run / "config.json").read_text())
-    assert doc["model"]["init_from"]["path"] == str(models[kind].resolve())
-    ref = modellib.build_model(preset_from_config(doc)).eval()
+    record = read_record(run)
+    assert record.model["init_from"]["path"] == str(models[kind].resolve())
+    ref = modellib.build_model(preset_from_record(record)).eval()
     sd = reference_state_dict(intact_checkpoints(run / "checkpoints")[-1], TRAINED_AT[kind])
     ref.load_state_dict(sd, strict=True)
     start = AutoModelForCausalLM.from_pretrained(str(models[kind]), dtype=torch.float32)

@@ -31,6 +31,7 @@ from anneal.launch.ds import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
 from anneal.planning import forecast, memory, memory_io, memory_levers, memory_tp
 from anneal.planning.memory import GiB
+from anneal.run_record import RunRecord
 from tests.conftest import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -273,9 +274,31 @@ def test_a_runs_loss_is_read_from_its_config(tmp_path):
     """``anneal estimate --model RUN/config.json`` counts the loss that run trained with."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"run": {"train": {"loss": "plain", "loss_chunk_tokens": 64}}}))
-    assert memory_io.run_loss(str(config)) == {"loss": "plain", "loss_chunk_tokens": 64}
+    assert RunRecord.lenient(config).loss_settings == {"loss": "plain", "loss_chunk_tokens": 64}
     config.write_text(json.dumps({"run": [], "model": {}}))
-    assert memory_io.run_loss(str(config)) == {} == memory_io.run_loss("7b")
+    assert RunRecord.lenient(config).loss_settings == {}
+    assert memory_io.load_model("7b")[1] is None
+
+
+def test_estimate_reads_a_runs_config_once(tmp_path, capsys, monkeypatch):
+    """``anneal estimate --model RUN/config.json`` reads the file once, and takes from that one
+    reading the run's model, its resolved ds_config and its loss (it had parsed it three
+    times: once for each)."""
+    ds = load_ds_config(find_ds_config("zero3_bf16.json"))
+    run = tmp_path / "config.json"
+    doc = {"run": {"train": {"loss": "plain"}}, "ds_config": ds}
+    run.write_text(json.dumps({**doc, "model": dataclasses.asdict(get_preset("7b"))}))
+    reads, read_text = [], Path.read_text
+
+    def counted(self, *args, **kwargs):
+        reads.append(self)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    assert cli.main(["estimate", "--model", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert reads.count(run) == 1
+    assert (out["loss"], out["zero_stage"], out["param_count"]) == ("plain", 3, P7B)
 
 
 def run_cli(capsys, *argv):
@@ -327,7 +350,8 @@ def test_model_file_that_is_not_a_model(tmp_path, capsys):
         "max_position_embeddings": 256,
     }
     path.write_text(json.dumps(hf))
-    preset = memory_io.load_model(str(path))
+    preset, record = memory_io.load_model(str(path))
+    assert record is None
     assert (preset.seq_len, preset.vocab_size, count_params(preset)) == (256, 8192, 1147712)
 
 

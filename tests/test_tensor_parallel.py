@@ -172,21 +172,22 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
 
     from anneal import model as modellib
     from anneal.data.stream import PackedSplit, heldout_windows
-    from anneal.hf.export import export, format_report
-    from anneal.hf.source import preset_from_config, run_config
+    from anneal.hf.export import export, format_report, read_marker
+    from anneal.hf.source import preset_from_record
     from anneal.hf.verify import TOLERANCE
     from anneal.hf.zero import reference_state_dict
+    from anneal.rundir import read_record
 
     tmp, done = runs
     tag = "step00000010"
     report = export(tmp / "tp2", out=tmp_path / "hf", tag=tag, dtype="fp32")
     assert report["tensor_parallel_size"] == 2 and report["zero_stage"] == 3
     assert "tensor-parallel 2" in format_report(report)
-    doc = run_config(tmp / "ref")
+    record = read_record(tmp / "ref")
     weights = reference_state_dict(tmp / "ref" / "checkpoints" / tag, 2)
-    ref = modellib.build_model(preset_from_config(doc)).eval()
+    ref = modellib.build_model(preset_from_record(record)).eval()
     ref.load_state_dict(weights)
-    val = PackedSplit(Path(doc["run"]["data"]["path"]), "val", seq_len=32)
+    val = PackedSplit(Path(record.data_path), "val", seq_len=32)
     x, y = val.batch(heldout_windows(val.source_windows, 8))  # train.eval_samples=8
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -197,7 +198,7 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
     tol = TOLERANCE["fp32"] * max(1.0, ref_logits.abs().max().item())
     assert (logits - ref_logits).abs().max().item() < tol
 
-    every = json.loads((tmp / "tp2dp2" / "hf" / tag / "anneal_export.json").read_text())
+    every = read_marker(tmp / "tp2dp2" / "hf" / tag)
     assert (every["tensor_parallel_size"], every["zero_stage"], every["world_size"]) == (2, 2, 4)
     assert every["dtype"] == "bf16" and "verified:" in done["tp2dp2"].stdout
     exported = AutoModelForCausalLM.from_pretrained(tmp / "tp2dp2" / "hf" / tag).state_dict()

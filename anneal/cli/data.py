@@ -134,13 +134,13 @@ def _add_prepare(data_sub) -> None:
 
 def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
     """The tokenizer and how the inputs are read (``PrepareConfig`` ``cfg``, ``ReadOptions``)."""
-    from anneal.data import tokenizer as toklib
+    from anneal.data import tokenizer
     from anneal.data.readers import ON_ERROR
 
     prep.add_argument(
         "--vocab-size", type=int, default=cfg.vocab_size, help="trained tokenizer size"
     )
-    prep.add_argument("--model-type", choices=toklib.MODEL_TYPES, default=cfg.model_type)
+    prep.add_argument("--model-type", choices=tokenizer.MODEL_TYPES, default=cfg.model_type)
     prep.add_argument(
         "--tokenizer",
         type=path,

@@ -90,12 +90,11 @@ def _estimate(args: argparse.Namespace) -> int:
     from anneal.launch.ds import find_ds_config, load_ds_config
     from anneal.planning import memory, memory_io, memory_levers
 
-    preset = memory_io.load_model(args.model)
+    preset, record = memory_io.load_model(args.model)  # record: when --model is a run's
     if args.vocab_size:
         preset = preset.with_vocab(args.vocab_size)
-    run_ds = memory_io.run_ds_config(args.model) if not args.ds_config else None
-    if run_ds is not None:
-        ds = run_ds
+    if record is not None and record.ds_config and not args.ds_config:
+        ds = record.ds_config
     else:
         ds = load_ds_config(find_ds_config(args.ds_config or memory.DEFAULT_DS_CONFIG))
     zero = memory.ZeroSetup.from_ds_config(ds)
@@ -106,7 +105,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         spec = get_gpu(args.gpu)
         capacity, capacity_name = spec.memory_bytes, spec.name
-    loss = memory_io.run_loss(args.model)  # {} unless --model is a run's config.json
+    loss = record.loss_settings if record is not None else {}
     if args.loss is not None:
         loss["loss"] = args.loss
     work = memory.Workload(

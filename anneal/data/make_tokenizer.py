@@ -18,8 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from anneal.data import pack, tokenizer_hf
-from anneal.data import tokenizer as toklib
+from anneal.data import pack, tokenizer, tokenizer_hf
 from anneal.data.prepare_config import PrepareConfig
 from anneal.data.readers import Problems
 from anneal.data.sources import Source
@@ -50,7 +49,7 @@ def _make(partial: Path, cfg: PrepareConfig, sources: list[Source], units) -> di
     model_path = partial / "tokenizer.model"
     sample = _Counted(texts)
     try:
-        toklib.train_sentencepiece(
+        tokenizer.train_sentencepiece(
             sample,
             vocab_size=cfg.vocab_size,
             out_path=model_path,

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.data import tokenizer as toklib
+from anneal.data import tokenizer
 from anneal.data.prepare_config import PrepareConfig
-from anneal.data.prepared import SPLITS
+from anneal.data.prepared_dir import SPLITS, PreparedDir
 from anneal.data.readers import Problems, ReadOptions, Unit
 from anneal.data.sources import Source
 from anneal.data.units import read_unit, units_of
@@ -69,7 +69,7 @@ def init_worker(tokenizer_dir: str, opts: ReadOptions, val_fraction: float, dtyp
     """Per process: load the tokenizer from the directory being prepared."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(
-        tok=toklib.load(Path(tokenizer_dir)),
+        tok=tokenizer.load(Path(tokenizer_dir)),
         opts=opts,
         val_fraction=val_fraction,
         dtype=np.dtype(dtype),
@@ -78,7 +78,7 @@ def init_worker(tokenizer_dir: str, opts: ReadOptions, val_fraction: float, dtyp
 
 def tokenize_unit(unit: Unit) -> UnitResult:
     """Read, split, encode and pack one unit (in a worker, after :func:`init_worker`)."""
-    tok: toklib.Tokenizer = _WORKER["tok"]
+    tok: tokenizer.Tokenizer = _WORKER["tok"]
     opts: ReadOptions = _WORKER["opts"]
     val_fraction: float = _WORKER["val_fraction"]
     dtype = _WORKER["dtype"]
@@ -148,7 +148,7 @@ class ShardWriter:
         self._file = None
         self._hash = None
         self._in_shard = 0
-        self._docs_name = f"{source:02d}_docs.bin"
+        self._docs_name = PreparedDir.docs_name(source)
         self._docs = None
 
     def add(self, part: Part) -> None:
@@ -171,7 +171,7 @@ class ShardWriter:
                 self._close_shard()
 
     def _open(self) -> None:
-        name = f"{self.source:02d}_{len(self.shards):05d}.bin"
+        name = PreparedDir.shard_name(self.source, len(self.shards))
         self._file = open(self.dir / name, "wb")  # noqa: SIM115 - closed in _close_shard()
         self._hash = hashlib.sha256()
         self.shards.append({"file": name, "tokens": 0, "source": self.source})
@@ -292,7 +292,10 @@ def pack_all(
     to its :func:`anneal.data.units.unit_list`; skipped records are added to ``problems``."""
     writers = {
         (split, s.index): ShardWriter(
-            partial / split, source=s.index, dtype=dtype, shard_tokens=cfg.shard_tokens
+            PreparedDir(partial).split_dir(split),
+            source=s.index,
+            dtype=dtype,
+            shard_tokens=cfg.shard_tokens,
         )
         for split in SPLITS
         for s in sources

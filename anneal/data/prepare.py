@@ -25,7 +25,6 @@ and writes ``meta.json``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -36,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.data import tokenizer as toklib
-from anneal.data import tokenizer_files
+from anneal.data import tokenizer
 from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.pack import pack_all
 from anneal.data.prepare_config import DTYPES, MAX_VOCAB, PrepareConfig
-from anneal.data.prepared import FORMAT_VERSION, SPLITS, has_validation, is_prepared_dir
+from anneal.data.prepared import has_validation, is_prepared_dir
+from anneal.data.prepared_dir import FORMAT_VERSION, SPLITS, PreparedDir
 from anneal.data.readers import Problems, ReadOptions
 from anneal.data.sources import Source, input_paths, parse_inputs
 from anneal.data.units import unit_list
@@ -183,10 +182,10 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     problems = Problems(cfg.read.on_error)
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     tok_info = make_tokenizer(partial, cfg, sources, units)
-    tok_files = tokenizer_files.record(partial)  # all that is there yet: the tokenizer's files
-    tok = toklib.load(partial)
+    tok_files = PreparedDir(partial).tokenizer_files()  # all there yet: the tokenizer's files
+    tok = tokenizer.load(partial)
     dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
-    np.save(partial / "token_bytes.npy", tok.token_bytes())
+    PreparedDir(partial).write_token_bytes(tok.token_bytes())
     workers = cfg.workers or default_workers()
     t_pack, cpu_pack = time.time(), _cpu_seconds()
     splits, per_source, nbytes = pack_all(
@@ -214,7 +213,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "dtype": dtype.name,
-        "tokenizer_sha256": toklib.tokenizer_sha256(partial),
+        "tokenizer_sha256": tokenizer.tokenizer_sha256(partial),
         "tokenizer_files": tok_files,
         "tokenizer": tok_info,
         "sources": [_source_meta(s, per_source) for s in sources],
@@ -237,7 +236,7 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         "pack_cpu_seconds": round(pack_cpu_s, 2),
         "workers": workers,
     }
-    (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    PreparedDir(partial).write_meta(meta)
     return meta
 
 

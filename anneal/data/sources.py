@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import math
 import os
 import re
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, urlparse
 
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 
 
@@ -289,12 +289,5 @@ def _saved_dataset_name(path: Path, query: dict) -> str:
 
 
 def _synth_meta(path: Path) -> dict | None:
-    meta = path / "meta.json"
-    if not meta.is_file():
-        return None
-    try:
-        data = json.loads(meta.read_text())
-    except ValueError:
-        return None
-    synth = data.get("synth") if isinstance(data, dict) else None
+    synth = (PreparedDir(path).meta_object() or {}).get("synth")
     return synth if isinstance(synth, dict) else None

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from anneal.data.prepared import read_meta, shard_path
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 
 BLEND_BLOCK = 4096  # samples per block in which weighted sources get exact quotas
@@ -101,9 +101,9 @@ class PackedSplit:
     source by source (each source's windows are one contiguous range)."""
 
     def __init__(self, data_dir: Path, split: str, *, seq_len: int):
-        data_dir = Path(data_dir)
-        meta = read_meta(data_dir, splits=(split,))  # checked: types, counts, file names
-        self.data_dir = data_dir
+        prepared = PreparedDir(data_dir)
+        meta = prepared.meta(splits=(split,))  # checked: types, counts, file names
+        self.data_dir = data_dir = prepared.path
         self.seq_len = seq_len
         self.vocab_size = meta["vocab_size"]
         self.tokenizer_sha256 = meta.get("tokenizer_sha256")
@@ -119,7 +119,7 @@ class PackedSplit:
         for shard in meta["splits"][split]["shards"]:
             if shard["tokens"] <= seq_len:
                 continue
-            path = shard_path(data_dir, split, shard)
+            path = prepared.shard_path(split, shard)
             self._shards.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
             self._paths.append(path)
             n = (shard["tokens"] - 1) // seq_len

@@ -17,7 +17,6 @@ from the same stationary process.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import string
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
 
@@ -118,11 +118,7 @@ class MarkovSource:
 def is_synth_dir(path: Path) -> bool:
     """Whether ``path`` carries the marker of ``anneal data synth``: a meta.json object with a
     ``"synth"`` key (what ``--force`` may replace)."""
-    try:
-        meta = json.loads((Path(path) / "meta.json").read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(meta, dict) and isinstance(meta.get("synth"), dict)
+    return isinstance((PreparedDir(path).meta_object() or {}).get("synth"), dict)
 
 
 def write_markov(
@@ -176,7 +172,7 @@ def write_markov(
                 "unigram_entropy_bits_per_char": src.unigram_entropy_bits(),
             }
         }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        PreparedDir(partial).write_meta(meta)
         replace_dir(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -44,8 +44,7 @@ from anneal.hf.source import (
     check_checkpoint,
     check_shapes,
     expected_shapes,
-    preset_from_config,
-    run_config,
+    preset_from_record,
     select_checkpoint,
     tensor_parallel_size,
     tokenizer_dir,
@@ -57,15 +56,28 @@ from anneal.hf.zero import ZeroCheckpoint, open_checkpoint
 from anneal.resilience import checkpoint
 
 MARKER = "anneal_export.json"
+"""The marker of an export directory: the export's report, written last, once the model is
+verified. This module is its one owner: ``write_marker`` writes it, ``read_marker`` reads it."""
+
+
+def write_marker(directory: Path, report: dict) -> None:
+    """Mark ``directory`` as a finished export: its report as ``MARKER``."""
+    (Path(directory) / MARKER).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def read_marker(directory: Path) -> dict | None:
+    """The report of the export in ``directory`` (its ``MARKER``), None when there is none or
+    it is not a JSON object holding the exported checkpoint."""
+    try:
+        doc = json.loads((Path(directory) / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and "checkpoint" in doc else None
 
 
 def is_export(path: Path) -> bool:
     """A directory that ``anneal export`` wrote (its marker file), which --force may replace."""
-    try:
-        doc = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and "checkpoint" in doc
+    return read_marker(path) is not None
 
 
 def _claim_out(out: Path, *, run_dir: Path, inputs: list[Path], force: bool, every: bool) -> None:
@@ -129,16 +141,16 @@ def export(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     shard_bytes = parse_size(shard_size)
-    doc = run_config(run_dir)
-    preset = preset_from_config(doc, rundir.config_path(run_dir))
+    record = rundir.read_record(run_dir, section="model")
+    preset = preset_from_record(record)
     tag_dir = select_checkpoint(run_dir, tag)
     manifest = checkpoint.read_manifest(tag_dir)
     tp = tensor_parallel_size(tag_dir, manifest)
-    tok_dir = tokenizer_dir(run_dir, doc, manifest, tokenizer)
+    tok_dir = tokenizer_dir(record, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
     with _open(tag_dir, tp, preset) as ckpt:
-        check_shapes(ckpt, preset, rundir.config_path(run_dir))
+        check_shapes(ckpt, preset, record.path)
         partial = _partial_dir(out)
         try:
             report = convert(
@@ -167,7 +179,7 @@ def export(
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-    (partial / MARKER).write_text(json.dumps(report, indent=2) + "\n")
+    write_marker(partial, report)
     replace_dir(partial, out)
     return report
 
@@ -185,7 +197,7 @@ def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs
     (an ``anneal_export.json`` present) are skipped unless ``force``. ``out`` itself is only
     added to, and claimed as such: never ``.``, the run or an input."""
     run_dir, out = Path(run_dir), Path(out)
-    run_config(run_dir)
+    rundir.read_record(run_dir, section="model")  # a run's config.json, or a UserError
     tags = checkpoint.intact_checkpoints(rundir.checkpoints_dir(run_dir))
     if not tags:
         select_checkpoint(run_dir, None)  # raises the no-checkpoint UserError

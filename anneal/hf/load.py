@@ -12,7 +12,7 @@ checkpoint, a dtype that cannot be cast to a float, an activation transformers d
 a link that leads out of the directory (or out of its hub cache's ``blobs/``), missing,
 truncated or malformed weight files (``anneal.hf.weight_files``), a config.json whose sizes
 the weight files' headers contradict (checked before anything is allocated), a vocabulary
-with more ids than the embedding has rows, and (``check_tokenizer``) data tokenized with
+with more ids than the embedding has rows, and (``check_model_tokenizer``) data tokenized with
 another tokenizer. ``anneal.hf.load_weights`` then copies the tensors into the model, each
 checked finite as it is read.
 
@@ -29,10 +29,10 @@ import logging
 import re
 from pathlib import Path
 
-from anneal import model as modellib
 from anneal.files import sha256_file
 from anneal.hf.weight_files import check_fit, check_links, weight_files, weight_shapes
 from anneal.hf.weight_files import error as _error
+from anneal.model import ModelPreset, build_model, preset_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def read_config(directory: Path) -> dict:
+def read_hf_config(directory: Path) -> dict:
     """``DIR/config.json`` as a dict, its architecture known to transformers and verified
     here, not quantized, its dtype one that casts and its activation one transformers knows;
     every link in ``DIR`` leads inside it or into its hub cache's ``blobs/``."""
@@ -136,12 +136,12 @@ def _check_activation(directory: Path, doc: dict) -> None:
 # --- the preset ------------------------------------------------------------------------------
 
 
-def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.ModelPreset:
+def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset:
     """The run's model from ``DIR/config.json`` (``model`` is the run's ``ModelConfig``: its
     ``seq_len`` sets the training context, 0 keeps the checkpoint's ``max_position_embeddings``;
     a shape override is refused), with where its weights come from."""
     directory = Path(directory)
-    doc = read_config(directory)
+    doc = read_hf_config(directory)
     set_shape = [k for k in _SHAPE_KEYS if getattr(model, k)]
     if set_shape:
         raise _error(
@@ -151,7 +151,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> modellib.Mo
         )
     files = weight_files(directory)
     shapes = weight_shapes(directory, files)
-    preset = modellib.preset_from_dict(
+    preset = preset_from_dict(
         {**doc, "rope_theta": _rope_theta(doc)},
         source=f"--init-from {directory}/config.json",
         hint="The file is not a decoder's config as save_pretrained writes it.",
@@ -210,7 +210,7 @@ def _check_against_weights(directory: Path, preset, shapes: dict[str, tuple]) ->
         )
     try:
         with torch.device("meta"):
-            built = modellib.build_model(preset)
+            built = build_model(preset)
     except _BUILD_ERRORS as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise _error(
@@ -225,7 +225,7 @@ def _check_against_weights(directory: Path, preset, shapes: dict[str, tuple]) ->
 
 def _tokenizer_sha256(directory: Path) -> str | None:
     """``anneal.data.tokenizer.tokenizer_sha256`` of the directory, None without a tokenizer
-    (``check_tokenizer`` refuses that once the data is known)."""
+    (``check_model_tokenizer`` refuses that once the data is known)."""
     from anneal.data.tokenizer import tokenizer_sha256
 
     if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
@@ -272,7 +272,7 @@ def _describe(directory: Path, doc: dict, preset, seq_len: int, *, recipe_preset
 # --- the tokenizer ---------------------------------------------------------------------------
 
 
-def check_tokenizer(preset: modellib.ModelPreset, *, meta: dict, data_dir: Path) -> None:
+def check_model_tokenizer(preset: ModelPreset, *, meta: dict, data_dir: Path) -> None:
     """The data must be tokenized with the model's own tokenizer: the data's
     ``tokenizer_sha256`` is that of the tokenizer files in the model directory, or of what
     ``anneal data prepare --tokenizer DIR`` installs from them. UserError before any weight is

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
-from anneal import model as modellib
 from anneal import rundir
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
+from anneal.model import ModelPreset, build_model, preset_from_dict
 from anneal.resilience import checkpoint, safeload
 from anneal.resilience.manifest import missing_files
+from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -113,32 +115,29 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
     return tag_dir
 
 
-def run_config(run_dir: Path) -> dict:
-    """The run's ``config.json`` (``anneal.rundir.read_config``); the export needs its model."""
-    return rundir.read_config(run_dir, section="model")
-
-
-def preset_from_config(doc: dict, path: Path | str = "config.json") -> modellib.ModelPreset:
+def preset_from_record(record: RunRecord) -> ModelPreset:
     """The model of a run's ``config.json`` (``anneal.model.preset_from_dict``, the one reader
     of a model's shape); UserError naming the file and the key when a size is not a positive
     integer or the heads do not divide."""
-    return modellib.preset_from_dict(
-        doc["model"],
-        source=str(path),
+    return preset_from_dict(
+        record.model,
+        source=str(record.path or rundir.CONFIG),
         prefix="model.",
         hint="Give the config.json of the run that wrote the checkpoint (a run writes it when "
         "it starts).",
     )
 
 
-def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | None) -> Path:
+def tokenizer_dir(record: RunRecord, manifest: dict, tokenizer: Path | None) -> Path:
+    """The directory of the run's tokenizer: ``tokenizer`` if given, else the run's data
+    (``run.data.path``, relative to the run directory when it is not found as given); its
+    tokenizer files as prepared, and the one the checkpoint was trained with."""
     from anneal.data.tokenizer import tokenizer_sha256
 
-    data = doc.get("run", {}).get("data", {}) if isinstance(doc.get("run"), dict) else {}
-    recorded = data.get("path") if isinstance(data, dict) else None
-    if tokenizer is None and not isinstance(recorded, str):
+    run_dir, recorded = record.path.parent, record.data_path
+    if tokenizer is None and recorded is None:
         raise UserError(
-            f"{rundir.config_path(run_dir)}: names no run.data.path, so the run's tokenizer is "
+            f"{record.path}: names no run.data.path, so the run's tokenizer is "
             f"unknown. Pass --tokenizer DIR (the prepared data directory the run trained on)."
         )
     source = Path(tokenizer) if tokenizer else Path(recorded)
@@ -150,7 +149,7 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
             f"The run's data directory moved? Pass --tokenizer DIR (the prepared data "
             f"directory the run trained on)."
         )
-    if (source / "meta.json").is_file():  # a prepared directory: its files as prepared
+    if PreparedDir(source).meta_file.is_file():  # a prepared directory: its files as prepared
         _check_tokenizer_files(source)
     want = manifest.get("tokenizer_sha256")
     if want and tokenizer_sha256(source) != want:
@@ -165,10 +164,8 @@ def tokenizer_dir(run_dir: Path, doc: dict, manifest: dict, tokenizer: Path | No
 def _check_tokenizer_files(data_dir: Path) -> None:
     """Every tokenizer file of a prepared directory as meta.json recorded it (what ``anneal
     data verify`` checks), before anything is written: the export copies them."""
-    from anneal.data.prepared import read_meta
-    from anneal.data.tokenizer_files import tokenizer_changes
-
-    changed = [name for name, *_ in tokenizer_changes(data_dir, read_meta(data_dir))]
+    prepared = PreparedDir(data_dir)
+    changed = [name for name, *_ in prepared.tokenizer_changes(prepared.meta())]
     if changed:
         raise UserError(
             f"{data_dir}: {', '.join(changed)} differ(s) from the sha256 that meta.json "
@@ -243,5 +240,5 @@ def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
 def expected_shapes(preset) -> dict[str, tuple[int, ...]]:
     """Every parameter name, a tied head's included (DeepSpeed saves it as a shared alias)."""
     with torch.device("meta"):
-        model = modellib.build_model(preset)
+        model = build_model(preset)
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from anneal import model as modellib
 from anneal.errors import UserError
 from anneal.hf.tp_merge import reference_tp_state_dict
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
+from anneal.model import build_model
 from anneal.resilience import checkpoint
 
 # Logits of the exported model vs the reference (both in fp32, identical weights): any
@@ -59,17 +59,17 @@ def verify_export(
     where the model's tp_plan cut them (``anneal.hf.tp_merge.reference_tp_state_dict``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anneal.data import tokenizer as toklib
+    from anneal.data import tokenizer
 
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
-    ours = toklib.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
+    ours = tokenizer.load(data_tokenizer).encode_batch([VERIFY_TEXT])[0]
     theirs = tok(VERIFY_TEXT, add_special_tokens=False)["input_ids"]
     if ours != theirs:  # the files are copies of the data directory's: they disagree there
         raise UserError(
             f"{data_tokenizer}: AutoTokenizer on its tokenizer.json (as exported) "
             f"encodes the check text differently from the run's tokenizer, "
-            f"{toklib.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
+            f"{tokenizer.ids_file(data_tokenizer).name} there ({theirs[:8]}... vs {ours[:8]}...): "
             f"the directory's tokenizer files disagree. `anneal data verify {data_tokenizer}` "
             f"names a file changed since prepare: put it back, or prepare the data again; if "
             f"it finds none, the tokenizer could not be converted exactly: report it. Nothing "
@@ -79,7 +79,7 @@ def verify_export(
         str(out), dtype=torch.float32, trust_remote_code=False
     ).eval()
     manifest = checkpoint.read_manifest(tag_dir) or {}
-    ref = modellib.build_model(preset).eval()
+    ref = build_model(preset).eval()
     if tensor_parallel > 1:
         sd = reference_tp_state_dict(tag_dir, zero_stage, tensor_parallel, ref)
     else:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from anneal import model as modellib
 from anneal.errors import UserError
 from anneal.hardware import peak_memory_bytes, process_memory_bytes
 from anneal.hf.zero import TensorSource, ZeroCheckpoint
+from anneal.model import hf_model_config, model_class
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
@@ -159,15 +159,15 @@ def convert(
 def write_configs(out: Path, preset, tok_dir: Path, torch_dtype) -> int | None:
     from transformers import GenerationConfig
 
-    from anneal.data import tokenizer as toklib
+    from anneal.data import tokenizer
 
     for name in TOKENIZER_FILES:
         if (tok_dir / name).is_file():
             shutil.copyfile(tok_dir / name, out / name)
-    eos_id = toklib.load(tok_dir).eos_id
-    config = modellib.hf_model_config(preset)  # a continued checkpoint's own architecture
+    eos_id = tokenizer.load(tok_dir).eos_id
+    config = hf_model_config(preset)  # a continued checkpoint's own architecture
     config.eos_token_id = eos_id  # generation stops at the documents' separator
-    config.architectures = [modellib.model_class(config).__name__]
+    config.architectures = [model_class(config).__name__]
     config.use_cache = True
     config.dtype = torch_dtype
     config.save_pretrained(str(out))

@@ -10,7 +10,7 @@ per rank; the data's tokenizer), the ``--out`` (a new directory outside the pare
 branch's own, to continue it) and the branch's length. The parent is only read: its manifest
 and config.json here, its checkpoint files when the engine loads them. The branch's
 ``config.json`` records the lineage (``Branch.to_dict``), which ``anneal plot`` and ``anneal
-report`` read (``schedule_of``, ``parent_of``, ``lineage``).
+report`` read (``anneal.run_record.RunRecord``, ``schedule_of``, ``lineage``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from pathlib import Path
 from anneal import rundir
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.schedule import Schedule
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import sha256_file
 from anneal.launch import ds as ds_config
 from anneal.resilience.manifest import MANIFEST, is_intact, read_manifest
 from anneal.resilience.resume import intact_checkpoints
+from anneal.run_record import RunRecord
 
 FLAG = "--cooldown-from"
 EXPECTED_DIFFERENCES = ("train.max_steps", "train.branch_from", "optim.cooldown_tokens", "out")
@@ -96,10 +98,10 @@ def resolve(
     manifest, parent_run = read_manifest(tag), rundir.of_checkpoint(tag)
     where = f"{FLAG} {tag}"
     _check_manifest(tag, manifest, where=where)
-    parent = rundir.read_config(parent_run)
+    parent = rundir.read_record(parent_run)
     ratio = _branch_ratio(parent, manifest["step"], where=where, run=parent_run)
     _check_topology(parent, manifest, ds, world_size, layout.tensor_parallel, where=where)
-    _check_tokenizer(manifest, meta, cfg.data.path, where=where)
+    _check_parent_tokenizer(manifest, meta, cfg.data.path, where=where)
     if cfg.optim.cooldown_tokens <= 0:
         raise UserError(
             f"{where}: a cooldown branch needs its length in tokens: --set "
@@ -146,16 +148,17 @@ def parent_checkpoint(given: str) -> Path:
     )
 
 
-def schedule_of(doc: dict) -> Schedule:
+def schedule_of(record: RunRecord) -> Schedule:
     """The schedule a run's config.json describes, a branch's included (KeyError when the
     document has no scheduler)."""
+    doc = record.doc
     schedule = Schedule.resolved(doc["ds_config"]["scheduler"]["params"], doc["run"]["optim"])
-    return with_branch(schedule, doc)
+    return with_branch(schedule, record)
 
 
-def with_branch(schedule: Schedule, doc: dict) -> Schedule:
-    """``schedule`` as the branch's decay when config.json ``doc`` is a branch's."""
-    branch = doc.get("branch")
+def with_branch(schedule: Schedule, record: RunRecord) -> Schedule:
+    """``schedule`` as the branch's decay when ``record`` is a branch's."""
+    branch = record.branch
     try:
         step, ratio = int(branch["step"]), float(branch["from_ratio"])
     except (KeyError, TypeError, ValueError):
@@ -163,19 +166,12 @@ def with_branch(schedule: Schedule, doc: dict) -> Schedule:
     return dataclasses.replace(schedule, kind="wsd", cooldown_step=step, cooldown_ratio=ratio)
 
 
-def parent_of(doc: dict) -> Path | None:
-    """The parent run directory a branch's config.json names (None when not a branch)."""
-    branch = doc.get("branch")
-    parent = branch.get("parent_run") if isinstance(branch, dict) else None
-    return Path(parent) if isinstance(parent, str) and parent else None
-
-
 def lineage(run_dir: Path, *, depth: int = 8) -> list[str]:
     """One line per ancestor of a branch (parent first): the run, the step and checkpoint it
     branched from, the manifest's hash and the cooldown. Empty when not a branch."""
-    lines, doc = [], rundir.config_or_empty(run_dir)
-    while isinstance(doc.get("branch"), dict) and len(lines) < depth:
-        b = doc["branch"]
+    lines, record = [], rundir.record_or_empty(run_dir)
+    while record.branch is not None and len(lines) < depth:
+        b = record.branch
         lines.append(
             f"branch of {b.get('parent_run')} at step {b.get('step')} (checkpoint "
             f"{Path(str(b.get('checkpoint'))).name}, manifest sha256 "
@@ -183,7 +179,7 @@ def lineage(run_dir: Path, *, depth: int = 8) -> list[str]:
             f"{b.get('cooldown_tokens', 0):,} tokens ({b.get('cooldown_steps')} steps) from "
             f"{b.get('from_ratio', 0):.4g} x peak"
         )
-        doc = rundir.config_or_empty(Path(str(b.get("parent_run"))))
+        record = rundir.record_or_empty(Path(str(b.get("parent_run"))))
     return lines
 
 
@@ -209,9 +205,9 @@ def _check_manifest(tag: Path, manifest: dict, *, where: str) -> None:
         )
 
 
-def _branch_ratio(parent: dict, step: int, *, where: str, run: Path) -> float:
+def _branch_ratio(parent: RunRecord, step: int, *, where: str, run: Path) -> float:
     """The parent's LR ratio at ``step``; a cosine parent, or a step at its floor, refused."""
-    optim = parent["run"].get("optim") or {}
+    optim = parent.optim
     if optim.get("schedule") != "wsd":
         raise UserError(
             f"{where}: the parent ran the {optim.get('schedule', 'cosine')!r} schedule, not WSD. "
@@ -245,7 +241,7 @@ def _check_topology(parent, manifest, ds, world_size, tensor_parallel, *, where)
     theirs = {
         "ranks": manifest.get("world_size", world_size),
         "tensor-parallel degree": manifest.get("tensor_parallel_size", 1),
-        "ZeRO stage": (parent.get("ds_config") or {}).get("zero_optimization", {}).get("stage"),
+        "ZeRO stage": parent.zero_stage,
     }
     ours = {"ranks": world_size, "tensor-parallel degree": tensor_parallel, "ZeRO stage": stage}
     diffs = [
@@ -260,7 +256,7 @@ def _check_topology(parent, manifest, ds, world_size, tensor_parallel, *, where)
         )
 
 
-def _check_tokenizer(manifest: dict, meta: dict, data_dir: str, *, where: str) -> None:
+def _check_parent_tokenizer(manifest: dict, meta: dict, data_dir: str, *, where: str) -> None:
     saved, here = manifest.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
     if saved and here and saved != here:
         raise UserError(
@@ -285,17 +281,16 @@ def _steps(cfg: RunConfig, ds: dict, *, seq_len: int, data_parallel: int) -> int
     return math.ceil(cfg.optim.cooldown_tokens / (resolved["train_batch_size"] * seq_len))
 
 
-def _same_data(parent: dict, data_dir: Path) -> bool:
+def _same_data(parent: RunRecord, data_dir: Path) -> bool:
     """Whether the branch reads the parent's data: the same directory, or one whose meta.json
     is the same (a copy)."""
-    theirs = Path(str(((parent["run"].get("data") or {}).get("path")) or ""))
+    theirs = Path(parent.data_path or "")
     if theirs.resolve() == data_dir.resolve():
         return True
     try:
-        return json.loads((theirs / "meta.json").read_text()) == json.loads(
-            (data_dir / "meta.json").read_text()
-        )
-    except (OSError, ValueError, RecursionError):
+        mine = PreparedDir(data_dir).meta_object()
+        return mine is not None and PreparedDir(theirs).meta_object() == mine
+    except OSError:
         return False
 
 
@@ -314,7 +309,7 @@ def _check_out(out: Path, branch: Branch) -> bool:
     found = rundir.holds_run(out)
     if not found:
         return False
-    mine = rundir.config_or_empty(out).get("branch") or {}
+    mine = rundir.record_or_empty(out).branch or {}
     if (Path(str(mine.get("checkpoint"))).resolve(), mine.get("manifest_sha256")) == (
         Path(branch.checkpoint),
         branch.manifest_sha256,
@@ -327,7 +322,9 @@ def _check_out(out: Path, branch: Branch) -> bool:
     )
 
 
-def _notes(cfg: RunConfig, branch: Branch, parent: dict, manifest: dict, *, resumed) -> list[str]:
+def _notes(
+    cfg: RunConfig, branch: Branch, parent: RunRecord, manifest: dict, *, resumed
+) -> list[str]:
     end = branch.step + branch.cooldown_steps
     notes = [
         f"cooldown branch of {branch.parent_run} at step {branch.step} ({branch.checkpoint}, "
@@ -340,12 +337,12 @@ def _notes(cfg: RunConfig, branch: Branch, parent: dict, manifest: dict, *, resu
     if not branch.same_data and not resumed:
         notes.append(
             f"--data {cfg.data.path} is not the parent's data "
-            f"({parent['run'].get('data', {}).get('path')}): the branch reads it from its start "
+            f"({parent.data_path}): the branch reads it from its start "
             f"(position 0), not from the position saved in the parent's checkpoint"
         )
     diffs = [
         d
-        for d in config_differences({"run": parent["run"]}, {"run": cfg.to_dict()})
+        for d in config_differences({"run": parent.run}, {"run": cfg.to_dict()})
         if d.split(":")[0].removeprefix("run.") not in (*EXPECTED_DIFFERENCES, "data.path")
     ]
     if diffs:

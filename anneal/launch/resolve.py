@@ -12,18 +12,20 @@ import dataclasses
 import os
 from pathlib import Path
 
-from anneal import model as modellib
 from anneal import rundir
 from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.launch import cooldown, parallel
 from anneal.launch import ds as ds_config
 from anneal.launch.preset import model_preset
+from anneal.model import ModelPreset, count_params, human_count
 from anneal.resilience import checkpoint
+from anneal.run_record import RunRecord
 
 DEVICE_TYPES = ("cpu", "cuda")
 SHAPE_KEYS = (
@@ -46,7 +48,7 @@ class Launch:
     """The DeepSpeed config exactly as the engine gets it ("auto" values filled in)."""
     resolved_from: dict[str, str]
     """For each run-dependent ds_config key: its value and where it came from."""
-    preset: modellib.ModelPreset
+    preset: ModelPreset
     out: Path
     resume_from: Path | None
     world_size: int
@@ -107,7 +109,7 @@ class Launch:
             "model": {
                 **dataclasses.asdict(self.preset),
                 "seq_len": self.seq_len,
-                "params": modellib.count_params(self.preset),
+                "params": count_params(self.preset),
             },
             "launch": {
                 "world_size": self.world_size,
@@ -121,10 +123,10 @@ class Launch:
     def describe(self) -> str:
         """The resolved launch, printed at start."""
         ds = self.ds_config
-        n_params = modellib.count_params(self.preset)
+        n_params = count_params(self.preset)
         lines = [
             f"model {self.cfg.model.preset}: {n_params:,} parameters "
-            f"({modellib.human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
+            f"({human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
             f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
             f"{ds.get('zero_optimization', {}).get('stage', 0)}, "
             f"{'bf16' if self.bf16 else 'fp32'}",
@@ -190,11 +192,11 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     notes = [note] if note else []
 
     data_dir = Path(cfg.data.path)
-    meta = check_prepared(data_dir)  # complete, undamaged, tokenizer unchanged
+    meta = check_prepared(PreparedDir(data_dir))  # complete, undamaged, tokenizer unchanged
     preset = model_preset(cfg.model, meta["vocab_size"])
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
-    old_config = check_run_dir(cfg, out, data_dir=data_dir)
+    old_record = check_run_dir(cfg, out, data_dir=data_dir)
     cfg, branch, branch_notes = cooldown.resolve(
         cfg,
         ds,
@@ -233,8 +235,8 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     if resume_from is not None:
         _check_resume_target(launch)
     _check_validation_data(launch)
-    if old_config is not None and not cfg.restart:
-        _check_same_run(launch, old_config)
+    if old_record is not None and not cfg.restart:
+        _check_same_run(launch, old_record)
     return launch
 
 
@@ -245,7 +247,7 @@ def _check_resume_target(launch: Launch) -> None:
 
     data_dir, tag_dir = Path(launch.cfg.data.path), launch.resume_from
     check_matches_run(launch.meta, data_dir=data_dir, run_dir=launch.out)
-    checkpoint.check_tokenizer(
+    checkpoint.check_checkpoint_tokenizer(
         tag_dir, data_dir=data_dir, tokenizer_sha256=launch.meta.get("tokenizer_sha256")
     )
     check_checkpoint_fits(
@@ -269,10 +271,10 @@ def _check_validation_data(launch: Launch) -> None:
         )
 
 
-def _check_same_run(launch: Launch, old_config: dict) -> None:
+def _check_same_run(launch: Launch, old_record: RunRecord) -> None:
     """``launch`` continues the run whose ``config.json`` its ``--out`` holds, or says so with
     ``--resume``: one directory never mixes two runs."""
-    diffs = config_differences(old_config, launch.config_document())
+    diffs = config_differences(old_record.doc, launch.config_document())
     if diffs and not launch.cfg.resume_explicit:
         raise UserError(
             f"--out {launch.out} holds a different run (its config.json differs: "
@@ -288,12 +290,10 @@ def resumed_warmup(tag_dir: Path | None) -> int | None:
     with a larger one must not warm up again. None when there is no such record."""
     if tag_dir is None:
         return None
-    doc = rundir.config_or_empty(rundir.of_checkpoint(tag_dir))
-    warm = doc.get("ds_config", {}).get("scheduler", {}).get("params", {}).get("warmup_num_steps")
-    return warm if isinstance(warm, int) and not isinstance(warm, bool) else None
+    return rundir.record_or_empty(rundir.of_checkpoint(tag_dir)).warmup_steps
 
 
-def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
+def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> RunRecord | None:
     """Refuse an ``--out`` this launch must not write into; returns the config.json of the run
     already there (None when there is none).
 
@@ -313,7 +313,7 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     claim_output(target, in_place=True, what="run directory", inputs=[data_dir])
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: not a directory you can write to. Choose another --out.")
-    old = _read_run_config(out)
+    old = _read_run_record(out)
     found = rundir.holds_run(out)
     if not found:
         rundir.check_others_entries(out, force=cfg.force)
@@ -340,10 +340,10 @@ def check_run_dir(cfg: RunConfig, out: Path, *, data_dir: Path) -> dict | None:
     return old
 
 
-def _read_run_config(out: Path) -> dict | None:
+def _read_run_record(out: Path) -> RunRecord | None:
     """``out/config.json`` when it is a run's (a JSON object with a "run" section)."""
     try:
-        return rundir.read_config(out, missing_ok=True)
+        return rundir.read_record(out, missing_ok=True)
     except UserError:
         raise UserError(
             f"--out {out}: its config.json is not the config of an Anneal run (not JSON, or no "
@@ -354,7 +354,7 @@ def _read_run_config(out: Path) -> dict | None:
 
 def check_checkpoint_fits(
     tag_dir: Path,
-    preset: modellib.ModelPreset,
+    preset: ModelPreset,
     *,
     world_size: int,
     zero_stage: int,
@@ -368,7 +368,8 @@ def check_checkpoint_fits(
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
         run_dir = rundir.of_checkpoint(tag_dir)
-        source, saved = rundir.config_path(run_dir), rundir.config_or_empty(run_dir).get("model")
+        record = rundir.record_or_empty(run_dir)
+        source, saved = record.path, record.doc.get("model")
     if isinstance(saved, dict):
         diffs = [
             f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"

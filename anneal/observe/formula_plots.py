@@ -14,6 +14,7 @@ from anneal.config.run import AUTO
 from anneal.config.schedule import DEFAULT_FLOOR, Schedule
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
 from anneal.planning.fit import FitResult
+from anneal.run_record import RunRecord
 
 
 def plot_fit(result: FitResult, path: str | Path, *, title: str = "") -> Path:
@@ -161,9 +162,9 @@ def _auto(value) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
 
 
-def _read_schedule_source(config: Path) -> tuple[Path, dict, dict]:
-    """(file, ds_config, the run's optim section or {}) of a ds_config, of a run's
-    config.json, or of a run directory (its config.json)."""
+def _read_schedule_source(config: Path) -> tuple[Path, dict, RunRecord | None]:
+    """(file, ds_config, the run's record or None) of a ds_config, of a run's config.json, or
+    of a run directory (its config.json), each read once."""
     import json
 
     from anneal import rundir
@@ -179,8 +180,8 @@ def _read_schedule_source(config: Path) -> tuple[Path, dict, dict]:
     if not isinstance(doc, dict):
         raise UserError(f"--schedule {path}: not a JSON object (a ds_config or a config.json).")
     if isinstance(doc.get("run"), dict) and isinstance(doc.get("ds_config"), dict):
-        return path, doc["ds_config"], doc["run"].get("optim") or {}
-    return path, doc, {}
+        return path, doc["ds_config"], RunRecord(doc, Path(path))
+    return path, doc, None
 
 
 def plot_schedule_file(
@@ -200,7 +201,8 @@ def plot_schedule_file(
 
     from anneal.errors import UserError
 
-    path, ds, optim = _read_schedule_source(config)
+    path, ds, record = _read_schedule_source(config)
+    optim = record.optim if record is not None else {}
     sched = (ds.get("scheduler") or {}).get("params")
     if sched is None:
         raise UserError(f"--schedule {path}: no scheduler.params block (WarmupCosineLR) in it.")
@@ -230,10 +232,9 @@ def plot_schedule_file(
     params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
     schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
     if optim:  # a run's config.json: a cooldown branch's decay (anneal.launch.cooldown)
-        from anneal import rundir
         from anneal.launch.cooldown import with_branch
 
-        schedule = with_branch(schedule, rundir.config_or_empty(Path(path).parent))
+        schedule = with_branch(schedule, record)
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
     claim_pngs([out])
     what = "cosine" if kind == "cosine" else f"stable, {schedule.decay_shape} decay"

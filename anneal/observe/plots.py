@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
+from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,15 @@ def plot_run(
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
     events = [r for r in rows if r.get("kind") == "event"]
-    cfg = rundir.config_or_empty(run_dir)
-    parent = _parent_rows(cfg)
+    record = rundir.record_or_empty(run_dir)
+    parent = _parent_rows(record)
     out_dir = Path(out_dir) if out_dir else rundir.plots_dir(run_dir)
     sources = rundir.val_sources(val)
     name = run_dir.name
     charts = {
-        "loss.png": lambda p: _plot_loss(plt, c, train, val, cfg, p, name, parent),
-        "lr.png": lambda p: _plot_lr(plt, c, train, cfg, p, name, parent),
-        "grad_norm.png": lambda p: _plot_grad_norm(plt, c, train, events, cfg, p, name),
+        "loss.png": lambda p: _plot_loss(plt, c, train, val, record, p, name, parent),
+        "lr.png": lambda p: _plot_lr(plt, c, train, record, p, name, parent),
+        "grad_norm.png": lambda p: _plot_grad_norm(plt, c, train, events, record, p, name),
         "throughput.png": lambda p: _plot_throughput(plt, c, train, p, name),
     }
     if sources:  # a blend's per-source validation: one more chart
@@ -80,14 +81,13 @@ def plot_run(
         return [draw(out_dir / n) for n, draw in charts.items() if out_dir / n not in kept]
 
 
-def _parent_rows(cfg: dict) -> tuple[str, list[dict], list[dict]] | None:
+def _parent_rows(record: RunRecord) -> tuple[str, list[dict], list[dict]] | None:
     """A cooldown branch's parent (``anneal.launch.cooldown``): its name, train and val rows,
     drawn under the branch's; None when not a branch or its metrics cannot be read."""
     from anneal import rundir
     from anneal.errors import UserError
-    from anneal.launch.cooldown import parent_of
 
-    run = parent_of(cfg)
+    run = record.parent_run
     try:
         rows = rundir.read_metrics(run) if run is not None else None
     except UserError:
@@ -125,7 +125,7 @@ def _num(v) -> bool:
     return isinstance(v, int | float) and math.isfinite(v)
 
 
-def _plot_loss(plt, c, train, val, cfg, path, name, parent=None) -> Path:
+def _plot_loss(plt, c, train, val, record, path, name, parent=None) -> Path:
     tokens = {r["step"]: r["tokens"] for r in train}
     fig, ax = plt.subplots(figsize=SIZE)
     x = np.array([r["tokens"] for r in train if isinstance(r.get("loss"), int | float)])
@@ -145,7 +145,7 @@ def _plot_loss(plt, c, train, val, cfg, path, name, parent=None) -> Path:
     pts = [(a, b) for a, b in zip(vx, vy, strict=True) if a]
     if pts:
         ax.plot(*zip(*pts, strict=True), "o-", color=c["second"], lw=1.5, ms=4, label="dev loss")
-    vocab = (cfg.get("model") or {}).get("vocab_size")
+    vocab = record.vocab_size
     if vocab:
         ax.axhline(
             math.log(vocab),
@@ -165,20 +165,19 @@ def _plot_loss(plt, c, train, val, cfg, path, name, parent=None) -> Path:
     return save(fig, path)
 
 
-def _plot_lr(plt, c, train, cfg, path, name, parent=None) -> Path:
-    ds = cfg.get("ds_config") or {}
-    sched = (ds.get("scheduler") or {}).get("params") or {}
+def _plot_lr(plt, c, train, record, path, name, parent=None) -> Path:
+    sched = record.scheduler_params
     fig, ax = plt.subplots(figsize=SIZE)
     total = sched.get("total_num_steps")
     warm = sched.get("warmup_num_steps")
-    peak = (ds.get("optimizer") or {}).get("params", {}).get("lr")
+    peak = record.peak_lr
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import Schedule
         from anneal.launch.cooldown import with_branch
         from anneal.observe.formula_plots import planned_lr, schedule_phases
 
-        optim = (cfg.get("run") or {}).get("optim") or {}
-        schedule = with_branch(Schedule.resolved({"cos_min_ratio": 0.1, **sched}, optim), cfg)
+        schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, record.optim)
+        schedule = with_branch(schedule, record)
         schedule_phases(ax, schedule, colors=c)
         t, plan = planned_lr(schedule, peak)
         ax.plot(t, plan, color=c["clip"], ls="--", lw=1, label="planned")
@@ -193,11 +192,11 @@ def _plot_lr(plt, c, train, cfg, path, name, parent=None) -> Path:
     return save(fig, path)
 
 
-def _plot_grad_norm(plt, c, train, events, cfg, path, name) -> Path:
+def _plot_grad_norm(plt, c, train, events, record, path, name) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
     x, y = _series(train, "grad_norm")
     ax.plot(x, y, color=c["main"], lw=1.2, label="grad norm (before clipping)")
-    clip = (cfg.get("ds_config") or {}).get("gradient_clipping")
+    clip = record.gradient_clipping
     if clip:
         ax.axhline(clip, color=c["clip"], ls="--", lw=1, label=f"clip threshold {clip:g}")
     bad = [r["step"] for r in train if "grad_norm" in (r.get("nonfinite") or [])]

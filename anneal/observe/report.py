@@ -204,9 +204,8 @@ def health(run_dir: Path) -> list[Signal]:
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
     events = [r for r in rows if r.get("kind") == "event"]
-    cfg = rundir.config_or_empty(run_dir)
-    vocab = (cfg.get("model") or {}).get("vocab_size")
-    clip = (cfg.get("ds_config") or {}).get("gradient_clipping")
+    record = rundir.record_or_empty(run_dir)
+    vocab, clip = record.vocab_size, record.gradient_clipping
     return [
         train_loss_signal(train, vocab),
         dev_loss_signal(val, train),

@@ -12,13 +12,16 @@ from anneal.errors import UserError
 from anneal.model import PRESETS, ModelPreset, count_params, get_preset, preset_from_dict
 from anneal.planning.memory import MemoryEstimate, Workload, ZeroSetup, format_bytes
 from anneal.planning.memory_levers import Lever
+from anneal.run_record import RunRecord
 
 
-def load_model(spec: str) -> ModelPreset:
+def load_model(spec: str) -> tuple[ModelPreset, RunRecord | None]:
     """A preset name, or a JSON file: an Anneal run's ``config.json`` (its resolved ``model``),
-    a Hugging Face ``config.json``, or a flat object with the preset's fields."""
+    a Hugging Face ``config.json``, or a flat object with the preset's fields. The file is read
+    once; with the model comes the run's record when it is a run's config.json (the estimate
+    then takes the run's ds_config and loss), else None."""
     if spec in PRESETS:
-        return get_preset(spec)
+        return get_preset(spec), None
     path = Path(spec)
     if not path.is_file():
         raise UserError(
@@ -29,44 +32,15 @@ def load_model(spec: str) -> ModelPreset:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"--model {spec}: cannot read it as JSON ({e}).") from None
-    if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
-        doc = doc["model"]  # an Anneal run's config.json
-    return preset_from_dict(
-        doc if isinstance(doc, dict) else {},
+    record = RunRecord(doc, path) if RunRecord.holds(doc) else None
+    preset = preset_from_dict(
+        (record and record.model) or (doc if isinstance(doc, dict) else {}),
         source=f"--model {spec}",
         hint="The file must describe a Llama-style model (an Anneal run's config.json or a "
         "Hugging Face config.json).",
         name=path.stem,
     )
-
-
-def run_ds_config(spec: str) -> dict | None:
-    """The resolved ds_config inside an Anneal run's config.json, else None."""
-    path = Path(spec)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ds = doc.get("ds_config") if isinstance(doc, dict) else None
-    return ds if isinstance(ds, dict) else None
-
-
-def run_loss(spec: str) -> dict:
-    """``loss`` and ``loss_chunk_tokens`` (``Workload``'s fields) of the run whose config.json is
-    ``spec``, as it trained; {} when ``spec`` is not a run's config (a preset, a Hugging Face
-    config, a run from before the key): the estimate then takes Anneal's default."""
-    path = Path(spec)
-    try:
-        doc = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    run = doc.get("run") if isinstance(doc, dict) else None
-    train = run.get("train") if isinstance(run, dict) else None
-    if not isinstance(train, dict):
-        return {}
-    return {k: train[k] for k in ("loss", "loss_chunk_tokens") if k in train}
+    return preset, record
 
 
 def format_estimate(

@@ -44,7 +44,7 @@ def _positive(flag: str, value: float | None) -> None:
 
 def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
     """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
-    from anneal.rundir import config_or_empty, read_metrics
+    from anneal.rundir import read_metrics, record_or_empty
 
     try:
         train = read_metrics(run_dir, "train")
@@ -56,8 +56,7 @@ def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
             f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
             f"a run that trained at least one step, or --mfu M."
         )
-    launch = config_or_empty(run_dir).get("launch")
-    device = launch.get("device", "?") if isinstance(launch, dict) else "?"  # only a label
+    device = record_or_empty(run_dir).device  # only a label
     kept = mfus[len(mfus) // 10 :] or mfus
     return statistics.median(kept), f"median over {len(kept)} steps of {run_dir} ({device})"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 from pathlib import Path
 
 from anneal.errors import UserError
@@ -24,7 +23,7 @@ class RunPoint:
 def read_run(run_dir: str | Path) -> RunPoint:
     """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
     the last validation loss of a run directory."""
-    from anneal.rundir import config_path, metrics_path, read_metrics
+    from anneal.rundir import config_path, metrics_path, read_metrics, record_or_empty
 
     run_dir = Path(run_dir)
     cfg_path = config_path(run_dir)
@@ -33,13 +32,14 @@ def read_run(run_dir: str | Path) -> RunPoint:
             f"{run_dir}: not a run directory (it needs config.json and metrics.jsonl, which "
             f"every Anneal run writes). Give run directories, or --csv with params,tokens,loss."
         )
-    try:
-        params = json.loads(cfg_path.read_text()).get("model", {}).get("params")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+    record = record_or_empty(run_dir)
+    if not record.model:
         raise UserError(
-            f"{cfg_path}: not the config.json an Anneal run writes ({e}); give run "
-            f"directories, or --csv with params,tokens,loss."
-        ) from None
+            f"{cfg_path}: not the config.json an Anneal run writes (not JSON, or no model "
+            f"section); give "
+            f"run directories, or --csv with params,tokens,loss."
+        )
+    params = record.params
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val" and r.get("val_loss") is not None]

@@ -55,7 +55,7 @@ from anneal.resilience.manifest import (
 )
 from anneal.resilience.resume import (
     LATEST,
-    check_tokenizer,
+    check_checkpoint_tokenizer,
     find_resume,
     intact_checkpoints,
     verified_resume,
@@ -66,7 +66,7 @@ __all__ = [
     "HASH",
     "MANIFEST",
     "SUPERSEDED",
-    "check_tokenizer",
+    "check_checkpoint_tokenizer",
     "damaged_files",
     "file_hash",
     "find_resume",

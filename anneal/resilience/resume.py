@@ -48,7 +48,9 @@ def read_latest(ckpt_dir: Path) -> Path | None:
     return confined(Path(ckpt_dir), name, where=str(path))  # and no link that leads out
 
 
-def check_tokenizer(tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | None) -> None:
+def check_checkpoint_tokenizer(
+    tag_dir: Path, *, data_dir: Path, tokenizer_sha256: str | None
+) -> None:
     """UserError when the checkpoint was trained on ids of another tokenizer than the data's.
     Read from the manifest, so resume refuses before any engine is built."""
     saved = (read_manifest(tag_dir) or {}).get("tokenizer_sha256")

@@ -31,9 +31,9 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
     if launch.preset.init_from is not None:  # the data's tokenizer is the model's
-        from anneal.hf.load import check_tokenizer
+        from anneal.hf.load import check_model_tokenizer
 
-        check_tokenizer(launch.preset, meta=launch.meta, data_dir=Path(cfg.data.path))
+        check_model_tokenizer(launch.preset, meta=launch.meta, data_dir=Path(cfg.data.path))
     return launch
 
 

@@ -22,6 +22,7 @@ import torch
 from anneal import rundir
 from anneal.config.run import RunConfig
 from anneal.config.run_checks import check_ranges
+from anneal.data.prepared_dir import PreparedDir
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
@@ -90,7 +91,7 @@ class Data:
         path, seq_len = Path(launch.cfg.data.path), launch.seq_len
         val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.eval_samples else None
         train = PackedSplit(path, "train", seq_len=seq_len)
-        return cls(train, val, np.load(path / "token_bytes.npy"))
+        return cls(train, val, PreparedDir(path).token_bytes())
 
 
 class Trainer:
