@@ -7,20 +7,20 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 
-import anneal.train.step  # noqa: E402
+import anneal.train.trainer  # noqa: E402
 from anneal.cli.recipe import load_recipe, main  # noqa: E402
 
 RECIPE = load_recipe(os.path.join(os.getcwd(), "recipes", "pretrain_tiny.py"))
 
 
-def failing_step(engine, stream, state, plan, *args):
+def failing_step(engine, stream, state, shape, *args):
     if state.step >= 1:
         raise RuntimeError("the injected failure of a rank on the second host")
-    return train_step(engine, stream, state, plan, *args)
+    return train_step(engine, stream, state, shape, *args)
 
 
 if __name__ == "__main__":
     if os.environ.get("SSH_CONNECTION", "").split()[2:3] == ["127.0.0.2"]:
-        train_step = anneal.train.step.train_step
-        anneal.train.step.train_step = failing_step
+        train_step = anneal.train.trainer.train_step  # the name the Trainer calls
+        anneal.train.trainer.train_step = failing_step
     main(**RECIPE)
