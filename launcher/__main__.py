@@ -27,6 +27,7 @@ from pathlib import Path
 from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
+from anneal.hardware import DEFAULT_GPU
 from launcher import dsenv, hostfile, pdsh, preflight, slurm
 
 DEFAULT_GRACE_S = 120
@@ -82,16 +83,23 @@ def deepspeed_program() -> str:
     return str(here) if here.is_file() else "deepspeed"
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, this_host: bool) -> None:
+    """The options of ``run`` and ``submit``. ``this_host``: the ranks start from this host
+    (``run``), so its GPU is the default; a batch job's (``submit``) are the ones it asks for."""
     p.add_argument("recipe", type=path, help="recipes/pretrain_*.py")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
-        help="device of the ranks (default: cuda if this host has a GPU)",
+        help="device of the ranks (default: "
+        + ("cuda if this host has a GPU)" if this_host else "cuda, the job's --gpus-per-node)"),
     )
     p.add_argument("--mfu", type=float, help="assumed MFU for the forecast (default: 0.40 GPU)")
-    p.add_argument("--gpu", help="GPU for the forecast: h100, h200, a100 (default: this one)")
+    p.add_argument(
+        "--gpu",
+        help="GPU for the forecast: h100, h200, a100 (default: "
+        + (f"this one, else {DEFAULT_GPU})" if this_host else f"{DEFAULT_GPU})"),
+    )
     p.add_argument(
         "--env",
         action="append",
@@ -130,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="pre-flight, then start the recipe with deepspeed", allow_abbrev=False
     )
-    _common(run)
+    _common(run, this_host=True)
     run.add_argument("--hostfile", type=path)
     run.add_argument("--num-gpus", type=int)
     run.add_argument("--num-nodes", type=int)
@@ -141,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-ssh-check", action="store_true", help="skip the ssh reachability check")
 
     sb = sub.add_parser("submit", help="render the sbatch script and submit it", allow_abbrev=False)
-    _common(sb)
+    _common(sb, this_host=False)
     sb.add_argument("--nodes", type=int, required=True)
     sb.add_argument("--gpus-per-node", type=int, required=True)
     sb.add_argument("--partition", required=True)
@@ -151,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-s",
         type=int,
         help="seconds between the preemption signal and the end (default: from the "
-        "checkpoint size, at least 120)",
+        "forecast step time and checkpoint size, at least 120, at most half of --time)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
     return checked(parser)
@@ -274,9 +282,27 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
     return done.returncode if done.returncode >= 0 else 128 - done.returncode
 
 
+def default_grace_s(*, step_s: float, checkpoint_bytes: int, time: str) -> tuple[int, str]:
+    """(seconds, note) of the preemption signal's lead when ``--grace-s`` is not given: two
+    forecast steps, one checkpoint save at WRITE_BYTES_PER_S and 30 s of exit, at least
+    DEFAULT_GRACE_S; at most Slurm's limit and half the job's ``time``. The note (else "")
+    says when that bound cut the lead short of what the forecast asks for."""
+    want = max(DEFAULT_GRACE_S, int(2 * step_s + checkpoint_bytes / WRITE_BYTES_PER_S) + 30)
+    limit_s = slurm.time_limit_s(time)
+    bound = min(slurm.MAX_SIGNAL_S, max(1, limit_s // 2) if limit_s else slurm.MAX_SIGNAL_S)
+    if want <= bound:
+        return want, ""
+    return bound, (
+        f"note: the forecast asks for {want} s between the preemption signal and the time "
+        f"limit (two steps, one checkpoint save, the exit), more than the {bound} s that "
+        f"--time {time} and Slurm allow; the signal comes {bound} s before the end. Give a "
+        f"longer --time, or measure the save and pass --grace-s (docs/cluster.md)."
+    )
+
+
 def cmd_submit(ns, recipe_args: list[str]) -> int:
     env_values = dsenv.select(dict(os.environ), ns.env)
-    device = _device(ns)
+    device = ns.device or "cuda"  # the job's GPUs, not this host's
     world = ns.nodes * ns.gpus_per_node
     if ns.nodes < 1 or ns.gpus_per_node < 1:
         raise UserError("--nodes and --gpus-per-node must be at least 1.")
@@ -286,15 +312,16 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         world_size=world,
         device_type=device,
         mfu=ns.mfu,
-        gpu=ns.gpu,
+        gpu=ns.gpu or DEFAULT_GPU,
         ranks_per_host=ns.gpus_per_node,
     )
     out = Path(launch.launch.out).resolve()
-    grace = ns.grace_s
+    grace, grace_note = ns.grace_s, ""
     if grace is None:  # --grace-s 0 is refused by render_sbatch, not taken for the default
-        grace = max(
-            DEFAULT_GRACE_S,
-            int(2 * launch.forecast.step_s + launch.checkpoint_bytes / WRITE_BYTES_PER_S) + 30,
+        grace, grace_note = default_grace_s(
+            step_s=launch.forecast.step_s,
+            checkpoint_bytes=launch.checkpoint_bytes,
+            time=ns.time,
         )
     text = slurm.render_sbatch(
         job_name=f"anneal-{out.name}",
@@ -313,6 +340,8 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         master_port=ns.master_port,
     )
     print(preflight.forecast.describe(launch.forecast))
+    if grace_note:
+        print(grace_note)
     if note := dsenv.describe_left_out(
         dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
     ):

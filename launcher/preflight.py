@@ -161,7 +161,8 @@ def check_ssh(hosts: list[str], *, timeout_s: int = SSH_TIMEOUT_S) -> None:
 
 
 def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> float:
-    """FLOP/s of one device for the forecast."""
+    """FLOP/s of one device for the forecast: this host's CPU shared by its ranks; on GPUs
+    ``gpu``'s, else this host's GPU, else anneal.hardware's DEFAULT_GPU."""
     import torch
 
     from anneal import hardware
@@ -172,7 +173,7 @@ def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> flo
         return hardware.get_gpu(gpu).peak_flops
     if torch.cuda.is_available():
         return hardware.device_peak_flops(torch.device("cuda", 0))
-    return hardware.get_gpu("h100").peak_flops
+    return hardware.get_gpu(hardware.DEFAULT_GPU).peak_flops
 
 
 def preflight(

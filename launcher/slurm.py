@@ -132,6 +132,23 @@ def check_plain(value: str, *, what: str, why: str, also: str = "") -> str:
     return value
 
 
+def time_limit_s(time: str) -> int | None:
+    """Seconds of a Slurm time limit in one of the forms ``--time`` takes (``MM``,
+    ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``); None for ``0`` (no limit) or a form
+    it does not read."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d\d))?(?::(\d\d))?", time, re.ASCII)
+    if not m:
+        return None
+    days, first, second, third = (int(g) if g else 0 for g in m.groups())
+    if m[1] is None and m[3] is None:  # minutes
+        seconds = 60 * first
+    elif m[1] is None and m[4] is None:  # MM:SS
+        seconds = 60 * first + second
+    else:  # [D-]HH[:MM[:SS]]
+        seconds = 86400 * days + 3600 * first + 60 * second + third
+    return seconds or None
+
+
 def _check_job(
     *,
     time: str,
@@ -157,6 +174,13 @@ def _check_job(
         raise UserError(
             f"--grace-s {grace_s}: Slurm sends the preemption signal 1..{MAX_SIGNAL_S} s "
             f"before the time limit. Give a number of seconds in that range (or leave it out)."
+        )
+    limit_s = time_limit_s(time)
+    if limit_s is not None and grace_s >= limit_s:
+        raise UserError(
+            f"--grace-s {grace_s}: the job's --time {time} is {limit_s} s, so the preemption "
+            f"signal would come before the job starts. Give a --grace-s under {limit_s} s (the "
+            f"time of one step and one checkpoint save, docs/cluster.md), or a longer --time."
         )
     if not 1 <= master_port <= 65535:
         raise UserError(f"--master-port {master_port}: a TCP port is 1..65535, e.g. 29500.")

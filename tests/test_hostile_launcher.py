@@ -378,6 +378,7 @@ SUBMIT_OPTIONS = {
     "nodes-0": (["--nodes", "0"], "--nodes and --gpus-per-node must be at least 1"),
     "grace-0": (["--grace-s", "0"], "--grace-s 0"),
     "grace-negative": (["--grace-s", "-5"], "--grace-s -5"),
+    "grace-over-time": (["--grace-s", "3600"], "--grace-s 3600: the job's --time 01:00:00"),
     "port": (["--master-port", "99999"], "--master-port 99999"),
     "partition": (["--partition", "gpu;reboot"], "--partition"),
     "time": (["--time", "1:00:00\n#SBATCH --x"], "--time"),

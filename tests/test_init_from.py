@@ -338,6 +338,23 @@ def test_data_of_another_tokenizer_is_refused(models, model_data, tiny_data, tmp
     assert "anneal data prepare --tokenizer" in str(e.value)
 
 
+def test_the_launchers_preflight_refuses_data_of_another_tokenizer(
+    models, tiny_data, tmp_path, capsys
+):
+    """Issue 33: the launcher's pre-flight (``python -m launcher run``, on the launch host,
+    before any rank starts or Slurm allocates) refuses --init-from with data of another
+    tokenizer, with the rank's own message and exit 2, where it printed the command to start."""
+    from launcher.__main__ import main as launcher_main
+
+    out = tmp_path / "run"
+    argv = ["run", "recipes/continue_pretraining.py", "--num-gpus", "1", "--device", "cpu"]
+    argv += ["--dry-run", "--", *recipe_args(models["llama"], tiny_data, out)]
+    assert launcher_main([*argv, "--ds-config", "cpu.json"]) == 2
+    err = capsys.readouterr().err
+    assert "its tokenizer is not the one --data" in err
+    assert "anneal data prepare --tokenizer" in err and not out.exists()
+
+
 def test_a_shape_override_or_an_empty_flag_is_refused(models, model_data, tmp_path):
     with pytest.raises(UserError, match="shape of a pretrained model is its config.json's"):
         resolve(

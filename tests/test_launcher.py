@@ -6,6 +6,7 @@ exit 2 and nothing written, and two "nodes" on this machine (hostfiles/loopback,
 launcher per node) that train, checkpoint and resume through DeepSpeed's real runner."""
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -197,6 +198,45 @@ def test_dry_run_prints_the_exact_command(tiny_data, tmp_path, capsys, monkeypat
     assert "NCCL_DEBUG=INFO" in printed and "hf_secret" not in printed
     assert "forecast:" in printed and "per GPU" in printed
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "recipe", ["pretrain_125m.py", "pretrain_1b.py", "long_context_1b.py"], ids=lambda r: r[:-3]
+)
+def test_submit_forecasts_for_the_gpus_the_job_asks_for(recipe, tiny_data, tmp_path, capsys):
+    """docs/cluster.md's submit command (2 nodes x 8 GPUs, 4 hours), dry run, on this host with
+    or without a GPU (issue 33): the forecast is for 16 H100s (anneal.hardware.DEFAULT_GPU) at
+    40% MFU, never for this host's devices; the script asks for the GPUs; and the preemption
+    signal's lead is the default grace, at least 120 s and under half the job's time (no refusal
+    of a --grace-s nobody gave, no ``--signal=B:USR1@38326`` in a 4-hour job). The data is
+    tiny_data, without evaluation (it holds no validation window of these contexts)."""
+    out = tmp_path / "run"
+    argv = ["submit", f"recipes/{recipe}", "--nodes", "2", "--gpus-per-node", "8"]
+    argv += ["--partition", "gpu", "--time", "04:00:00", "--dry-run", "--"]
+    argv += ["--out", str(out), "--data", str(tiny_data), "--set", "train.eval_samples=0"]
+    code = launcher_main(argv)
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "at MFU 40% of 989 TFLOP/s x 16 devices" in printed
+    assert "#SBATCH --gpus-per-node=8\n" in printed
+    grace = int(re.search(r"#SBATCH --signal=B:USR1@(\d+)\n", printed)[1])
+    assert 120 <= grace <= 2 * 3600 and "note: the forecast asks for" not in printed
+    assert not out.exists()
+
+
+def test_the_default_grace_fits_the_job():
+    """The default lead of the preemption signal: two forecast steps, one save at 200 MB/s and
+    30 s, at least 120 s; at most half the job's --time (in each of Slurm's forms) and Slurm's
+    65535 s, with a note when that cuts it short."""
+    grace = launcher_cli.default_grace_s
+    assert grace(step_s=1.0, checkpoint_bytes=int(2e9), time="04:00:00") == (120, "")
+    assert grace(step_s=100.0, checkpoint_bytes=int(94e9), time="1-00") == (700, "")
+    seconds, note = grace(step_s=100.0, checkpoint_bytes=int(94e9), time="20")
+    assert seconds == 600 and "asks for 700 s" in note and "--time 20" in note
+    seconds, note = grace(step_s=1e6, checkpoint_bytes=0, time="30-00:00:00")
+    assert seconds == slurm.MAX_SIGNAL_S and "asks for 2000030 s" in note
+    forms = {"90": 5400, "04:00:00": 14400, "1-12": 129600, "1-12:30": 131400, "0": None}
+    assert {t: slurm.time_limit_s(t) for t in forms} == forms
 
 
 def test_deepspeed_env(tmp_path):

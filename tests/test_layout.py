@@ -187,13 +187,13 @@ MAY_IMPORT = {
     "ground": set(),
 }  # fmt: skip
 # Single modules that a part may import of a part below it that its row does not name.
-# Continued pretraining (--init-from) reads a Hugging Face checkpoint when the launch is
-# resolved (launch/: hf.load) and copies its tensors into the model when the engine is built
-# (train/: hf.load_weights; hf.load checks the data's tokenizer on the rank). Neither imports the
-# exporter: the loop never does (test_the_hf_loader_imports_nothing_of_the_export).
+# Continued pretraining (--init-from) reads a Hugging Face checkpoint and checks the data's
+# tokenizer against it when the launch is resolved (launch/: hf.load) and copies its tensors into
+# the model when the engine is built (train/: hf.load_weights). Neither imports the exporter:
+# the loop never does (test_the_hf_loader_imports_nothing_of_the_export).
 MAY_IMPORT_MODULES = {
     "launch": {"anneal.hf.load"},
-    "train": {"anneal.hf.load", "anneal.hf.load_weights"},
+    "train": {"anneal.hf.load_weights"},
 }
 
 

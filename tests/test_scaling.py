@@ -284,3 +284,28 @@ def test_mfu_from_a_run_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert code == 2 and out == ""
     assert f"--mfu-from {tmp_path}: {tmp_path / 'metrics.jsonl'}: cannot read it" in err
     assert "--mfu M" in err
+
+
+def _run_with_mfu(run_dir, mfu: float) -> None:
+    rows = [{"kind": "train", "step": i, "mfu": mfu} for i in range(1, 11)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plan_takes_the_mfu_of_a_run(tmp_path, capsys):
+    """docs/planning.md's `anneal plan --gpus G --hours H --mfu-from RUN` plans at the run's
+    median MFU; a run logged before MFU was capped at 1 (issue 33: a CPU run at 146%) is
+    refused with the run and --mfu-from named, not a --mfu the user never gave."""
+    _run_with_mfu(tmp_path, 0.3)
+    code, out, err = run_cli(
+        capsys, "plan", "--gpus", "8", "--hours", "24", "--mfu-from", str(tmp_path), "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["mfu"] == 0.3
+    assert json.loads(out)["flops"] == pytest.approx(8 * 24 * 3600 * 989e12 * 0.3)
+    _run_with_mfu(tmp_path, 1.46)
+    code, out, err = run_cli(
+        capsys, "plan", "--gpus", "8", "--hours", "24", "--mfu-from", str(tmp_path)
+    )
+    assert code == 2 and out == ""
+    assert f"--mfu-from {tmp_path}: the median MFU of its train rows is 146.0%" in err
+    assert "--mfu 1.46" not in err and "Give --mfu M instead" in err

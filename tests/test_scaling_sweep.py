@@ -105,7 +105,7 @@ def test_mfu_in_metrics_is_6n_plus_attention_over_the_cached_cpu_peak(swept, std
     out, cache, _ = swept
     peaks = json.loads((cache / "anneal" / "cpu_peak_flops.json").read_text())
     assert len(peaks) == 1  # measured once, by the first run; every later run read the cache
-    (peak,) = peaks.values()
+    (peak,) = (entry["flops"] for entry in peaks.values())
     vocab = json.loads((stdlib_data / "meta.json").read_text())["vocab_size"]
     for run_dir in sorted(p.parent for p in out.glob("*/metrics.jsonl")):
         preset = preset_of(run_dir)

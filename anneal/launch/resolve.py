@@ -194,6 +194,10 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     data_dir = Path(cfg.data.path)
     meta = check_prepared(PreparedDir(data_dir))  # complete, undamaged, tokenizer unchanged
     preset = model_preset(cfg.model, meta["vocab_size"])
+    if preset.init_from is not None:  # the data's tokenizer is the model's, before any rank starts
+        from anneal.hf.load import check_model_tokenizer
+
+        check_model_tokenizer(preset, meta=meta, data_dir=data_dir)
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
     old_record = check_run_dir(cfg, out, data_dir=data_dir)

@@ -17,9 +17,35 @@ from anneal import rundir
 from anneal.dist import is_main_process
 from anneal.rundir import read_metrics
 
-__all__ = ["MetricsLogger", "read_metrics"]
+__all__ = ["MetricsLogger", "Mfu", "read_metrics"]
 
 log = logging.getLogger(__name__)
+
+
+class Mfu:
+    """Model FLOPs utilisation of a train row: ``flops_per_token x tokens_per_s / (peak_flops
+    x world_size)``, at most 1. A device does not run above its peak, so a higher ratio means the
+    peak is too small (a CPU peak measured while the machine was busy): the row gets 1, and the
+    first such step logs a warning saying so. What goes to the console, metrics.jsonl and the
+    charts is never over 100%."""
+
+    def __init__(self, *, flops_per_token: float, peak_flops: float, world_size: int):
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.world_size, self.over_peak = world_size, False
+
+    def __call__(self, tokens_per_s: float) -> float:
+        ratio = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        if ratio > 1 and not self.over_peak:
+            self.over_peak = True
+            log.warning(
+                "training ran at %.0f%% of the peak FLOP/s it is measured against (%.3g per "
+                "device, anneal/hardware.py): that peak is too small, so MFU is shown as 100%% "
+                "at most. On a CPU, delete the cached peak ($XDG_CACHE_HOME/anneal/"
+                "cpu_peak_flops.json) to measure it again.",
+                100 * ratio,
+                self.peak_flops,
+            )
+        return min(ratio, 1.0)
 
 
 class MetricsLogger:

@@ -245,7 +245,7 @@ def _plot_throughput(plt, c, train, path, name) -> Path:
     ax.set_title(f"{name}: throughput")
     ax.grid(alpha=0.4)
     mx, my = _series(train, "mfu")
-    ax2.plot(mx, 100 * my, color=c["second"], lw=1.2)
+    ax2.plot(mx, 100 * np.minimum(my, 1.0), color=c["second"], lw=1.2)  # capped, as logged
     ax2.set_ylabel("MFU (%)")
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("optimizer step")

@@ -88,7 +88,7 @@ class ProgressBar:
             parts.append(f"gnorm {row['grad_norm']:.3f}")
         parts.append(f"{row.get('tokens_per_s') or 0:,.0f} tok/s")
         if isinstance(row.get("mfu"), int | float):
-            parts.append(f"mfu {100 * row['mfu']:.2f}%")
+            parts.append(f"mfu {100 * min(row['mfu'], 1):.2f}%")  # never over the peak
         if isinstance(row.get("mem_max_gib"), int | float):
             parts.append(f"mem {row['mem_max_gib']:.2f} GiB")
         parts.append(f"ETA {format_duration(self.eta_s(row['step']))}")

@@ -58,7 +58,20 @@ def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
         )
     device = record_or_empty(run_dir).device  # only a label
     kept = mfus[len(mfus) // 10 :] or mfus
-    return statistics.median(kept), f"median over {len(kept)} steps of {run_dir} ({device})"
+    mfu = statistics.median(kept)
+    if not 0 < mfu <= 1:
+        why = (
+            "That run measured it against a device peak that was too small (a CPU peak "
+            "measured on a busy machine; runs logged since MFU is capped at 100% do not show "
+            "this)"
+            if mfu > 1
+            else "That run logged no throughput"
+        )
+        raise UserError(
+            f"--mfu-from {run_dir}: the median MFU of its train rows is {mfu:.1%}, and MFU is a "
+            f"fraction of peak in (0, 100%]. {why}. Give --mfu M instead, or another run."
+        )
+    return mfu, f"median over {len(kept)} steps of {run_dir} ({device})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

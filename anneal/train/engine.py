@@ -23,18 +23,13 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    launch = resolve_launch(
+    return resolve_launch(
         cfg,
         overrides,
         world_size=world_size(),
         device_type="cuda" if device.type == "cuda" else "cpu",
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
-    if launch.preset.init_from is not None:  # the data's tokenizer is the model's
-        from anneal.hf.load import check_model_tokenizer
-
-        check_model_tokenizer(launch.preset, meta=launch.meta, data_dir=Path(cfg.data.path))
-    return launch
 
 
 def build_engine(launch: Launch):

@@ -29,7 +29,7 @@ from anneal.errors import UserError
 from anneal.hardware import device_peak_flops
 from anneal.launch.resolve import Launch
 from anneal.model import count_params, flops_per_token
-from anneal.observe.metrics import MetricsLogger
+from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption
@@ -122,8 +122,11 @@ class Trainer:
         self.evaluate = evaluate
         self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
-        flops = flops_per_token(launch.preset, seq_len=launch.seq_len)
-        self.flops_per_s = flops / (device_peak_flops(engine.device) * world_size())
+        self.mfu = Mfu(
+            flops_per_token=flops_per_token(launch.preset, seq_len=launch.seq_len),
+            peak_flops=device_peak_flops(engine.device),
+            world_size=world_size(),
+        )
         self.last_train, self.last_val = None, None
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
@@ -233,7 +236,7 @@ class Trainer:
 
     def step(self) -> dict:
         row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
-        row["mfu"] = self.flops_per_s * row["tokens_per_s"]
+        row["mfu"] = self.mfu(row["tokens_per_s"])
         self.last_train = row
         return row
 
