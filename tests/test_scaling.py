@@ -335,13 +335,13 @@ def test_anneal_fit_shows_its_progress_on_stderr(tmp_path, capsys):
     csv_path.write_text(
         "params,tokens,loss\n" + "".join(f"{p.params},{p.tokens},{p.loss}\n" for p in points)
     )
-    argv = ["fit", "--csv", str(csv_path), "--out", str(tmp_path / "f.json"), "--starts", "20"]
+    argv = ["fit", "--csv", str(csv_path), "--out", str(tmp_path / "f.json"), "--starts", "10"]
     code, text, err = run_cli(capsys, *argv, "--bootstrap", "10")
     assert code == 0
     lines = [line for line in err.splitlines() if line.startswith("anneal fit: ")]
     assert "36 runs" in lines[0]
     starts = [line.split()[4] for line in lines if line.startswith("anneal fit: point estimate:")]
-    assert starts == [f"{i}/20" for i in range(2, 21, 2)]
+    assert starts == [f"{i}/10" for i in range(1, 11)]
     boot = [line.split()[3] for line in lines if line.startswith("anneal fit: bootstrap ")]
     assert boot == [f"{i}/10" for i in range(1, 11)]
     assert "anneal fit: " not in text
