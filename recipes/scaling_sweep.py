@@ -205,7 +205,12 @@ def _fit(out: Path, args: argparse.Namespace) -> None:
     run_dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
     points = [planning.read_run(d) for d in run_dirs]
     start = time.perf_counter()
-    result = planning.fit_points(points, n_bootstrap=args.bootstrap, grid_starts=args.starts)
+    result = planning.fit_points(
+        points,
+        n_bootstrap=args.bootstrap,
+        grid_starts=args.starts,
+        progress=lambda line: print(f"sweep: fit: {line}", file=sys.stderr, flush=True),
+    )
     fit_path = planning.write_fit(result, out / "fit.json")
     print(planning.format_fit(result))
     try:

@@ -3,9 +3,10 @@
 Proves: every document of text files, directories (with glob filters), JSON Lines, gzip,
 Parquet and a ``datasets`` ``save_to_disk`` directory comes back byte for byte when its ids are
 read from the shards through the document index; the validation split is exactly the documents
-whose name hashes below the fraction; reruns, any ``--workers`` and any work-unit size give
-byte-identical shards; shards respect their size bound; counts in meta.json add up
-(tokens, bytes = sum of token_bytes over the ids, documents); weights are recorded; and
+whose name hashes below the fraction, plus the smallest-hash document of a source that would
+otherwise have none (prepare prints each source's counts); reruns, any ``--workers`` and any
+work-unit size give byte-identical shards; shards respect their size bound; counts in meta.json
+add up (tokens, bytes = sum of token_bytes over the ids, documents); weights are recorded; and
 ``--input stdlib`` still prepares through the CLI.
 """
 
@@ -364,3 +365,57 @@ def test_the_prepare_command_does_not_import_torch(corpus, tokenizer_model, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "rc 0 heavy []", proc.stderr[-3000:]
     assert _meta(tmp_path / "out")["splits"]["train"]["tokens"] > 0
+
+
+def test_every_source_of_a_blend_gets_a_validation_document(corpus, tokenizer_model, tmp_path):
+    """26 files at the default --val-fraction 0.02 whose names all hash above it got no
+    validation document, silently. Now a source of 2 or more documents whose hashes all lie
+    above the fraction holds out its smallest-hash document (deterministic: the same one for
+    any --workers), and prepare prints each source's train and val counts."""
+    small = tmp_path / "notes"
+    small.mkdir()
+    names: list[str] = []
+    i = 0
+    while len(names) < 26:  # names none of which the hash alone would hold out
+        name, i = f"note{i:03d}.txt", i + 1
+        if not is_validation("notes", name, val_fraction=0.02):
+            names.append(name)
+    for name in names:
+        (small / name).write_text(f"the notes of {name}\n" * 40, encoding="utf-8")
+
+    def hash_of(label: str, name: str) -> int:
+        return int.from_bytes(hashlib.sha256(f"{label}/{name}".encode()).digest()[:8], "little")
+
+    want = min(names, key=lambda n: hash_of("notes", n))
+    shards = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        argv = ["data", "prepare", "--input", str(corpus), "--input", str(small)]
+        argv += ["--out", str(out), "--tokenizer", str(tokenizer_model), "--quiet"]
+        assert main([*argv, "--workers", str(workers)]) == 0
+        meta = _meta(out)
+        per_source = {s: meta["splits"][s]["sources"]["notes"] for s in ("train", "val")}
+        assert (per_source["train"]["documents"], per_source["val"]["documents"]) == (25, 1)
+        assert read_documents(out, "val")["notes"] == [(small / want).read_text()]
+        assert meta["splits"]["val"]["sources"][corpus.name]["documents"] >= 1
+        shards.append(_file_digests(out))
+    assert shards[0] == shards[1]
+
+
+def test_prepare_prints_each_sources_validation_counts(corpus, tokenizer_model, tmp_path, capsys):
+    """With several inputs, prepare's summary has a line per source with its train and val
+    documents and tokens, so a source without validation data shows."""
+    jsonl = tmp_path / "web.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts().values()))
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--input", str(jsonl), "--input", str(corpus), "--out", str(out)]
+    argv += ["--tokenizer", str(tokenizer_model), "--val-fraction", "0.3", "--quiet"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    meta = _meta(out)
+    for name in ("web.jsonl", corpus.name):
+        val = meta["splits"]["val"]["sources"][name]
+        train = meta["splits"]["train"]["sources"][name]
+        line = next(ln for ln in printed.splitlines() if ln.strip().startswith(f"{name}:"))
+        assert f"train {train['tokens']:,} tokens / {train['documents']} docs" in line
+        assert f"val {val['tokens']:,} tokens / {val['documents']} docs" in line

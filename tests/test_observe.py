@@ -317,3 +317,72 @@ def test_run_prints_plain_progress_and_writes_plots_and_report(real_run):
         assert_sensible_png(run / "plots" / name)
     report = (run / "report.txt").read_text()
     assert "train loss" in report and "grad norm" in report and report in proc.stdout + "\n"
+
+
+def _spans(ax) -> dict[str, list[tuple[float, float]]]:
+    """The shaded phases of a chart: label -> [(x from, x to)] of each axvspan, unlabelled
+    ones under the label of the last labelled one of the same colour."""
+    from matplotlib.patches import Rectangle
+
+    spans: dict[str, list[tuple[float, float]]] = {}
+    by_colour: dict[tuple, str] = {}
+    for p in ax.patches:
+        if not isinstance(p, Rectangle):
+            continue
+        label = p.get_label()
+        colour = tuple(p.get_facecolor())
+        if label.startswith("_"):
+            label = by_colour.get(colour, label)
+        by_colour[colour] = label
+        spans.setdefault(label, []).append((p.get_x(), p.get_x() + p.get_width()))
+    return spans
+
+
+def test_an_extended_wsd_runs_lr_chart_shows_its_old_decay_and_marks_the_resume(
+    tmp_path, monkeypatch
+):
+    """A WSD run of 100 steps (warmup 10, decay from step 80) that finished and was resumed at
+    step 100 with --max-steps 200: its steps 81-100 were trained at a decaying LR, so the
+    chart shades them as decay (not "stable", which the 200-step schedule of config.json says),
+    shades 100-160 stable and 160-200 decay again, and marks the resume at step 100."""
+    from anneal.config.schedule import Schedule
+    from anneal.observe import plots
+
+    optim = {"schedule": "wsd", "decay_share": 0.2, "decay_shape": "linear"}
+    sched = {"warmup_num_steps": 10, "cos_min_ratio": 0.0, "warmup_min_ratio": 0.0}
+    old = Schedule.resolved({**sched, "total_num_steps": 100}, optim)
+    new = Schedule.resolved({**sched, "total_num_steps": 200}, optim)
+    assert (old.decay_start, new.decay_start) == (80, 160)
+    train = [
+        {
+            "step": s,
+            "tokens": 1024 * s,
+            "loss": 5.0,
+            "lr": 3e-3 * (old if s <= 100 else new).ratio(s),
+        }
+        for s in range(1, 201)
+    ]
+    events = [{"step": 50, "event": "checkpoint"}, {"step": 100, "event": "resume"}]
+    run = write_run(tmp_path / "run", train, events=events)
+    config = json.loads((run / "config.json").read_text())
+    config["run"] = {"optim": optim}
+    config["ds_config"]["scheduler"]["params"].update(sched, total_num_steps=200)
+    (run / "config.json").write_text(json.dumps(config))
+    drawn = {}
+    real_save = plots.save
+
+    def keep(fig, path):
+        drawn[Path(path).name] = fig.axes[0]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    plots.plot_run(run)
+    ax = drawn["lr.png"]
+    spans = _spans(ax)
+    assert spans["linear warmup"] == [(0, 10)]
+    assert spans["stable (peak)"] == [(10, 80), (100, 160)]
+    decay = sorted(x for label, xs in spans.items() if "decay" in label for x in xs)
+    assert decay == [(80, 100), (160, 200)]
+    resumes = [ln for ln in ax.lines if ln.get_label().startswith("resumed")]
+    assert [ln.get_xdata()[0] for ln in resumes] == [100]
+    assert "resumed at step 100" in resumes[0].get_label()

@@ -309,3 +309,64 @@ def test_plan_takes_the_mfu_of_a_run(tmp_path, capsys):
     assert code == 2 and out == ""
     assert f"--mfu-from {tmp_path}: the median MFU of its train rows is 146.0%" in err
     assert "--mfu 1.46" not in err and "Give --mfu M instead" in err
+
+
+def _finished_run(run_dir, *, params: int, tokens: int, loss: float) -> None:
+    """A run directory as `anneal fit` reads it: config.json's params, a train and a val row
+    at the last step."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"model": {"params": params}}))
+    rows = [
+        {"kind": "train", "step": 4, "tokens": tokens, "loss": loss + 0.1},
+        {"kind": "val", "step": 4, "val_loss": loss},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_fit_of_a_sweep_folder_skips_its_files_and_a_lone_non_run_is_an_error(tmp_path, capsys):
+    """`anneal fit runs/scaling_sweep/*` (the README's command) also matches the sweep's own
+    fit.json, fit.png and sweep.json: those are skipped, named on one stderr line, and the fit
+    is of the 6 runs; a single path that is not a run directory is still an error, and so is a
+    path that does not exist (a glob that matched nothing)."""
+    sweep = tmp_path / "scaling_sweep"
+    for i, (n, d) in enumerate((n, d) for n in (1e6, 2e6, 4e6) for d in (8192, 16384)):
+        loss = TRUTH.loss(n, d)
+        _finished_run(sweep / f"run{i}", params=int(n), tokens=d, loss=loss)
+    for name in ("fit.json", "fit.png", "sweep.json"):
+        (sweep / name).write_text("{}")
+    (sweep / "notes").mkdir()  # a folder that holds no run either
+    paths = sorted(str(p) for p in sweep.iterdir())
+    out = tmp_path / "fit.json"
+    argv = ["fit", *paths, "--out", str(out), "--starts", "8", "--bootstrap", "2"]
+    code, text, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert "fit of 6 runs" in text
+    skipped = [line for line in err.splitlines() if "skipped" in line]
+    assert len(skipped) == 1
+    assert all(n in skipped[0] for n in ("fit.json", "fit.png", "sweep.json", "notes"))
+    assert len(json.loads(out.read_text())["points"]) == 6
+    code, _, err = run_cli(capsys, "fit", str(sweep / "fit.json"))
+    assert code == 2 and "not a run directory" in err
+    code, _, err = run_cli(capsys, "fit", *paths, str(tmp_path / "sweep-*"))
+    assert code == 2 and "sweep-*" in err and "not a run directory" in err
+
+
+def test_anneal_fit_shows_its_progress_on_stderr(tmp_path, capsys):
+    """`anneal fit` said nothing for minutes: it now prints a line on stderr for each stage
+    (runs read, each tenth of the point estimate's starts, each tenth of the bootstrap), plain
+    lines that a log or a pipe shows as well as a terminal; stdout keeps only the result."""
+    points = synthetic_points(TRUTH, sigma=0.002, seed=1)
+    csv_path = tmp_path / "runs.csv"
+    csv_path.write_text(
+        "params,tokens,loss\n" + "".join(f"{p.params},{p.tokens},{p.loss}\n" for p in points)
+    )
+    argv = ["fit", "--csv", str(csv_path), "--out", str(tmp_path / "f.json"), "--starts", "10"]
+    code, text, err = run_cli(capsys, *argv, "--bootstrap", "10")
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.startswith("anneal fit: ")]
+    assert "36 runs" in lines[0]
+    starts = [line.split()[4] for line in lines if line.startswith("anneal fit: point estimate:")]
+    assert starts == [f"{i}/10" for i in range(1, 11)]
+    boot = [line.split()[3] for line in lines if line.startswith("anneal fit: bootstrap ")]
+    assert boot == [f"{i}/10" for i in range(1, 11)]
+    assert "anneal fit: " not in text

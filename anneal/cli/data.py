@@ -54,6 +54,13 @@ def _data_prepare(args: argparse.Namespace) -> int:
         + (f"; skipped {skipped['records']} bad records" if skipped["records"] else "")
         + (f", {skipped['empty_files']} empty files" if skipped["empty_files"] else "")
     )
+    if len(meta["sources"]) > 1:  # a blend: what each source holds, validation included
+        for source in meta["sources"]:
+            train, val = (splits[s]["sources"][source["name"]] for s in ("train", "val"))
+            print(
+                f"  {source['name']}: train {train['tokens']:,} tokens / {train['documents']} "
+                f"docs, val {val['tokens']:,} tokens / {val['documents']} docs"
+            )
     return 0
 
 

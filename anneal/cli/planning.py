@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import inspect
 import logging
+import sys
 from pathlib import Path
 
 from anneal.cli.args import path
@@ -58,12 +59,21 @@ def _fit(args: argparse.Namespace) -> int:
 
     if bool(args.runs) == bool(args.csv):
         raise UserError("anneal fit: give run directories or --csv FILE (one of the two).")
-    points = planning.read_csv(args.csv) if args.csv else [planning.read_run(r) for r in args.runs]
+
+    def say(line: str) -> None:  # progress and notes: stderr, so that --json stays clean
+        print(f"anneal fit: {line}", file=sys.stderr, flush=True)
+
+    if args.csv:
+        points = planning.read_csv(args.csv)
+    else:
+        points, skipped = planning.read_runs(args.runs)
+        if skipped:
+            say(f"skipped {len(skipped)} paths that are not run directories: {', '.join(skipped)}")
     out = Path(args.out)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     claim_fit_outputs(out, plot, force=args.force)  # before the fit, which takes time
     result = planning.fit_points(
-        points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed
+        points, n_bootstrap=args.bootstrap, grid_starts=args.starts, seed=args.seed, progress=say
     )
     out = planning.write_fit(result, out)
     try:

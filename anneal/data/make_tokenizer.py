@@ -151,20 +151,32 @@ def _sample_source(source: Source, units, budget: float, cfg, problems, seen) ->
     else:
         chosen, per_unit = units_of(units), budget
     taken = 0.0
+    picked: list[tuple[str, str]] = []  # (document name, text)
+    held_out, smallest, documents = False, None, 0
     for unit in chosen:
         in_unit = 0
         for rec in read_unit(unit, cfg.read, problems):
             seen[source.index] = seen.get(source.index, 0) + 1
-            if pack.is_validation(source.name, rec.name, val_fraction=cfg.val_fraction):
+            documents += rec.first
+            h = pack.doc_hash(source.name, rec.name)
+            if h < cfg.val_fraction:
+                held_out = True
                 continue
+            smallest = min(smallest or (h, rec.name), (h, rec.name))
             text = rec.text[: int(min(per_unit - in_unit, budget - taken)) + 1]
-            yield text
+            picked.append((rec.name, text))
             in_unit += len(text)
             taken += len(text)
             if in_unit >= per_unit or taken >= budget:
                 break
         if taken >= budget:
-            return
+            break
+    # A source none of whose documents hashes below the fraction holds out its smallest-hash
+    # one (anneal.data.pack.pack_all); if it was read here, it is the smallest read.
+    drop = None
+    if cfg.val_fraction > 0 and not held_out and documents >= 2:
+        drop = smallest[1]
+    yield from (text for name, text in picked if name != drop)
 
 
 def _in_child(fn, *args):

@@ -38,11 +38,18 @@ def utf8_bytes(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
-def is_validation(label: str, name: str, *, val_fraction: float) -> bool:
-    """Deterministic split by document: a hash of its source and name, not its position, so
-    the same document lands in the same split whatever else the input holds."""
+def doc_hash(label: str, name: str) -> float:
+    """Where a document falls in [0, 1): a hash of its source and name, not its position."""
     digest = hashlib.sha256(f"{label}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+def is_validation(label: str, name: str, *, val_fraction: float) -> bool:
+    """Deterministic split by document: its hash (:func:`doc_hash`) below the fraction, so the
+    same document lands in the same split whatever else the input holds. Besides these, a
+    source of 2 or more documents none of which hashes below the fraction holds out its
+    smallest-hash one (:func:`pack_all`), so that no source goes without validation."""
+    return doc_hash(label, name) < val_fraction
 
 
 @dataclass(kw_only=True)
@@ -63,16 +70,26 @@ class UnitResult:
     nbytes: int
     skipped: int = 0
     examples: list[str] = field(default_factory=list)
+    smallest: tuple[float, str] | None = None
+    """(hash, name) of the unit's training document with the smallest :func:`doc_hash`."""
 
 
-def init_worker(tokenizer_dir: str, opts: ReadOptions, val_fraction: float, dtype: str) -> None:
-    """Per process: load the tokenizer from the directory being prepared."""
+def init_worker(
+    tokenizer_dir: str,
+    opts: ReadOptions,
+    val_fraction: float,
+    dtype: str,
+    held_out: dict[int, str] | None = None,
+) -> None:
+    """Per process: load the tokenizer from the directory being prepared. ``held_out``: the
+    document name, by source index, that goes to validation besides the hashed ones."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(
         tok=tokenizer.load(Path(tokenizer_dir)),
         opts=opts,
         val_fraction=val_fraction,
         dtype=np.dtype(dtype),
+        held_out=held_out or {},
     )
 
 
@@ -98,8 +115,13 @@ def tokenize_unit(unit: Unit) -> UnitResult:
                 texts.clear()
                 lasts.clear()
 
+    held_out = _WORKER["held_out"].get(unit.source)
+    smallest = None
     for rec in read_unit(unit, opts, problems):
-        val = val_fraction > 0 and is_validation(unit.label, rec.name, val_fraction=val_fraction)
+        h = doc_hash(unit.label, rec.name)
+        val = val_fraction > 0 and (h < val_fraction or rec.name == held_out)
+        if not val and (smallest is None or (h, rec.name) < smallest):
+            smallest = (h, rec.name)
         split = "val" if val else "train"
         texts, lasts = pending[split]
         texts.append(rec.text)
@@ -127,6 +149,7 @@ def tokenize_unit(unit: Unit) -> UnitResult:
         nbytes=unit.nbytes,
         skipped=problems.skipped,
         examples=problems.examples,
+        smallest=smallest,
     )
 
 
@@ -180,6 +203,13 @@ class ShardWriter:
         self._file.close()
         self.shards[-1].update(tokens=self._in_shard, sha256=self._hash.hexdigest())
         self._file, self._in_shard = None, 0
+
+    def discard(self) -> None:
+        """Close and delete what was written (the source is packed again)."""
+        self.close()
+        for shard in self.shards:
+            (self.dir / shard["file"]).unlink()
+        (self.dir / self._docs_name).unlink(missing_ok=True)
 
     def close(self) -> dict:
         if self._file is not None:
@@ -290,16 +320,12 @@ def pack_all(
     each (split, source) under ``partial``. Returns the splits' totals and shard lists, the
     counts per split and source, and the input bytes read. ``units`` maps each source's index
     to its :func:`anneal.data.units.unit_list`; skipped records are added to ``problems``."""
-    writers = {
-        (split, s.index): ShardWriter(
-            PreparedDir(partial).split_dir(split),
-            source=s.index,
-            dtype=dtype,
-            shard_tokens=cfg.shard_tokens,
-        )
-        for split in SPLITS
-        for s in sources
-    }
+
+    def writer(split: str, source: int) -> ShardWriter:
+        directory = PreparedDir(partial).split_dir(split)
+        return ShardWriter(directory, source=source, dtype=dtype, shard_tokens=cfg.shard_tokens)
+
+    writers = {(split, s.index): writer(split, s.index) for split in SPLITS for s in sources}
     listed = [units[s.index] for s in sources]
     total = (
         sum(u.nbytes for us in listed for u in us)
@@ -309,13 +335,25 @@ def pack_all(
     progress = Progress(total, enabled=cfg.progress, workers=workers)
     all_units = (u for s in sources for u in units_of(units[s.index]))
     initargs = (str(partial), cfg.read, cfg.val_fraction, dtype.name)
-    for result in _ordered(tokenize_unit, all_units, workers=workers, initargs=initargs):
-        for split, part in result.parts.items():
-            writers[split, result.source].add(part)
-        problems.skipped += result.skipped
-        problems.examples += result.examples[: max(0, 20 - len(problems.examples))]
-        progress.update(result.nbytes, sum(len(p.ids) for p in result.parts.values()))
+    smallest = _pack(all_units, writers, problems, progress, workers=workers, initargs=initargs)
     progress.close()
+    # A source of 2 or more documents none of which hashed below the fraction: packed again,
+    # with its smallest-hash document held out (the same one for any number of workers).
+    held_out = {
+        s.index: smallest[s.index][1]
+        for s in sources
+        if cfg.val_fraction > 0
+        and writers["val", s.index].documents == 0
+        and writers["train", s.index].documents >= 2
+    }
+    for index in held_out:
+        for split in SPLITS:
+            writers[split, index].discard()
+            writers[split, index] = writer(split, index)
+    if held_out:
+        again = (u for s in sources if s.index in held_out for u in units_of(units[s.index]))
+        quiet = Problems(cfg.read.on_error, quiet=True)  # counted on the first pass
+        _pack(again, writers, quiet, None, workers=workers, initargs=(*initargs, held_out))
     splits, per_source = {}, {}
     for split in SPLITS:
         groups = [(s, writers[split, s.index].close()) for s in sources]
@@ -330,3 +368,21 @@ def pack_all(
             for s, g in groups
         }
     return splits, per_source, progress.done
+
+
+def _pack(units, writers, problems, progress, *, workers, initargs) -> dict[int, tuple]:
+    """Tokenize ``units`` into ``writers``; the smallest (hash, name) of a training document
+    of each source."""
+    smallest: dict[int, tuple] = {}
+    for result in _ordered(tokenize_unit, units, workers=workers, initargs=initargs):
+        for split, part in result.parts.items():
+            writers[split, result.source].add(part)
+        problems.skipped += result.skipped
+        problems.examples += result.examples[: max(0, 20 - len(problems.examples))]
+        if result.smallest is not None:
+            smallest[result.source] = min(
+                smallest.get(result.source, result.smallest), result.smallest
+            )
+        if progress is not None:
+            progress.update(result.nbytes, sum(len(p.ids) for p in result.parts.values()))
+    return smallest

@@ -12,7 +12,7 @@ import numpy as np
 
 from anneal.config.run import AUTO
 from anneal.config.schedule import DEFAULT_FLOOR, Schedule
-from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save, schedule_zones
+from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
 from anneal.planning.fit import FitResult
 from anneal.run_record import RunRecord
 
@@ -94,21 +94,21 @@ def _frontier_panel(ax, fit, *, n, c, loss) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
-def schedule_phases(ax, schedule: Schedule, *, colors: dict) -> None:
-    """Shade the schedule's phases: warmup and cosine decay, or warmup, stable and decay."""
-    if schedule.kind == "cosine":
-        schedule_zones(
-            ax, warmup=schedule.warmup_num_steps, total=schedule.total_num_steps, colors=colors
-        )
-        return
+def schedule_phases(ax, schedule: Schedule, *, colors: dict, from_step: int = 0) -> None:
+    """Shade the schedule's phases: warmup and cosine decay, or warmup, stable and decay; only
+    after ``from_step`` (a resumed run's earlier steps are shaded by the LR they had)."""
     warm, start, end = schedule.warmup_num_steps, schedule.decay_start, schedule.total_num_steps
-    if warm > 0:
-        ax.axvspan(0, warm, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
-    ax.axvspan(warm, start, color=colors["clip"], alpha=0.08, lw=0, label="stable (peak)")
-    label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
-    if schedule.cooldown_step:  # a cooldown branch (anneal.launch.cooldown)
-        label = f"{schedule.decay_shape} cooldown from step {start}"
-    ax.axvspan(start, end, color=colors["cos"], alpha=0.18, lw=0, label=label)
+    spans = [(0, warm, "warm", 0.25, "linear warmup")]
+    if schedule.kind == "cosine":
+        spans.append((warm, end, "cos", 0.18, "cosine decay"))
+    else:
+        label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
+        if schedule.cooldown_step:  # a cooldown branch (anneal.launch.cooldown)
+            label = f"{schedule.decay_shape} cooldown from step {start}"
+        spans += [(warm, start, "clip", 0.08, "stable (peak)"), (start, end, "cos", 0.18, label)]
+    for a, b, colour, alpha, label in spans:
+        if b > max(a, from_step):
+            ax.axvspan(max(a, from_step), b, color=colors[colour], alpha=alpha, lw=0, label=label)
 
 
 def planned_lr(schedule: Schedule, peak_lr: float, *, points: int = 2000):

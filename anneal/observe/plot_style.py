@@ -83,10 +83,3 @@ def save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
-
-
-def schedule_zones(ax, *, warmup: int, total: int, colors: dict) -> None:
-    """Shade the linear warmup and the cosine decay that follows it, for the legend too."""
-    if warmup > 0:
-        ax.axvspan(0, warmup, color=colors["warm"], alpha=0.25, lw=0, label="linear warmup")
-    ax.axvspan(warmup, total, color=colors["cos"], alpha=0.18, lw=0, label="cosine decay")

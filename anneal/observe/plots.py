@@ -50,7 +50,7 @@ def plot_run(
     name = run_dir.name
     charts = {
         "loss.png": lambda p: _plot_loss(plt, c, train, val, record, p, name, parent),
-        "lr.png": lambda p: _plot_lr(plt, c, train, record, p, name, parent),
+        "lr.png": lambda p: _plot_lr(plt, c, train, events, record, p, name, parent),
         "grad_norm.png": lambda p: _plot_grad_norm(plt, c, train, events, record, p, name),
         "throughput.png": lambda p: _plot_throughput(plt, c, train, p, name),
     }
@@ -165,12 +165,20 @@ def _plot_loss(plt, c, train, val, record, path, name, parent=None) -> Path:
     return save(fig, path)
 
 
-def _plot_lr(plt, c, train, record, path, name, parent=None) -> Path:
+def _plot_lr(plt, c, train, events, record, path, name, parent=None) -> Path:
+    """Applied LR over the planned one. The phases come from config.json's schedule, which
+    governs the steps after the last resume; the steps before it are shaded by the LR they
+    were trained at (a run resumed with a larger --max-steps decayed under its old length),
+    and each resume is marked."""
     sched = record.scheduler_params
     fig, ax = plt.subplots(figsize=SIZE)
     total = sched.get("total_num_steps")
     warm = sched.get("warmup_num_steps")
     peak = record.peak_lr
+    resumes = sorted(
+        {r["step"] for r in events if r.get("event") == "resume" and _num(r.get("step"))}
+    )
+    since = resumes[-1] if resumes else 0
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import Schedule
         from anneal.launch.cooldown import with_branch
@@ -178,18 +186,54 @@ def _plot_lr(plt, c, train, record, path, name, parent=None) -> Path:
 
         schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, record.optim)
         schedule = with_branch(schedule, record)
-        schedule_phases(ax, schedule, colors=c)
+        decay = "cosine decay" if schedule.kind == "cosine" else f"{schedule.decay_shape} decay"
+        _trained_phases(ax, c, train, upto=since, peak=peak, decay_label=decay)
+        schedule_phases(ax, schedule, colors=c, from_step=since)
         t, plan = planned_lr(schedule, peak)
-        ax.plot(t, plan, color=c["clip"], ls="--", lw=1, label="planned")
+        keep = t >= since
+        ax.plot(t[keep], np.asarray(plan)[keep], color=c["clip"], ls="--", lw=1, label="planned")
     _plot_parent(ax, c, parent, "lr")
     x, y = _series(train, "lr")
     ax.plot(x, y, color=c["main"], lw=2, label="applied")
+    for step in resumes:
+        ax.axvline(step, color=c["event"], ls=":", lw=1.5, label=f"resumed at step {step}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
     ax.set_title(f"{name}: learning rate")
     ax.grid(alpha=0.4)
-    ax.legend(fontsize=8)
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    ax.legend(handles.values(), handles.keys(), fontsize=8)  # a phase drawn twice: one entry
     return save(fig, path)
+
+
+def _trained_phases(ax, c, train, *, upto: int, peak: float, decay_label: str) -> None:
+    """Shade steps 1 to ``upto`` by the LR each was trained at: warmup until the LR first
+    reaches ``peak``, then stable at the peak and decay below it."""
+    pts = sorted(
+        (r["step"], r["lr"])
+        for r in train
+        if _num(r.get("lr")) and _num(r.get("step")) and 0 < r["step"] <= upto
+    )
+    kinds: list[tuple[int, str]] = []
+    warming = True
+    for step, lr in pts:
+        at_peak = lr >= peak * (1 - 1e-6)
+        if warming and not (at_peak and not kinds):  # a first step at the peak: no warmup
+            kind, warming = "warm", not at_peak
+        else:
+            kind, warming = ("stable" if at_peak else "decay"), False
+        kinds.append((step, kind))
+    styles = {
+        "warm": ("warm", 0.25, "linear warmup"),
+        "stable": ("clip", 0.08, "stable (peak)"),
+        "decay": ("cos", 0.18, decay_label),
+    }
+    start = 0
+    for i, (step, kind) in enumerate(kinds):
+        if i + 1 == len(kinds) or kinds[i + 1][1] != kind:
+            colour, alpha, label = styles[kind]
+            ax.axvspan(start, step, color=c[colour], alpha=alpha, lw=0, label=label)
+            start = step
 
 
 def _plot_grad_norm(plt, c, train, events, record, path, name) -> Path:

@@ -37,7 +37,7 @@ from anneal.planning.planner import (
     parse_rule,
     plan,
 )
-from anneal.planning.runs import RunPoint, read_csv, read_run
+from anneal.planning.runs import RunPoint, read_csv, read_run, read_runs
 
 __all__ = [
     "DEFAULT_FIT",
@@ -63,5 +63,6 @@ __all__ = [
     "plan",
     "read_csv",
     "read_run",
+    "read_runs",
     "write_fit",
 ]

@@ -10,7 +10,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,11 @@ def _scaled_objective(theta, log_n, log_d, log_l, delta):
     return value / delta, grad / delta
 
 
-def _minimise(starts: np.ndarray, log_n, log_d, log_l, delta: float) -> tuple[np.ndarray, float]:
-    """L-BFGS from every start; the best end point and its mean Huber loss.
+def _minimise(
+    starts: np.ndarray, log_n, log_d, log_l, delta: float, *, tick=None
+) -> tuple[np.ndarray, float]:
+    """L-BFGS from every start; the best end point and its mean Huber loss. ``tick(i)`` is
+    called after start ``i`` (counted from 1), for progress.
 
     The objective is divided by delta so that it and its gradient are of order one: on the raw
     scale (residuals of order delta) the default tolerances stop L-BFGS early, the flaw that
@@ -88,7 +92,7 @@ def _minimise(starts: np.ndarray, log_n, log_d, log_l, delta: float) -> tuple[np
     from scipy.optimize import minimize
 
     best, best_value = None, math.inf
-    for x0 in starts:
+    for i, x0 in enumerate(starts, start=1):
         res = minimize(
             _scaled_objective,
             x0,
@@ -99,6 +103,8 @@ def _minimise(starts: np.ndarray, log_n, log_d, log_l, delta: float) -> tuple[np
         )
         if np.all(np.isfinite(res.x)) and res.fun < best_value:
             best, best_value = res.x, float(res.fun) * delta
+        if tick is not None:
+            tick(i)
     return best, best_value
 
 
@@ -174,6 +180,7 @@ def fit_points(
     grid_starts: int | None = None,
     seed: int = 0,
     delta: float = HUBER_DELTA,
+    progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Fit E, A, B, alpha, beta to ``points`` (Hoffmann's approach 3).
 
@@ -182,6 +189,10 @@ def fit_points(
     resample (runs drawn with replacement) refits from the point estimate and the
     ``bootstrap_starts`` grid points that score best on that resample; the 95% intervals are
     the 2.5th and 97.5th percentiles of the refits.
+
+    ``progress`` receives a line for each stage: the start, each tenth of the point
+    estimate's starts and of the bootstrap resamples (a full fit takes minutes on a small
+    machine, and says so while it runs).
     """
     import scipy.optimize  # noqa: F401 (load its BLAS before limiting the thread pools)
     from threadpoolctl import threadpool_limits
@@ -197,17 +208,43 @@ def fit_points(
             grid_starts=grid_starts,
             seed=seed,
             delta=delta,
+            progress=_Progress(progress),
         )
 
 
-def _fit_points(points, *, n_bootstrap, bootstrap_starts, grid_starts, seed, delta) -> FitResult:
+class _Progress:
+    """Lines for ``fit_points``'s ``progress``: each tenth of a stage, with the seconds since
+    the fit began."""
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say = say
+        self.t0 = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        if self.say is not None:
+            self.say(f"{text} ({time.perf_counter() - self.t0:.0f} s)")
+
+    def ticker(self, what: str, total: int, unit: str) -> Callable[[int], None] | None:
+        """A ``tick(i)`` that says ``what i/total unit`` at each tenth of ``total``."""
+        if self.say is None:
+            return None
+        due = {math.ceil(total * k / 10) for k in range(1, 11)}
+        return lambda i: self(f"{what} {i}/{total} {unit}") if i in due else None
+
+
+def _fit_points(
+    points, *, n_bootstrap, bootstrap_starts, grid_starts, seed, delta, progress
+) -> FitResult:
     log_n = np.log([p.params for p in points])
     log_d = np.log([p.tokens for p in points])
     log_l = np.log([p.loss for p in points])
     grid = _grid()
     if grid_starts is not None:
         grid = grid[np.argsort(_grid_scores(grid, log_n, log_d, log_l, delta))[:grid_starts]]
-    theta, value = _minimise(grid, log_n, log_d, log_l, delta)
+    then = f", then {n_bootstrap} bootstrap resamples" if n_bootstrap else ""
+    progress(f"{len(points)} runs; point estimate: L-BFGS from {len(grid)} starts{then}")
+    tick = progress.ticker("point estimate:", len(grid), "starts")
+    theta, value = _minimise(grid, log_n, log_d, log_l, delta, tick=tick)
     if theta is None:
         raise UserError(
             "the fit diverged from every starting point; check that the losses are final "
@@ -216,7 +253,8 @@ def _fit_points(points, *, n_bootstrap, bootstrap_starts, grid_starts, seed, del
 
     rng = np.random.default_rng(seed)
     samples = []
-    for _ in range(n_bootstrap):
+    tick = progress.ticker("bootstrap", n_bootstrap, "resamples")
+    for i in range(1, n_bootstrap + 1):
         idx = rng.integers(0, len(points), size=len(points))
         ln, ld, ll = log_n[idx], log_d[idx], log_l[idx]
         scores = _grid_scores(grid, ln, ld, ll, delta)
@@ -224,6 +262,8 @@ def _fit_points(points, *, n_bootstrap, bootstrap_starts, grid_starts, seed, del
         boot, _ = _minimise(starts, ln, ld, ll, delta)
         if boot is not None:
             samples.append(_theta_to_fit(boot))
+        if tick is not None:
+            tick(i)
     ci = {}
     if samples:
         for k in PARAM_NAMES:

@@ -63,6 +63,30 @@ def read_run(run_dir: str | Path) -> RunPoint:
     )
 
 
+def read_runs(paths: list[str | Path]) -> tuple[list[RunPoint], list[str]]:
+    """:func:`read_run` of each path, and the paths skipped. Several paths come from a glob
+    (``anneal fit runs/scaling_sweep/*`` also matches the sweep's fit.json, fit.png and
+    sweep.json), so among several, one that exists but is no run directory (a file, or a
+    directory with neither config.json nor metrics.jsonl) is skipped; a lone path, a path
+    that does not exist (a glob that matched nothing) and a broken run stay errors."""
+    from anneal.rundir import config_path, metrics_path
+
+    def not_a_run(p: Path) -> bool:
+        if not p.exists():
+            return False
+        return not p.is_dir() or not (config_path(p).exists() or metrics_path(p).exists())
+
+    skip = [len(paths) > 1 and not_a_run(Path(p)) for p in paths]
+    skipped = [str(p) for p, s in zip(paths, skip, strict=True) if s]
+    if skipped and len(skipped) == len(paths):
+        raise UserError(
+            f"none of the {len(paths)} paths is a run directory (config.json and "
+            f"metrics.jsonl): {', '.join(skipped)}. Give run directories, or --csv with "
+            f"params,tokens,loss."
+        )
+    return [read_run(p) for p, s in zip(paths, skip, strict=True) if not s], skipped
+
+
 def read_csv(path: str | Path) -> list[RunPoint]:
     """Rows of a CSV with a header naming ``params``, ``tokens`` and ``loss`` columns."""
     try:
