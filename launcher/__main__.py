@@ -27,7 +27,7 @@ from pathlib import Path
 from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
-from launcher import dsenv, hostfile, pdsh, preflight, slurm
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -345,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_submit(ns, recipe_args)
     except UserError as e:
         print(f"launcher: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in venv.NEEDS:
+            raise
+        print(f"launcher: error: {venv.missing_package(e.name)}", file=sys.stderr, flush=True)
         return 2
 
 
