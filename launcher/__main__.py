@@ -258,6 +258,10 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
     if remote:  # DeepSpeed's runner exports some of its own environment through pdsh too
         env, runner_left_out = dsenv.runner_environ(env)
         left_out = {**left_out, **runner_left_out}
+    else:
+        from anneal.dist import accelerator_env  # imports torch: not at the top (venv.NEEDS)
+
+        env.update(accelerator_env(env))
     print(preflight.forecast.describe(launch.forecast))
     if note := dsenv.describe_left_out(left_out):
         print(note)
