@@ -1,0 +1,37 @@
+"""Anneal: LLM pretraining on DeepSpeed.
+
+Importing it quiets two messages of the libraries below it that say nothing an Anneal run can
+act on, and nothing else (each matched by its exact text, so any other warning of theirs still
+shows; docs/observability.md, "What else it prints"):
+
+- DeepSpeed's "Setting accelerator to CPU" warning, logged once by every process that imports
+  DeepSpeed on a machine without a GPU. Anneal says which device a run trains on, once (the
+  recipe's "no GPU found" line and the launch's "on cpu"). A filter on DeepSpeed's logger,
+  installed here because DeepSpeed logs it while it is being imported.
+- torch's FutureWarnings that ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are
+  deprecated: DeepSpeed's ZeRO calls them (attributed to ``torch.distributed.c10d_logger``, the
+  wrapper in between), Anneal does not.
+"""
+
+import logging
+import re
+import warnings
+
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU."
+TORCH_DEPRECATIONS = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+)
+
+
+def _not_the_cpu_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(DEEPSPEED_CPU_NOTICE)
+
+
+if _not_the_cpu_notice not in logging.getLogger("DeepSpeed").filters:
+    logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_notice)
+warnings.filterwarnings(
+    "ignore",
+    message=TORCH_DEPRECATIONS,
+    category=FutureWarning,
+    module=re.escape("torch.distributed.c10d_logger") + r"\Z",
+)

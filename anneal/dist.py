@@ -31,6 +31,19 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
 
 
+def accelerator_env(environ: dict[str, str]) -> dict[str, str]:
+    """``{"DS_ACCELERATOR": "cpu"}`` where DeepSpeed finds no accelerator on this host and
+    ``environ`` names none; empty otherwise. For DeepSpeed's runner and per-node launcher started
+    on this host (``python -m launcher run``): told what their own detection would find here,
+    they skip it and its "Setting accelerator to CPU" warning, one per process (the ranks' own is
+    quieted by importing ``anneal``). Not for other hosts, which may have GPUs."""
+    if "DS_ACCELERATOR" in environ:
+        return {}
+    import deepspeed
+
+    return {"DS_ACCELERATOR": "cpu"} if deepspeed.get_accelerator().device_name() == "cpu" else {}
+
+
 def shutdown() -> None:
     """Destroy the process group, if there is one: the last distributed call of a process that
     finishes (or refuses) cleanly. Gloo's worker threads outlive a process group nobody destroyed,

@@ -28,7 +28,7 @@ from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
 from anneal.hardware import DEFAULT_GPU
-from launcher import dsenv, hostfile, pdsh, preflight, slurm
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -266,6 +266,10 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
     if remote:  # DeepSpeed's runner exports some of its own environment through pdsh too
         env, runner_left_out = dsenv.runner_environ(env)
         left_out = {**left_out, **runner_left_out}
+    else:
+        from anneal.dist import accelerator_env  # imports torch: not at the top (venv.NEEDS)
+
+        env.update(accelerator_env(env))
     print(preflight.forecast.describe(launch.forecast))
     if note := dsenv.describe_left_out(left_out):
         print(note)
@@ -374,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_submit(ns, recipe_args)
     except UserError as e:
         print(f"launcher: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in venv.NEEDS:
+            raise
+        print(f"launcher: error: {venv.missing_package(e.name)}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import launcher.__main__ as launcher_cli
 from anneal.errors import UserError
-from launcher import dsenv, hostfile, slurm
+from launcher import dsenv, hostfile, slurm, venv
 from launcher.__main__ import deepspeed_args, split_argv
 from launcher.__main__ import main as launcher_main
 from tests.conftest import ROOT, SMALL, env, free_port, kill_tree, read_metrics
@@ -150,6 +150,68 @@ def test_command_line_split():
         ["run", "r.py", "--dry-run"],
         ["--out", "x", "--", "y"],
     )
+
+
+@pytest.mark.parametrize("missing", ["torch", "deepspeed"])
+def test_a_python_without_torch_or_deepspeed_gets_the_fix_not_a_traceback(
+    missing, tiny_data, tmp_path, capsys, monkeypatch
+):
+    """``python -m launcher run`` and ``submit`` with a Python that cannot import torch or
+    DeepSpeed (a bare ``python`` outside the virtual environment): one paragraph naming the
+    package, this Python and the fix (``.venv/bin/python``, ``make setup``), exit 2, nothing
+    written; not a ModuleNotFoundError traceback."""
+    for name in [m for m in sys.modules if m == missing or m.startswith(missing + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # `import torch` raises ModuleNotFoundError
+    out = tmp_path / "run"
+    flags = ["--", "--out", str(out), "--data", str(tiny_data)]
+    for argv in (
+        ["run", "--device", "cpu", "--num-gpus", "1", "recipes/pretrain_tiny.py", *flags],
+        ["submit", "recipes/pretrain_tiny.py", "--nodes", "1", "--gpus-per-node", "1"]
+        + ["--partition", "p", "--time", "01:00:00", "--device", "cpu", "--dry-run", *flags],
+    ):
+        assert launcher_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"launcher: error: this Python ({sys.executable}) cannot import {missing}"
+        ), err
+        assert ".venv/bin/python -m launcher" in err and "make setup" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_python_m_launcher_without_torch_exits_2_with_the_fix(tmp_path):
+    """``python -m launcher run`` as a process whose Python has no torch at all (the import
+    blocked before anything of the launcher loads): exit 2 and the paragraph, no traceback; its
+    ``hostfile`` needs no torch and still works (the sbatch script runs it first)."""
+    block = "import runpy, sys; sys.modules['torch'] = None; "
+    block += "runpy.run_module('launcher', run_name='__main__', alter_sys=True)"
+    for argv, rc in (
+        (["run", "recipes/pretrain_tiny.py", "--dry-run"], 2),
+        (["hostfile", "--hosts", "a", "--out", str(tmp_path / "h"), "--dry-run"], 0),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", block, *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env(),
+        )
+        assert done.returncode == rc, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        if rc == 2:
+            assert "cannot import torch" in done.stderr and "make setup" in done.stderr
+
+
+def test_the_packages_the_launcher_names_are_the_requirements():
+    """Each package the launcher's missing-package paragraph covers is one of
+    requirements.txt's, so the advice (install the requirements in .venv) is right."""
+    names = {
+        line.split("==")[0].strip()
+        for line in (ROOT / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert set(venv.NEEDS) <= names
 
 
 @pytest.mark.parametrize(

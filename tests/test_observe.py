@@ -15,6 +15,7 @@ import math
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,27 @@ def test_run_plots_are_valid_pngs_drawn_headless(tmp_path, dark):
     done = anneal("plot", str(run), *(["--dark"] if dark else []))
     for name in PLOTS:
         assert f"wrote {run / 'plots' / name}" in done.stdout
+        assert_sensible_png(run / "plots" / name)
+
+
+def test_anneal_plot_of_a_blend_warns_nothing(tmp_path, capsys):
+    """``anneal plot`` of a run whose validation is per source (the five charts): Matplotlib
+    warns nothing (the per-source chart gave its line style twice, a UserWarning on every
+    plot), and the charts are valid PNGs."""
+    run = good_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["kind"] == "val":
+            r.update({"val_loss/prose": r["val_loss"] - 0.2, "val_bpb/prose": 1.1})
+            r.update({"val_loss/code": r["val_loss"] + 0.2, "val_bpb/code": 1.3, "val_bpb": 1.2})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, out, err = cli(capsys, "plot", run)
+    assert rc == 0, err
+    assert [str(w.message) for w in caught] == []
+    for name in [*PLOTS, "val_sources.png"]:
+        assert f"wrote {run / 'plots' / name}" in out
         assert_sensible_png(run / "plots" / name)
 
 

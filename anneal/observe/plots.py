@@ -309,9 +309,9 @@ def _plot_val_sources(plt, c, train, val, sources, path, name) -> Path:
         for key, label in [(f"{metric}/{s}", s) for s in sources] + [(metric, "total")]:
             pts = [(tokens.get(r["step"]), r.get(key)) for r in val]
             pts = [(x, y) for x, y in pts if x and isinstance(y, int | float)]
-            if pts:
-                style = dict(color=c["clip"], ls="--") if label == "total" else {}
-                ax.plot(*zip(*pts, strict=True), "o-", lw=1.5, ms=3, label=label, **style)
+            if pts:  # the line style as a keyword only: a format string too would clash
+                style = dict(color=c["clip"], ls="--") if label == "total" else dict(ls="-")
+                ax.plot(*zip(*pts, strict=True), marker="o", lw=1.5, ms=3, label=label, **style)
         ax.set_ylabel(f"dev {metric[4:]} ({unit})")
         ax.set_xscale("log")
         ax.grid(alpha=0.4, which="both")

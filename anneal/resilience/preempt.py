@@ -18,12 +18,20 @@ Which processes get the signal: Slurm's ``--signal=B:USR1@GRACE`` reaches the ba
 and DeepSpeed's launcher kills its ranks on SIGTERM without waiting. So every rank writes
 ``RUN/preempt/<host>.<pid>.pid`` and the batch script's trap signals the ranks on its own host
 (enough, since the ranks agree); ``scancel --signal=USR1 --batch JOB`` triggers the same trap.
+
+A pid file holds ``PID START JOB``: the rank's process id, its start time (field 22 of
+``/proc/PID/stat``, clock ticks since boot) and its Slurm job id (``-`` outside Slurm). A pid
+alone is not a process: a rank killed with -9 never removes its file, and its pid may since
+belong to another process. The trap signals a pid only while that process started at START and
+the job is its own, and removes the file of a pid that is gone or reused; each rank, at its
+start, removes such files of its host (``remove_stale``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -35,12 +43,54 @@ import torch.distributed as dist
 
 from anneal import rundir
 from anneal.dist import world_size
+from anneal.files import write_atomic
 from anneal.resilience import checkpoint
 
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (field 22 of ``/proc/PID/stat``: clock ticks since boot),
+    or None where it does not exist (or there is no ``/proc``). With the pid, it names one
+    process: a pid is reused, a pid and its start time are not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return int(fields[19]) if len(fields) > 19 and re.fullmatch(r"[0-9]+", fields[19]) else None
+
+
+def pid_line(pid: int) -> str:
+    """A pid file's text: ``PID START JOB`` (see the module docstring)."""
+    start = start_time(pid)
+    return f"{pid} {'-' if start is None else start} {os.environ.get('SLURM_JOB_ID') or '-'}\n"
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Remove this host's pid files whose process is gone or is another one now (its start
+    time differs), and those that do not parse; returns them. Files of other hosts are left:
+    only their own host can tell. Nothing is removed where ``/proc`` cannot be read."""
+    if start_time(os.getpid()) is None:
+        return []
+    removed = []
+    for f in folder.glob(f"{socket.gethostname()}.*.pid"):
+        try:
+            fields = f.read_text(errors="replace").split()
+        except OSError:  # removed meanwhile (another rank of this host), or not a file
+            continue
+        live = (
+            len(fields) == 3
+            and all(re.fullmatch(r"[0-9]{1,18}", x) for x in fields[:2])
+            and start_time(int(fields[0])) == int(fields[1])
+        )
+        if not live:
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
 
 
 class Preempted(SystemExit):
@@ -57,9 +107,11 @@ class Preemption:
         self.signum: int | None = None
         self.requested_by_any = False
         """Set on every rank by ``train_step``'s collective: some rank got a signal."""
-        self._pid_file = rundir.preempt_dir(run_dir) / f"{socket.gethostname()}.{os.getpid()}.pid"
-        self._pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self._pid_file.write_text(f"{os.getpid()}\n")
+        folder = rundir.preempt_dir(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale(folder)
+        self._pid_file = folder / f"{socket.gethostname()}.{os.getpid()}.pid"
+        write_atomic(self._pid_file, pid_line(os.getpid()))
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # else: signals stay as they are
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}

@@ -51,14 +51,13 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     check_ranges(cfg)  # before the process group: collective_timeout_s goes there
     setup_process(cfg.train.collective_timeout_s)
     launch = resolve_run(cfg, overrides)
-    for note in launch.notes:
-        log.warning(note)
+    log_notes(launch.notes, rank=rank())
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     data = Data.open(launch)
     print0(launch.describe())
     engine = build_engine(launch)
-    recompute = getattr(engine.module, "is_gradient_checkpointing", False)
+    recompute = getattr(engine.module, "is_activation_checkpointing", False)
     print0(f"activation checkpointing {'on' if recompute else 'off'}")
     t0 = time.perf_counter()
     resume_from = launch.resume_from and checkpoint.verified_resume(
@@ -78,6 +77,14 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     except BaseException:
         run_dir.undo()
         raise
+
+
+def log_notes(notes: Sequence[str], *, rank: int) -> None:
+    """What the launch changed or decided that the user did not write (``Launch.notes``), once:
+    every rank resolves the same launch, so rank 0 says it for all."""
+    if rank == 0:
+        for note in notes:
+            log.warning(note)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,98 @@
+"""A run prints what the user needs, once (issue 33, item 10). A real 2-rank run through
+DeepSpeed's runner (the session's shared ``two_ranks`` run) shows none of torch's deprecation
+FutureWarnings that DeepSpeed's ZeRO calls trigger and none of its ranks says "Setting
+accelerator to CPU"; the filters that do it are narrow (another FutureWarning of the same
+module, the same text from another module and any other DeepSpeed warning still show); the
+launch's notes are logged by rank 0 only; ``python -m launcher run`` tells DeepSpeed's own
+processes the accelerator only where they would find none themselves."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+
+from anneal.dist import accelerator_env
+from anneal.train.trainer import log_notes
+from tests.conftest import ROOT, env
+
+CPU_NOTICE = "Setting accelerator to CPU"
+
+
+def test_a_two_rank_run_prints_no_third_party_noise(shared_runs):
+    """The 2-rank run's whole output: no FutureWarning at all (there were 8: torch's
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` deprecations through DeepSpeed,
+    and transformers' ``is_gradient_checkpointing``, Anneal's own call), and DeepSpeed's CPU
+    notice only from the two processes DeepSpeed's ``deepspeed`` command starts before any rank
+    (its runner and its per-node launcher; 4 before: each rank logged it too)."""
+    done = shared_runs["two_ranks"][1]
+    out = done.stdout + done.stderr
+    assert "FutureWarning" not in out, out
+    assert out.count(CPU_NOTICE) == 2, out
+    assert not re.search(r"\[rank[1-9][0-9]*\] WARNING anneal\.train", out), out
+
+
+FILTERS = r"""
+import logging, sys, warnings
+# What a plain run shows (once per place), set before anneal's filters as -W would be:
+warnings.simplefilter("default")
+import anneal
+for i, name in enumerate(sys.argv[1:]):
+    module, text = name.split(":", 1)
+    warnings.warn_explicit(text, FutureWarning, "f.py", i + 1, module=module)
+logging.basicConfig()
+ds = logging.getLogger("DeepSpeed")
+ds.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable")
+ds.warning("another DeepSpeed warning")
+"""
+
+
+def test_the_filters_hide_only_the_known_messages():
+    """In a fresh interpreter that imports ``anneal``: torch's two deprecation warnings from
+    ``torch.distributed.c10d_logger`` (where DeepSpeed's calls surface) and DeepSpeed's CPU
+    notice are hidden; another FutureWarning of that module, the same text from another module
+    and another DeepSpeed warning are shown."""
+    hidden = [
+        "torch.distributed.c10d_logger:`torch.distributed.all_gather_into_tensor` is deprecated.",
+        "torch.distributed.c10d_logger:`torch.distributed.reduce_scatter_tensor` is deprecated.",
+    ]
+    shown = [
+        "torch.distributed.c10d_logger:`torch.distributed.all_reduce_coalesced` is deprecated.",
+        "mine.module:`torch.distributed.all_gather_into_tensor` is deprecated.",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", FILTERS, *hidden, *shown],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env(),
+        check=True,
+    )
+    err = done.stderr
+    assert "f.py:3: FutureWarning" in err and "f.py:4: FutureWarning" in err, err
+    assert "f.py:1:" not in err and "f.py:2:" not in err, err
+    assert CPU_NOTICE not in err and "another DeepSpeed warning" in err, err
+
+
+def test_launch_notes_are_logged_by_rank_0_only(caplog):
+    """Every rank resolves the same launch; its notes (a batch rounded up, fp32 on a CPU, a
+    cooldown branch) are logged once, by rank 0, as warnings."""
+    notes = ["global batch rounded up", "cooldown branch of runs/p"]
+    with caplog.at_level(logging.INFO, logger="anneal.train.trainer"):
+        log_notes(notes, rank=1)
+        assert caplog.records == []
+        log_notes(notes, rank=0)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", n) for n in notes
+    ]
+
+
+def test_the_launcher_names_the_accelerator_only_where_deepspeed_finds_none(monkeypatch):
+    """``accelerator_env``: DS_ACCELERATOR=cpu exactly where DeepSpeed's detection on this host
+    gives the CPU; nothing where the environment names an accelerator already."""
+    import deepspeed
+
+    found = deepspeed.get_accelerator().device_name()
+    assert accelerator_env({}) == ({"DS_ACCELERATOR": "cpu"} if found == "cpu" else {})
+    assert accelerator_env({"DS_ACCELERATOR": "cuda"}) == {}
