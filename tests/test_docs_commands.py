@@ -339,13 +339,7 @@ def run_one(command: str, clone: Path, expected: tuple[int, ...]) -> Outcome:
     except pytest.fail.Exception as e:  # run_process's timeout, the process tree killed
         return Outcome(ran=command, code=-9, output=str(e), problems=("a timeout",))
     output = done.stdout + done.stderr
-    found = db.problems(output, done.returncode, expected)
-    for metrics in sorted((clone / "runs").rglob("metrics.jsonl")):
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        over = [r["mfu"] for r in rows if isinstance(r.get("mfu"), float) and r["mfu"] > 1]
-        if over:
-            where = metrics.relative_to(clone)
-            found.append(f"MFU over 100% in {where}: {', '.join(f'{x:.0%}' for x in over)}")
+    found = db.problems(output, done.returncode, expected) + written_mfu_over_100(clone)
     return Outcome(
         ran=command,
         code=done.returncode,
@@ -355,8 +349,21 @@ def run_one(command: str, clone: Path, expected: tuple[int, ...]) -> Outcome:
     )
 
 
+def written_mfu_over_100(clone: Path) -> list[str]:
+    """Each metrics.jsonl under ``clone``/runs whose train rows hold an MFU over 1 (100%)."""
+    found = []
+    for metrics in sorted((clone / "runs").rglob("metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        over = [r["mfu"] for r in rows if isinstance(r.get("mfu"), int | float) and r["mfu"] > 1]
+        if over:
+            where = metrics.relative_to(clone)
+            found.append(f"MFU over 100% in {where}: {', '.join(f'{x:.0%}' for x in over)}")
+    return found
+
+
 @pytest.fixture(scope="session")
 def block_runs(tmp_path_factory, stdlib_data) -> BlockRuns:
+    """The blocks' runs of this session, each block run once (its first command's test)."""
     return BlockRuns(tmp_path_factory, stdlib_data)
 
 
@@ -470,6 +477,18 @@ def test_missing_names_an_absent_program_and_path_but_not_what_the_block_writes(
         mp.setattr(sys.modules[__name__], "clone_files", lambda: ("recipes/a.py",))
         got = missing(block, tmp_path, os.environ["PATH"])
     assert got == [[], ["program 'nosuchprogram'", "path 'recipes/b.py'"]]
+
+
+def test_an_mfu_over_100_written_into_a_runs_metrics_is_found(tmp_path):
+    """The written half of the MFU check: a train row with mfu 1.46 (146%) in any run under
+    runs/ is reported, 1.0 and a row without mfu are not."""
+    run = tmp_path / "runs" / "a" / "b"
+    run.mkdir(parents=True)
+    rows = [{"kind": "train", "mfu": 1.0}, {"kind": "val"}, {"kind": "train", "mfu": 1.46}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert written_mfu_over_100(tmp_path) == ["MFU over 100% in runs/a/b/metrics.jsonl: 146%"]
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert written_mfu_over_100(tmp_path) == []
 
 
 # --- The docs as they are ---------------------------------------------------------------------
