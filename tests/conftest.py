@@ -94,6 +94,7 @@ SHARD_WEIGHTS_S = {
     "test_rank_death.py": 29,
     "test_bench_train.py": 22,
     "test_stale_state.py": 20,
+    "test_docs_commands.py": 90,  # 43 s alone (2026-12-03); most blocks are dry runs
 }
 DEFAULT_WEIGHT_S = 60
 # Files whose slow tests share something outside the session go to one shard together: both
