@@ -136,13 +136,24 @@ def _cached_peak(entry, *, now: float) -> float | None:
     return flops if fresh and flops > 0 else None
 
 
+_PEAK_OF_THIS_PROCESS: dict[tuple[Path, str], float] = {}
+
+
 def _cpu_peak_flops(cache_dir: Path) -> float:
     """FP32 matmul FLOP/s of this process's share of the CPU: the best of CPU_PEAK_TRIALS
     timings, cached by processor, core count and threads (``_cpu_key``). The cache is trusted
     only while it is fresh (CPU_PEAK_MAX_AGE_S) and a quick check does not beat it by more than
     CPU_PEAK_TRUST (a peak measured on a busy machine is too small, and MFU over it too large);
-    else the peak is measured again and the cache rewritten."""
+    else the peak is measured again and the cache rewritten. A process decides once: the runs
+    of one process (a scaling sweep) share one peak, so their MFUs compare."""
     key, cache = _cpu_key(), cache_dir / "cpu_peak_flops.json"
+    if (cache, key) not in _PEAK_OF_THIS_PROCESS:
+        _PEAK_OF_THIS_PROCESS[cache, key] = _cpu_peak_uncached(cache, key)
+    return _PEAK_OF_THIS_PROCESS[cache, key]
+
+
+def _cpu_peak_uncached(cache: Path, key: str) -> float:
+    cache_dir = cache.parent
     try:
         cached = json.loads(cache.read_text())
         cached = cached if isinstance(cached, dict) else {}
