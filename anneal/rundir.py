@@ -10,6 +10,7 @@ RUN/
   it)
   guard.json       the spike guard's record (anneal.resilience.guard)
   checkpoints/     <tag>/ + latest (anneal.resilience.checkpoint)
+  evals/step-<N>.json  downstream task scores of step N's checkpoint (anneal.eval; read_evals)
   tb/ plots/ report.txt hf/<tag>/ heartbeat/ preempt/ previous-<time>/
 ```
 
@@ -41,9 +42,12 @@ TB = "tb"
 HF = "hf"
 HEARTBEAT = "heartbeat"
 PREEMPT = "preempt"
+EVALS = "evals"
 PREVIOUS = "previous-"
 
-RUN_FILES = (CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, "wandb")
+RUN_FILES = (
+    CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, EVALS, "wandb"
+)  # fmt: skip
 """What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
 The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, logs/) and the
 live ``preempt/`` stay where they are."""
@@ -62,7 +66,7 @@ LAUNCHER_FILES = (
 the recipe starts (``launcher.dsenv``, ``anneal.planning.forecast``, ``launcher.slurm``); with
 ``previous-<time>/``, the only entries that a directory holding no run may hold without
 ``--force``."""
-RUN_DIRS = (CHECKPOINTS, PLOTS, TB, HF, HEARTBEAT, PREEMPT)
+RUN_DIRS = (CHECKPOINTS, PLOTS, TB, HF, HEARTBEAT, PREEMPT, EVALS)
 """The directories a run makes in its directory."""
 REPORT_HEAD = "health of "
 """The first line of ``report.txt`` (``anneal.observe.report.format_table``), then the run."""
@@ -115,6 +119,42 @@ def heartbeat_dir(run_dir: str | Path) -> Path:
 
 def preempt_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / PREEMPT
+
+
+def evals_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / EVALS
+
+
+def eval_path(run_dir: str | Path, step: int) -> Path:
+    """``RUN/evals/step-<step>.json``: the downstream scores of checkpoint ``step``."""
+    return evals_dir(run_dir) / f"step-{step}.json"
+
+
+_EVAL_FILE = re.compile(r"step-(\d+)\.json")
+
+
+def read_evals(run_dir: str | Path) -> list[dict]:
+    """The run's downstream scores (``evals/step-<N>.json``, written by ``anneal.eval``), by
+    step; a file that is not a JSON object is a UserError naming it. No ``evals/``: []."""
+    found = []
+    directory = evals_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    for path in directory.iterdir():
+        m = _EVAL_FILE.fullmatch(path.name)
+        if m is None:
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"{path}: cannot read it as JSON ({e}). anneal eval writes it whole; remove "
+                f"it and score that checkpoint again (anneal eval {run_dir} --step {m[1]})."
+            ) from None
+        if not isinstance(doc, dict):
+            raise UserError(f"{path}: not a JSON object; remove it and score the step again.")
+        found.append((int(m[1]), doc))
+    return [doc for _, doc in sorted(found, key=lambda t: t[0])]
 
 
 # -- config.json ---------------------------------------------------------------------------------

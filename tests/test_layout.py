@@ -169,10 +169,12 @@ GROUND = ("anneal", "anneal.errors", "anneal.files", "anneal.dist", "anneal.hard
 # import of every module is checked against it, so a new arrow is a deliberate change of this
 # table, of the document's and of its drawing.
 MAY_IMPORT = {
-    "cli": {"train", "observe", "launch", "hf", "resilience", "planning", "data", "model",
-            "rundir", "run_record", "config", "ground"},
-    "train": {"observe", "launch", "resilience", "planning", "data", "model", "rundir",
+    "cli": {"train", "eval", "observe", "launch", "hf", "resilience", "planning", "data",
+            "model", "rundir", "run_record", "config", "ground"},
+    "train": {"eval", "observe", "launch", "resilience", "planning", "data", "model", "rundir",
               "run_record", "config", "ground"},
+    "eval": {"observe", "launch", "resilience", "planning", "data", "model", "rundir",
+             "run_record", "config", "ground"},
     "observe": {"launch", "planning", "data", "model", "rundir", "run_record", "config",
                 "ground"},
     "launch": {"resilience", "data", "model", "rundir", "run_record", "config", "ground"},

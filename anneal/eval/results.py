@@ -1,0 +1,68 @@
+"""One scoring of one step: the document ``RUN/evals/step-<N>.json`` and its metrics row.
+
+The document (written whole, atomically, by rank 0)::
+
+    {"step": N, "tokens": T,
+     "source": "loop" | "checkpoint" | "hf",      # live weights in the loop, a tag, an HF dir
+     "checkpoint": "RUN/checkpoints/<tag>" | null, "manifest_sha256": "<hex>" | null,
+     "lm_eval_version": "0.4.13",
+     "tasks": {"<task>": {"metrics": {"acc": 0.31, "acc_stderr": 0.02, ...},
+                          "chance": 0.25 | null, "config_sha256": "<hex>",
+                          "num_fewshot": 0, "limit": 200 | null, "n_samples": 200}},
+     "failed": {"<task>": "<one line: why it did not score>"},
+     "seconds": 12.3, "tokens_scored": 45678, "tokens_per_s": 3712.0}
+
+Metric names are lm-eval's without its ``,none`` filter suffix (``acc``, ``acc_norm``,
+``acc_stderr``, ``word_perplexity``); a metric under another filter keeps it after a slash
+(``acc/strict``). The metrics row is ``{"kind": "eval", "step", "tokens",
+"eval/<task>/<metric>": value, ..., "eval_s"}``, one per scoring, besides the train and val rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from anneal import rundir
+from anneal.files import make_dir, write_atomic
+
+
+def metric_name(key: str) -> str | None:
+    """lm-eval's result key (``acc,none``, ``acc_stderr,none``) as Anneal names the metric;
+    None for what is not a metric (``alias``, ``samples``)."""
+    if "," not in key:
+        return None
+    name, filt = key.split(",", 1)
+    return name if filt == "none" else f"{name}/{filt}"
+
+
+def metrics_of(lm_eval_result: dict) -> dict[str, float]:
+    """One task's metrics from lm-eval's ``results[task]`` (numbers only; an undefined stderr,
+    lm-eval's ``"N/A"``, is left out)."""
+    out = {}
+    for key, value in lm_eval_result.items():
+        name = metric_name(key)
+        if name is not None and isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def metrics_row(doc: dict) -> dict:
+    """The metrics row of a scoring: every finite metric of every task as
+    ``eval/<task>/<metric>``, against the step and tokens."""
+    row = {"kind": "eval", "step": doc["step"], "tokens": doc.get("tokens")}
+    for task, entry in sorted(doc.get("tasks", {}).items()):
+        for name, value in sorted(entry["metrics"].items()):
+            if math.isfinite(value):
+                row[f"eval/{task}/{name}"] = value
+    row["eval_s"] = doc.get("seconds")
+    return row
+
+
+def write(run_dir: Path, doc: dict) -> Path:
+    """``RUN/evals/step-<N>.json``, replaced whole (a reader never sees a part)."""
+    make_dir(rundir.evals_dir(run_dir))
+    path = rundir.eval_path(run_dir, doc["step"])
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n", durable=True)
+    return path
