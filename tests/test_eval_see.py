@@ -365,3 +365,41 @@ def test_compare_refuses_what_is_not_two_runs(tmp_path, capsys):
     rc, _, err = cli(capsys, "compare", a, tmp_path / "a" / ".." / "a")
     assert rc == 2 and "the same run as" in err
     assert tree(tmp_path) == before
+
+
+def test_documents_from_elsewhere_never_break_the_plot_or_the_report(tmp_path, capsys):
+    """evals/ documents edited by hand or written by something else: tasks that are not an
+    object, metrics that are strings, booleans, NaN or infinite, a chance that is a string, a
+    step that is not a count, a task name with a newline and a ``$`` (Matplotlib's math).
+    What is not a finite number is left out; `anneal plot` and `anneal report` print no
+    traceback, the report's lines stay one per signal, and the good scores still show."""
+    run = good_run(tmp_path / "run")
+    evals = run / "evals"
+    evals.mkdir()
+    odd = {
+        "step-10.json": {"step": 10, "tasks": ["not", "an", "object"]},
+        "step-20.json": {"step": "twenty", "tasks": {"x": task({"acc": 0.5})}},
+        "step-30.json": {
+            "step": 30,
+            "tokens": -5,
+            "tasks": {
+                "bad\nname $x^$": task({"acc": 0.4, "acc_stderr": "0.01"}, chance="0.25"),
+                "weird": {"metrics": {"acc": True, "acc_norm": float("nan"), "b": 1e999}},
+                "listed": {"metrics": [1, 2]},
+            },
+            "failed": ["a", "list"],
+        },
+        "step-40.json": doc(40, {"bad\nname $x^$": task({"acc": 0.45, "acc_stderr": 0.01})}),
+    }
+    for name, body in odd.items():
+        (evals / name).write_text(json.dumps(body))
+    rc, out, err = cli(capsys, "report", run)
+    assert rc == 0, err
+    lines = out.splitlines()
+    [line] = [ln for ln in lines if "bad name $x^$" in ln]
+    assert "healthy  acc 0.45 ± 0.01 at step 40 (chance 0.25); best earlier 0.4 at step 30" in line
+    assert not any("weird" in ln or "listed" in ln or " x " in ln for ln in lines)
+    assert lines[-1] == "  no problems"
+    rc, out, err = cli(capsys, "plot", run)
+    assert rc == 0 and f"wrote {run / 'plots' / 'downstream.png'}" in out, err
+    assert_sensible_png(run / "plots" / "downstream.png")

@@ -118,7 +118,8 @@ def _metrics(entry) -> dict[str, float]:
     metrics = entry.get("metrics") if isinstance(entry, dict) else None
     if not isinstance(metrics, dict):
         return {}
-    return {k: v for k, v in ((str(k), _number(v)) for k, v in metrics.items()) if v is not None}
+    pairs = ((_one_line(k, 80), _number(v)) for k, v in metrics.items())
+    return {k: v for k, v in pairs if v is not None}
 
 
 def _from_rows(rows: list[dict]) -> dict[int, dict]:
@@ -164,7 +165,8 @@ def read_scores(
     names: dict[str, set[str]] = {}
     for doc in docs:
         for task, entry in _tasks(doc).items():
-            names.setdefault(task, set()).update(_metrics(entry))
+            if found := _metrics(entry):  # a task with no finite metric is not listed
+                names.setdefault(task, set()).update(found)
     latest_failed = _failed(docs[-1]) if docs else {}
     out = []
     for task in sorted(set(names) | set(latest_failed)):
@@ -189,14 +191,20 @@ def read_scores(
 
 def _tasks(doc: dict) -> dict:
     tasks = doc.get("tasks")
-    return {str(k): v for k, v in tasks.items()} if isinstance(tasks, dict) else {}
+    return {_one_line(k, 80): v for k, v in tasks.items()} if isinstance(tasks, dict) else {}
 
 
 def _failed(doc: dict) -> dict[str, str]:
     failed = doc.get("failed")
     if not isinstance(failed, dict):
         return {}
-    return {str(k): " ".join(str(v).split())[:200] for k, v in failed.items()}
+    return {_one_line(k, 80): _one_line(v, 200) for k, v in failed.items()}
+
+
+def _one_line(text, limit: int) -> str:
+    """``text`` as one line of at most ``limit`` characters (a file from elsewhere may hold
+    newlines in a task name or a reason, which would break the report's lines)."""
+    return " ".join(str(text).split())[:limit]
 
 
 def show(score: Score) -> str:
@@ -232,7 +240,7 @@ def draw(plt, c, tasks, path: Path, name: str, parent: list[TaskScores] | None =
         theirs = by_task.get(t.task)
         if theirs is not None and theirs.metric == t.metric:
             _line(ax, theirs, color=c["clip"], style="o:", label="parent", lw=1, alpha=0.7)
-        _line(ax, t, color=c["main"], style="o-", label=t.metric, lw=1.5)
+        _line(ax, t, color=c["main"], style="o-", label=_text(t.metric), lw=1.5)
         if t.chance is not None and not t.lower_is_better:
             ax.axhline(t.chance, color=c["clip"], ls="--", lw=1, label=f"chance {t.chance:.3g}")
         if "perplexity" in t.metric:
@@ -240,8 +248,8 @@ def draw(plt, c, tasks, path: Path, name: str, parent: list[TaskScores] | None =
         xs = [s.tokens for s in t.scores if s.tokens is not None]
         if min(xs) > 0 and max(xs) > 4 * min(xs):  # a step-0 scoring has no place on a log axis
             ax.set_xscale("log")
-        ax.set_title(t.task, fontsize=10)
-        ax.set_ylabel(t.metric, fontsize=9)
+        ax.set_title(_text(t.task), fontsize=10)
+        ax.set_ylabel(_text(t.metric), fontsize=9)
         ax.grid(alpha=0.4, which="both")
         ax.legend(fontsize=7)
     for ax in axes.flat[len(shown) :]:
@@ -252,6 +260,11 @@ def draw(plt, c, tasks, path: Path, name: str, parent: list[TaskScores] | None =
     more = f" ({len(shown)} of {len(shown) + left} tasks; anneal report lists all)" if left else ""
     fig.suptitle(f"{name}: downstream tasks{more}")
     return save(fig, path)
+
+
+def _text(name: str) -> str:
+    """A name from a document as Matplotlib's plain text (a ``$`` would start its math)."""
+    return name.replace("$", r"\$")
 
 
 def _line(ax, t: TaskScores, *, color: str, style: str, label: str, **kw) -> None:
