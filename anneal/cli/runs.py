@@ -138,7 +138,8 @@ def _add_plot(sub) -> None:
         "plot",
         help="PNG charts of a run (RUN/plots/) or of an LR schedule",
         description="`anneal plot RUN` writes loss, LR, grad-norm and throughput charts to "
-        "RUN/plots/. `anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
+        "RUN/plots/ (and downstream.png when the run has downstream scores). "
+        "`anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
         "the warmup-cosine schedule alone.",
     )
     plot.add_argument("run", metavar="RUN", nargs="?", type=path, help="run directory")
