@@ -347,7 +347,7 @@ def test_two_ranks_call_forward_alike_and_score_as_one_replica(tiny_data, tmp_pa
     cmd += [str(ROOT / "tests/scripts/eval_lockstep.py"), str(prefix), str(tmp_path / "tasks")]
     cmd += [str(tiny_data), str(tmp_path / "run"), *LOCKSTEP_OVERRIDES]
     e = {**env(), "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run_process(cmd, timeout_s=300, check=True, cwd=ROOT, env=e)
+    run_process(cmd, timeout_s=180, check=True, cwd=ROOT, env=e)
     ranks = [json.loads(Path(f"{prefix}.{r}").read_text()) for r in (0, 1)]
     split = [docs["split"] for docs in ranks]
     assert [d["replica"] for d in split] == [[0, 2], [1, 2]]
