@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import types
 from pathlib import Path
 
 import numpy as np
@@ -127,15 +126,13 @@ def write_tasks(root: Path) -> list[str]:
     return list(tasks)
 
 
-def load(root: Path, names: list[str]):
-    """A stand-in for ``anneal.eval.tasks.LoadedTasks``: the tasks from lm-eval's TaskManager
-    over ``root`` only, with made-up ``info``."""
-    from lm_eval.tasks import TaskManager
+def load(root: Path, names: list[str], *extra: str):
+    """The tasks ``names`` (YAML files under ``root``) and the ``extra`` specs through
+    ``anneal.eval.tasks.load_tasks``, as ``anneal eval`` and the loop load them."""
+    from anneal.eval.tasks import load_tasks
 
-    manager = TaskManager(include_path=str(root), include_defaults=False)
-    tasks = manager.load(names)["tasks"]
-    info = {n: {"config_sha256": f"sha-{n}", "chance": 0.25} for n in names}
-    return types.SimpleNamespace(tasks=tasks, info=info, failed={})
+    specs = [*(str(root / f"{n}.yaml") for n in names), *extra]
+    return load_tasks(specs, data_dir=None, work_dir=root, num_fewshot=None, limit=None)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +232,8 @@ def test_the_document_holds_what_the_contract_names(scored, task_dir):
 
     ours, lm = scored["ours"], scored["lm"]
     entry = ours["tasks"]["tiny_mc_a"]
-    assert entry["chance"] == 0.25 and entry["config_sha256"] == "sha-tiny_mc_a"
+    assert entry["chance"] == 0.25 and len(entry["config_sha256"]) == 64
+    assert ours["tasks"]["tiny_cloze"]["chance"] is None
     assert entry["n_samples"] == 14 and entry["limit"] is None and entry["num_fewshot"] == 0
     assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(entry["metrics"])
     assert ours["lm_eval_version"] == "0.4.13" and ours["source"] == "loop"
@@ -282,27 +280,23 @@ def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
     assert torch.equal(after[2], states[2])
 
 
-def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir):
+def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_path):
     """A task whose requests cannot be scored (a cloze target of no text), and one that never
     loaded (in ``loaded.failed``), are recorded in ``failed`` with a one-line reason; the other
     tasks score as they would alone."""
     engine, hf_dir = trained
     root, _ = task_dir
-    broken = root / "broken"
-    broken.mkdir(exist_ok=True)
+    broken = tmp_path / "tiny_broken.yaml"
     text = (root / "tiny_cloze.yaml").read_text().replace("task: tiny_cloze", "task: tiny_broken")
     # a continuation of no text: nothing to score (lm-eval's HFLM asserts on it too)
-    (broken / "tiny_broken.yaml").write_text(text.replace("{{' ' + text.split(' ')[-1]}}", ""))
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=[str(root), str(broken)], include_defaults=False)
-    tasks = manager.load(["tiny_broken", "tiny_mc_b"])["tasks"]
-    loaded = types.SimpleNamespace(tasks=tasks, info={}, failed={"gone": "FileNotFoundError: x"})
+    broken.write_text(text.replace("{{' ' + text.split(' ')[-1]}}", ""))
+    loaded = load(root, ["tiny_mc_b"], str(broken), str(tmp_path / "gone.yaml"))
+    assert list(loaded.tasks) == ["tiny_mc_b", "tiny_broken"] and len(loaded.failed) == 1
     lm = EngineLM(engine, hf_dir, replica=(0, 1), batch_size=8, max_length=MAX_LENGTH)
     kw = dict(step=0, tokens=None, limit=4, num_fewshot=None, source="loop")
     doc = score(lm, loaded, **kw)
     assert list(doc["tasks"]) == ["tiny_mc_b"]
-    assert set(doc["failed"]) == {"tiny_broken", "gone"}
+    assert set(doc["failed"]) == {"tiny_broken", str(tmp_path / "gone.yaml")}
     assert (
         doc["failed"]["tiny_broken"].startswith("ValueError: ")
         and "continuation" in (doc["failed"]["tiny_broken"])

@@ -13,16 +13,14 @@ argv: OUT_PREFIX TASK_DIR DATA_DIR RUN_DIR [overrides...]
 import dataclasses
 import json
 import sys
-import types
 from pathlib import Path
-
-from lm_eval.tasks import TaskManager
 
 from anneal.config.run import ModelConfig, RunConfig, TrainConfig
 from anneal.config.run_checks import apply_overrides
 from anneal.dist import init_distributed, rank, shutdown
 from anneal.eval.lm import EngineLM
 from anneal.eval.score import score
+from anneal.eval.tasks import load_tasks
 from anneal.train import build_engine, resolve_run
 from anneal.train.engine import data_replica
 
@@ -46,11 +44,11 @@ def main() -> None:
     engine = build_engine(launch)
     calls = [0]
     engine.module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    names = sorted(p.stem for p in Path(task_dir).glob("*.yaml"))
     docs = {}
     for how, replica in (("split", data_replica(engine)), ("one_replica", (0, 1))):
-        manager = TaskManager(include_path=task_dir, include_defaults=False)
-        loaded = types.SimpleNamespace(tasks=manager.load(names)["tasks"], info={}, failed={})
+        loaded = load_tasks(
+            [task_dir], data_dir=None, work_dir=Path(run_dir), num_fewshot=None, limit=LIMIT
+        )
         lm = EngineLM(
             engine, data_dir, replica=replica, batch_size=BATCH_SIZE, max_length=launch.seq_len
         )
