@@ -35,6 +35,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, has_bos_prefix
 
+from anneal.dist import rank
 from anneal.errors import UserError
 
 
@@ -129,6 +130,11 @@ class EngineLM(TemplateLM):
         ):
             special["add_special_tokens"] = False
         return self.tokenizer.encode(string, **special)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's (tokenize each pair as HFLM does, then ``_loglikelihood_tokens``), its
+        progress bar on the job's first rank only."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or rank() != 0)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each string's total log-likelihood over HFLM's disjoint rolling windows of
@@ -245,7 +251,8 @@ def _answer(logprobs: torch.Tensor, continuation: list[int]) -> torch.Tensor:
     the group's continuations have one length, as a multiple-choice question's do)."""
     scored = logprobs[-len(continuation) :]
     target = torch.tensor(continuation, dtype=torch.long, device=scored.device)
-    greedy = (scored.argmax(dim=-1) == target).all()
+    # max's indices are argmax's (the first of tied maxima) and take half its time on CPU
+    greedy = (scored.max(dim=-1).indices == target).all()
     return torch.stack([scored.gather(1, target[:, None]).sum(), greedy.float()])
 
 
