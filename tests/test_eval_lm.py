@@ -260,7 +260,7 @@ class RandomDrawingLM(EngineLM):
 def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
     """After a scoring whose model draws from every global generator, python's, numpy's and
     torch's states are the ones before; the engine ran its forward calls in eval mode and is
-    back in train mode."""
+    back in the mode it was in (train, or eval)."""
     engine, hf_dir = trained
     lm = RandomDrawingLM(engine, hf_dir, replica=(0, 1), batch_size=8, max_length=MAX_LENGTH)
     modes = []
@@ -273,11 +273,15 @@ def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
     finally:
         hook.remove()
     assert len(doc["tasks"]) == 4 and modes and not any(modes)
-    assert engine.training and engine.module.training
+    assert engine.module.training
     after = random.getstate(), np.random.get_state(), torch.get_rng_state()
     assert after[0] == states[0]
     assert all(np.array_equal(a, b) for a, b in zip(after[1], states[1], strict=True))
     assert torch.equal(after[2], states[2])
+    engine.eval()  # and an engine found in eval mode stays in it
+    score(lm, load(*task_dir), step=0, tokens=None, limit=1, num_fewshot=None, source="loop")
+    assert not engine.module.training
+    engine.train()
 
 
 def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_path):

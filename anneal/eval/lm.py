@@ -177,7 +177,7 @@ class EngineLM(TemplateLM):
         mine: dict[int, list[tuple[float, bool]]] = {}  # global row index -> its answers
         pending: dict[int, list[torch.Tensor]] = {}  # this batch's, still on the device
         counts: list[int] = []  # answers per row, every row in order
-        training = self.engine.training
+        training = _module(self.engine).training  # DeepSpeed's eval() sets only its module's
         self.engine.eval()
         try:
             for batch in order.get_batched(n=self.batch_size * dp_size):
@@ -202,7 +202,7 @@ class EngineLM(TemplateLM):
         finally:
             self.engine.train(training)
         every = _gather(mine)
-        answers = order.get_original([a for i, n in enumerate(counts) for a in every[i][:n]])
+        answers = order.get_original([a for i in range(len(counts)) for a in every[i]])
         for (strings, _, _), answer in zip(requests, answers, strict=True):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, answer)
@@ -241,6 +241,12 @@ class EngineLM(TemplateLM):
 _EMPTY = torch.empty(1, 0, 0)
 """What ``Collator.get_cache`` is given for logits: it only repeats them per request of a group,
 and the answers are computed from the row's own log-probabilities."""
+
+
+def _module(engine):
+    """The model a DeepSpeed engine wraps (whose ``training`` flag ``eval()`` and ``train()``
+    set), or the model itself."""
+    return getattr(engine, "module", engine)
 
 
 def _answer(logprobs: torch.Tensor, continuation: list[int]) -> torch.Tensor:

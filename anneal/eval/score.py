@@ -59,7 +59,8 @@ def score(
     ``"samples"`` (``{task: [{"doc_id", "resps", "filtered_resps", "target", ...}]}``), for
     tests and debugging; the document written to ``RUN/evals/`` never has them."""
     engine = getattr(lm, "engine", None)
-    training = engine.training if engine is not None else None
+    # DeepSpeed's engine.eval() and train() set its module's flag, never the engine's own
+    training = getattr(engine, "module", engine).training if engine is not None else None
     tokens_before = getattr(lm, "tokens_scored", 0)
     start = time.perf_counter()
     doc = {
