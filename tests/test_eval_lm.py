@@ -227,7 +227,8 @@ def test_rolling_windows_equal_hflms_own_computation(scored):
 def test_the_document_holds_what_the_contract_names(scored, task_dir):
     """The document's fields (results.py): every task's metrics with their stderr, chance and
     config hash from the loaded tasks' info, the sample count, the lm-eval version; tokens
-    scored and the rate; the samples only when asked, and JSON all through without them."""
+    scored and the rate; the samples only when asked, and JSON all through without them; the
+    same loaded tasks scored again give the same entries."""
     from anneal.eval.results import metrics_row
 
     ours, lm = scored["ours"], scored["lm"]
@@ -240,12 +241,15 @@ def test_the_document_holds_what_the_contract_names(scored, task_dir):
     assert ours["tokens_scored"] > 0 and ours["tokens_per_s"] > 0
     row = metrics_row(ours)
     assert row["eval/tiny_mc_b/acc_norm"] == ours["tasks"]["tiny_mc_b"]["metrics"]["acc_norm"]
-    before = lm.tokens_scored
-    again = score(lm, load(*task_dir), step=1, tokens=5, limit=3, num_fewshot=None, source="hf")
+    before, loaded = lm.tokens_scored, load(*task_dir)
+    again = score(lm, loaded, step=1, tokens=5, limit=3, num_fewshot=None, source="hf")
     assert "samples" not in again and again["tasks"]["tiny_cloze"]["n_samples"] == 3
     assert again["tokens_scored"] == lm.tokens_scored - before > 0
     assert (again["step"], again["tokens"], again["tasks"]["tiny_cloze"]["limit"]) == (1, 5, 3)
     json.dumps(again)
+    # the loop scores the tasks it loaded once at every scoring: the same tasks, the same scores
+    third = score(lm, loaded, step=2, tokens=9, limit=3, num_fewshot=None, source="hf")
+    assert third["tasks"] == again["tasks"] and third["tokens_scored"] == again["tokens_scored"]
 
 
 class RandomDrawingLM(EngineLM):
