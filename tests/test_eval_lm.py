@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from anneal.errors import UserError
 from anneal.eval.lm import EngineLM, unsupported_layout
 from anneal.eval.score import score
 from tests.conftest import BIN, ROOT, SMALL, env, free_port, resolve_tiny, run_process
@@ -315,7 +317,8 @@ def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_
 
 def test_generation_and_sequence_parallelism_are_refused_with_their_reason(trained):
     """``generate_until`` says that generation is out of scope; ``unsupported_layout`` passes
-    every tensor-parallel degree and refuses Ulysses, saying what to run instead."""
+    every tensor-parallel degree and refuses Ulysses, saying what to run instead, and so does
+    ``EngineLM`` given an engine under sequence parallelism."""
     engine, hf_dir = trained
     lm = EngineLM(engine, hf_dir, replica=(0, 1), batch_size=1, max_length=MAX_LENGTH)
     with pytest.raises(NotImplementedError, match="generation tasks"):
@@ -324,6 +327,9 @@ def test_generation_and_sequence_parallelism_are_refused_with_their_reason(train
     reason = unsupported_layout(1, 2)
     assert "\n" not in reason and "sequence_parallel_size=2" in reason
     assert "anneal eval" in reason and "ds.sequence_parallel_size=1" in reason
+    ulysses = types.SimpleNamespace(sequence_parallel_size=2)  # what an SP engine says
+    with pytest.raises(UserError, match="sequence parallelism"):
+        EngineLM(ulysses, hf_dir, replica=(0, 1), batch_size=1, max_length=MAX_LENGTH)
 
 
 LOCKSTEP_OVERRIDES = [

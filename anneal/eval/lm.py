@@ -94,6 +94,9 @@ class EngineLM(TemplateLM):
         max_length: int,
     ) -> None:
         super().__init__()
+        # a caller refuses it before launch (unsupported_layout); this is the last guard
+        if why := unsupported_layout(1, getattr(engine, "sequence_parallel_size", 1)):
+            raise UserError(why)
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"batch_size {batch_size} and max_length {max_length}: too small")
         self.engine = engine
