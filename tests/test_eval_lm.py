@@ -27,7 +27,7 @@ import torch
 
 from anneal.errors import UserError
 from anneal.eval.lm import EngineLM, unsupported_layout
-from anneal.eval.score import score
+from anneal.eval.score import rng_restored, score
 from tests.conftest import BIN, ROOT, SMALL, env, free_port, resolve_tiny, run_process
 
 MAX_LENGTH = 64  # SMALL's seq_len: the model's context
@@ -288,6 +288,18 @@ def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
     score(lm, load(*task_dir), step=0, tokens=None, limit=1, num_fewshot=None, source="loop")
     assert not engine.module.training
     engine.train()
+
+
+def test_loading_tasks_moves_pythons_generator_unless_inside_rng_restored(task_dir):
+    """lm-eval 0.4.13's ``TaskManager.load`` draws from python's global generator (what a
+    caller that loads tasks mid-run must know); inside ``rng_restored`` the state is kept."""
+    state = random.getstate()
+    load(*task_dir)
+    assert random.getstate() != state
+    state = random.getstate()
+    with rng_restored():
+        load(*task_dir)
+    assert random.getstate() == state
 
 
 def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_path):

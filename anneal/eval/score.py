@@ -74,7 +74,7 @@ def score(
         "failed": dict(loaded.failed),
     }
     logged = {}
-    with _rng_restored(), _bootstrap_in_process():
+    with rng_restored(), _bootstrap_in_process():
         try:
             for name, task in loaded.tasks.items():
                 try:
@@ -137,9 +137,11 @@ def _one_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _rng_restored():
+def rng_restored():
     """Put back python's, numpy's and torch's (CPU and every CUDA device's) generator states
-    on the way out, whatever happened inside."""
+    on the way out, whatever happened inside. ``score`` runs in it; loading tasks needs it too
+    where a random stream must not move: lm-eval's ``TaskManager.load`` draws from python's
+    generator (seen in 0.4.13: the state differs after loading one local YAML task)."""
     py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
