@@ -1,0 +1,243 @@
+"""Downstream tasks scored inside the training loop (``train.eval_tasks``): the settings and
+their checks, the refusal before launch of a layout the evaluator cannot run in lockstep, the
+forecast's share for the scorings, and where a scoring's document goes (metrics.jsonl,
+``RUN/evals/step-N.json``, TensorBoard, W&B, the console).
+
+The loop's order around a scoring is proved in tests/test_loop.py."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from anneal.config.run import RunConfig, config_differences
+from anneal.config.run_checks import apply_overrides, check_ranges
+from anneal.errors import UserError
+from anneal.eval import in_loop, results
+from tests.conftest import ROOT, parallel_args, resolve_tiny
+
+TINY = str(ROOT / "recipes" / "pretrain_tiny.py")
+
+
+def doc(step: int = 4, tokens: int = 512, **extra) -> dict:
+    """A scoring's document as ``anneal.eval.score.score`` returns it (two tasks)."""
+    tasks = {
+        "mc": {"metrics": {"acc": 0.5, "acc_stderr": 0.1, "acc_norm": 0.75}, "chance": 0.25},
+        "cloze": {"metrics": {"word_perplexity": 31.5}, "chance": None},
+    }
+    found = {"step": step, "tokens": tokens, "source": "loop", "tasks": tasks, "failed": {}}
+    return {**found, "seconds": 1.25, **extra}
+
+
+# -- the settings ------------------------------------------------------------------------------
+
+
+def test_the_settings_parse_through_set_and_bad_values_are_refused():
+    """``--set train.eval_tasks=a, b,`` is the tuple ("a", "b") (empty: none); a recipe's list
+    or comma string becomes the same tuple; a task named twice, an empty name and a negative
+    cadence or limit are one paragraph naming the key and its fix."""
+    from anneal.config.run import TrainConfig
+
+    cfg = RunConfig(out="x", ds_config="cpu.json")
+    sets = ["train.eval_tasks=a, b,", "train.eval_tasks_every=5", "train.eval_tasks_limit=20"]
+    train = apply_overrides(cfg, sets).train
+    assert (train.eval_tasks, train.eval_tasks_every, train.eval_tasks_limit) == (("a", "b"), 5, 20)
+    assert apply_overrides(cfg, ["train.eval_tasks="]).train.eval_tasks == ()
+    assert TrainConfig(eval_tasks=["a", "b"]).eval_tasks == TrainConfig(eval_tasks="a,b").eval_tasks
+    check_ranges(apply_overrides(cfg, sets))
+    for bad, words in [
+        (("a", "a"), ["train.eval_tasks", "'a' is given twice", "--set train.eval_tasks="]),
+        (("a", " "), ["train.eval_tasks", "is not a name"]),
+    ]:
+        wrong = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_tasks=bad))
+        with pytest.raises(UserError) as caught:
+            check_ranges(wrong)
+        assert all(w in str(caught.value) for w in words), caught.value
+    for key in ("train.eval_tasks_every", "train.eval_tasks_limit"):
+        with pytest.raises(UserError, match=f"{key} is -1: it must be 0"):
+            check_ranges(apply_overrides(cfg, [f"{key}=-1"]))
+
+
+def test_the_tasks_may_change_between_launches_of_one_run():
+    """A resume may add, drop or re-time the tasks (scoring changes nothing of the training),
+    and the tasks as config.json reads them back (a list) equal the launch's tuple."""
+    cfg = apply_overrides(RunConfig(out="x", ds_config="cpu.json"), ["train.eval_tasks=a"])
+    old = json.loads(json.dumps({"run": cfg.to_dict()}))
+    assert config_differences(old, {"run": cfg.to_dict()}) == []
+    other = apply_overrides(cfg, ["train.eval_tasks=a,b", "train.eval_tasks_every=7"])
+    assert config_differences(old, {"run": other.to_dict()}) == []
+    del old["run"]["train"]["eval_tasks"]  # a run from before the setting
+    assert config_differences(old, {"run": cfg.to_dict()}) == []
+
+
+# -- before launch -------------------------------------------------------------------------------
+
+
+def test_sequence_parallelism_is_refused_before_launch(tiny_data, tmp_path):
+    """Tasks under Ulysses (SP=2) are refused by the launcher's pre-flight, before anything is
+    written, in one paragraph naming the key, the reason and the fixes; the same launch
+    without tasks resolves."""
+    from launcher import preflight
+
+    out = tmp_path / "run"
+    args = parallel_args(tiny_data, out, layout="ds.sequence_parallel_size=2", accum=2, stage=2)
+    with_tasks = [*args, "--set", "train.eval_tasks=anneal_next_line"]
+    with pytest.raises(UserError) as caught:
+        preflight.preflight(
+            recipe=TINY, recipe_args=with_tasks, world_size=2, device_type="cpu", mfu=0.5
+        )
+    msg = str(caught.value)
+    for words in ("train.eval_tasks (anneal_next_line)", "sequence-parallel 2", "whole sequence"):
+        assert words in msg, msg
+    assert "--set train.eval_tasks=" in msg and "anneal eval RUN --tasks" in msg
+    assert caught.value.every_rank and not out.exists()
+    in_loop.check_launch(resolve_tiny(args, world_size=2))  # no tasks: nothing to refuse
+
+
+# -- the forecast --------------------------------------------------------------------------------
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def test_the_number_of_scorings_is_the_loops():
+    """``passes`` counts the steps after the start at which the loop scores (each multiple of
+    ``every`` and the last step), by brute force over starts, ends and cadences."""
+    for start in range(0, 12):
+        for last in range(1, 25):
+            for every in range(0, 9):
+                want = sum(_due(s, every, last) for s in range(start + 1, last + 1))
+                assert in_loop.passes(start_step=start, max_steps=last, every=every) == want
+
+
+def test_the_forecast_counts_the_scorings(tiny_data, tmp_path):
+    """The launcher's forecast adds the scorings' forward passes (a third of the training FLOPs
+    per token) to the time left and says so; without tasks it is the time of the steps alone."""
+    from anneal.model import flops_per_token
+    from anneal.planning import forecast
+
+    args = ["--data", str(tiny_data), "--out", str(tmp_path / "r"), "--max-steps", "10"]
+    tasks = ["--set", "train.eval_tasks=a,b", "--set", "train.eval_tasks_every=4"]
+    tasks += ["--set", "train.eval_tasks_limit=50"]
+    plain = resolve_tiny(args, world_size=1)
+    scored = resolve_tiny([*args, *tasks], world_size=1)
+    eval_tokens = in_loop.forecast_tokens(scored.cfg.train, start_step=0)
+    assert eval_tokens == 3 * 2 * 50 * in_loop.TOKENS_PER_ITEM  # steps 4, 8 and 10
+    assert in_loop.forecast_tokens(plain.cfg.train, start_step=0) == 0
+    common = dict(
+        preset=scored.preset,
+        ds_config=scored.ds_config,
+        tokens_per_step=scored.tokens_per_step,
+        world_size=1,
+        max_steps=10,
+        start_step=0,
+        mfu=0.5,
+        peak_flops=1e12,
+    )
+    without, with_ = forecast.make(**common), forecast.make(**common, eval_tokens=eval_tokens)
+    flops = flops_per_token(scored.preset, seq_len=scored.seq_len)
+    assert with_.eval_s == pytest.approx(flops / 3 * eval_tokens / (0.5 * 1e12))
+    assert with_.remaining_s == pytest.approx(without.remaining_s + with_.eval_s)
+    assert "scoring train.eval_tasks" in forecast.describe(with_)
+    assert "scoring" not in forecast.describe(without)
+
+
+# -- where a scoring goes ------------------------------------------------------------------------
+
+
+def test_a_scoring_goes_to_metrics_evals_and_the_console(tmp_path, capsys):
+    """``Metrics.on_eval``: the row of ``results.metrics_row`` in metrics.jsonl, the document
+    in ``RUN/evals/step-N.json`` (read back whole) and one console line with each task's
+    headline metric, its chance, the failed tasks and the time."""
+    from anneal.observe.metrics import MetricsLogger
+    from anneal.rundir import read_evals, read_metrics
+    from anneal.train.observers import Metrics
+
+    scored = doc(failed={"broken": "KeyError: 'choices'"})
+    metrics = Metrics(MetricsLogger(tmp_path, tensorboard=False), run_dir=tmp_path)
+    metrics.on_eval(scored)
+    metrics.close()
+    assert read_metrics(tmp_path, "eval") == [results.metrics_row(scored)]
+    assert read_evals(tmp_path) == [scored]
+    line = capsys.readouterr().out.strip()
+    assert line == (
+        "step      4 | eval cloze word_perplexity 31.5000, mc acc_norm 0.7500 (chance 0.25), "
+        "broken failed | 1.2 s"
+    )
+
+
+def test_a_scoring_reaches_tensorboard_against_tokens(tmp_path):
+    """TensorBoard gets every ``eval/<task>/<metric>`` of the row, and the time as
+    ``eval/eval_s``, at the tokens trained on; train rows keep their step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from anneal.observe.metrics import MetricsLogger
+    from anneal.rundir import tb_dir
+
+    logger = MetricsLogger(tmp_path)
+    logger.write({"kind": "train", "step": 4, "loss": 2.0})
+    logger.write(results.metrics_row(doc(step=4, tokens=512)))
+    logger.close()
+    events = EventAccumulator(str(tb_dir(tmp_path)))
+    events.Reload()
+    got = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+    assert got == {
+        "train/loss": [(4, 2.0)],
+        "eval/mc/acc": [(512, 0.5)],
+        "eval/mc/acc_stderr": [(512, pytest.approx(0.1))],
+        "eval/mc/acc_norm": [(512, 0.75)],
+        "eval/cloze/word_perplexity": [(512, 31.5)],
+        "eval/eval_s": [(512, 1.25)],
+    }
+
+
+class WandbRun:
+    """What WandbSink asks of a wandb run, recorded (wandb is not installed here)."""
+
+    def __init__(self):
+        self.defined, self.logged = [], []
+
+    def define_metric(self, name, step_metric=None):
+        self.defined.append((name, step_metric))
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+
+def test_a_scoring_reaches_wandb_against_tokens(tmp_path):
+    """W&B gets the row's metrics under ``eval/`` at the run's step, with ``eval/tokens``
+    declared once as their x axis."""
+    from anneal.observe.progress import WandbSink
+
+    sink = WandbSink(tmp_path, config={}, enabled=False)
+    sink._run = run = WandbRun()
+    row = results.metrics_row(doc(step=4, tokens=512))
+    sink.log(row)
+    sink.log({**row, "step": 8, "tokens": 1024})
+    assert run.defined == [("eval/tokens", None), ("eval/*", "eval/tokens")]
+    assert run.logged[0] == (
+        4,
+        {
+            "eval/cloze/word_perplexity": 31.5,
+            "eval/mc/acc": 0.5,
+            "eval/mc/acc_norm": 0.75,
+            "eval/mc/acc_stderr": 0.1,
+            "eval/eval_s": 1.25,
+            "eval/tokens": 512,
+        },
+    )
+    assert run.logged[1][0] == 8 and run.logged[1][1]["eval/tokens"] == 1024
+
+
+def test_the_headline_metric():
+    """acc_norm before acc, then the perplexities; else the first metric that is not a
+    stderr; none: no name."""
+    from anneal.train.observers import headline
+
+    assert headline({"acc": 0.5, "acc_norm": 0.6}) == ("acc_norm", 0.6)
+    assert headline({"acc": 0.5, "acc_stderr": 0.1}) == ("acc", 0.5)
+    assert headline({"zeta_stderr": 1.0, "f1": 0.3}) == ("f1", 0.3)
+    name, value = headline({"acc_stderr": 0.1})
+    assert name is None and math.isnan(value)
