@@ -23,20 +23,10 @@ log = logging.getLogger(__name__)
 TOKENS_PER_ITEM = 213
 """Forward tokens per task item in the forecast, all its choices together: the issue's 0-shot
 core set (HellaSwag, ARC-Easy, PIQA, Winogrande, LAMBADA) is about 4.4M tokens over its
-20,676 items. A coarse figure: the forecast check compares it with the measured pass."""
+20,676 items (the datasets' published sizes). Coarse: items differ in length."""
 ITEMS_PER_TASK = 4_135
 """Items of one task without ``train.eval_tasks_limit``, for the forecast: the core set's
 20,676 items over its 5 tasks."""
-
-
-def unsupported_layout(layout) -> str | None:
-    """Why the in-loop evaluator cannot run on ``layout`` in lockstep, or None."""
-    if layout.sequence_parallel > 1:
-        return (
-            "under sequence parallelism every rank of a group holds a slice of each sequence, "
-            "and scoring a request needs its whole sequence on one rank"
-        )
-    return None
 
 
 def check_launch(launch) -> None:
@@ -46,14 +36,13 @@ def check_launch(launch) -> None:
     specs = launch.cfg.train.eval_tasks
     if not specs:
         return
-    why = unsupported_layout(launch.layout)
+    from anneal.eval.lm import unsupported_layout
+
+    layout = launch.layout
+    why = unsupported_layout(layout.tensor_parallel, layout.sequence_parallel)
     if why is not None:
         raise UserError(
-            f"train.eval_tasks ({', '.join(specs)}) cannot be scored in the loop of this "
-            f"launch ({launch.layout.describe()}): {why}. Train without them (--set "
-            f"train.eval_tasks=) and score the checkpoints with `anneal eval RUN --tasks "
-            f"{','.join(specs)}` beside or after the run, or train without sequence "
-            f"parallelism.",
+            f"train.eval_tasks ({', '.join(specs)}) on {layout.describe()}: {why}",
             every_rank=True,
         )
     from anneal.eval.tasks import check_specs
@@ -122,7 +111,7 @@ class InLoop:
         loaded = loaded if rank() == 0 else load()
         _agree(loaded)
         self = cls(lm, loaded, limit=train.eval_tasks_limit or None, events=events)
-        self._failed(step, loaded.failed)
+        self._failed(step, loaded.failed, loading=True)
         return self
 
     def score(self, *, step: int, tokens: int) -> dict:
@@ -144,11 +133,13 @@ class InLoop:
         doc["failed"] = {**self.loaded.failed, **new}  # the document says what did not score
         return doc
 
-    def _failed(self, step: int, failed: dict[str, str]) -> None:
+    def _failed(self, step: int, failed: dict[str, str], *, loading: bool = False) -> None:
+        """Each failure an ``eval_failed`` event; one that failed to load also a warning (a
+        scoring's failure ``score`` warns of)."""
         for task, error in sorted(failed.items()):
             self.events.on_event(step, "eval_failed", task=task, error=error)
-            if rank() == 0:
-                log.warning("eval task %s did not score (%s); training goes on", task, error)
+            if loading and rank() == 0:
+                log.warning("eval task %s did not load (%s); training goes on", task, error)
 
 
 def _agree(loaded) -> None:
