@@ -8,6 +8,7 @@ The loop's order around a scoring is proved in tests/test_loop.py."""
 import dataclasses
 import json
 import math
+import types
 
 import pytest
 
@@ -244,3 +245,119 @@ def test_the_headline_metric():
     assert headline({"zeta_stderr": 1.0, "f1": 0.3}) == ("f1", 0.3)
     name, value = headline({"acc_stderr": 0.1})
     assert name is None and math.isnan(value)
+
+
+# -- a scoring on the real engine ----------------------------------------------------------------
+
+
+def write_tasks(directory, *, data_file=None) -> None:
+    """Two local multiple-choice task YAMLs over one JSONL file (for lm-eval's TaskManager with
+    ``include_path``): ``mc_local`` scores; ``mc_broken`` loads (lm-eval checks the first
+    document's choices at load) and raises at scoring time, on its third document."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data_file = data_file or directory / "mc.jsonl"
+    rows = [
+        {"question": "doc 1: the quick", "choices": ["brown", "red", "blue", "green"]},
+        {"question": "the quick brown", "choices": ["fox", "dog", "cat", "cow"]},
+        {"question": "fox jumps the", "choices": ["quick", "slow", "fast", "late"]},
+        {"question": "doc 2: the", "choices": ["quick", "lazy", "old", "big"]},
+    ]
+    data_file.write_text("".join(json.dumps({**r, "answer": 0}) + "\n" for r in rows))
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data_file}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    (directory / "mc_local.yaml").write_text(f"task: mc_local\ndoc_to_choice: choices\n{common}")
+    broken = "{{ choices if question != 'fox jumps the' else choices[0].missing.field }}"
+    (directory / "mc_broken.yaml").write_text(
+        f'task: mc_broken\ndoc_to_choice: "{broken}"\n{common}'
+    )
+
+
+def _tensors(obj) -> list:
+    """Every tensor in a nest of dicts, lists and tuples, in a fixed order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj.detach().clone()]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class Events:
+    def __init__(self):
+        self.told = []
+
+    def on_event(self, step, event, **fields):
+        self.told.append((step, event, fields))
+
+
+def test_a_scoring_changes_nothing_of_the_training(tiny_data, world_of_one, tmp_path):
+    """On the real engine (1 rank, ZeRO-1, after one step): scoring a task that scores and one
+    that raises at scoring time leaves every weight, the optimizer's whole state, python's,
+    numpy's and torch's generators, the engine's train mode and the data position as they
+    were; the failing task is in the document's ``failed`` and told as one ``eval_failed``
+    event. Over 10 s alone (building the engine and importing lm-eval), a few on a quiet
+    machine."""
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from anneal.cli.recipe import config_from_args
+    from anneal.data.stream import PackedSplit, TokenStream
+    from anneal.eval.lm import EngineLM
+    from anneal.train import StepShape, TrainState, build_engine, resolve_run, train_step
+    from anneal.train.engine import data_replica
+    from tests.conftest import SMALL
+
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), *SMALL]
+    argv += ["--set", "ds.zero_optimization.stage=1", "--set", "ds.gradient_accumulation_steps=1"]
+    cfg, overrides = config_from_args(
+        argv, prog=TINY, preset="tiny", ds_config="cpu.json", on_cpu=True
+    )
+    launch = resolve_run(cfg, overrides)
+    engine = build_engine(launch)
+    stream = TokenStream(
+        PackedSplit(tiny_data, "train", seq_len=launch.seq_len),
+        **dict(seed=0, rank=0, world_size=1, micro_batch=launch.micro_batch, prefetch=0),
+    )
+    train_step(engine, stream, TrainState(), StepShape.of(launch))
+    write_tasks(tmp_path / "tasks")
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    tasks = get_task_dict(["mc_local", "mc_broken"], manager)
+    loaded = types.SimpleNamespace(tasks=tasks, info={}, failed={})
+    lm = EngineLM(
+        engine,
+        tiny_data,
+        replica=data_replica(engine),
+        batch_size=launch.micro_batch,
+        max_length=launch.seq_len,
+    )
+    weights = _tensors(dict(engine.module.named_parameters()))
+    optimizer = _tensors(engine.optimizer.state_dict())
+    generators = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    position = stream.position
+
+    events = Events()
+    doc = in_loop.InLoop(lm, loaded, limit=None, events=events).score(step=1, tokens=64)
+
+    assert set(doc["tasks"]) == {"mc_local"} and set(doc["failed"]) == {"mc_broken"}
+    assert doc["tasks"]["mc_local"]["n_samples"] == 4 and lm.tokens_scored > 0
+    assert events.told == [
+        (1, "eval_failed", {"task": "mc_broken", "error": doc["failed"]["mc_broken"]})
+    ]
+    assert "UndefinedError" in doc["failed"]["mc_broken"]
+    after = _tensors(dict(engine.module.named_parameters()))
+    assert len(after) == len(weights) and all(map(torch.equal, after, weights))
+    after = _tensors(engine.optimizer.state_dict())
+    assert len(after) == len(optimizer) > 0 and all(map(torch.equal, after, optimizer))
+    assert random.getstate() == generators[0]
+    assert (np.random.get_state()[1] == generators[1]).all()
+    assert torch.equal(torch.get_rng_state(), generators[2])
+    assert engine.module.training and stream.position == position
