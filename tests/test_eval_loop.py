@@ -8,7 +8,6 @@ The loop's order around a scoring is proved in tests/test_loop.py."""
 import dataclasses
 import json
 import math
-import types
 
 import pytest
 
@@ -250,12 +249,13 @@ def test_the_headline_metric():
 # -- a scoring on the real engine ----------------------------------------------------------------
 
 
-def write_tasks(directory, *, data_file=None) -> None:
-    """Two local multiple-choice task YAMLs over one JSONL file (for lm-eval's TaskManager with
-    ``include_path``): ``mc_local`` scores; ``mc_broken`` loads (lm-eval checks the first
-    document's choices at load) and raises at scoring time, on its third document."""
+def write_tasks(directory) -> list[str]:
+    """Two local multiple-choice task YAMLs over one JSONL file; their paths. ``mc_local``
+    scores; ``mc_broken`` loads (lm-eval renders the first document's prompt at load, and
+    ``load_tasks`` every document's choices) and raises at scoring time, when its third
+    document's prompt is rendered."""
     directory.mkdir(parents=True, exist_ok=True)
-    data_file = data_file or directory / "mc.jsonl"
+    data_file = directory / "mc.jsonl"
     rows = [
         {"question": "doc 1: the quick", "choices": ["brown", "red", "blue", "green"]},
         {"question": "the quick brown", "choices": ["fox", "dog", "cat", "cow"]},
@@ -265,14 +265,14 @@ def write_tasks(directory, *, data_file=None) -> None:
     data_file.write_text("".join(json.dumps({**r, "answer": 0}) + "\n" for r in rows))
     common = (
         f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data_file}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_choice: choices\n"
         "doc_to_target: answer\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
     )
-    (directory / "mc_local.yaml").write_text(f"task: mc_local\ndoc_to_choice: choices\n{common}")
-    broken = "{{ choices if question != 'fox jumps the' else choices[0].missing.field }}"
-    (directory / "mc_broken.yaml").write_text(
-        f'task: mc_broken\ndoc_to_choice: "{broken}"\n{common}'
-    )
+    broken = "{{ question if question != 'fox jumps the' else question.missing.field }}"
+    texts = {"mc_local": "{{question}}", "mc_broken": broken}
+    for name, text in texts.items():
+        (directory / f"{name}.yaml").write_text(f'task: {name}\ndoc_to_text: "{text}"\n{common}')
+    return [str(directory / f"{name}.yaml") for name in texts]
 
 
 def _tensors(obj) -> list:
@@ -307,11 +307,11 @@ def test_a_scoring_changes_nothing_of_the_training(tiny_data, world_of_one, tmp_
 
     import numpy as np
     import torch
-    from lm_eval.tasks import TaskManager, get_task_dict
 
     from anneal.cli.recipe import config_from_args
     from anneal.data.stream import PackedSplit, TokenStream
     from anneal.eval.lm import EngineLM
+    from anneal.eval.tasks import load_tasks
     from anneal.train import StepShape, TrainState, build_engine, resolve_run, train_step
     from anneal.train.engine import data_replica
     from tests.conftest import SMALL
@@ -328,10 +328,8 @@ def test_a_scoring_changes_nothing_of_the_training(tiny_data, world_of_one, tmp_
         **dict(seed=0, rank=0, world_size=1, micro_batch=launch.micro_batch, prefetch=0),
     )
     train_step(engine, stream, TrainState(), StepShape.of(launch))
-    write_tasks(tmp_path / "tasks")
-    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    tasks = get_task_dict(["mc_local", "mc_broken"], manager)
-    loaded = types.SimpleNamespace(tasks=tasks, info={}, failed={})
+    specs = write_tasks(tmp_path / "tasks")
+    loaded = load_tasks(specs, data_dir=tiny_data, work_dir=tmp_path, num_fewshot=None, limit=None)
     lm = EngineLM(
         engine,
         tiny_data,

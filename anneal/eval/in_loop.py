@@ -11,14 +11,11 @@ position (``anneal.eval.score.score`` restores the RNG states it found and the e
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from anneal import rundir
 from anneal.dist import all_gather, barrier, rank
 from anneal.errors import UserError
-
-log = logging.getLogger(__name__)
 
 TOKENS_PER_ITEM = 213
 """Forward tokens per task item in the forecast, all its choices together: the issue's 0-shot
@@ -111,7 +108,7 @@ class InLoop:
         loaded = loaded if rank() == 0 else load()
         _agree(loaded)
         self = cls(lm, loaded, limit=train.eval_tasks_limit or None, events=events)
-        self._failed(step, loaded.failed, loading=True)
+        self._failed(step, loaded.failed)
         return self
 
     def score(self, *, step: int, tokens: int) -> dict:
@@ -133,13 +130,10 @@ class InLoop:
         doc["failed"] = {**self.loaded.failed, **new}  # the document says what did not score
         return doc
 
-    def _failed(self, step: int, failed: dict[str, str], *, loading: bool = False) -> None:
-        """Each failure an ``eval_failed`` event; one that failed to load also a warning (a
-        scoring's failure ``score`` warns of)."""
+    def _failed(self, step: int, failed: dict[str, str]) -> None:
+        """Each failure an ``eval_failed`` event (``load_tasks`` and ``score`` log the warning)."""
         for task, error in sorted(failed.items()):
             self.events.on_event(step, "eval_failed", task=task, error=error)
-            if loading and rank() == 0:
-                log.warning("eval task %s did not load (%s); training goes on", task, error)
 
 
 def _agree(loaded) -> None:
