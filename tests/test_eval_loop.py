@@ -359,3 +359,70 @@ def test_a_scoring_changes_nothing_of_the_training(tiny_data, world_of_one, tmp_
     assert (np.random.get_state()[1] == generators[1]).all()
     assert torch.equal(torch.get_rng_state(), generators[2])
     assert engine.module.training and stream.position == position
+
+
+# -- in the loop, on 2 ranks ---------------------------------------------------------------------
+
+STEPS = 4
+LAYOUTS = {
+    "zero3": ["--set", "ds.zero_optimization.stage=3"],
+    "tp2": ["--set", "ds.tensor_parallel.autotp_size=2", "--set", "ds.zero_optimization.stage=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tiny_data, tmp_path_factory) -> dict:
+    """Four 2-rank runs of STEPS steps on ``tiny_data`` with SMALL shapes (validated at the
+    last step, saved only there), one after another: ZeRO-3 and TP=2 (ZeRO-1), each with
+    ``train.eval_tasks`` (``mc_local`` and ``mc_broken`` of ``write_tasks``, scored every 3
+    steps: at steps 3 and 4, the last) and without. {name: (run directory, finished
+    process)}."""
+    from tests.conftest import SMALL, run_recipe
+
+    tmp = tmp_path_factory.mktemp("eval_loop")
+    specs = write_tasks(tmp / "tasks")
+    tasks = ["--set", f"train.eval_tasks={','.join(specs)}", "--set", "train.eval_tasks_every=3"]
+    common = ["--data", str(tiny_data), "--max-steps", str(STEPS), "--eval-every", str(STEPS)]
+    common += ["--save-every", "0", *SMALL]
+    runs = {}
+    for layout, sets in LAYOUTS.items():
+        for name, extra in ((f"{layout}_evals", tasks), (layout, [])):
+            args = ["--out", str(tmp / name), *common, *sets, *extra]
+            runs[name] = (tmp / name, run_recipe(args, ranks=2, timeout_s=300))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop_runs, layout):
+    """Slow: four 2-rank launches shared by the module (about a minute each on 2 busy cores).
+    Under ZeRO-3 and under TP=2, the run that scores its tasks at steps 3 and 4 finishes (no
+    rank waits on another: lockstep) with every train row's loss, grad norm, LR and tokens and
+    the validation's loss bitwise those of the same run without tasks; ``mc_local`` is scored
+    at both steps (metrics rows, ``evals/step-N.json``, console lines), and ``mc_broken``,
+    which raises at scoring time, is an ``eval_failed`` event at each, while training went on
+    to its last step."""
+    from anneal.rundir import read_evals, read_metrics
+
+    run, done = loop_runs[f"{layout}_evals"]
+    plain, _ = loop_runs[layout]
+    train, ref = read_metrics(run, "train"), read_metrics(plain, "train")
+    assert [r["step"] for r in train] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for row, want in zip(train, ref, strict=True):
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert row[key] == want[key], (row["step"], key)
+    (val,), (val_ref,) = read_metrics(run, "val"), read_metrics(plain, "val")
+    assert val["val_loss"] == val_ref["val_loss"]
+
+    docs = read_evals(run)
+    assert [d["step"] for d in docs] == [3, STEPS] and read_evals(plain) == []
+    for d in docs:
+        assert set(d["tasks"]) == {"mc_local"} and set(d["failed"]) == {"mc_broken"}
+        assert d["source"] == "loop" and d["tokens"] == train[d["step"] - 1]["tokens"]
+        assert d["tasks"]["mc_local"]["n_samples"] == 4
+    rows = read_metrics(run, "eval")
+    assert rows == [results.metrics_row(d) for d in docs]
+    failed = [r for r in read_metrics(run, "event") if r["event"] == "eval_failed"]
+    assert [(r["step"], r["task"]) for r in failed] == [(3, "mc_broken"), (STEPS, "mc_broken")]
+    assert "UndefinedError" in failed[0]["error"]
+    assert done.stdout.count("| eval mc_local acc_norm") == 2, done.stdout[-3000:]
