@@ -426,3 +426,34 @@ def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop
     assert [(r["step"], r["task"]) for r in failed] == [(3, "mc_broken"), (STEPS, "mc_broken")]
     assert "UndefinedError" in failed[0]["error"]
     assert done.stdout.count("| eval mc_local acc_norm") == 2, done.stdout[-3000:]
+
+
+def test_pre_flight_refuses_a_bad_spec_and_forecasts_the_scorings(tiny_data, tmp_path):
+    """The launcher's pre-flight: a task YAML that is not there is refused in one paragraph
+    naming the key and the path, before anything is written; good specs put their scorings
+    into the forecast it prints (``forecast_tokens`` of the launch)."""
+    from anneal.planning import forecast
+    from launcher import preflight
+
+    out = tmp_path / "run"
+    args = ["--data", str(tiny_data), "--out", str(out), "--max-steps", "10"]
+    missing = tmp_path / "nowhere" / "task.yaml"
+    with pytest.raises(UserError) as caught:
+        preflight.preflight(
+            recipe=TINY,
+            recipe_args=[*args, "--set", f"train.eval_tasks={missing}"],
+            world_size=1,
+            device_type="cpu",
+            mfu=0.5,
+        )
+    assert f"train.eval_tasks: task spec {missing}: no such file" in str(caught.value)
+    assert caught.value.every_rank and not out.exists()
+    specs = write_tasks(tmp_path / "tasks")
+    tasks = ["--set", f"train.eval_tasks={','.join(specs)}", "--set", "train.eval_tasks_every=5"]
+    done = preflight.preflight(
+        recipe=TINY, recipe_args=[*args, *tasks], world_size=1, device_type="cpu", mfu=0.5
+    )
+    want = in_loop.forecast_tokens(done.launch.cfg.train, start_step=0)
+    assert done.forecast.eval_tokens == want == 2 * 2 * in_loop.ITEMS_PER_TASK * 213
+    assert f"about {want:,} forward tokens" in forecast.describe(done.forecast)
+    assert not out.exists()
