@@ -201,7 +201,11 @@ class EngineLM(TemplateLM):
 
     def _row(self, context: list[int], continuation: list[int]) -> list[int]:
         """HFLM's causal row: left-truncated to ``max_length + 1`` tokens, the last dropped."""
-        assert context and continuation and len(continuation) <= self.max_length
+        if not continuation or len(continuation) > self.max_length:
+            raise ValueError(
+                f"a request's continuation of {len(continuation)} tokens: nothing to score, or "
+                f"more than the model's context of {self.max_length} (HFLM refuses it too)"
+            )
         return (context + continuation)[-(self.max_length + 1) :][:-1]
 
     def _forward(self, rows: dict[int, tuple[list[int], int]]) -> dict[int, torch.Tensor]:
