@@ -98,6 +98,19 @@ def test_sequence_parallelism_is_refused_before_launch(tiny_data, tmp_path):
     in_loop.check_launch(resolve_tiny(args, world_size=2))  # no tasks: nothing to refuse
 
 
+def test_a_task_loaded_on_some_ranks_only_is_scored_on_none(monkeypatch):
+    """Lockstep needs the same request lists on every rank: a task that did not load on every
+    rank (as ``all_gather`` reports each rank's tasks) is dropped into ``failed``, naming the
+    ranks without it; the others stay."""
+    from anneal.eval.tasks import LoadedTasks
+
+    loaded = LoadedTasks(tasks={"a": object(), "b": object()}, info={}, failed={})
+    monkeypatch.setattr(in_loop, "all_gather", lambda mine: [mine, ["a"], ["a", "b"]])
+    in_loop._agree(loaded)
+    assert set(loaded.tasks) == {"a"}
+    assert loaded.failed == {"b": "did not load on rank(s) [1], so no rank scores it"}
+
+
 # -- the forecast --------------------------------------------------------------------------------
 
 
