@@ -314,8 +314,7 @@ def test_a_scoring_changes_nothing_of_the_training(tiny_data, world_of_one, tmp_
     that raises at scoring time leaves every weight, the optimizer's whole state, python's,
     numpy's and torch's generators, the engine's train mode and the data position as they
     were; the failing task is in the document's ``failed`` and told as one ``eval_failed``
-    event. Over 10 s alone (building the engine and importing lm-eval), a few on a quiet
-    machine."""
+    event (4 to 6 s here: building the engine, importing lm-eval)."""
     import random
 
     import numpy as np

@@ -113,7 +113,8 @@ class InLoop:
 
     def score(self, *, step: int, tokens: int) -> dict:
         """Every task scored at ``step`` (on every rank, in lockstep); a task that raised is in
-        the document's ``failed``, told as an ``eval_failed`` event and a warning."""
+        the document's ``failed`` (with those that did not load) and told as an
+        ``eval_failed`` event."""
         from anneal.eval.score import score
 
         doc = score(
