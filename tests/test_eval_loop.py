@@ -98,6 +98,24 @@ def test_sequence_parallelism_is_refused_before_launch(tiny_data, tmp_path):
     in_loop.check_launch(resolve_tiny(args, world_size=2))  # no tasks: nothing to refuse
 
 
+def test_every_rank_refuses_a_bad_spec_before_anything_is_written(tiny_data, tmp_path):
+    """A rank started without the launcher resolves its launch with the same check
+    (``anneal.train.engine.resolve_run``): a task YAML that is not there is one paragraph,
+    raised alike on every rank, before the run directory exists."""
+    from anneal.cli.recipe import config_from_args
+    from anneal.train.engine import resolve_run
+
+    out, missing = tmp_path / "run", tmp_path / "task.yaml"
+    argv = ["--data", str(tiny_data), "--out", str(out), "--set", f"train.eval_tasks={missing}"]
+    cfg, overrides = config_from_args(
+        argv, prog=TINY, preset="tiny", ds_config="cpu.json", on_cpu=True
+    )
+    with pytest.raises(UserError) as caught:
+        resolve_run(cfg, overrides)
+    assert f"train.eval_tasks: task spec {missing}: no such file" in str(caught.value)
+    assert caught.value.every_rank and not out.exists()
+
+
 def test_a_task_loaded_on_some_ranks_only_is_scored_on_none(monkeypatch):
     """Lockstep needs the same request lists on every rank: a task that did not load on every
     rank (as ``all_gather`` reports each rank's tasks) is dropped into ``failed``, naming the
