@@ -169,6 +169,7 @@ class EngineLM(TemplateLM):
         )
         dp_rank, dp_size = self.replica
         mine: dict[int, list[tuple[float, bool]]] = {}  # global row index -> its answers
+        pending: dict[int, list[torch.Tensor]] = {}  # this batch's, still on the device
         counts: list[int] = []  # answers per row, every row in order
         training = self.engine.training
         self.engine.eval()
@@ -189,7 +190,9 @@ class EngineLM(TemplateLM):
                     conts = [c for _, c, _ in group]
                     counts.append(len(conts))
                     if logprobs is not None:
-                        mine[first + j] = [_answer(logprobs, c) for c in conts]
+                        pending[first + j] = [_answer(logprobs, c) for c in conts]
+                mine |= _on_host(pending)  # one device-to-host copy per batch
+                pending.clear()
         finally:
             self.engine.train(training)
         every = _gather(mine)
@@ -234,16 +237,28 @@ _EMPTY = torch.empty(1, 0, 0)
 and the answers are computed from the row's own log-probabilities."""
 
 
-def _answer(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
-    """(summed log-probability, greedy?) of ``continuation`` from the (L, V) log-probabilities
-    of a row's last L positions, L >= len(continuation) (the longest continuation of the
-    row's group): its last ``len(continuation)`` positions predict it (HFLM's greedy check
-    reads these; its log-probability, the first ones, the same where the group's continuations
-    have one length, as a multiple-choice question's do)."""
+def _answer(logprobs: torch.Tensor, continuation: list[int]) -> torch.Tensor:
+    """(summed log-probability, 1.0 if greedy else 0.0) of ``continuation``, on the device, from
+    the (L, V) log-probabilities of a row's last L positions, L >= len(continuation) (the
+    longest continuation of the row's group): its last ``len(continuation)`` positions predict
+    it (HFLM's greedy check reads these; its log-probability, the first ones, the same where
+    the group's continuations have one length, as a multiple-choice question's do)."""
     scored = logprobs[-len(continuation) :]
     target = torch.tensor(continuation, dtype=torch.long, device=scored.device)
-    greedy = bool((scored.argmax(dim=-1) == target).all())
-    return float(scored.gather(1, target[:, None]).sum()), greedy
+    greedy = (scored.argmax(dim=-1) == target).all()
+    return torch.stack([scored.gather(1, target[:, None]).sum(), greedy.float()])
+
+
+def _on_host(pending: dict[int, list[torch.Tensor]]) -> dict[int, list[tuple[float, bool]]]:
+    """``_answer``'s tensors as (log-probability, greedy) pairs, read in one copy."""
+    if not pending:
+        return {}
+    values = torch.stack([a for answers in pending.values() for a in answers]).tolist()
+    out, at = {}, 0
+    for row, answers in pending.items():
+        out[row] = [(lp, greedy > 0) for lp, greedy in values[at : at + len(answers)]]
+        at += len(answers)
+    return out
 
 
 def _gather(mine: dict[int, list]) -> dict[int, list]:
