@@ -405,13 +405,15 @@ def loop_runs(tiny_data, tmp_path_factory) -> dict:
     """Four 2-rank runs of STEPS steps on ``tiny_data`` with SMALL shapes (validated at the
     last step, saved only there), one after another: ZeRO-3 and TP=2 (ZeRO-1), each with
     ``train.eval_tasks`` (``mc_local`` and ``mc_broken`` of ``write_tasks``, scored every 3
-    steps: at steps 3 and 4, the last) and without. {name: (run directory, finished
-    process)}."""
+    steps: at steps 3 and 4, the last; and ``anneal_next_line``, which ``tiny_data``'s val
+    split, with no Python function in it, cannot build) and without. {name: (run directory,
+    finished process)}."""
     from tests.conftest import SMALL, run_recipe
 
     tmp = tmp_path_factory.mktemp("eval_loop")
     specs = write_tasks(tmp / "tasks")
-    tasks = ["--set", f"train.eval_tasks={','.join(specs)}", "--set", "train.eval_tasks_every=3"]
+    specs = ",".join(["anneal_next_line", *specs])
+    tasks = ["--set", f"train.eval_tasks={specs}", "--set", "train.eval_tasks_every=3"]
     common = ["--data", str(tiny_data), "--max-steps", str(STEPS), "--eval-every", str(STEPS)]
     common += ["--save-every", "0", *SMALL]
     runs = {}
@@ -429,9 +431,9 @@ def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop
     Under ZeRO-3 and under TP=2, the run that scores its tasks at steps 3 and 4 finishes (no
     rank waits on another: lockstep) with every train row's loss, grad norm, LR and tokens and
     the validation's loss bitwise those of the same run without tasks; ``mc_local`` is scored
-    at both steps (metrics rows, ``evals/step-N.json``, console lines), and ``mc_broken``,
-    which raises at scoring time, is an ``eval_failed`` event at each, while training went on
-    to its last step."""
+    at both steps (metrics rows, ``evals/step-N.json``, console lines); ``anneal_next_line``,
+    which fails to load, is an ``eval_failed`` event at the start, and ``mc_broken``, which
+    raises at scoring time, one at each scoring, while training went on to its last step."""
     from anneal.rundir import read_evals, read_metrics
 
     run, done = loop_runs[f"{layout}_evals"]
@@ -447,14 +449,19 @@ def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop
     docs = read_evals(run)
     assert [d["step"] for d in docs] == [3, STEPS] and read_evals(plain) == []
     for d in docs:
-        assert set(d["tasks"]) == {"mc_local"} and set(d["failed"]) == {"mc_broken"}
+        assert set(d["tasks"]) == {"mc_local"}
+        assert set(d["failed"]) == {"mc_broken", "anneal_next_line"}
         assert d["source"] == "loop" and d["tokens"] == train[d["step"] - 1]["tokens"]
         assert d["tasks"]["mc_local"]["n_samples"] == 4
     rows = read_metrics(run, "eval")
     assert rows == [results.metrics_row(d) for d in docs]
     failed = [r for r in read_metrics(run, "event") if r["event"] == "eval_failed"]
-    assert [(r["step"], r["task"]) for r in failed] == [(3, "mc_broken"), (STEPS, "mc_broken")]
-    assert "UndefinedError" in failed[0]["error"]
+    assert [(r["step"], r["task"]) for r in failed] == [
+        (0, "anneal_next_line"),
+        (3, "mc_broken"),
+        (STEPS, "mc_broken"),
+    ]
+    assert "UndefinedError" in failed[1]["error"] and failed[0]["error"], failed
     assert done.stdout.count("| eval mc_local acc_norm") == 2, done.stdout[-3000:]
 
 
