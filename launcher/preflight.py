@@ -91,10 +91,14 @@ def world_size(
 
 
 def resolve(cfg, overrides, *, world_size: int, device_type: str):
-    """``anneal.launch.resolve.resolve_launch``: the ranks' own resolution, for this world size."""
+    """``anneal.launch.resolve.resolve_launch``: the ranks' own resolution, for this world size,
+    and their check of the in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
+    from anneal.eval.in_loop import check_launch
     from anneal.launch.resolve import resolve_launch
 
-    return resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
+    launch = resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
+    check_launch(launch)
+    return launch
 
 
 def checkpoint_bytes(launch) -> int:
@@ -187,6 +191,8 @@ def preflight(
     ranks_per_host: int = 1,
 ) -> Preflight:
     """Resolve and check the launch; UserError before anything is written or started."""
+    from anneal.eval.in_loop import forecast_tokens
+
     cfg, overrides = recipe_config(recipe, recipe_args, device_type=device_type)
     launch = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
     ckpt = checkpoint_bytes(launch)
@@ -209,6 +215,7 @@ def preflight(
         mfu=mfu,
         peak_flops=peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host),
         activation_checkpointing=launch.cfg.model.activation_checkpointing,
+        eval_tokens=forecast_tokens(launch.cfg.train, start_step=start),
     )
     return Preflight(
         launch=launch,

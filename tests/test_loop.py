@@ -3,8 +3,9 @@ for the step function and a minimal engine-like object (``Engine`` below, made f
 only; every integration test runs the real DeepSpeed engine) drive the real Trainer, guard,
 checkpoint save and load, preemption and observers of a tiny launch.
 
-It proves: the guard looks at a step before validation and the save, and a rewind goes back to
-the checkpoint before the spike and on, with no validation or save on the rewound step; a
+It proves: the guard looks at a step before validation, the scoring of the downstream tasks and
+the save, and a rewind goes back to the checkpoint before the spike and on, with none of them on
+the rewound step; a
 preemption saves first (or finds the regular save of that step) and stops after it; a failing
 step reaches the observers and no end-of-run comes; the end-of-run observer comes only after the
 last step, and its plots and report after the other observers closed; metrics.jsonl holds the
@@ -21,7 +22,7 @@ import torch
 
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preempted
-from anneal.rundir import RunDir, read_metrics
+from anneal.rundir import RunDir, read_evals, read_metrics
 from anneal.train.observers import Observer
 from anneal.train.trainer import Data, Trainer
 from tests.conftest import resolve_tiny
@@ -81,6 +82,9 @@ class Recorder(Observer):
     def on_val(self, row: dict) -> None:
         self.calls.append(("val", row["step"]))
 
+    def on_eval(self, doc: dict) -> None:
+        self.calls.append(("eval", doc["step"]))
+
     def on_event(self, step: int, event: str, **fields) -> None:
         self.calls.append((event, step))
 
@@ -131,11 +135,24 @@ def evaluate(engine, val, token_bytes, *, n_samples: int, micro_batch: int) -> d
     return {"kind": "val", "step": 0, "val_loss": 2.0, "val_ppl": 7.389, "val_bpb": 1.0}
 
 
-def trainer(tiny_data: Path, out: Path, step, *, save_s: float = 0.0) -> tuple[Trainer, Recorder]:
+class Tasks:
+    """In place of ``anneal.eval.in_loop.InLoop``: a scoring's document, at once."""
+
+    def score(self, *, step: int, tokens: int) -> dict:
+        task = {"metrics": {"acc": 0.5}, "chance": 0.25, "config_sha256": "0" * 64}
+        return {"step": step, "tokens": tokens, "tasks": {"t": task}, "seconds": 0.0}
+
+
+def trainer(
+    tiny_data: Path, out: Path, step, *, save_s: float = 0.0, tasks: bool = False
+) -> tuple[Trainer, Recorder]:
     """A Trainer of the tiny recipe: 6 steps, validation and a save every 2, the guard from 2
-    good steps on; ``step`` for its train step, saves of ``save_s`` seconds."""
+    good steps on; ``step`` for its train step, saves of ``save_s`` seconds; with ``tasks``, a
+    stand-in scoring of downstream tasks every 2 steps."""
     args = ["--data", str(tiny_data), "--out", str(out), "--max-steps", "6"]
     args += ["--eval-every", "2", "--save-every", "2", "--set", "guard.min_history=2"]
+    if tasks:
+        args += ["--set", "train.eval_tasks=t", "--set", "train.eval_tasks_every=2"]
     launch = resolve_tiny(args, world_size=1)
     guard = Guard(launch.cfg.guard, run_dir=out, resuming=False)
     recorder = Recorder()
@@ -148,26 +165,29 @@ def trainer(tiny_data: Path, out: Path, step, *, save_s: float = 0.0) -> tuple[T
         watchers=[recorder],
     )
     t.train_step, t.evaluate = step, evaluate
+    t.tasks = Tasks() if tasks else None
     return t, recorder
 
 
 def told(run: Path) -> list[tuple]:
     """metrics.jsonl as (what, step), as the Recorder writes them."""
-    names = {"train": "step", "val": "val"}
+    names = {"train": "step", "val": "val", "eval": "eval"}
     return [(names.get(r["kind"]) or r["event"], r["step"]) for r in read_metrics(run)]
 
 
 def test_guard_before_validation_and_save_and_a_rewind_goes_on(tiny_data, world_of_one, tmp_path):
-    """A spike at step 4 (due for validation and a save) is rewound to the save of step 2,
-    with neither at step 4; the loop goes on from step 3 to the last step, then the end-of-run
-    observer, whose report exists once the Trainer returns."""
+    """A spike at step 4 (due for validation, a scoring and a save) is rewound to the save of
+    step 2, with none of them at step 4; the loop goes on from step 3 to the last step, then
+    the end-of-run observer, whose report exists once the Trainer returns."""
     out = tmp_path / "run"
-    t, rec = trainer(tiny_data, out, stand_in_step([3.0, 2.9, 2.8, 30.0, 2.8, 2.7, 2.6, 2.5]))
+    losses = [3.0, 2.9, 2.8, 30.0, 2.8, 2.7, 2.6, 2.5]
+    t, rec = trainer(tiny_data, out, stand_in_step(losses), tasks=True)
     summary = t.train(None, {})
     assert rec.calls == [
         ("step", 1),
         ("step", 2),
         ("val", 2),
+        ("eval", 2),
         ("checkpoint", 2),
         ("saved", 2),
         ("step", 3),
@@ -178,17 +198,20 @@ def test_guard_before_validation_and_save_and_a_rewind_goes_on(tiny_data, world_
         ("step", 3),
         ("step", 4),
         ("val", 4),
+        ("eval", 4),
         ("checkpoint", 4),
         ("saved", 4),
         ("step", 5),
         ("step", 6),
         ("val", 6),
+        ("eval", 6),
         ("checkpoint", 6),
         ("saved", 6),
         ("end",),
         ("close",),
     ]
     assert told(out) == [c for c in rec.calls if c[0] not in ("saved", "end", "close")]
+    assert [doc["step"] for doc in read_evals(out)] == [2, 4, 6]  # evals/step-N.json
     assert summary["step"] == 6 and (out / "report.txt").is_file()  # drawn after the close
     assert t.run_dir.stepped
 

@@ -98,6 +98,16 @@ class TrainConfig:
     eval_samples: int = 64
     """Windows of the val split in each validation pass: the same held-out set every time,
     whatever the number of ranks."""
+    eval_tasks: tuple[str, ...] = ()
+    """Downstream tasks scored in the loop (docs/evaluation.md): lm-eval task names, paths to
+    task YAMLs, or ``anneal_next_line`` (the task built from the data's val split); ``--set
+    train.eval_tasks=a,b``. Empty: none. A task that fails to load or score is an
+    ``eval_failed`` event and a warning, never the end of the run."""
+    eval_tasks_every: int = 1000
+    """Score ``eval_tasks`` every N optimizer steps (and after the last); 0: only after the
+    last."""
+    eval_tasks_limit: int = 0
+    """Items scored per task in each pass (the first N of its evaluated split); 0: all."""
     save_every: int = 100
     """Checkpoint every N optimizer steps (and after the last); 0: only after the last."""
     keep_last: int = 3
@@ -139,6 +149,17 @@ class TrainConfig:
     (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
     only read. Empty: not a branch."""
+
+    def __post_init__(self):
+        if isinstance(self.eval_tasks, str):  # a recipe's "a,b", as --set takes it
+            object.__setattr__(self, "eval_tasks", split_specs(self.eval_tasks))
+        elif isinstance(self.eval_tasks, list):
+            object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))
+
+
+def split_specs(text: str) -> tuple[str, ...]:
+    """``"a, b,"`` -> ``("a", "b")``: a comma-separated list of task specs."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,6 +237,9 @@ _RESUMABLE_KEYS = {
     "train.loss_chunk_tokens",
     "train.heartbeat_timeout_s",
     "train.collective_timeout_s",
+    "train.eval_tasks",  # scoring reads the weights and changes nothing of the run
+    "train.eval_tasks_every",
+    "train.eval_tasks_limit",
     "data.prefetch_batches",
 }
 
@@ -225,8 +249,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         if isinstance(v, dict):
             flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
+        else:  # a tuple reads back from config.json as a list
+            flat[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return flat
 
 

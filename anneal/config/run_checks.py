@@ -21,6 +21,7 @@ from anneal.config.run import (
     OptimConfig,
     RunConfig,
     TrainConfig,
+    split_specs,
 )
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
@@ -49,6 +50,8 @@ def _shown(text: str, limit: int = 40) -> str:
 
 
 def _coerce(text: str, typ: Any, where: str) -> Any:
+    if typing.get_origin(typ) is tuple:  # a list of names: "a,b" (empty: none)
+        return split_specs(text)
     options = typing.get_args(typ)
     if type(None) in options:  # an optional key: "auto" leaves it to its default rule
         if text.lower() in ("auto", "none"):
@@ -171,6 +174,11 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "train.stop_at_step": _STEPS,
     "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
     "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
+    "train.eval_tasks_every": (
+        lambda v: v >= 0,
+        "0 (only after the last step) or a number of steps",
+    ),
+    "train.eval_tasks_limit": (lambda v: v >= 0, "0 (every item) or a number of items per task"),
     "train.save_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
     "train.keep_last": (lambda v: v >= 0, "0 (keep every checkpoint) or a number of checkpoints"),
     "train.keep_every": _STEPS,
@@ -221,6 +229,8 @@ def check_ranges(cfg: RunConfig) -> None:
                     f"{', '.join(choices)}. Give --set {section}.{f.name}=VALUE with one of them "
                     f"(its default is {f.default!r})."
                 )
+            if isinstance(value, tuple):
+                _check_names(f"{section}.{f.name}", value)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             key = f"{section}.{f.name}"
@@ -238,3 +248,15 @@ def check_ranges(cfg: RunConfig) -> None:
                 f"{key} is {value!r}{f' ({flag})' if flag else ''}: it must be {want}"
                 f"{'' if finite else ', and a finite number'}. {fix}."
             )
+
+
+def _check_names(key: str, names: tuple) -> None:
+    """A list key (``train.eval_tasks``) holds non-empty strings, none of them twice."""
+    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
+    twice = sorted({n for n in names if names.count(n) > 1 and n not in bad})
+    if bad or twice:
+        why = f"{bad[0]!r} is not a name" if bad else f"{twice[0]!r} is given twice"
+        raise UserError(
+            f"{key} is {list(names)!r}: {why}. Give each task once, by a non-empty name or "
+            f"path: --set {key}=hellaswag,path/to/task.yaml (a recipe: a tuple of strings)."
+        )

@@ -77,6 +77,8 @@ class MetricsLogger:
             clean["nonfinite"] = [k for k in row if clean[k] is None and row[k] is not None]
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
+        if self._tb is not None and row.get("kind") == "eval":
+            self._eval_scalars(row)
         if self._tb is not None and row.get("kind") in ("train", "val"):
             for key, value in row.items():
                 if key not in ("kind", "step") and isinstance(value, int | float):
@@ -84,6 +86,16 @@ class MetricsLogger:
                 elif isinstance(value, list):  # one value per rank, e.g. mem_gib
                     for i, v in enumerate(value):
                         self._tb.add_scalar(f"{row['kind']}/{key}/rank{i}", v, row["step"])
+
+    def _eval_scalars(self, row: dict) -> None:
+        """A scoring's row (``anneal.eval.results.metrics_row``): ``eval/<task>/<metric>`` and
+        ``eval/eval_s`` against the tokens trained on (the step where they are unknown)."""
+        x = row["tokens"] if isinstance(row.get("tokens"), int) else row["step"]
+        for key, value in row.items():
+            if key in ("kind", "step", "tokens") or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and math.isfinite(value):
+                self._tb.add_scalar(key if key.startswith("eval/") else f"eval/{key}", value, x)
 
     def event(self, step: int, event: str, **fields) -> None:
         self.write({"kind": "event", "step": step, "event": event, **fields})

@@ -131,7 +131,7 @@ class WandbSink:
     installed; offline unless ``WANDB_MODE`` says otherwise, so no network is needed."""
 
     def __init__(self, run_dir: Path, *, config: dict, enabled: bool):
-        self._run = None
+        self._run, self._eval_axis = None, False
         if not (enabled and is_main_process()):
             return
         try:
@@ -149,7 +149,10 @@ class WandbSink:
         )
 
     def log(self, row: dict) -> None:
-        if self._run is None or row.get("kind") not in ("train", "val"):
+        if self._run is None or row.get("kind") not in ("train", "val", "eval"):
+            return
+        if row["kind"] == "eval":
+            self._log_eval(row)
             return
         data = {}
         for key, value in row.items():
@@ -159,6 +162,24 @@ class WandbSink:
                 data[f"{row['kind']}/{key}"] = value
             elif isinstance(value, list):
                 data |= {f"{row['kind']}/{key}/rank{i}": v for i, v in enumerate(value)}
+        self._run.log(data, step=row["step"])
+
+    def _log_eval(self, row: dict) -> None:
+        """A scoring's ``eval/<task>/<metric>`` values, charted against ``eval/tokens`` (the
+        tokens trained on) at the run's step."""
+        if not self._eval_axis:
+            self._run.define_metric("eval/tokens")
+            self._run.define_metric("eval/*", step_metric="eval/tokens")
+            self._eval_axis = True
+        data = {
+            (k if k.startswith("eval/") else f"eval/{k}"): v
+            for k, v in row.items()
+            if k not in ("kind", "step", "tokens")
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+        }
+        if isinstance(row.get("tokens"), int):
+            data["eval/tokens"] = row["tokens"]
         self._run.log(data, step=row["step"])
 
     def close(self) -> None:

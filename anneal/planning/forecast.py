@@ -5,7 +5,13 @@ the end of the run at an assumed MFU (``--mfu``)::
 
     step_s = flops_per_token x tokens_per_step / (mfu x peak_flops x world_size)
 
-Time to the end is ``step_s x`` the steps left; validation and checkpoints are not counted.
+Time to the end is ``step_s x`` the steps left, plus the in-loop downstream scorings
+(``train.eval_tasks``): their forward tokens at a third of the training FLOPs per token (no
+backward), at the same MFU::
+
+    eval_s = flops_per_token / 3 x eval_tokens / (mfu x peak_flops x world_size)
+
+Validation and checkpoints are not counted.
 The launcher writes it to ``RUN/forecast.json``. After ``CHECK_AT_STEP`` steps rank 0 logs an
 ``event`` (``"event": "forecast"``) with the measured median step time and peak memory (the
 train row's ``mem_max_gib``) next to the forecast, so a job that will not fit its time or memory
@@ -41,10 +47,14 @@ class Forecast:
     peak_flops: float
     """FLOP/s of one device that the MFU is a fraction of."""
     world_size: int
+    eval_tokens: int = 0
+    """Forward tokens of the downstream scorings left in the run (``anneal.eval.in_loop``)."""
+    eval_s: float = 0.0
+    """Their time."""
 
     @property
     def remaining_s(self) -> float:
-        return self.step_s * self.remaining_steps
+        return self.step_s * self.remaining_steps + self.eval_s
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "remaining_s": self.remaining_s}
@@ -61,6 +71,7 @@ def make(
     mfu: float,
     peak_flops: float,
     activation_checkpointing: bool = False,
+    eval_tokens: int = 0,
 ) -> Forecast:
     micro = ds_config["train_micro_batch_size_per_gpu"]
     est = memory.estimate(
@@ -76,9 +87,12 @@ def make(
         ),
     )
     flops = flops_per_token(preset, seq_len=preset.seq_len)
+    per_s = mfu * peak_flops * world_size
     return Forecast(
         memory_bytes_per_gpu=est.total,
-        step_s=flops * tokens_per_step / (mfu * peak_flops * world_size),
+        step_s=flops * tokens_per_step / per_s,
+        eval_tokens=eval_tokens,
+        eval_s=flops / 3 * eval_tokens / per_s,
         remaining_steps=max(0, max_steps - start_step),
         mfu=mfu,
         peak_flops=peak_flops,
@@ -103,7 +117,14 @@ def describe(f: Forecast) -> str:
         f"(anneal/planning/memory.py); "
         f"{f.step_s:.3g} s per step and {format_duration(f.remaining_s)} for the "
         f"{f.remaining_steps} steps left at MFU {f.mfu:.0%} of {f.peak_flops / 1e12:.3g} TFLOP/s "
-        f"x {f.world_size} devices (validation and checkpoints not counted)"
+        f"x {f.world_size} devices"
+        + (
+            f", of which {format_duration(f.eval_s)} scoring train.eval_tasks (about "
+            f"{f.eval_tokens:,} forward tokens)"
+            if f.eval_tokens
+            else ""
+        )
+        + " (validation and checkpoints not counted)"
     )
 
 

@@ -13,23 +13,27 @@ import torch
 from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
+from anneal.eval import in_loop
 from anneal.launch.resolve import Launch, resolve_launch
 from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
 from anneal.train import loss, sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
-    """Resolve this launch for the live world and device (see ``anneal.launch.resolve``)."""
+    """Resolve this launch for the live world and device (see ``anneal.launch.resolve``), and
+    check its in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    return resolve_launch(
+    launch = resolve_launch(
         cfg,
         overrides,
         world_size=world_size(),
         device_type="cuda" if device.type == "cuda" else "cpu",
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
+    in_loop.check_launch(launch)  # train.eval_tasks: a layout or spec they cannot run with
+    return launch
 
 
 def build_engine(launch: Launch):

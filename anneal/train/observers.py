@@ -3,9 +3,11 @@ through one object (``Observers``): rows and events alike go this way out of the
 
 - ``on_step(row)`` after each optimizer step, before the guard looks at it;
 - ``on_event(step, event, **fields)`` for each event: resume, spike, skip, rewind,
-  checkpoint, forecast, preempt (the guard, preemption and the forecast check emit theirs
-  through it too);
-- ``on_val(row)`` after each validation; ``on_checkpoint(tag_dir)`` after each complete save;
+  checkpoint, forecast, preempt, eval_failed (the guard, preemption, the forecast check and
+  the in-loop evaluator emit theirs through it too);
+- ``on_val(row)`` after each validation; ``on_eval(doc)`` after each scoring of the
+  downstream tasks (``anneal.eval.results``' document); ``on_checkpoint(tag_dir)`` after each
+  complete save;
 - ``on_failure(error)`` when the loop raises (not on a ``UserError``);
 - ``on_end()`` once the run's last step (``max_steps``) is done;
 - ``close()`` at the end, whatever happened, in reverse order: the metrics file closes after
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.dist import is_main_process, print0, rank, world_size
+from anneal.eval import results
 from anneal.observe.metrics import MetricsLogger
 from anneal.observe.progress import ProgressBar, WandbSink, finish_run
 from anneal.planning import forecast
@@ -37,6 +40,8 @@ class Observer:
     def on_step(self, row: dict) -> None: ...
 
     def on_val(self, row: dict) -> None: ...
+
+    def on_eval(self, doc: dict) -> None: ...
 
     def on_event(self, step: int, event: str, **fields) -> None: ...
 
@@ -67,6 +72,10 @@ class Observers(Observer):
         for member in self.members:
             member.on_val(row)
 
+    def on_eval(self, doc: dict) -> None:
+        for member in self.members:
+            member.on_eval(doc)
+
     def on_event(self, step: int, event: str, **fields) -> None:
         for member in self.members:
             member.on_event(step, event, **fields)
@@ -90,10 +99,11 @@ class Observers(Observer):
 
 class Metrics(Observer):
     """Every row and event to metrics.jsonl and TensorBoard (rank 0); the console line of a
-    validation."""
+    validation and of a scoring of the downstream tasks, whose document goes to
+    ``RUN/evals/step-<N>.json`` (rank 0)."""
 
-    def __init__(self, logger: MetricsLogger):
-        self.logger = logger
+    def __init__(self, logger: MetricsLogger, *, run_dir: Path | None = None):
+        self.logger, self.run_dir = logger, run_dir
 
     def on_step(self, row: dict) -> None:
         self.logger.write(row)
@@ -112,8 +122,42 @@ class Metrics(Observer):
             + (f" ({', '.join(per_source)})" if per_source else "")
         )
 
+    def on_eval(self, doc: dict) -> None:
+        if self.run_dir is not None and is_main_process():
+            results.write(self.run_dir, doc)
+        self.logger.write(results.metrics_row(doc))
+        print0(eval_line(doc))
+
     def close(self) -> None:
         self.logger.close()
+
+
+def eval_line(doc: dict) -> str:
+    """The console line of a scoring: each task's headline metric (with its chance), the
+    tasks that did not score, and the time."""
+    parts = []
+    for task, entry in sorted(doc.get("tasks", {}).items()):
+        name, value = headline(entry["metrics"])
+        chance = entry.get("chance")
+        parts.append(
+            f"{task} {name} {value:.4f}" + (f" (chance {chance:.2f})" if chance is not None else "")
+            if name
+            else f"{task} -"
+        )
+    parts += [f"{task} failed" for task in sorted(doc.get("failed", {}))]
+    seconds = doc.get("seconds")
+    took = f" | {seconds:.1f} s" if isinstance(seconds, int | float) else ""
+    return f"step {doc['step']:>6} | eval " + (", ".join(parts) or "no tasks") + took
+
+
+def headline(metrics: dict[str, float]) -> tuple[str | None, float]:
+    """The metric a task is judged by at a glance: acc_norm, acc, the perplexities, else the
+    first that is not a stderr."""
+    for name in ("acc_norm", "acc", "word_perplexity", "perplexity", "bits_per_byte"):
+        if name in metrics:
+            return name, metrics[name]
+    rest = sorted(k for k in metrics if not k.endswith("_stderr"))
+    return (rest[0], metrics[rest[0]]) if rest else (None, float("nan"))
 
 
 class ForecastCheck(Observer):
@@ -147,6 +191,9 @@ class LiveView(Observer):
 
     def on_val(self, row: dict) -> None:
         self.wandb.log(row)
+
+    def on_eval(self, doc: dict) -> None:
+        self.wandb.log(results.metrics_row(doc))
 
     def close(self) -> None:
         self.bar.close()

@@ -26,6 +26,7 @@ from anneal.data.prepared_dir import PreparedDir
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
+from anneal.eval.in_loop import InLoop
 from anneal.hardware import device_peak_flops
 from anneal.launch.resolve import Launch
 from anneal.model import count_params, flops_per_token
@@ -135,6 +136,7 @@ class Trainer:
             world_size=world_size(),
         )
         self.last_train, self.last_val = None, None
+        self.tasks = None  # train.eval_tasks, loaded at the start (anneal.eval.in_loop)
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
 
@@ -187,6 +189,8 @@ class Trainer:
                     continue
                 if self.validation_due():
                     self.validate()
+                if self.tasks_due():
+                    self.score_tasks()
                 if self.save_due():
                     self.checkpoint()
                 if self.preemption.requested_by_any:  # any rank (the step's collective)
@@ -209,7 +213,7 @@ class Trainer:
         """The checkpoint's state (if resuming), then the observers, which start from it."""
         out = self.launch.out
         self.observers = observers.Observers(
-            [observers.PlotsAndReport(out), observers.Metrics(MetricsLogger(out))]
+            [observers.PlotsAndReport(out), observers.Metrics(MetricsLogger(out), run_dir=out)]
         )
         if client is None:
             self._open_stream(0)
@@ -240,6 +244,14 @@ class Trainer:
             observers.KeepRunDir(self.run_dir),
             *self.watchers,
         )
+        if self.tasks is None and self.cfg.train.eval_tasks:  # loaded once, told to all
+            self.tasks = InLoop.open(
+                self.launch,
+                self.engine,
+                replica=data_replica(self.engine),
+                step=start,
+                events=self.observers,
+            )
 
     def step(self) -> dict:
         row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
@@ -288,6 +300,17 @@ class Trainer:
         )
         self.last_val = {**row, "step": self.state.step}
         self.observers.on_val(self.last_val)
+
+    def tasks_due(self) -> bool:
+        """Every ``eval_tasks_every`` steps and after the last step (never without tasks)."""
+        train = self.cfg.train
+        return self.tasks is not None and _due(
+            self.state.step, train.eval_tasks_every, train.max_steps
+        )
+
+    def score_tasks(self) -> None:
+        doc = self.tasks.score(step=self.state.step, tokens=self.state.tokens)
+        self.observers.on_eval(doc)
 
     def save_due(self) -> bool:
         """Every ``save_every`` steps, after the last step and at ``stop_at_step``."""
