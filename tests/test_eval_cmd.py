@@ -112,6 +112,23 @@ def test_one_rank_scores_as_hflm_on_the_export(trained, reference, capsys):
     assert "tiny_mc_b" in printed and "acc_norm" in printed and f"(step {STEPS})" in printed
 
 
+def test_a_task_that_fails_is_recorded_and_the_exit_is_1(trained, tmp_path, capsys):
+    """A task whose data file is missing fails to load: the others are scored and written
+    (under --out, the run left as it was), the failure is in the document and the summary, and
+    the command exits 1."""
+    broken = tmp_path / "broken.yaml"
+    text = Path(trained["specs"][0]).read_text().replace("tiny_mc_a", "broken_mc")
+    broken.write_text(text.replace(".jsonl", "_missing.jsonl"))
+    metrics_before = (trained["run"] / "metrics.jsonl").read_bytes()
+    specs = f"{trained['specs'][0]},{broken}"
+    code = main(["eval", str(trained["run"]), "--tasks", specs, "--out", str(tmp_path / "o")])
+    assert code == 1
+    doc = json.loads((tmp_path / "o" / "evals" / f"step-{STEPS}.json").read_text())
+    assert set(doc["tasks"]) == {"tiny_mc_a"} and set(doc["failed"]) == {str(broken)}
+    assert "failed:" in capsys.readouterr().out
+    assert (trained["run"] / "metrics.jsonl").read_bytes() == metrics_before
+
+
 @pytest.mark.slow
 def test_two_ranks_at_zero3_score_as_hflm(trained, reference):
     """2 ranks through DeepSpeed's runner at the run's own ZeRO-3 (the weights read into the
