@@ -110,7 +110,7 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         data=Path(args.data) if args.data else None,
     )
     _check_results_file(target, force=args.force)
-    engine = build_engine(target, overrides)
+    engine = target_engine(target, overrides)
     doc = score_target(
         engine,
         target,
@@ -129,7 +129,7 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
     return doc, target
 
 
-def build_engine(target, overrides: list[str]):
+def target_engine(target, overrides: list[str]):
     """The scoring engine of ``target`` on this world, its weights read by the exporter's
     verified readers (a checkpoint) or ``anneal.hf.load_weights`` (a Hugging Face
     directory). Collective."""
