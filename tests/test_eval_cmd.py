@@ -224,7 +224,8 @@ def test_sequence_parallelism_is_refused_with_the_reason(trained, tmp_path, caps
 
 def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys):
     """``evals/step-N.json`` already there: refused without --force, and with --force when the
-    file is not a document anneal eval writes; the file is left as it was."""
+    file is not a document anneal eval writes; so is a ``--samples`` file that is not
+    ``--samples``' own. The files are left as they were."""
     run = copy_run(trained, tmp_path)
     existing = run / "evals" / f"step-{STEPS}.json"
     existing.parent.mkdir()
@@ -233,6 +234,12 @@ def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys)
     existing.write_text("my notes\n")
     assert "replaces only scores that anneal eval wrote" in refused(run, trained, capsys, "--force")
     assert existing.read_text() == "my notes\n"
+    existing.unlink()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for force in ([], ["--force"]):  # --samples FILE: a file there is never replaced
+        assert "the file exists" in refused(run, trained, capsys, "--samples", str(notes), *force)
+    assert notes.read_text() == "my notes\n" and not existing.exists()
 
 
 def test_the_scoring_config_has_no_optimizer_and_one_sample_per_replica():

@@ -110,6 +110,8 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         data=Path(args.data) if args.data else None,
     )
     _check_results_file(target, force=args.force)
+    if args.samples:
+        _check_samples_file(Path(args.samples), force=args.force)
     engine = target_engine(target, overrides)
     doc = score_target(
         engine,
@@ -256,6 +258,23 @@ def _check_results_file(target, *, force: bool) -> None:
         raise UserError(
             f"{existing}: --force replaces only scores that anneal eval wrote, and this is not "
             f"one (not such a JSON document, or a link). Move it away first.",
+            every_rank=True,
+        )
+
+
+def _check_samples_file(path: Path, *, force: bool) -> None:
+    """``--samples FILE`` is new, or (with ``--force``) records that ``--samples`` wrote: a
+    JSON object of lists, never another file under its name."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        doc = json.loads(path.read_text()) if force and path.is_file() else None
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    if not (isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values())):
+        raise UserError(
+            f"--samples {path}: the file exists. Give a new name, or --force to replace the "
+            f"records an earlier --samples wrote there (only such a file).",
             every_rank=True,
         )
 
