@@ -2,8 +2,8 @@
 directory) on lm-eval tasks, on one process or many (docs/evaluation.md, "anneal eval").
 
 One process: ``anneal eval RUN --tasks ...``. Several ranks, on one host or many: DeepSpeed's
-own runner starts the module on each, ``deepspeed [--hostfile H] --num_gpus N --module
-anneal.cli eval RUN --tasks ...``; every rank builds the same engine (any ZeRO stage,
+own runner starts the module on each, ``deepspeed [--hostfile H] --num_gpus N --no_local_rank
+--module anneal.cli eval RUN --tasks ...``; every rank builds the same engine (any ZeRO stage,
 tensor-parallel degree through ``--set ds.tensor_parallel.autotp_size``), scores in lockstep
 (``anneal.eval.lm``), and rank 0 writes ``evals/step-<N>.json`` and the run's metrics row.
 """
@@ -33,7 +33,7 @@ def add_commands(sub) -> None:
         "checkpoint tag directory, or a Hugging Face model directory, on loglikelihood tasks "
         "of lm-eval (names, task YAML paths, anneal_next_line). Writes RUN/evals/step-N.json "
         "and the run's metrics row (eval/<task>/<metric>). Several ranks: `deepspeed "
-        "--num_gpus N --module anneal.cli eval ...`. See docs/evaluation.md.",
+        "--num_gpus N --no_local_rank --module anneal.cli eval ...`. See docs/evaluation.md.",
     )
     p.add_argument(
         "target",
