@@ -35,12 +35,13 @@ def offline():
 
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory, offline) -> dict:
-    """{"run", "hf", "specs", "tmp"}: the run (saved at its last step), its checkpoint exported
-    in fp32, and the three task YAMLs. About 15 s (the run's training, then the export)."""
+    """{"run", "hf", "specs", "tmp"}: the run (saved at half its steps and at its last), its
+    last checkpoint exported in fp32, and the three task YAMLs. About 15 s (the run's
+    training, then the export)."""
     tmp = tmp_path_factory.mktemp("eval_cmd")
     run = tmp / "run"
     args = ["--out", str(run), "--data", str(tiny_data), "--max-steps", str(STEPS), *SMALL]
-    run_recipe([*args, "--save-every", str(STEPS)])
+    run_recipe([*args, "--save-every", str(STEPS // 2)])  # checkpoints at steps 3 and 6
     hf = tmp / "hf"
     assert main(["export", str(run), "--out", str(hf), "--dtype", "fp32"]) == 0
     write_tasks(tmp / "tasks")
@@ -167,15 +168,41 @@ def test_a_hugging_face_directory_at_tensor_parallel_2_scores_as_hflm(trained, r
 # --- refusals ----------------------------------------------------------------------------------
 
 
-def copy_run(trained, tmp_path: Path, *, checkpoint: bool = True) -> Path:
-    """A copy of the run's config.json (and its checkpoint) to damage."""
+def copy_run(trained, tmp_path: Path, *, steps: tuple[int, ...] = (STEPS,)) -> Path:
+    """A copy of the run's config.json and its checkpoints of ``steps``, to damage."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copy(trained["run"] / "config.json", run / "config.json")
-    if checkpoint:
-        tag = f"step{STEPS:08d}"
+    for step in steps:
+        tag = f"step{step:08d}"
         shutil.copytree(trained["run"] / "checkpoints" / tag, run / "checkpoints" / tag)
     return run
+
+
+def damage(tag: Path) -> Path:
+    """One byte of a tag's optimizer states flipped (same size, other bytes): the file."""
+    damaged = next(tag.glob("*optim_states.pt"))
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    return damaged
+
+
+def test_the_newest_checkpoint_that_verifies_or_the_step_asked_for(trained, tmp_path):
+    """A run whose newest checkpoint does not verify is scored at the one before it (the run's
+    evals/step-3.json names that tag); ``--step 3`` of the intact run scores that one (under
+    --out)."""
+    run = copy_run(trained, tmp_path, steps=(STEPS // 2, STEPS))
+    damage(run / "checkpoints" / f"step{STEPS:08d}")
+    assert main(["eval", str(run), "--tasks", trained["specs"][0]]) == 0
+    doc = json.loads((run / "evals" / f"step-{STEPS // 2}.json").read_text())
+    assert doc["checkpoint"] == str(run / "checkpoints" / f"step{STEPS // 2:08d}")
+    assert not (run / "evals" / f"step-{STEPS}.json").exists()
+    out = tmp_path / "out"
+    args = ["--step", str(STEPS // 2), "--out", str(out)]
+    assert main(["eval", str(trained["run"]), "--tasks", trained["specs"][0], *args]) == 0
+    doc = json.loads((out / "evals" / f"step-{STEPS // 2}.json").read_text())
+    assert doc["step"] == STEPS // 2 and doc["checkpoint"].endswith(f"step{STEPS // 2:08d}")
 
 
 def refused(target: Path, trained, capsys, *extra: str) -> str:
@@ -187,7 +214,7 @@ def refused(target: Path, trained, capsys, *extra: str) -> str:
 
 def test_a_run_without_a_checkpoint_is_refused(trained, tmp_path, capsys):
     """A run directory with no checkpoint: refused, naming the run; nothing written."""
-    run = copy_run(trained, tmp_path, checkpoint=False)
+    run = copy_run(trained, tmp_path, steps=())
     err = refused(run, trained, capsys)
     assert "no checkpoint in" in err and str(run) in err and "Train it first" in err
     assert not (run / "evals").exists()
@@ -199,10 +226,7 @@ def test_a_tag_whose_manifest_does_not_verify_is_refused(trained, tmp_path, caps
     manifest (a save still being written): refused. Nothing written."""
     run = copy_run(trained, tmp_path)
     tag = run / "checkpoints" / f"step{STEPS:08d}"
-    damaged = next(tag.glob("*optim_states.pt"))
-    data = bytearray(damaged.read_bytes())
-    data[-100] ^= 0xFF
-    damaged.write_bytes(bytes(data))
+    damaged = damage(tag)
     err = refused(tag, trained, capsys)
     assert "differ from the sizes and xxh3 hashes" in err and damaged.name in err
     assert "no checkpoint in" in refused(run, trained, capsys)
