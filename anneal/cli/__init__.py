@@ -2,7 +2,8 @@
 
 Each command group lives in its own module, which adds its subcommands and their handlers:
 ``data`` (``anneal data prepare | synth | verify``), ``planning`` (``plan``, ``fit``,
-``estimate``) and ``runs`` (``export``, ``plot``, ``report``, ``generate``). The recipes' own
+``estimate``), ``runs`` (``export``, ``plot``, ``report``, ``generate``) and ``evaluate``
+(``eval``). The recipes' own
 command line is ``recipe``. ``main()`` is the one place where a ``UserError`` becomes a one-line
 message and exit status 2.
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from anneal.cli import data, planning, runs
+from anneal.cli import data, evaluate, planning, runs
 from anneal.cli.args import checked
 from anneal.errors import UserError
 
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     planning.add_commands(sub)
     runs.add_commands(sub)
+    evaluate.add_commands(sub)
     return checked(parser)
 
 
@@ -39,5 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:  # anything else is a bug or the environment: keep its traceback
         command = f"anneal {args.command}" if args else "anneal"
-        print(f"{command}: error: {e}", file=sys.stderr)
+        if not (e.every_rank and os.environ.get("RANK", "0") != "0"):  # once, not per rank
+            print(f"{command}: error: {e}", file=sys.stderr)
         return 2
