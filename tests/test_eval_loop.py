@@ -137,12 +137,14 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def test_the_number_of_scorings_is_the_loops():
-    """``passes`` counts the steps after the start at which the loop scores (each multiple of
-    ``every`` and the last step), by brute force over starts, ends and cadences."""
+    """``passes`` counts the scorings the loop makes from the start (the baseline at step 0 of
+    a fresh run, then each multiple of ``every`` and the last step), by brute force over
+    starts, ends and cadences."""
     for start in range(0, 12):
         for last in range(1, 25):
             for every in range(0, 9):
                 want = sum(_due(s, every, last) for s in range(start + 1, last + 1))
+                want += start == 0 and last > start  # the baseline
                 assert in_loop.passes(start_step=start, max_steps=last, every=every) == want
 
 
@@ -158,7 +160,7 @@ def test_the_forecast_counts_the_scorings(tiny_data, tmp_path):
     plain = resolve_tiny(args, world_size=1)
     scored = resolve_tiny([*args, *tasks], world_size=1)
     eval_tokens = in_loop.forecast_tokens(scored.cfg.train, start_step=0)
-    assert eval_tokens == 3 * 2 * 50 * in_loop.TOKENS_PER_ITEM  # steps 4, 8 and 10
+    assert eval_tokens == 4 * 2 * 50 * in_loop.TOKENS_PER_ITEM  # steps 0, 4, 8 and 10
     assert in_loop.forecast_tokens(plain.cfg.train, start_step=0) == 0
     common = dict(
         preset=scored.preset,
@@ -428,10 +430,11 @@ def loop_runs(tiny_data, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop_runs, layout):
     """Slow: four 2-rank launches shared by the module (about a minute each on 2 busy cores).
-    Under ZeRO-3 and under TP=2, the run that scores its tasks at steps 3 and 4 finishes (no
+    Under ZeRO-3 and under TP=2, the run that scores its tasks before its first step (the
+    baseline) and at steps 3 and 4 finishes (no
     rank waits on another: lockstep) with every train row's loss, grad norm, LR and tokens and
     the validation's loss bitwise those of the same run without tasks; ``mc_local`` is scored
-    at both steps (metrics rows, ``evals/step-N.json``, console lines); ``anneal_next_line``,
+    at each (metrics rows, ``evals/step-N.json``, console lines); ``anneal_next_line``,
     which fails to load, is an ``eval_failed`` event at the start, and ``mc_broken``, which
     raises at scoring time, one at each scoring, while training went on to its last step."""
     from anneal.rundir import read_evals, read_metrics
@@ -447,22 +450,24 @@ def test_scoring_in_the_loop_changes_nothing_and_a_failing_task_is_recorded(loop
     assert val["val_loss"] == val_ref["val_loss"]
 
     docs = read_evals(run)
-    assert [d["step"] for d in docs] == [3, STEPS] and read_evals(plain) == []
+    assert [d["step"] for d in docs] == [0, 3, STEPS] and read_evals(plain) == []
     for d in docs:
         assert set(d["tasks"]) == {"mc_local"}
         assert set(d["failed"]) == {"mc_broken", "anneal_next_line"}
-        assert d["source"] == "loop" and d["tokens"] == train[d["step"] - 1]["tokens"]
+        tokens = train[d["step"] - 1]["tokens"] if d["step"] else 0
+        assert d["source"] == "loop" and d["tokens"] == tokens
         assert d["tasks"]["mc_local"]["n_samples"] == 4
     rows = read_metrics(run, "eval")
     assert rows == [results.metrics_row(d) for d in docs]
     failed = [r for r in read_metrics(run, "event") if r["event"] == "eval_failed"]
     assert [(r["step"], r["task"]) for r in failed] == [
         (0, "anneal_next_line"),
+        (0, "mc_broken"),
         (3, "mc_broken"),
         (STEPS, "mc_broken"),
     ]
     assert "UndefinedError" in failed[1]["error"] and failed[0]["error"], failed
-    assert done.stdout.count("| eval mc_local acc_norm") == 2, done.stdout[-3000:]
+    assert done.stdout.count("| eval mc_local acc_norm") == 3, done.stdout[-3000:]
 
 
 def test_pre_flight_refuses_a_bad_spec_and_forecasts_the_scorings(tiny_data, tmp_path):
@@ -491,6 +496,6 @@ def test_pre_flight_refuses_a_bad_spec_and_forecasts_the_scorings(tiny_data, tmp
         recipe=TINY, recipe_args=[*args, *tasks], world_size=1, device_type="cpu", mfu=0.5
     )
     want = in_loop.forecast_tokens(done.launch.cfg.train, start_step=0)
-    assert done.forecast.eval_tokens == want == 2 * 2 * in_loop.ITEMS_PER_TASK * 213
+    assert done.forecast.eval_tokens == want == 3 * 2 * in_loop.ITEMS_PER_TASK * 213  # 0, 5, 10
     assert f"about {want:,} forward tokens" in forecast.describe(done.forecast)
     assert not out.exists()

@@ -184,6 +184,7 @@ def test_guard_before_validation_and_save_and_a_rewind_goes_on(tiny_data, world_
     t, rec = trainer(tiny_data, out, stand_in_step(losses), tasks=True)
     summary = t.train(None, {})
     assert rec.calls == [
+        ("eval", 0),  # the baseline before the first step
         ("step", 1),
         ("step", 2),
         ("val", 2),
@@ -211,7 +212,7 @@ def test_guard_before_validation_and_save_and_a_rewind_goes_on(tiny_data, world_
         ("close",),
     ]
     assert told(out) == [c for c in rec.calls if c[0] not in ("saved", "end", "close")]
-    assert [doc["step"] for doc in read_evals(out)] == [2, 4, 6]  # evals/step-N.json
+    assert [doc["step"] for doc in read_evals(out)] == [0, 2, 4, 6]  # evals/step-N.json
     assert summary["step"] == 6 and (out / "report.txt").is_file()  # drawn after the close
     assert t.run_dir.stepped
 

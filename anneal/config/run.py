@@ -105,7 +105,7 @@ class TrainConfig:
     ``eval_failed`` event and a warning, never the end of the run."""
     eval_tasks_every: int = 1000
     """Score ``eval_tasks`` every N optimizer steps (and after the last); 0: only after the
-    last."""
+    last. A run that starts from step 0 is also scored before its first step (the baseline)."""
     eval_tasks_limit: int = 0
     """Items scored per task in each pass (the first N of its evaluated split); 0: all."""
     save_every: int = 100

@@ -51,12 +51,13 @@ def check_launch(launch) -> None:
 
 
 def passes(*, start_step: int, max_steps: int, every: int) -> int:
-    """Scorings in the loop after ``start_step`` up to ``max_steps``: each multiple of
-    ``every`` (0: none) and the last step."""
+    """Scorings in the loop from ``start_step`` up to ``max_steps``: the baseline before the
+    first step of a run from step 0, then each multiple of ``every`` (0: none) after
+    ``start_step`` and the last step."""
     if max_steps <= start_step:
         return 0
     multiples = max_steps // every - start_step // every if every > 0 else 0
-    return multiples + (every <= 0 or max_steps % every != 0)
+    return (start_step == 0) + multiples + (every <= 0 or max_steps % every != 0)
 
 
 def forecast_tokens(train, *, start_step: int) -> int:

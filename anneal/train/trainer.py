@@ -181,6 +181,8 @@ class Trainer:
         asked to. docs/architecture.md, "The loop"."""
         self.start(client, resumed)
         try:
+            if self.baseline_due():
+                self.score_tasks()  # the untrained model: each task's starting point
             while self.state.step < self.end_step():
                 row = self.step()
                 self.observers.on_step(row)
@@ -307,6 +309,12 @@ class Trainer:
         return self.tasks is not None and _due(
             self.state.step, train.eval_tasks_every, train.max_steps
         )
+
+    def baseline_due(self) -> bool:
+        """Before the first step of a run that starts from step 0 (not a resume, not a
+        branch): the scores of the model as it starts, the line each task's rise is read from
+        (chance for a model from scratch, the parent's level for continued pretraining)."""
+        return self.tasks is not None and self.state.step == 0
 
     def score_tasks(self) -> None:
         doc = self.tasks.score(step=self.state.step, tokens=self.state.tokens)
