@@ -95,7 +95,7 @@ def test_check_specs_refuses_what_cannot_be_scored(tmp_path):
 
 @pytest.mark.slow
 def test_check_specs_resolves_lm_eval_names():
-    """A bare name goes through lm-eval's own index (about 26 s to build, hence slow): a
+    """A bare name goes through lm-eval's own index (7-26 s to build, hence slow): a
     multiple-choice task, a group of them and a tag pass; a generation task, a group holding
     one and an unknown name (with close names suggested) are refused."""
     check_specs(["hellaswag", "arc_easy", "ai2_arc"])
@@ -304,3 +304,122 @@ def test_guard_leaves_other_pools_alone(tmp_path):
     task = load([yaml], tmp_path, num_fewshot=3).tasks["two"]
     assert not isinstance(task.sampler, fewshot.OwnItemExcluded)
     assert prompts(task) == prompts(plain_task(yaml, 3))
+
+
+# --- the shipped task ----------------------------------------------------------------------
+
+
+def build_bytes(data_dir: Path, work_dir: Path) -> dict[str, bytes]:
+    from anneal.eval import next_line
+
+    yaml_path = next_line.build(data_dir, work_dir)
+    return {p.name: p.read_bytes() for p in sorted(yaml_path.parent.iterdir())}
+
+
+def test_shipped_task_is_deterministic_and_reused(stdlib_data, tmp_path):
+    """anneal_next_line built twice, and from a copy of the prepared directory whose train
+    split is gone (so train is never read), gives the same bytes; ITEMS items on the stdlib
+    corpus. A later build with the same source reuses the files (not rewritten); one whose
+    data file was edited, or another val split, builds again."""
+    import shutil
+
+    from anneal.eval import next_line
+
+    first = build_bytes(stdlib_data, tmp_path / "w1")
+    assert first == build_bytes(stdlib_data, tmp_path / "w2")
+    copy = tmp_path / "copy"
+    shutil.copytree(stdlib_data, copy, ignore=shutil.ignore_patterns("train"))
+    assert first == build_bytes(copy, tmp_path / "w3")
+    assert set(first) == {"anneal_next_line.jsonl", "anneal_next_line.yaml"}
+    assert len(first["anneal_next_line.jsonl"].splitlines()) == next_line.ITEMS == 200
+
+    data = tmp_path / "w1" / "anneal_next_line.jsonl"
+    stamp = data.stat().st_mtime_ns
+    assert build_bytes(stdlib_data, tmp_path / "w1") == first
+    assert data.stat().st_mtime_ns == stamp
+    data.write_bytes(data.read_bytes()[:-100])
+    assert build_bytes(stdlib_data, tmp_path / "w1") == first
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["splits"]["val"]["documents"] += 1  # another val split, as far as meta.json says
+    (copy / "meta.json").write_text(json.dumps(meta))
+    third = build_bytes(copy, tmp_path / "w3")
+    assert third["anneal_next_line.yaml"] != first["anneal_next_line.yaml"]
+    assert third["anneal_next_line.jsonl"] == first["anneal_next_line.jsonl"]
+
+
+def test_shipped_task_comes_from_val_documents_only(stdlib_data, tmp_path):
+    """Every context line and every choice of anneal_next_line is a line of a val document;
+    the answer and its context come from the same document, each distractor from another one
+    (and is no line of the answer's document); the context starts at a ``def``."""
+    from anneal.data.prepared_dir import PreparedDir
+    from anneal.eval import next_line
+
+    prepared = PreparedDir(stdlib_data)
+    docs = next_line.val_documents(prepared, prepared.meta())
+    assert len(docs) == prepared.meta()["splits"]["val"]["documents"]
+    lines = {(s, k): text.split("\n") for s, k, text in docs}
+    stripped = {key: {line.strip() for line in doc} for key, doc in lines.items()}
+    yaml_path = next_line.build(stdlib_data, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "anneal_next_line.jsonl").open()]
+    for row in rows:
+        own = lines[(row["source"], row["document"])]
+        context = row["context"].split("\n")[:-1]
+        start = row["line"] - 1 - len(context)
+        assert own[start : row["line"] - 1] == context and context[0].lstrip().startswith(
+            ("def ", "async def ")
+        )
+        answer = row["choices"][row["label"]]
+        assert answer == own[row["line"] - 1]
+        for i, choice in enumerate(row["choices"]):
+            if i != row["label"]:
+                assert choice.strip() not in stripped[(row["source"], row["document"])]
+                assert any(choice.strip() in s for s in stripped.values())
+    assert yaml_path.read_text().count(str(tmp_path)) == 0  # relative data file
+
+
+def test_shipped_task_is_not_guessable_by_length(stdlib_data, tmp_path):
+    """Four distinct non-trivial choices per item, each distractor within 3 characters of the
+    answer's length (they are the nearest in length; distractors drawn at random differ by
+    tens), the answer at each position about a quarter of the time, and picking the longest or
+    the shortest choice scores near chance (25%). Loaded through load_tasks: 200 documents,
+    chance 0.25, the same config hash wherever it was built."""
+    from anneal.eval import next_line
+
+    loaded = load_tasks(
+        ["anneal_next_line"], data_dir=stdlib_data, work_dir=tmp_path / "a", num_fewshot=None,
+        limit=None,
+    )  # fmt: skip
+    assert loaded.failed == {}
+    task = loaded.tasks["anneal_next_line"]
+    rows = list(task.eval_docs)
+    assert len(rows) == 200 and loaded.info["anneal_next_line"]["chance"] == 0.25
+    for row in rows:
+        assert len({c.strip() for c in row["choices"]}) == 4
+        assert all(len(c.strip()) >= next_line.MIN_CHARS for c in row["choices"])
+        answer = len(row["choices"][row["label"]].strip())
+        assert all(abs(len(c.strip()) - answer) <= 3 for c in row["choices"]), row
+    n = len(rows)
+    for pick in (max, min):
+        hits = sum(pick(range(4), key=lambda i, r=row: len(r["choices"][i])) == row["label"]
+                   for row in rows)  # fmt: skip
+        assert abs(hits / n - 0.25) < 0.08, (pick.__name__, hits)
+    for label in range(4):
+        assert abs(sum(r["label"] == label for r in rows) / n - 0.25) < 0.08
+    other = load_tasks(
+        ["anneal_next_line"], data_dir=stdlib_data, work_dir=tmp_path / "b", num_fewshot=None,
+        limit=None,
+    )  # fmt: skip
+    assert other.info == loaded.info
+
+
+def test_shipped_task_needs_code_in_val(tiny_data, tmp_path):
+    """A val split without Python functions cannot make the task: load_tasks records why in
+    ``failed`` and loads the rest."""
+    good = write_task(tmp_path, "good")
+    loaded = load_tasks(
+        ["anneal_next_line", str(good)], data_dir=tiny_data, work_dir=tmp_path / "w",
+        num_fewshot=None, limit=None,
+    )  # fmt: skip
+    assert list(loaded.tasks) == ["good"]
+    assert "Python functions" in loaded.failed["anneal_next_line"]
+    assert not (tmp_path / "w" / "anneal_next_line.yaml").exists()
