@@ -142,7 +142,8 @@ def load(root: Path, names: list[str], *extra: str):
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory, trained) -> tuple[Path, list[str]]:
+def task_dir(tmp_path_factory) -> tuple[Path, list[str]]:
+    """(directory, names) of ``write_tasks``'s tasks, with ``HF_DATASETS_OFFLINE=1`` set."""
     monkey = pytest.MonkeyPatch()
     monkey.setenv("HF_DATASETS_OFFLINE", "1")
     root = tmp_path_factory.mktemp("tasks")

@@ -20,7 +20,12 @@ context is BOS, or EOS where the tokenizer has no BOS (Anneal's); a row is
 ``(context + continuation)[-(max_length + 1):][:-1]``, right-padded, its continuation's
 log-probabilities summed and ``is_greedy`` whether each continuation token is the argmax.
 Requests that share ``context + continuation[:-1]`` share one forward row, as HFLM's
-``logits_cache`` does. Log-softmax is taken in fp32 whatever the engine computes in.
+``logits_cache`` does (a multiple-choice question with one-token answers costs one row); each
+request's log-probability is read from the last positions of that row, which predict its
+continuation. HFLM 0.4.13 reads the first ones, which differs where a group's continuations
+differ in length (two rolling windows whose tokens agree); there EngineLM gives what HFLM gives
+with ``logits_cache=False`` (tests/test_eval_lm.py). Log-softmax is taken in fp32 whatever the
+engine computes in (HFLM takes it in the model's dtype).
 """
 
 from __future__ import annotations
