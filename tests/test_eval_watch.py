@@ -1,0 +1,270 @@
+"""``anneal eval RUN --watch`` (anneal/eval/watch.py): which checkpoints of a run it scores, and
+when. On tag directories with real manifests (``anneal.resilience.manifest.write_manifest``,
+hashes and all) and a scorer that writes ``evals/step-N.json`` as the command does: each saved
+checkpoint is scored once, oldest first; a save still being written is scored once its
+manifest appears; a damaged one is skipped with a warning and never scored; a tag the run's
+keep-last pruning deletes before it is read is skipped, and one deleted while it is scored is
+read to the end from its pinned hard links; a signal lets the scoring in progress finish and
+stops the watcher before the next, and a restarted watcher scores only what ``evals/`` lacks;
+it ends at the run's last step (``max_steps`` of its config.json) or at ``until_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from anneal import rundir
+from anneal.eval import results, watch
+from anneal.resilience.manifest import MANIFEST, write_manifest
+
+STEP_FILES = {"mp_rank_00_model_states.pt": 300, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 500}
+
+
+def save(run: Path, step: int, *, manifest: bool = True) -> Path:
+    """A tag directory as a one-rank save leaves it (its files, then the manifest)."""
+    tag = rundir.checkpoints_dir(run) / f"step{step:08d}"
+    tag.mkdir(parents=True)
+    for name, size in STEP_FILES.items():
+        (tag / name).write_bytes(bytes([step % 251]) * size)
+    if manifest:
+        write_manifest(tag, step=step, client_state={"tokens": step * 1000})
+    return tag
+
+
+def start_run(run: Path, *, max_steps: int) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    rundir.write_config(run, {"run": {"train": {"max_steps": max_steps}}})
+
+
+class Scorer:
+    """Scores a tag as ``anneal eval`` does for the watcher: reads every file the manifest lists
+    (as the engine's loader would), then writes ``evals/step-N.json`` whole. ``during``: called
+    once per scoring before the result is written (a prune, a signal)."""
+
+    def __init__(self, run: Path, during=None) -> None:
+        self.run, self.during, self.seen = run, during, []
+
+    def __call__(self, tag_dir: Path) -> None:
+        manifest = json.loads((tag_dir / MANIFEST).read_text())
+        assert manifest["step"] not in self.seen, f"step {manifest['step']} scored twice"
+        if self.during:
+            self.during(tag_dir, manifest["step"])
+        for name in manifest["files"]:
+            (tag_dir / name).read_bytes()
+        self.seen.append(manifest["step"])
+        doc = {"step": manifest["step"], "tokens": manifest["tokens"], "tasks": {}, "failed": {}}
+        results.write(self.run, doc)
+
+
+def no_sleep(seconds: float) -> None:
+    raise AssertionError("the watcher slept though it had everything it needed")
+
+
+def test_each_checkpoint_scored_once_oldest_first_and_a_restart_scores_none_again(tmp_path):
+    """Three saves of a finished run: scored in step order, the watcher ends by itself at
+    max_steps, leaves no pinned files; a second watcher finds everything in evals/ and scores
+    nothing (it would fail without the evals/ check: the scorer records every call)."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=30)
+    for step in (10, 20, 30):
+        save(run, step)
+    scorer = Scorer(run)
+    assert watch.Watcher(run, scorer, poll_s=5).run(sleep=no_sleep) == "finished"
+    assert scorer.seen == [10, 20, 30]
+    assert [d["step"] for d in rundir.read_evals(run)] == [10, 20, 30]
+    assert not (rundir.evals_dir(run) / watch.READING).exists() or not any(
+        (rundir.evals_dir(run) / watch.READING).iterdir()
+    )
+    again = Scorer(run)
+    assert watch.Watcher(run, again, poll_s=5).run(sleep=no_sleep) == "finished"
+    assert again.seen == []
+
+
+def test_a_save_being_written_waits_and_is_scored_once_its_manifest_appears(tmp_path, caplog):
+    """A tag without manifest.json is a save in progress: the watcher says so once, polls, and
+    scores it after the save writes its manifest (here: during the watcher's sleep, as the
+    training job would); the run is not finished before its last step is scored."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=20)
+    save(run, 10)
+    writing = save(run, 20, manifest=False)
+    sleeps = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:  # a few polls later, the save finishes
+            write_manifest(writing, step=20, client_state={"tokens": 20000})
+
+    scorer = Scorer(run)
+    with caplog.at_level(logging.INFO, logger="anneal.eval.watch"):
+        assert watch.Watcher(run, scorer, poll_s=2).run(sleep=sleep) == "finished"
+    assert scorer.seen == [10, 20]
+    said = [r.getMessage() for r in caplog.records if "step00000020" in r.getMessage()]
+    assert len(said) == 1 and "no manifest.json yet" in said[0] and "still being written" in said[0]
+    assert sleeps == [1.0, 1.0, 1.0, 1.0]  # two polls of 2 s, in slices of 1 s
+
+
+def test_damaged_checkpoints_are_skipped_with_a_message_and_never_scored(tmp_path, caplog):
+    """Same-size bit rot (only the hashes see it), a file cut short, and a manifest that is not
+    JSON: each skipped with a warning naming what is wrong, none scored, and the watcher still
+    ends at the run's last step (scored)."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=40)
+    rot, cut, bad = save(run, 10), save(run, 20), save(run, 30)
+    save(run, 40)
+    name = "mp_rank_00_model_states.pt"
+    (rot / name).write_bytes(b"\xff" * STEP_FILES[name])
+    (cut / name).write_bytes(b"\x00" * 10)
+    (bad / MANIFEST).write_text("{not json")
+    scorer = Scorer(run)
+    with caplog.at_level(logging.WARNING, logger="anneal.eval.watch"):
+        w = watch.Watcher(run, scorer, poll_s=5)
+        assert w.run(sleep=no_sleep) == "finished"
+    assert scorer.seen == [40]
+    assert sorted(w.skipped) == ["step00000010", "step00000020", "step00000030"]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (
+        f"step00000010: skipped, not scored: 1 file(s) differ from its manifest.json ({name})"
+        in text
+    )
+    assert (
+        "step00000020: skipped, not scored: files its manifest.json lists are missing or "
+        f"cut ({name})" in text
+    )
+    assert "step00000030: skipped, not scored: its manifest.json is not one Anneal writes" in text
+    assert len(caplog.records) == 3  # once each
+
+
+def test_a_tag_pruned_before_it_is_read_is_skipped_and_one_pruned_while_scored_is_read(
+    tmp_path, caplog
+):
+    """keep-last pruning by the run: a tag deleted after the survey listed it and before it was
+    pinned is skipped with a message; a tag deleted while it is being scored is read to the end
+    through its hard links and scored. (Without the pin, the scorer's reads fail.)"""
+    run = tmp_path / "run"
+    start_run(run, max_steps=30)
+    for step in (10, 20, 30):
+        save(run, step)
+    ckpt = rundir.checkpoints_dir(run)
+
+    def prune(tag_dir: Path, step: int) -> None:
+        if step == 10:
+            shutil.rmtree(ckpt / "step00000010")  # the one being scored
+            shutil.rmtree(ckpt / "step00000020")  # listed, not yet read
+
+    scorer = Scorer(run, during=prune)
+    with caplog.at_level(logging.WARNING, logger="anneal.eval.watch"):
+        w = watch.Watcher(run, scorer, poll_s=5)
+        assert w.run(sleep=no_sleep) == "finished"
+    assert scorer.seen == [10, 30]
+    assert list(w.skipped) == ["step00000020"]
+    assert (
+        "step00000020: skipped, not scored: removed (the run's keep-last pruning) before it "
+        "could be read" in caplog.text
+    )
+
+
+def test_a_signal_finishes_the_scoring_in_progress_and_a_restart_resumes(tmp_path):
+    """SIGUSR1 during the first scoring: that result is written, no other scoring starts, the
+    watcher returns "preempted" (the command exits 75) and its pid file is gone; a new watcher
+    scores the two others only. Same for SIGTERM during a poll's sleep."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=30)
+    for step in (10, 20, 30):
+        save(run, step)
+    signal_once = Scorer(run, during=lambda tag, step: os.kill(os.getpid(), signal.SIGUSR1))
+    stop = watch.Stop(run)
+    (pid_file,) = rundir.preempt_dir(run).glob("*.pid")
+    try:
+        assert watch.Watcher(run, signal_once, poll_s=5).run(stop, sleep=no_sleep) == "preempted"
+    finally:
+        stop.close()
+    assert signal_once.seen == [10] and not pid_file.exists()
+    assert [d["step"] for d in rundir.read_evals(run)] == [10]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL or callable(
+        signal.getsignal(signal.SIGUSR1)
+    )
+
+    rest = Scorer(run)
+    assert watch.Watcher(run, rest, poll_s=5).run(sleep=no_sleep) == "finished"
+    assert rest.seen == [20, 30]
+
+    later = tmp_path / "later"
+    start_run(later, max_steps=50)
+    stop = watch.Stop(later)
+    try:
+        sleeps = []
+
+        def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        result = watch.Watcher(later, Scorer(later), poll_s=600).run(stop, sleep=sleep)
+    finally:
+        stop.close()
+    assert result == "preempted" and sleeps == [1.0]  # woke at once, not after 600 s
+
+
+def test_until_step_and_a_max_steps_raised_by_a_resume(tmp_path):
+    """``until_step``: the watcher ends once the first checkpoint at or past it is scored, not
+    scoring later ones. Without it, the end follows config.json: a run resumed with a larger
+    --max-steps rewrites it, and the watcher goes on to the new last step."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=40)
+    for step in (10, 20, 30, 40):
+        save(run, step)
+    scorer = Scorer(run)
+    assert watch.Watcher(run, scorer, until_step=15, poll_s=5).run(sleep=no_sleep) == "finished"
+    assert scorer.seen == [10, 20]
+
+    other = tmp_path / "other"
+    start_run(other, max_steps=10)
+    save(other, 10)
+    scorer = Scorer(other)
+    w = watch.Watcher(other, scorer, poll_s=1)
+    assert w.run(sleep=no_sleep) == "finished" and scorer.seen == [10]
+    start_run(other, max_steps=20)  # resumed with --max-steps 20: config.json rewritten
+    assert w.run(sleep=lambda s: save(other, 20)) == "finished" and scorer.seen == [10, 20]
+
+
+def test_the_watcher_waits_for_a_run_that_has_not_started(tmp_path):
+    """A watch job that starts before the training job has written anything: no run directory,
+    then no config.json, then no checkpoint: it polls (sleeps) rather than failing or ending."""
+    run = tmp_path / "run"
+    events = []
+
+    def sleep(seconds: float) -> None:
+        events.append(seconds)
+        if len(events) == 1:
+            start_run(run, max_steps=10)
+        elif len(events) == 2:
+            save(run, 10)
+
+    scorer = Scorer(run)
+    assert watch.Watcher(run, scorer, poll_s=1).run(sleep=sleep) == "finished"
+    assert scorer.seen == [10] and events == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("hostile", ["../../outside", "/etc/passwd"])
+def test_a_manifest_naming_a_file_outside_its_tag_is_damaged_and_nothing_is_linked(
+    tmp_path, hostile
+):
+    """A manifest edited to name a file outside its directory is refused (``confined``), the
+    tag skipped as damaged, and nothing outside the tag is linked or read."""
+    run = tmp_path / "run"
+    start_run(run, max_steps=10)
+    tag = save(run, 10)
+    doc = json.loads((tag / MANIFEST).read_text())
+    doc["files"][hostile] = {"size": 1}
+    (tag / MANIFEST).write_text(json.dumps(doc))
+    w = watch.Watcher(run, Scorer(run), poll_s=5)
+    assert w.run(sleep=no_sleep) == "finished"
+    assert "outside" in w.skipped["step00000010"] or "absolute" in w.skipped["step00000010"]
+    assert rundir.read_evals(run) == []
