@@ -162,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         "forecast step time and checkpoint size, at least 120, at most half of --time)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
+    sb.add_argument(
+        "--watch-tasks",
+        metavar="TASKS",
+        help="also submit a job beside the training job that scores each checkpoint on these "
+        "tasks as it appears (anneal eval RUN --watch --tasks TASKS; docs/evaluation.md)",
+    )
+    sb.add_argument("--watch-limit", type=int, help="the watcher's --limit (examples per task)")
+    sb.add_argument("--watch-nodes", type=int, help="the watch job's nodes (default 1)")
+    sb.add_argument("--watch-gpus-per-node", type=int, help="its GPUs per node (default 1)")
     return checked(parser)
 
 
@@ -327,6 +336,9 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
             checkpoint_bytes=launch.checkpoint_bytes,
             time=ns.time,
         )
+    for flag in ("--watch-limit", "--watch-nodes", "--watch-gpus-per-node"):
+        if getattr(ns, flag[2:].replace("-", "_")) is not None and ns.watch_tasks is None:
+            raise UserError(f"{flag}: a setting of the watch job; give --watch-tasks too.")
     text = slurm.render_sbatch(
         job_name=f"anneal-{out.name}",
         nodes=ns.nodes,
@@ -343,6 +355,9 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         recipe_args=recipe_args,
         master_port=ns.master_port,
     )
+    scripts = {out / "submit.sbatch": text}
+    if ns.watch_tasks is not None:
+        scripts[out / slurm.WATCH_SCRIPT] = _watch_script(ns, out=out, device=device, grace=grace)
     print(preflight.forecast.describe(launch.forecast))
     if grace_note:
         print(grace_note)
@@ -350,18 +365,46 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
     ):
         print(note)
-    script = out / "submit.sbatch"
     if ns.dry_run:
-        print(f"# {script} would hold:")
-        print(text, end="", flush=True)
+        for script, text in scripts.items():
+            print(f"# {script} would hold:")
+            print(text, end="", flush=True)
         return 0
     (make_dir(out) / "logs").mkdir(exist_ok=True)  # slurmd opens --output before the script
     dsenv.write(out, env_values)
     write_atomic(out / preflight.forecast.FILE, json.dumps(launch.forecast.to_dict(), indent=2))
-    write_atomic(script, text)
-    print(f"wrote {script}")
-    print(slurm.sbatch(script), flush=True)
+    for script, text in scripts.items():
+        write_atomic(script, text)
+        print(f"wrote {script}")
+    for script in scripts:  # training first: the watcher waits for its checkpoints
+        print(slurm.sbatch(script), flush=True)
     return 0
+
+
+def _watch_script(ns, *, out: Path, device: str, grace: int) -> str:
+    """``--watch-tasks``: the batch script of the watch job (``slurm.render_watch``), on the
+    training job's partition, account and time limit, with a rendezvous port of its own."""
+    nodes = 1 if ns.watch_nodes is None else ns.watch_nodes
+    gpus = 1 if ns.watch_gpus_per_node is None else ns.watch_gpus_per_node
+    for flag, value in (("--watch-nodes", nodes), ("--watch-gpus-per-node", gpus)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1.")
+    return slurm.render_watch(
+        job_name=f"anneal-eval-{out.name}",
+        nodes=nodes,
+        gpus_per_node=gpus,
+        gpus=device == "cuda",
+        partition=ns.partition,
+        time=ns.time,
+        account=ns.account,
+        grace_s=grace,
+        run_dir=out,
+        workdir=Path.cwd().resolve(),
+        python=sys.executable,
+        tasks=ns.watch_tasks,
+        limit=ns.watch_limit,
+        master_port=ns.master_port + 1 if ns.master_port < 65535 else ns.master_port - 1,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

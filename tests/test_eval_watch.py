@@ -14,8 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,7 @@ import pytest
 from anneal import rundir
 from anneal.eval import results, watch
 from anneal.resilience.manifest import MANIFEST, write_manifest
+from tests.conftest import ROOT
 
 STEP_FILES = {"mp_rank_00_model_states.pt": 300, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 500}
 
@@ -268,3 +274,217 @@ def test_a_manifest_naming_a_file_outside_its_tag_is_damaged_and_nothing_is_link
     assert w.run(sleep=no_sleep) == "finished"
     assert "outside" in w.skipped["step00000010"] or "absolute" in w.skipped["step00000010"]
     assert rundir.read_evals(run) == []
+
+
+# --- the watch job on Slurm: launcher submit --watch-tasks, templates/eval_watch.sbatch -----
+
+
+def _render_watch(**kw):
+    from launcher import slurm
+
+    args = dict(
+        job_name="anneal-eval-x",
+        nodes=1,
+        gpus_per_node=1,
+        gpus=False,
+        partition="debug",
+        time="01:00:00",
+        account=None,
+        grace_s=120,
+        run_dir=Path("/runs/x"),
+        workdir=Path("/code"),
+        python="/code/.venv/bin/python",
+        tasks="hellaswag,arc_easy",
+        limit=None,
+        master_port=29501,
+    )
+    return slurm.render_watch(**{**args, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(tasks="hellaswag\ntouch /tmp/pwned"), "--watch-tasks 'hellaswag\\ntouch /tmp/pwned'"),
+        (dict(tasks="a\u2028b"), "--watch-tasks"),
+        (dict(tasks=" "), "--watch-tasks: no task given"),
+        (dict(limit=0), "--watch-limit 0"),
+        (dict(run_dir=Path("/runs/%j-x")), "holds '%'"),
+        (dict(run_dir=Path("/runs/a\nb")), "--out '/runs/a\\nb'"),
+        (dict(workdir=Path("/code\n#SBATCH --x")), "the working directory"),
+        (dict(python="/py\rthon"), "the Python"),
+        (dict(partition="gpu\n#SBATCH --x"), "--partition"),
+        (dict(time="1:00:00\n#SBATCH --x"), "--time"),
+        (dict(account="$(id)"), "--account"),
+        (dict(grace_s=0), "--grace-s 0"),
+    ],
+)
+def test_the_watch_script_refuses_what_the_training_script_refuses(kw, match):
+    """Every value the watch job's script embeds is checked as the training script's are (the
+    same checks of launcher/slurm.py), and the tasks too: one paragraph, naming the value."""
+    from anneal.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        _render_watch(**kw)
+    assert match in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+FAKE_SCONTROL = """#!/bin/sh
+echo "$@" >> "$RECORD.scontrol"
+[ "$2" = hostnames ] && echo node1
+[ "$2" = node ] && echo "NodeName=node1 NodeAddr=127.0.0.1"
+exit 0
+"""
+FAKE_SRUN = '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n'
+
+
+def _fake_job(tmp_path: Path, deepspeed: str) -> tuple[Path, Path, dict]:
+    """A virtual environment at a path with shell syntax in it (a fake python and
+    ``deepspeed``), fake srun and scontrol on PATH; (venv bin, run dir, the job's env)."""
+    venv = tmp_path / 'u"$(touch MARKER)"' / "bin"
+    fake = tmp_path / "slurm"
+    for d in (venv, fake, tmp_path / "code"):
+        d.mkdir(parents=True)
+    scripts = {
+        venv / "python": "#!/bin/sh\nexit 0\n",
+        venv / "deepspeed": deepspeed,
+        fake / "srun": FAKE_SRUN,
+        fake / "scontrol": FAKE_SCONTROL,
+    }
+    for path, text in scripts.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NODEID": "0",
+        "RECORD": str(tmp_path / "record"),
+    }
+    return venv, tmp_path / "run x", env
+
+
+def test_the_watch_job_runs_anneal_eval_watch_with_every_value_as_given(tmp_path):
+    """The watch script run by bash as the batch job (fake srun and scontrol): deepspeed gets
+    its own hostfile (never the training job's RUN/hostfile), its port, ``--no_local_rank
+    --module anneal.cli eval RUN --watch`` and the tasks exactly, shell syntax in them and in
+    the paths never runs (no MARKER), and an exit 0 is not requeued."""
+    record = tmp_path / "record"
+    ds = f'#!/bin/sh\nprintf "%s\\0" "$0" "$@" > {shlex.quote(str(record))}\n'
+    venv, run, env = _fake_job(tmp_path, ds)
+    tasks = "arc_easy,$(touch MARKER),x y.yaml"
+    script = tmp_path / "eval-watch.sbatch"
+    script.write_text(
+        _render_watch(
+            run_dir=run, workdir=tmp_path / "code", python=str(venv / "python"), tasks=tasks
+        )
+    )
+    done = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(tmp_path.rglob("MARKER"))
+    assert record.read_text().split("\0")[:-1] == [
+        str(venv / "deepspeed"),
+        *("--hostfile", f"{run}/logs/eval-hostfile", "--no_ssh", "--node_rank", "0"),
+        *("--master_addr", "127.0.0.1", "--master_port", "29501", "--no_local_rank"),
+        *("--module", "anneal.cli", "eval", str(run), "--watch", f"--tasks={tasks}"),
+    ]
+    assert "requeue" not in Path(f"{record}.scontrol").read_text()
+
+
+def test_a_signalled_watch_job_stops_its_watcher_and_requeues(tmp_path):
+    """SIGUSR1 to the batch shell (what Slurm's --signal=B:USR1 and ``scancel --signal=USR1
+    --batch`` do): the trap finds the watcher through its pid file in RUN/preempt/ (written by
+    ``watch.Stop``), the watcher exits 75, and the script calls ``scontrol requeue`` for its job.
+    A pid file of another job (the training job's) in the same folder is not signalled."""
+    run_dir = tmp_path / "run x"
+    start_run(run_dir, max_steps=100)
+    other = subprocess.Popen(["sleep", "60"])  # stands for a training rank of job 6
+    from anneal.resilience import preempt
+
+    (run_dir / "preempt").mkdir()
+    line = preempt.pid_line(other.pid).replace(" -\n", " 6\n")
+    (run_dir / "preempt" / f"{socket.gethostname()}.{other.pid}.pid").write_text(line)
+    watcher = (
+        "import sys\nfrom pathlib import Path\nfrom anneal.eval import watch\n"
+        "stop = watch.Stop(Path(sys.argv[1]))\n"
+        "result = watch.Watcher(Path(sys.argv[1]), print, poll_s=600).run(stop)\n"
+        "stop.close()\nsys.exit(75 if result == 'preempted' else 0)\n"
+    )
+    ds = "#!/bin/sh\n" + (
+        f"cd {shlex.quote(str(ROOT))} && exec {shlex.quote(sys.executable)} -c "
+        f'{shlex.quote(watcher)} "$(dirname "$(dirname "$2")")"\n'
+    )
+    venv, _, env = _fake_job(tmp_path, ds)
+    script = tmp_path / "eval-watch.sbatch"
+    script.write_text(
+        _render_watch(run_dir=run_dir, workdir=tmp_path / "code", python=str(venv / "python"))
+    )
+    job = subprocess.Popen(
+        ["bash", str(script)],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((run_dir / "preempt").glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)
+        out = job.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+        other.kill()
+    assert job.returncode == 0, out
+    assert "the watcher exited 75" in out and "requeueing job 7" in out, out
+    assert "requeue 7" in Path(f"{tmp_path}/record.scontrol").read_text()
+    assert other.wait() == -signal.SIGKILL  # still alive until we killed it: never signalled
+
+
+def _submit(capsys, tmp_path, data, *extra: str) -> tuple[int, str, str]:
+    from launcher.__main__ import main as launcher_main
+
+    argv = ["submit", str(ROOT / "recipes" / "pretrain_tiny.py"), "--device", "cpu"]
+    argv += [*"--nodes 2 --gpus-per-node 1 --partition p --time 01:00:00".split(), *extra]
+    argv += ["--", "--out", str(tmp_path / "run"), "--data", str(data)]
+    code = launcher_main(argv)
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
+def test_submit_with_watch_tasks_renders_the_watch_job_beside_the_training_job(
+    tmp_path, capsys, tiny_data
+):
+    """``launcher submit --watch-tasks`` (dry run): the training script as without it, and the
+    watch job's script after it, on the same partition and time, one node, the next port, its
+    own log and hostfile names; without --watch-tasks there is no watch script. The watch
+    settings alone are refused, as are bad ones, and nothing is written."""
+    code, plain, err = _submit(capsys, tmp_path, tiny_data, "--dry-run")
+    assert code == 0, err
+    assert "eval-watch.sbatch" not in plain
+    code, out, err = _submit(
+        capsys, tmp_path, tiny_data, "--dry-run", "--watch-tasks", "anneal_next_line",
+        "--watch-limit", "50",
+    )  # fmt: skip
+    assert code == 0, err
+    training, watch_script = out.split(f"# {tmp_path / 'run' / 'eval-watch.sbatch'} would hold:")
+    assert training == plain
+    run = tmp_path / "run"
+    assert "#SBATCH --job-name=anneal-eval-run" in watch_script
+    assert "#SBATCH --nodes=1" in watch_script and "#SBATCH --partition=p" in watch_script
+    assert f'#SBATCH --output="{run}/logs/eval-watch-%j.out"' in watch_script
+    assert "--master_port 29501" in watch_script and '"$0/logs/eval-hostfile"' in watch_script
+    assert f"eval {run} --watch --tasks=anneal_next_line --limit=50" in watch_script
+    subprocess.run(["bash", "-n"], input=watch_script, text=True, check=True)
+    before = sorted(tmp_path.rglob("*"))
+    for extra, match in (
+        (["--watch-limit", "5"], "--watch-limit: a setting of the watch job; give --watch-tasks"),
+        (["--watch-tasks", "a\nb"], "--watch-tasks 'a\\nb' holds '\\n'"),
+        (["--watch-tasks", "a", "--watch-nodes", "0"], "--watch-nodes 0: must be at least 1"),
+    ):
+        code, out, err = _submit(capsys, tmp_path, tiny_data, *extra)
+        assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
