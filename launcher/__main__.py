@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tasks as it appears (anneal eval RUN --watch --tasks TASKS; docs/evaluation.md)",
     )
     sb.add_argument("--watch-limit", type=int, help="the watcher's --limit (examples per task)")
+    sb.add_argument("--watch-poll-s", type=float, help="the watcher's --poll-s (default 60)")
     sb.add_argument("--watch-nodes", type=int, help="the watch job's nodes (default 1)")
     sb.add_argument("--watch-gpus-per-node", type=int, help="its GPUs per node (default 1)")
     return checked(parser)
@@ -336,7 +337,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
             checkpoint_bytes=launch.checkpoint_bytes,
             time=ns.time,
         )
-    for flag in ("--watch-limit", "--watch-nodes", "--watch-gpus-per-node"):
+    for flag in ("--watch-limit", "--watch-poll-s", "--watch-nodes", "--watch-gpus-per-node"):
         if getattr(ns, flag[2:].replace("-", "_")) is not None and ns.watch_tasks is None:
             raise UserError(f"{flag}: a setting of the watch job; give --watch-tasks too.")
     text = slurm.render_sbatch(
@@ -403,6 +404,7 @@ def _watch_script(ns, *, out: Path, device: str, grace: int) -> str:
         python=sys.executable,
         tasks=ns.watch_tasks,
         limit=ns.watch_limit,
+        poll_s=ns.watch_poll_s,
         master_port=ns.master_port + 1 if ns.master_port < 65535 else ns.master_port - 1,
     )
 

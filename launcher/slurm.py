@@ -278,7 +278,9 @@ WATCH_SCRIPT = "eval-watch.sbatch"
 """The watch job's batch script in the run directory, beside the training job's submit.sbatch."""
 
 
-def watch_command(*, run_dir: Path, tasks: str, limit: int | None) -> list[str]:
+def watch_command(
+    *, run_dir: Path, tasks: str, limit: int | None, poll_s: float | None = None
+) -> list[str]:
     """The arguments of ``python -m anneal.cli`` in the watch job: ``eval RUN --watch`` on
     ``tasks`` (each value joined to its flag, so that none is read as a flag of its own)."""
     check_plain(
@@ -293,15 +295,20 @@ def watch_command(*, run_dir: Path, tasks: str, limit: int | None) -> list[str]:
         raise UserError(
             f"--watch-limit {limit}: give at least 1 example per task, or leave it out."
         )
+    if poll_s is not None and not 0 < poll_s <= 86400:
+        raise UserError(f"--watch-poll-s {poll_s}: give seconds between 0 and 86400, e.g. 60.")
     command = ["eval", str(run_dir), "--watch", f"--tasks={tasks}"]
-    return command + ([f"--limit={limit}"] if limit is not None else [])
+    command += [f"--limit={limit}"] if limit is not None else []
+    return command + ([f"--poll-s={poll_s:g}"] if poll_s is not None else [])
 
 
-def render_watch(*, tasks: str, limit: int | None, run_dir: Path, **job) -> str:
+def render_watch(
+    *, tasks: str, limit: int | None, run_dir: Path, poll_s: float | None = None, **job
+) -> str:
     """The watch job's batch script (``templates/eval_watch.sbatch``): ``anneal eval RUN
     --watch`` on ``job``'s allocation, every value checked and quoted as ``render_sbatch``
     does for training."""
-    command = watch_command(run_dir=run_dir, tasks=tasks, limit=limit)
+    command = watch_command(run_dir=run_dir, tasks=tasks, limit=limit, poll_s=poll_s)
     return render_sbatch(
         template="eval_watch.sbatch",
         run_dir=run_dir,

@@ -308,6 +308,7 @@ def _render_watch(**kw):
         (dict(tasks="a\u2028b"), "--watch-tasks"),
         (dict(tasks=" "), "--watch-tasks: no task given"),
         (dict(limit=0), "--watch-limit 0"),
+        (dict(poll_s=0.0), "--watch-poll-s 0"),
         (dict(run_dir=Path("/runs/%j-x")), "holds '%'"),
         (dict(run_dir=Path("/runs/a\nb")), "--out '/runs/a\\nb'"),
         (dict(workdir=Path("/code\n#SBATCH --x")), "the working directory"),
@@ -467,7 +468,7 @@ def test_submit_with_watch_tasks_renders_the_watch_job_beside_the_training_job(
     assert "eval-watch.sbatch" not in plain
     code, out, err = _submit(
         capsys, tmp_path, tiny_data, "--dry-run", "--watch-tasks", "anneal_next_line",
-        "--watch-limit", "50",
+        "--watch-limit", "50", "--watch-poll-s", "2.5",
     )  # fmt: skip
     assert code == 0, err
     training, watch_script = out.split(f"# {tmp_path / 'run' / 'eval-watch.sbatch'} would hold:")
@@ -477,7 +478,7 @@ def test_submit_with_watch_tasks_renders_the_watch_job_beside_the_training_job(
     assert "#SBATCH --nodes=1" in watch_script and "#SBATCH --partition=p" in watch_script
     assert f'#SBATCH --output="{run}/logs/eval-watch-%j.out"' in watch_script
     assert "--master_port 29501" in watch_script and '"$0/logs/eval-hostfile"' in watch_script
-    assert f"eval {run} --watch --tasks=anneal_next_line --limit=50" in watch_script
+    assert f"eval {run} --watch --tasks=anneal_next_line --limit=50 --poll-s=2.5" in watch_script
     subprocess.run(["bash", "-n"], input=watch_script, text=True, check=True)
     before = sorted(tmp_path.rglob("*"))
     for extra, match in (

@@ -68,6 +68,7 @@ LAUNCHER_OPTIONS = {
         # Issue 29: a job beside the training job that scores each checkpoint (the watcher).
         "--watch-tasks",
         "--watch-limit",
+        "--watch-poll-s",
         "--watch-nodes",
         "--watch-gpus-per-node",
     ],
