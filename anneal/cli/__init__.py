@@ -2,7 +2,8 @@
 
 Each command group lives in its own module, which adds its subcommands and their handlers:
 ``data`` (``anneal data prepare | synth | verify``), ``planning`` (``plan``, ``fit``,
-``estimate``) and ``runs`` (``export``, ``plot``, ``report``, ``generate``). The recipes' own
+``estimate``), ``runs`` (``export``, ``plot``, ``report``, ``generate``) and ``evaluate``
+(``eval``). The recipes' own
 command line is ``recipe``. ``main()`` is the one place where a ``UserError`` becomes a one-line
 message and exit status 2.
 """
@@ -13,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from anneal.cli import data, planning, runs
+from anneal.cli import data, evaluate, planning, runs
 from anneal.cli.args import checked
 from anneal.errors import UserError
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     planning.add_commands(sub)
     runs.add_commands(sub)
+    evaluate.add_commands(sub)
     return checked(parser)
 
 

@@ -11,9 +11,11 @@ files are loaded by torch's weights-only loader (``anneal.resilience.safeload.lo
 ``mmap=True``): mapped, so their pages do stay resident as they
 are read; prefer safetensors. Under ZeRO-3 the model was built partitioned
 (``deepspeed.zero.Init``): each module's parameters are gathered in turn
-(``GatheredParameters(modifier_rank=0)``, as ``gather``), rank 0 reads and copies the tensors,
-and leaving the context sends each rank its partition, so a rank holds its partitions plus one
-module whole. Under ZeRO-0/1/2 every rank reads each tensor into its own copy.
+(``GatheredParameters(modifier_rank=0)``, as ``gather``), the first rank of their partition
+group (rank 0; under tensor parallelism, the first of each tensor-parallel rank's data-parallel
+group) reads and copies the tensors, and leaving the context sends each rank its partition, so a
+rank holds its partitions plus one module whole. Under ZeRO-0/1/2 every rank reads each tensor
+into its own copy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from anneal.dist import rank
 from anneal.hf.weight_files import (
     check_finite,
     check_fit,
@@ -101,13 +102,23 @@ def _check_names(model: torch.nn.Module, tensors: _Tensors) -> None:
     check_fit(tensors.directory, want, tied, tensors.shapes)
 
 
+def _first_of_group(p: torch.Tensor) -> bool:
+    """Whether this rank is the first of the group ``p`` is partitioned over (ZeRO-3's
+    ``ds_process_group``), the rank whose values ``GatheredParameters(modifier_rank=0)`` sends
+    to the group: rank 0 of the world, or under tensor parallelism the first rank of each
+    tensor-parallel rank's data-parallel group."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group=getattr(p, "ds_process_group", None)) == 0
+
+
 def load_pretrained_(model: torch.nn.Module, directory: Path, *, gather=None) -> dict:
     """Copy the weights in ``directory`` into ``model``'s parameters (cast to their dtype),
     one module at a time; ``gather(params)`` makes a module's parameters whole and writable
-    on rank 0 and partitions them again on exit (ZeRO-3), None: each rank writes its copy.
+    on the first rank of their partition group and partitions them again on exit (ZeRO-3),
+    None: each rank writes its copy.
     Returns counts (tensors, elements, bytes read)."""
     directory = Path(directory)
-    reads = gather is None or rank() == 0
     done: set[int] = set()
     count = {"tensors": 0, "elements": 0, "bytes_read": 0}
     with contextlib.ExitStack() as stack:
@@ -122,6 +133,7 @@ def load_pretrained_(model: torch.nn.Module, directory: Path, *, gather=None) ->
             if not params:
                 continue
             context = gather(list(params.values())) if gather else contextlib.nullcontext()
+            reads = gather is None or _first_of_group(next(iter(params.values())))
             with context, torch.no_grad():
                 for name, p in params.items():
                     if reads:

@@ -35,26 +35,11 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
 def build_engine(launch: Launch):
     """Model (partitioned at construction under ZeRO-3; its weights initialised, or read from
     ``model.init_from``) -> the DeepSpeed engine."""
-    import deepspeed
-
     ds = launch.ds_config
-    zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
     preset = launch.preset
     # DeepSpeed's process groups for AutoTP, or for Ulysses (which also swaps the attention)
     mpu = _tensor_parallel_groups(launch.layout.tensor_parallel) or sequence.register(launch)
-    if zero3:
-        # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
-        # tensor construction; importing it inside fails with a dynamo signature mismatch.
-        model_class(hf_model_config(preset))
-        # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
-        # (under Ulysses: the sequence-data-parallel group, all ranks)
-        dp_group = _partition_group(mpu)
-        with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
-            model = build_model(preset)
-        gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)  # noqa: E731
-    else:
-        model = build_model(preset)
-        gather = None
+    model, gather = _build_model(preset, ds, mpu)
     if preset.init_from is None:
         init_weights_(
             model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
@@ -70,7 +55,7 @@ def build_engine(launch: Launch):
     opt_params = ds["optimizer"]["params"]
     schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
-    engine, *_ = deepspeed.initialize(
+    engine = _initialize(
         model=model,
         model_parameters=param_groups(model, weight_decay=opt_params["weight_decay"]),
         config=engine_config,
@@ -89,6 +74,47 @@ def build_engine(launch: Launch):
             "the loss runs plain, over the full logits",
             type(engine.module.get_output_embeddings()).__name__,
         )
+    return engine
+
+
+def build_scoring_engine(preset, ds: dict, *, tensor_parallel: int, load_weights):
+    """An engine that only scores: ``preset``'s model built as training builds it (partitioned
+    at construction under ZeRO-3, AutoTP's groups made first), ``load_weights(model, gather)``
+    fills it (``gather`` as ``load_pretrained_`` takes it; None without ZeRO-3), and
+    ``deepspeed.initialize`` is given no optimizer and no scheduler: no optimizer state is
+    allocated and no optimizer is built (nor any extension compiled for one). In eval mode."""
+    mpu = _tensor_parallel_groups(tensor_parallel)
+    model, gather = _build_model(preset, ds, mpu)
+    load_weights(model, gather)
+    config = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
+    engine = _initialize(model=model, config=config, mpu=mpu)
+    engine.eval()
+    return engine
+
+
+def _build_model(preset, ds: dict, mpu):
+    """(the model, ``gather``): partitioned at construction under ZeRO-3, where ``gather(params)``
+    makes a module's parameters whole and writable on rank 0 (None otherwise)."""
+    import deepspeed
+
+    if ds.get("zero_optimization", {}).get("stage", 0) != 3:
+        return build_model(preset), None
+    # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
+    # tensor construction; importing it inside fails with a dynamo signature mismatch.
+    model_class(hf_model_config(preset))
+    # partitioned over the data-parallel group, as the engine's ZeRO-3 will partition
+    # (under Ulysses: the sequence-data-parallel group, all ranks)
+    dp_group = _partition_group(mpu)
+    with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
+        model = build_model(preset)
+    return model, lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def _initialize(**kwargs):
+    """``deepspeed.initialize``, called here and nowhere else in Anneal; the engine."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(**kwargs)
     return engine
 
 

@@ -1,0 +1,299 @@
+"""``anneal eval TARGET --tasks SPEC,...``: score a run's checkpoint (or a Hugging Face model
+directory) on lm-eval tasks, on one process or many (docs/evaluation.md, "anneal eval").
+
+One process: ``anneal eval RUN --tasks ...``. Several ranks, on one host or many: DeepSpeed's
+own runner starts the module on each, ``deepspeed [--hostfile H] --num_gpus N --module
+anneal.cli eval RUN --tasks ...``; every rank builds the same engine (any ZeRO stage,
+tensor-parallel degree through ``--set ds.tensor_parallel.autotp_size``), scores in lockstep
+(``anneal.eval.lm``), and rank 0 writes ``evals/step-<N>.json`` and the run's metrics row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from anneal.cli.args import path
+from anneal.errors import UserError
+
+DEFAULT_BATCH_SIZE = 16
+"""Requests per forward call on each data-parallel replica."""
+
+
+def add_commands(sub) -> None:
+    """``eval``, on the top-level subparsers ``sub``."""
+    p = sub.add_parser(
+        "eval",
+        help="score a run's checkpoint or a Hugging Face directory on lm-eval tasks",
+        description="Score a run's newest checkpoint that verifies (or --step N), one "
+        "checkpoint tag directory, or a Hugging Face model directory, on loglikelihood tasks "
+        "of lm-eval (names, task YAML paths, anneal_next_line). Writes RUN/evals/step-N.json "
+        "and the run's metrics row (eval/<task>/<metric>). Several ranks: `deepspeed "
+        "--num_gpus N --module anneal.cli eval ...`. See docs/evaluation.md.",
+    )
+    p.add_argument(
+        "target",
+        metavar="TARGET",
+        type=path,
+        help="run directory, RUN/checkpoints/<tag>, or a Hugging Face model directory",
+    )
+    p.add_argument("--tasks", required=True, help="comma list of task names or YAML paths")
+    p.add_argument("--step", type=int, help="the run's checkpoint saved at this step")
+    p.add_argument("--limit", type=int, help="score at most this many items of each task")
+    p.add_argument("--num-fewshot", type=int, help="demonstrations per item (task's default)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"requests per forward call on each data-parallel replica ({DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument("--out", type=path, help="write OUT/evals/ (required for an HF directory)")
+    p.add_argument("--force", action="store_true", help="replace an existing evals/step-N.json")
+    p.add_argument("--ds-config", help="score under this ds_config (default: the run's own)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="ds.KEY=VALUE",
+        help="override a ds_config key, e.g. ds.zero_optimization.stage=3",
+    )
+    p.add_argument("--tokenizer", type=path, help="the run's prepared data (default: the run's)")
+    p.add_argument("--data", type=path, help="prepared data for anneal_next_line (the run's)")
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from anneal.dist import shutdown
+    from anneal.eval.tasks import check_specs
+    from anneal.train.engine import setup_process
+
+    specs = _specs(args.tasks)
+    _check_numbers(args)
+    check_specs(specs)  # before any process group or engine
+    overrides = _ds_overrides(args.set)
+    _single_process_env()
+    setup_process()
+    try:
+        doc, target = run_eval(args, specs, overrides)
+        _print_summary(doc, target)
+    finally:
+        shutdown()
+    return 0
+
+
+def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
+    """(the results document, the ``Target``): the target found and checked, its engine built
+    on every rank, the tasks scored, the document written by rank 0. Collective."""
+    from anneal.cli.eval_target import find_target
+    from anneal.dist import is_main_process
+
+    target = find_target(
+        Path(args.target),
+        step=args.step,
+        out=Path(args.out) if args.out else None,
+        ds_config=args.ds_config,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+        data=Path(args.data) if args.data else None,
+    )
+    _check_results_file(target, force=args.force)
+    engine = build_engine(target, overrides)
+    doc = score_target(
+        engine,
+        target,
+        specs,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+    )
+    if is_main_process():
+        write_results(target, doc)
+    return doc, target
+
+
+def build_engine(target, overrides: list[str]):
+    """The scoring engine of ``target`` on this world, its weights read by the exporter's
+    verified readers (a checkpoint) or ``anneal.hf.load_weights`` (a Hugging Face
+    directory). Collective."""
+    from anneal.launch import ds as ds_config
+    from anneal.train.eval_engine import scoring_engine
+
+    ds = target.ds_config
+    if overrides:
+        ds = ds_config.override_ds_config(
+            ds, ds_config.ds_overrides(overrides), source=target.ds_source
+        )
+    if target.hf_dir is not None:
+        from anneal.hf.load_weights import load_pretrained_
+
+        def load(model, gather):
+            load_pretrained_(model, target.hf_dir, gather=gather)
+
+        return scoring_engine(target.preset, ds, source=target.ds_source, load_weights=load)
+    with _open_checkpoint(target) as ckpt:
+        tensors = {s.name: s.load for s in ckpt.sources}
+        from anneal.train.eval_engine import copy_weights_
+
+        def load(model, gather):
+            copy_weights_(model, tensors, gather=gather)
+
+        return scoring_engine(target.preset, ds, source=target.ds_source, load_weights=load)
+
+
+def _open_checkpoint(target):
+    """The checkpoint's parameters, indexed lazily (merged over its tensor-parallel ranks'
+    slices), their names and shapes checked against the run's model."""
+    from anneal import rundir
+    from anneal.hf.source import check_shapes, expected_shapes, tensor_parallel_size
+    from anneal.hf.tp_merge import open_tp_checkpoint
+    from anneal.hf.zero import open_checkpoint
+    from anneal.resilience.manifest import read_manifest
+
+    tp = tensor_parallel_size(target.tag_dir, read_manifest(target.tag_dir))
+    if tp == 1:
+        ckpt = open_checkpoint(target.tag_dir)
+    else:
+        ckpt = open_tp_checkpoint(target.tag_dir, tp, expected_shapes(target.preset))
+    try:
+        check_shapes(ckpt, target.preset, rundir.config_path(target.run_dir))
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
+def score_target(engine, target, specs, *, limit, num_fewshot, batch_size) -> dict:
+    """The results document of ``target``'s engine on ``specs`` (``anneal.eval.score``).
+    Collective: every rank builds the same tasks and requests."""
+    from anneal.eval.lm import EngineLM
+    from anneal.eval.score import score
+    from anneal.eval.tasks import load_tasks
+    from anneal.train.engine import data_replica
+
+    with tempfile.TemporaryDirectory(prefix="anneal-eval-") as work:
+        loaded = load_tasks(
+            specs,
+            data_dir=target.data_dir,
+            work_dir=Path(work),
+            num_fewshot=num_fewshot,
+            limit=limit,
+        )
+        lm = EngineLM(
+            engine,
+            target.tokenizer_dir,
+            replica=data_replica(engine),
+            batch_size=batch_size,
+            max_length=target.preset.seq_len,
+        )
+        return score(
+            lm,
+            loaded,
+            step=target.step,
+            tokens=target.tokens,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            source=target.source,
+            checkpoint=target.tag_dir,
+            manifest_sha256=target.manifest_sha256,
+        )
+
+
+def write_results(target, doc: dict) -> Path:
+    """``evals/step-<N>.json`` under the target's results directory; for a run scored in place,
+    its metrics row too (metrics.jsonl and TensorBoard). Rank 0."""
+    from anneal.eval import results
+    from anneal.observe.metrics import MetricsLogger
+
+    path = results.write(target.results_dir, doc)
+    if target.run_dir is not None and target.results_dir == target.run_dir:
+        metrics = MetricsLogger(target.run_dir)
+        try:
+            metrics.write(results.metrics_row(doc))
+        finally:
+            metrics.close()
+    return path
+
+
+def _check_results_file(target, *, force: bool) -> None:
+    """An ``evals/step-<N>.json`` already there is kept unless ``--force``, and replaced then
+    only when it is a document ``anneal eval`` writes (never another file under its name)."""
+    from anneal import rundir
+
+    existing = rundir.eval_path(target.results_dir, target.step)
+    if not (existing.exists() or existing.is_symlink()):
+        return
+    if not force:
+        raise UserError(
+            f"{existing}: step {target.step} is scored already. Read it, or pass --force to "
+            f"score it again and replace it.",
+            every_rank=True,
+        )
+    try:
+        doc = json.loads(existing.read_text()) if not existing.is_symlink() else None
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    if not (isinstance(doc, dict) and doc.get("step") == target.step and "tasks" in doc):
+        raise UserError(
+            f"{existing}: --force replaces only scores that anneal eval wrote, and this is not "
+            f"one (not such a JSON document, or a link). Move it away first.",
+            every_rank=True,
+        )
+
+
+def _specs(tasks: str) -> list[str]:
+    specs = [s.strip() for s in tasks.split(",") if s.strip()]
+    if not specs:
+        raise UserError("--tasks: name at least one task (e.g. --tasks anneal_next_line).")
+    return specs
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--step", args.step, 0),
+        ("--limit", args.limit, 1),
+        ("--num-fewshot", args.num_fewshot, 0),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: give a whole number of at least {low}.")
+
+
+def _ds_overrides(items: list[str]) -> list[str]:
+    """The ``--set`` items: DeepSpeed keys only (the model is the checkpoint's)."""
+    for item in items:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.startswith("ds."):
+            raise UserError(
+                f"--set {item}: anneal eval takes ds_config keys only (ds.KEY=VALUE, e.g. "
+                f"ds.zero_optimization.stage=3 or ds.tensor_parallel.autotp_size=2); the model "
+                f"and its weights are the checkpoint's."
+            )
+    return list(items)
+
+
+def _single_process_env() -> None:
+    """Started without a launcher: this process is a world of one."""
+    if "RANK" not in os.environ:
+        from anneal.dist import world_of_one_env
+
+        os.environ.update(world_of_one_env())
+
+
+def _print_summary(doc: dict, target) -> None:
+    """One line per task and metric, then the tasks that failed (rank 0)."""
+    from anneal.dist import print0
+
+    where = target.tag_dir or target.hf_dir
+    lines = [f"scored {where} (step {doc['step']}) in {doc.get('seconds') or 0:.1f} s"]
+    lines.append(f"{'task':<28} {'metric':<16} {'value':>10} {'stderr':>10}")
+    for task, entry in sorted(doc.get("tasks", {}).items()):
+        metrics = entry["metrics"]
+        for name in sorted(m for m in metrics if not m.endswith("_stderr")):
+            err = metrics.get(f"{name}_stderr")
+            shown = f"{err:>10.4f}" if err is not None else f"{'':>10}"
+            lines.append(f"{task:<28} {name:<16} {metrics[name]:>10.4f} {shown}")
+    for task, why in sorted(doc.get("failed", {}).items()):
+        lines.append(f"{task:<28} failed: {why}")
+    print0("\n".join(lines))

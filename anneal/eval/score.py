@@ -1,0 +1,165 @@
+"""One scoring: every loaded task through lm-eval's own evaluator over a model (``EngineLM``),
+into the results document of ``anneal.eval.results``.
+
+Each task is evaluated on its own (``lm_eval.evaluator.evaluate``), so a task that raises is
+recorded in ``failed`` and the others still score; since every rank builds the same requests, a
+task fails at the same point on every rank, before any forward call that another rank would wait
+on. ``evaluate`` is called directly, not ``simple_evaluate``, which seeds python's, numpy's and
+torch's global generators (lm-eval's defaults 0 and 1234) and would change a training run's
+random stream; ``score`` also puts back every generator state it found (python, numpy, torch's
+CPU and CUDA ones), whatever lm-eval or a task did in between, and the engine's train mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from anneal.eval.results import metrics_of
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_ITERS = 1000
+"""Resamples for the standard error of a metric that has no closed form (lm-eval bootstraps
+perplexity, median, F1; accuracy's stderr is closed-form): lm-eval's command line takes
+100,000, minutes of CPU per task on every rank; 1,000 give the stderr to a few percent. They run
+in this process (lm-eval's ``DISABLE_MULTIPROC``), never in a pool forked from a rank that holds
+process groups and device memory."""
+
+
+def lm_eval_version() -> str:
+    return importlib.metadata.version("lm_eval")
+
+
+def score(
+    lm,
+    loaded,
+    *,
+    step: int,
+    tokens: int | None,
+    limit: int | float | None,
+    num_fewshot: int | None,
+    source: str,
+    checkpoint: Path | None = None,
+    manifest_sha256: str | None = None,
+    samples: bool = False,
+) -> dict:
+    """Score every task of ``loaded`` (``anneal.eval.tasks.LoadedTasks``: ``tasks``, ``info``,
+    ``failed``) with ``lm``; return the results document (``anneal.eval.results``) for
+    ``step``. Collective: every rank calls it with the same tasks, and gets the same document.
+    With ``samples``, the document also holds lm-eval's per-request records under
+    ``"samples"`` (``{task: [{"doc_id", "resps", "filtered_resps", "target", ...}]}``), for
+    tests and debugging; the document written to ``RUN/evals/`` never has them."""
+    engine = getattr(lm, "engine", None)
+    training = engine.training if engine is not None else None
+    tokens_before = getattr(lm, "tokens_scored", 0)
+    start = time.perf_counter()
+    doc = {
+        "step": step,
+        "tokens": tokens,
+        "source": source,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "manifest_sha256": manifest_sha256,
+        "lm_eval_version": lm_eval_version(),
+        "tasks": {},
+        "failed": dict(loaded.failed),
+    }
+    logged = {}
+    with _rng_restored(), _bootstrap_in_process():
+        try:
+            for name, task in loaded.tasks.items():
+                try:
+                    out = _evaluate_one(lm, name, task, limit)
+                except Exception as e:  # noqa: BLE001 - a task's failure is never fatal
+                    log.warning("eval task %s failed: %s", name, _one_line(e))
+                    doc["failed"][name] = _one_line(e)
+                    continue
+                doc["tasks"][name] = _entry(out, name, loaded.info.get(name, {}), limit)
+                if num_fewshot is not None and doc["tasks"][name]["num_fewshot"] is None:
+                    doc["tasks"][name]["num_fewshot"] = num_fewshot
+                logged[name] = out.get("samples", {}).get(name, [])
+        finally:
+            if training is not None:
+                engine.train(training)
+    seconds = time.perf_counter() - start
+    scored = getattr(lm, "tokens_scored", 0) - tokens_before
+    doc |= {
+        "seconds": round(seconds, 3),
+        "tokens_scored": scored,
+        "tokens_per_s": round(scored / seconds, 1) if seconds > 0 else None,
+    }
+    if samples:
+        doc["samples"] = logged
+    return doc
+
+
+def _evaluate_one(lm, name: str, task, limit) -> dict:
+    from lm_eval.evaluator import evaluate
+
+    out = evaluate(
+        lm,
+        {"tasks": {name: task}, "groups": {}, "group_map": {}},
+        limit=limit,
+        log_samples=True,
+        bootstrap_iters=BOOTSTRAP_ITERS,
+    )
+    if not out or name not in out.get("results", {}):
+        raise RuntimeError(f"lm-eval returned no results for {name}")
+    return out
+
+
+def _entry(out: dict, name: str, info: dict, limit) -> dict:
+    """One task's entry of the document from lm-eval's output."""
+    n = out.get("n-samples", {}).get(name, {})
+    shots = out.get("n-shot", {}).get(name)
+    return {
+        "metrics": metrics_of(out["results"][name]),
+        "chance": info.get("chance"),
+        "config_sha256": info.get("config_sha256"),
+        "num_fewshot": shots,
+        "limit": limit,
+        "n_samples": n.get("effective", n.get("original")),
+    }
+
+
+def _one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _rng_restored():
+    """Put back python's, numpy's and torch's (CPU and every CUDA device's) generator states
+    on the way out, whatever happened inside."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def _bootstrap_in_process():
+    """lm-eval's bootstrap without its process pool (``BOOTSTRAP_ITERS``)."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before

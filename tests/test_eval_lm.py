@@ -1,0 +1,367 @@
+"""Downstream scoring over Anneal's engine (``anneal.eval.lm``, ``anneal.eval.score``) gives what
+lm-eval's own ``HFLM`` gives on the same weights as a Hugging Face model.
+
+One real engine (the tiny recipe's model at SMALL shapes, ZeRO-3, a world of one, trained a few
+steps in-process so that its choices are not ties) is scored on local tasks written here (JSONL
+and YAML, offline, ``include_defaults=False``): two multiple-choice tasks, a loglikelihood cloze
+task and a rolling-perplexity task with documents longer than the context. The same weights,
+saved with ``save_pretrained`` beside the prepared data's tokenizer files, are scored by
+``HFLM``: every request's log-likelihood agrees within 1e-4 and acc / acc_norm exactly. Around
+it: the generators' states and the train mode come back as they were, a failing task is
+recorded and the others score, generation and sequence parallelism are refused with their
+reason, and on 2 ranks (ZeRO-3, ``tests/scripts/eval_lockstep.py``) both ranks call forward the
+same number of times and score what one replica scores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from anneal.eval.lm import EngineLM, unsupported_layout
+from anneal.eval.score import score
+from tests.conftest import BIN, ROOT, SMALL, env, free_port, resolve_tiny, run_process
+
+MAX_LENGTH = 64  # SMALL's seq_len: the model's context
+TRAIN_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def trained(world_of_one, tiny_data, tmp_path_factory):
+    """(engine, HF directory of its weights): the tiny recipe's model at SMALL shapes, ZeRO-3
+    on one rank, after ``TRAIN_STEPS`` optimizer steps on ``tiny_data``; its weights gathered
+    and saved with ``save_pretrained`` (fp32) beside the data's tokenizer files."""
+    import deepspeed
+
+    from anneal.data.stream import PackedSplit, TokenStream
+    from anneal.model import build_model
+    from anneal.train import StepShape, TrainState, build_engine, train_step
+
+    tmp = tmp_path_factory.mktemp("eval_lm")
+    args = ["--out", str(tmp / "run"), "--data", str(tiny_data), "--max-steps", "100", *SMALL]
+    launch = resolve_tiny(args, world_size=1)
+    engine = build_engine(launch)
+    split = PackedSplit(tiny_data, "train", seq_len=launch.seq_len)
+    stream = TokenStream(
+        split, seed=1, rank=0, world_size=1, micro_batch=launch.micro_batch, prefetch=0
+    )
+    state, shape = TrainState(), StepShape.of(launch)
+    for _ in range(TRAIN_STEPS):
+        train_step(engine, stream, state, shape)
+    model = build_model(launch.preset)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        state_dict = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    model.load_state_dict(state_dict, strict=False)
+    model.tie_weights()
+    hf_dir = tmp / "hf"
+    model.save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_data / name, hf_dir / name)
+    return engine, hf_dir
+
+
+def write_tasks(root: Path) -> list[str]:
+    """Local tasks over local JSONL, as a user writes them: two multiple-choice tasks (one-word
+    choices; choices of different lengths, so that acc and acc_norm can differ), a cloze
+    task (the last word of a line) and a rolling-perplexity task (documents of 2 to 4 windows
+    of the context). Returns their names."""
+    words = ["fox", "cat", "jumps", "quick", "brown", "the", "dog", "doc"]
+    rng = random.Random(5)
+    mc_a, mc_b, cloze, rolling = [], [], [], []
+    for i in range(14):
+        choices = [" fox", *rng.sample([f" {w}" for w in words if w != "fox"], 3)]
+        rng.shuffle(choices)
+        mc_a.append(
+            {"q": f"doc {i}: the quick brown", "choices": choices, "gold": choices.index(" fox")}
+        )
+        long = [" jumps the quick brown", " jumps", " cat", " the lazy dog barks"]
+        mc_b.append({"q": f"doc {i + 20}: the quick brown fox", "choices": long, "gold": i % 4})
+        cloze.append({"text": f"doc {i}: the quick brown fox jumps the quick {rng.choice(words)}"})
+        rolling.append({"text": f"doc {i}: " + "the quick brown fox jumps " * (8 + 6 * (i % 3))})
+    tasks = {
+        "tiny_mc_a": (mc_a, "multiple_choice", "{{q}}", "{{gold}}", "choices", ["acc", "acc_norm"]),
+        "tiny_mc_b": (mc_b, "multiple_choice", "{{q}}", "{{gold}}", "choices", ["acc", "acc_norm"]),
+        "tiny_cloze": (
+            cloze,
+            "loglikelihood",
+            "{{text.split(' ')[:-1]|join(' ')}}",
+            "{{' ' + text.split(' ')[-1]}}",
+            None,
+            ["perplexity", "acc"],
+        ),
+        "tiny_rolling": (rolling, "loglikelihood_rolling", "", "{{text}}", None, []),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (rows, kind, text, target, choices, metrics) in tasks.items():
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        yaml = [
+            f"task: {name}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            f"  data_files: {{test: {json.dumps(str(data))}}}",
+            f"  cache_dir: {json.dumps(str(root / 'hf_cache'))}",
+            "test_split: test",
+            f"output_type: {kind}",
+            f"doc_to_text: {json.dumps(text)}",
+            f"doc_to_target: {json.dumps(target)}",
+        ]
+        if choices:
+            yaml.append(f'doc_to_choice: "{{{{{choices}}}}}"')
+        if kind == "loglikelihood_rolling":
+            yaml.append("doc_to_decontamination_query: '{{text}}'")
+        if metrics:
+            yaml.append("metric_list:")
+            for m in metrics:
+                agg, better = ("perplexity", "false") if m == "perplexity" else ("mean", "true")
+                yaml.append(f"  - {{metric: {m}, aggregation: {agg}, higher_is_better: {better}}}")
+        (root / f"{name}.yaml").write_text("\n".join(yaml) + "\n")
+    return list(tasks)
+
+
+def load(root: Path, names: list[str]):
+    """A stand-in for ``anneal.eval.tasks.LoadedTasks``: the tasks from lm-eval's TaskManager
+    over ``root`` only, with made-up ``info``."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(root), include_defaults=False)
+    tasks = manager.load(names)["tasks"]
+    info = {n: {"config_sha256": f"sha-{n}", "chance": 0.25} for n in names}
+    return types.SimpleNamespace(tasks=tasks, info=info, failed={})
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, trained) -> tuple[Path, list[str]]:
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("HF_DATASETS_OFFLINE", "1")
+    root = tmp_path_factory.mktemp("tasks")
+    names = write_tasks(root)
+    yield root, names
+    monkey.undo()
+
+
+def per_request(doc: dict) -> dict[str, dict[int, list[float]]]:
+    """{task: {doc_id: [log-likelihood of each request]}} from a document's samples."""
+    out = {}
+    for task, samples in doc["samples"].items():
+        out[task] = {}
+        for s in samples:
+            values = []
+            for resp in s["resps"]:
+                r = resp[0]
+                values.append(float(r[0] if isinstance(r, tuple | list) else r))
+            out[task][s["doc_id"]] = values
+    return out
+
+
+HFLM_ARGS = dict(device="cpu", dtype="float32", batch_size=3, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def scored(trained, task_dir) -> dict:
+    """Anneal's document ("ours"), HFLM's ("hflm") and HFLM's without its logits cache
+    ("hflm_nocache") over the same tasks and weights, and the EngineLM ("lm")."""
+    from lm_eval.models.huggingface import HFLM
+
+    engine, hf_dir = trained
+    root, names = task_dir
+    lm = EngineLM(engine, hf_dir, replica=(0, 1), batch_size=4, max_length=MAX_LENGTH)
+    kw = dict(step=TRAIN_STEPS, tokens=None, limit=None, num_fewshot=None, source="loop")
+    out = {"lm": lm, "ours": score(lm, load(root, names), samples=True, **kw)}
+    for key, extra in (("hflm", {}), ("hflm_nocache", {"logits_cache": False})):
+        reference = HFLM(pretrained=str(hf_dir), **HFLM_ARGS, **extra)
+        out[key] = score(reference, load(root, names), samples=True, **kw)
+    return out
+
+
+def assert_same_scores(ours: dict, theirs: dict, tasks: list[str]) -> None:
+    """Per-request log-likelihoods within 1e-4, acc and acc_norm exactly equal."""
+    mine, ref = per_request(ours), per_request(theirs)
+    for task in tasks:
+        assert mine[task].keys() == ref[task].keys(), task
+        for doc_id, values in mine[task].items():
+            assert np.allclose(values, ref[task][doc_id], atol=1e-4, rtol=0), (task, doc_id)
+        for metric in ("acc", "acc_norm"):
+            if metric in theirs["tasks"][task]["metrics"]:
+                assert (
+                    ours["tasks"][task]["metrics"][metric]
+                    == (theirs["tasks"][task]["metrics"][metric])
+                ), (task, metric)
+
+
+def test_scores_equal_hflms_on_the_same_weights(scored):
+    """Two multiple-choice tasks and a cloze task: every request's log-likelihood within 1e-4
+    of HFLM's and acc / acc_norm exactly equal. The model learned something (acc well above
+    chance on the first task, and acc != acc_norm there), so equal accuracies are not ties."""
+    ours, theirs = scored["ours"], scored["hflm"]
+    assert ours["failed"] == {} and theirs["failed"] == {}, (ours["failed"], theirs["failed"])
+    assert set(ours["tasks"]) == {"tiny_mc_a", "tiny_mc_b", "tiny_cloze", "tiny_rolling"}
+    assert_same_scores(ours, theirs, ["tiny_mc_a", "tiny_mc_b", "tiny_cloze"])
+    mc_a = ours["tasks"]["tiny_mc_a"]["metrics"]
+    assert mc_a["acc"] > 0.5 and mc_a["acc"] != mc_a["acc_norm"]
+
+
+def test_rolling_windows_equal_hflms_own_computation(scored):
+    """Rolling perplexity over documents of 2 to 4 context windows: every document's
+    log-likelihood within 1e-4 of HFLM's with ``logits_cache=False``, and word perplexity with
+    it. HFLM's default differs on these documents: its logits cache groups a document's last
+    window with another's middle window when their tokens agree, and then reads the shorter
+    continuation's log-probabilities from the first positions of the longer one's (lm-eval
+    0.4.13, ``_loglikelihood_tokens``); EngineLM reads the last positions, which predict it."""
+    ours, plain, cached = scored["ours"], scored["hflm_nocache"], scored["hflm"]
+    assert_same_scores(ours, plain, ["tiny_rolling"])
+    rolling = ours["tasks"]["tiny_rolling"]["metrics"]
+    assert rolling["word_perplexity"] == pytest.approx(
+        plain["tasks"]["tiny_rolling"]["metrics"]["word_perplexity"], rel=1e-5
+    )
+    assert per_request(cached)["tiny_rolling"] != per_request(plain)["tiny_rolling"]
+    # the other tasks do not meet the case: HFLM gives the same with and without its cache
+    assert_same_scores(cached, plain, ["tiny_mc_a", "tiny_mc_b", "tiny_cloze"])
+
+
+def test_the_document_holds_what_the_contract_names(scored, task_dir):
+    """The document's fields (results.py): every task's metrics with their stderr, chance and
+    config hash from the loaded tasks' info, the sample count, the lm-eval version; tokens
+    scored and the rate; the samples only when asked, and JSON all through without them."""
+    from anneal.eval.results import metrics_row
+
+    ours, lm = scored["ours"], scored["lm"]
+    entry = ours["tasks"]["tiny_mc_a"]
+    assert entry["chance"] == 0.25 and entry["config_sha256"] == "sha-tiny_mc_a"
+    assert entry["n_samples"] == 14 and entry["limit"] is None and entry["num_fewshot"] == 0
+    assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(entry["metrics"])
+    assert ours["lm_eval_version"] == "0.4.13" and ours["source"] == "loop"
+    assert ours["tokens_scored"] > 0 and ours["tokens_per_s"] > 0
+    row = metrics_row(ours)
+    assert row["eval/tiny_mc_b/acc_norm"] == ours["tasks"]["tiny_mc_b"]["metrics"]["acc_norm"]
+    before = lm.tokens_scored
+    again = score(lm, load(*task_dir), step=1, tokens=5, limit=3, num_fewshot=None, source="hf")
+    assert "samples" not in again and again["tasks"]["tiny_cloze"]["n_samples"] == 3
+    assert again["tokens_scored"] == lm.tokens_scored - before > 0
+    assert (again["step"], again["tokens"], again["tasks"]["tiny_cloze"]["limit"]) == (1, 5, 3)
+    json.dumps(again)
+
+
+class RandomDrawingLM(EngineLM):
+    """An EngineLM that draws from python's, numpy's and torch's global generators on every
+    request list, as a task's code or a library might."""
+
+    def _loglikelihood_tokens(self, requests, **kwargs):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super()._loglikelihood_tokens(requests, **kwargs)
+
+
+def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
+    """After a scoring whose model draws from every global generator, python's, numpy's and
+    torch's states are the ones before; the engine ran its forward calls in eval mode and is
+    back in train mode."""
+    engine, hf_dir = trained
+    lm = RandomDrawingLM(engine, hf_dir, replica=(0, 1), batch_size=8, max_length=MAX_LENGTH)
+    modes = []
+    hook = engine.module.register_forward_pre_hook(lambda m, _: modes.append(m.training))
+    engine.train()
+    loaded = load(*task_dir)
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        doc = score(lm, loaded, step=0, tokens=None, limit=2, num_fewshot=None, source="loop")
+    finally:
+        hook.remove()
+    assert len(doc["tasks"]) == 4 and modes and not any(modes)
+    assert engine.training and engine.module.training
+    after = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    assert after[0] == states[0]
+    assert all(np.array_equal(a, b) for a, b in zip(after[1], states[1], strict=True))
+    assert torch.equal(after[2], states[2])
+
+
+def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir):
+    """A task whose requests cannot be scored (a cloze target of no text), and one that never
+    loaded (in ``loaded.failed``), are recorded in ``failed`` with a one-line reason; the other
+    tasks score as they would alone."""
+    engine, hf_dir = trained
+    root, _ = task_dir
+    broken = root / "broken"
+    broken.mkdir(exist_ok=True)
+    text = (root / "tiny_cloze.yaml").read_text().replace("task: tiny_cloze", "task: tiny_broken")
+    # a continuation of no text: nothing to score (lm-eval's HFLM asserts on it too)
+    (broken / "tiny_broken.yaml").write_text(text.replace("{{' ' + text.split(' ')[-1]}}", ""))
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=[str(root), str(broken)], include_defaults=False)
+    tasks = manager.load(["tiny_broken", "tiny_mc_b"])["tasks"]
+    loaded = types.SimpleNamespace(tasks=tasks, info={}, failed={"gone": "FileNotFoundError: x"})
+    lm = EngineLM(engine, hf_dir, replica=(0, 1), batch_size=8, max_length=MAX_LENGTH)
+    kw = dict(step=0, tokens=None, limit=4, num_fewshot=None, source="loop")
+    doc = score(lm, loaded, **kw)
+    assert list(doc["tasks"]) == ["tiny_mc_b"]
+    assert set(doc["failed"]) == {"tiny_broken", "gone"}
+    assert (
+        doc["failed"]["tiny_broken"].startswith("ValueError: ")
+        and "continuation" in (doc["failed"]["tiny_broken"])
+    )
+    alone = score(lm, load(root, ["tiny_mc_b"]), **kw)
+    assert doc["tasks"]["tiny_mc_b"]["metrics"] == alone["tasks"]["tiny_mc_b"]["metrics"]
+
+
+def test_generation_and_sequence_parallelism_are_refused_with_their_reason(trained):
+    """``generate_until`` says that generation is out of scope; ``unsupported_layout`` passes
+    every tensor-parallel degree and refuses Ulysses, saying what to run instead."""
+    engine, hf_dir = trained
+    lm = EngineLM(engine, hf_dir, replica=(0, 1), batch_size=1, max_length=MAX_LENGTH)
+    with pytest.raises(NotImplementedError, match="generation tasks"):
+        lm.generate_until([])
+    assert unsupported_layout(1, 1) is None and unsupported_layout(4, 1) is None
+    reason = unsupported_layout(1, 2)
+    assert "\n" not in reason and "sequence_parallel_size=2" in reason
+    assert "anneal eval" in reason and "ds.sequence_parallel_size=1" in reason
+
+
+LOCKSTEP_OVERRIDES = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=176",
+    "model.num_attention_heads=4",
+    f"model.seq_len={MAX_LENGTH}",
+]
+
+
+@pytest.mark.slow
+def test_two_ranks_call_forward_alike_and_score_as_one_replica(tiny_data, tmp_path):
+    """ZeRO-3 on 2 ranks (tests/scripts/eval_lockstep.py, through the deepspeed runner): the
+    model's forward runs as many times on both ranks while the batches are split over the two
+    replicas (5 requests of a task: one replica has no row in the last batch and runs the
+    padding row), and both ranks return the document that one replica scoring every row
+    returns, per request within 1e-5. Slow: two processes build a ZeRO-3 engine (about 30 s
+    on 2 cores)."""
+    names = write_tasks(tmp_path / "tasks")
+    prefix = tmp_path / "out.json"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += [str(ROOT / "tests/scripts/eval_lockstep.py"), str(prefix), str(tmp_path / "tasks")]
+    cmd += [str(tiny_data), str(tmp_path / "run"), *LOCKSTEP_OVERRIDES]
+    e = {**env(), "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run_process(cmd, timeout_s=300, check=True, cwd=ROOT, env=e)
+    ranks = [json.loads(Path(f"{prefix}.{r}").read_text()) for r in (0, 1)]
+    split = [docs["split"] for docs in ranks]
+    assert [d["replica"] for d in split] == [[0, 2], [1, 2]]
+    assert split[0]["forward_calls"] == split[1]["forward_calls"] == split[0]["adapter_calls"]
+    assert split[0]["forward_calls"] > 0
+    assert split[0]["failed"] == {} and sorted(split[0]["tasks"]) == sorted(names)
+    reference = ranks[0]["one_replica"]
+    assert split[0]["forward_calls"] < reference["forward_calls"]
+    for doc in split:
+        mine, ref = per_request(doc), per_request(reference)
+        for task in names:
+            for doc_id, values in ref[task].items():
+                assert np.allclose(mine[task][doc_id], values, atol=1e-5, rtol=0), (task, doc_id)
+            assert (
+                doc["tasks"][task]["metrics"].keys() == reference["tasks"][task]["metrics"].keys()
+            )
+    assert split[0]["tasks"] == split[1]["tasks"] and split[0]["samples"] == split[1]["samples"]
