@@ -85,9 +85,7 @@ def test_each_checkpoint_scored_once_oldest_first_and_a_restart_scores_none_agai
     assert watch.Watcher(run, scorer, poll_s=5).run(sleep=no_sleep) == "finished"
     assert scorer.seen == [10, 20, 30]
     assert [d["step"] for d in rundir.read_evals(run)] == [10, 20, 30]
-    assert not (rundir.evals_dir(run) / watch.READING).exists() or not any(
-        (rundir.evals_dir(run) / watch.READING).iterdir()
-    )
+    assert not (rundir.evals_dir(run) / watch.READING).exists()
     again = Scorer(run)
     assert watch.Watcher(run, again, poll_s=5).run(sleep=no_sleep) == "finished"
     assert again.seen == []
@@ -489,3 +487,18 @@ def test_submit_with_watch_tasks_renders_the_watch_job_beside_the_training_job(
         code, out, err = _submit(capsys, tmp_path, tiny_data, *extra)
         assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_default_poll_the_help_texts_state_is_the_watchers():
+    """``anneal eval --help`` and ``python -m launcher submit --help`` state the watcher's
+    default poll without importing torch to build the parser; it is the one in
+    anneal.eval.watch."""
+    from anneal.cli import build_parser
+    from launcher.__main__ import build_parser as launcher_parser
+
+    said = f"default {watch.DEFAULT_POLL_S:g})"
+    for parser, command, flag in ((build_parser(), "eval", "--poll-s"),
+                                  (launcher_parser(), "submit", "--watch-poll-s")):  # fmt: skip
+        sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+        (action,) = [a for a in sub._actions if flag in a.option_strings]
+        assert action.help.endswith(said), action.help

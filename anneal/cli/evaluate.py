@@ -16,6 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from anneal.cli import eval_watch
 from anneal.cli.args import path
 from anneal.errors import UserError
 
@@ -62,6 +63,7 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--tokenizer", type=path, help="the run's prepared data (default: the run's)")
     p.add_argument("--data", type=path, help="prepared data for anneal_next_line (the run's)")
+    eval_watch.add_options(p)
     p.set_defaults(func=_eval)
 
 
@@ -72,11 +74,14 @@ def _eval(args: argparse.Namespace) -> int:
 
     specs = _specs(args.tasks)
     _check_numbers(args)
+    eval_watch.check(args)
     check_specs(specs)  # before any process group or engine
     overrides = _ds_overrides(args.set)
     _single_process_env()
     setup_process()
     try:
+        if args.watch:
+            return eval_watch.watch(args, specs, overrides)
         doc, target = run_eval(args, specs, overrides)
         _print_summary(doc, target)
     finally:

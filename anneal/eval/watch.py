@@ -290,8 +290,16 @@ class Watcher:
         """Until the end: "finished" (the target step is handled) or "preempted" (a signal;
         the caller exits 75). Between polls, sleeps ``poll_s`` in slices of at most 1 s, and
         wakes early on this rank's signal."""
+        pin_root = rundir.evals_dir(self.run_dir) / READING
         if is_main_process():
-            shutil.rmtree(rundir.evals_dir(self.run_dir) / READING, ignore_errors=True)
+            shutil.rmtree(pin_root, ignore_errors=True)  # a killed watcher's pins
+        try:
+            return self._loop(stop, sleep)
+        finally:
+            if is_main_process() and pin_root.is_dir() and not any(pin_root.iterdir()):
+                pin_root.rmdir()
+
+    def _loop(self, stop: Stop | None, sleep: Callable[[float], None]) -> str:
         while True:
             due, done = self.plan()
             if done:
