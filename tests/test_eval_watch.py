@@ -28,7 +28,8 @@ import pytest
 from anneal import rundir
 from anneal.eval import results, watch
 from anneal.resilience.manifest import MANIFEST, write_manifest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, read_metrics
+from tests.test_cluster import slurm as two_node_slurm  # noqa: F401 (the drill's fixture)
 
 STEP_FILES = {"mp_rank_00_model_states.pt": 300, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 500}
 
@@ -502,3 +503,102 @@ def test_the_default_poll_the_help_texts_state_is_the_watchers():
         sub = next(a for a in parser._actions if a.dest == "command").choices[command]
         (action,) = [a for a in sub._actions if flag in a.option_strings]
         assert action.help.endswith(said), action.help
+
+
+# --- the acceptance drill: a training job and a watch job side by side on a 2-node Slurm ------
+
+
+def _write_task(root: Path) -> Path:
+    """A local multiple-choice task over local JSONL (offline): 8 items of 4 one-word choices."""
+    root.mkdir(parents=True)
+    rows = [{"q": f"def f{i}(x):\n    return", "choices": [" x", " 0", " None", " f"], "gold": 0}
+            for i in range(8)]  # fmt: skip
+    (root / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml = root / "watch_mc.yaml"
+    yaml.write_text(
+        "\n".join([
+            "task: watch_mc", "dataset_path: json", "dataset_kwargs:",
+            f"  data_files: {{test: {json.dumps(str(root / 'mc.jsonl'))}}}",
+            f"  cache_dir: {json.dumps(str(root / 'hf_cache'))}",
+            "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{q}}"',
+            'doc_to_target: "{{gold}}"', 'doc_to_choice: "{{choices}}"', "metric_list:",
+            "  - {metric: acc, aggregation: mean, higher_is_better: true}",
+        ]) + "\n"
+    )  # fmt: skip
+    return yaml
+
+
+def _plant_damaged(run: Path, source: Path, step: int) -> Path:
+    """A copy of checkpoint ``source`` as if saved at ``step``, one byte of one file flipped
+    after the save (same size: only the hashes see it)."""
+    tag = rundir.checkpoints_dir(run) / f"step{step:08d}"
+    shutil.copytree(source, tag.with_name(".planting"))
+    doc = json.loads((tag.with_name(".planting") / MANIFEST).read_text())
+    doc.update(step=step, tag=tag.name)
+    (tag.with_name(".planting") / MANIFEST).write_text(json.dumps(doc))
+    name = sorted(doc["files"])[0]
+    data = bytearray((tag.with_name(".planting") / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (tag.with_name(".planting") / name).write_bytes(bytes(data))
+    tag.with_name(".planting").rename(tag)  # appears whole, manifest and all
+    return tag
+
+
+@pytest.mark.slow
+def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
+    two_node_slurm,  # noqa: F811 (the fixture imported above)
+    stdlib_data,
+    tmp_path,
+):
+    """The acceptance drill on the local 2-node Slurm cluster (tests/test_cluster.py's):
+    ``launcher submit --watch-tasks`` starts a training job (12 steps, a save every 3) and a
+    watch job beside it. A damaged copy of a checkpoint planted mid-run is skipped with its
+    message; the watch job is killed (``scancel``) once it has scored a step and submitted
+    again from its script; it resumes, and in the end every save (3, 6, 9, 12) is scored once:
+    one document each, the first one untouched by the restart, no step's metrics row twice.
+    Slow (about 2-4 minutes on 2 cores): two Slurm jobs, two DeepSpeed starts of the watcher,
+    an engine built per checkpoint."""
+    from tests.conftest import SMALL
+    from tests.test_cluster import free_ports, logs, wait_for
+
+    slurm = two_node_slurm
+    task, run = _write_task(tmp_path / "task"), tmp_path / "run"
+    cmd = [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py"]
+    cmd += "--nodes 1 --gpus-per-node 1 --partition debug --time 00:15:00".split()
+    cmd += ["--device", "cpu", "--grace-s", "60", "--master-port", str(free_ports(2))]
+    cmd += ["--watch-tasks", str(task), "--watch-limit", "4", "--watch-poll-s", "1"]
+    cmd += ["--", "--out", str(run), "--data", str(stdlib_data), "--max-steps", "12"]
+    cmd += ["--save-every", "3", "--eval-every", "1000", "--set", "train.keep_last=10", *SMALL]
+    done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    train_job, watch_job = [line.split()[-1] for line in done.stdout.splitlines()
+                            if line.startswith("Submitted batch job")]  # fmt: skip
+    ckpt = rundir.checkpoints_dir(run)
+    wait_for(lambda: (ckpt / "step00000003" / MANIFEST).exists(), timeout_s=300,
+             what="the first save", on_timeout=lambda: logs(run))  # fmt: skip
+    _plant_damaged(run, ckpt / "step00000003", 4)
+    first = rundir.eval_path(run, 3)
+    wait_for(first.exists, timeout_s=300, what="the first score", on_timeout=lambda: logs(run))
+    first_written = first.stat().st_mtime_ns
+    slurm("scancel", watch_job)
+    wait_for(lambda: slurm.job(watch_job).get("JobState") in ("CANCELLED", "COMPLETED"),
+             timeout_s=60, what="the watch job's end")  # fmt: skip
+    again = slurm("sbatch", str(run / "eval-watch.sbatch")).split()[-1]
+    for job in (train_job, again):
+        wait_for(
+            lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
+            timeout_s=600,
+            what=f"the end of job {job}",
+            on_timeout=lambda: logs(run),
+        )
+        assert slurm.job(job)["JobState"] == "COMPLETED", logs(run)
+    assert [d["step"] for d in rundir.read_evals(run)] == [3, 6, 9, 12]
+    assert first.stat().st_mtime_ns == first_written  # never scored again
+    rows = [r["step"] for r in read_metrics(run) if r.get("kind") == "eval"]
+    assert len(rows) == len(set(rows)) and set(rows) <= {3, 6, 9, 12}, rows
+    text = logs(run)
+    assert "step00000004: skipped, not scored: 1 file(s) differ from its manifest.json" in text
+    assert "watcher finished: scored step(s)" in text and "skipped 1" in text, text
+    assert not rundir.eval_path(run, 4).exists()
+    said = [ln for ln in text.splitlines() if "watcher" in ln or "skipped, not scored" in ln]
+    print("\n".join(said))  # what each watch job did, for the log of a slow run
