@@ -164,7 +164,7 @@ def _checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> 
     manifest = read_manifest(tag_dir)
     _check_files(tag_dir, manifest)
     preset = dataclasses.replace(preset_from_record(record), init_from=None)
-    ds, ds_source = record.ds_config, f"{rundir.config_path(run_dir)} (ds_config)"
+    ds, ds_source = _scoring_layout(record.ds_config), f"{rundir.config_path(run_dir)} (ds_config)"
     if ds_config:
         ds_source = str(find_ds_config(ds_config))
         ds = load_ds_config(ds_source)
@@ -183,6 +183,20 @@ def _checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> 
         tag_dir=Path(tag_dir),
         manifest_sha256=sha256_file(Path(tag_dir) / MANIFEST),
     )
+
+
+def _scoring_layout(ds: dict) -> dict:
+    """The run's own ds_config, at ``sequence_parallel_size`` 1 where it trained with Ulysses:
+    the checkpoint's weights load whole, and scoring runs on whole sequences
+    (``anneal.eval.lm.unsupported_layout``). Its ZeRO stage and tensor-parallel degree stay."""
+    from anneal.config.ds_schema import sequence_parallel_size
+
+    if sequence_parallel_size(ds) == 1:
+        return ds
+    log.info(
+        "the run trained at sequence_parallel_size %d; scoring at 1", sequence_parallel_size(ds)
+    )
+    return {**ds, "sequence_parallel_size": 1}
 
 
 def _data_dir(record: RunRecord) -> Path | None:

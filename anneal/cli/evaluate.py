@@ -19,6 +19,7 @@ from pathlib import Path
 from anneal.cli import eval_watch
 from anneal.cli.args import path
 from anneal.errors import UserError
+from anneal.files import write_atomic
 
 DEFAULT_BATCH_SIZE = 16
 """Requests per forward call on each data-parallel replica."""
@@ -63,7 +64,13 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--tokenizer", type=path, help="the run's prepared data (default: the run's)")
     p.add_argument("--data", type=path, help="prepared data for anneal_next_line (the run's)")
-    eval_watch.add_options(p)
+    p.add_argument(
+        "--samples",
+        metavar="FILE",
+        type=path,
+        help="also write lm-eval's per-request records (JSON) to FILE",
+    )
+    eval_watch.add_options(p)  # --watch (anneal eval RUN --watch), from its own module
     p.set_defaults(func=_eval)
 
 
@@ -77,6 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
     eval_watch.check(args)
     check_specs(specs)  # before any process group or engine
     overrides = _ds_overrides(args.set)
+    saved_env = dict(os.environ)
     _single_process_env()
     setup_process()
     try:
@@ -86,6 +94,8 @@ def _eval(args: argparse.Namespace) -> int:
         _print_summary(doc, target)
     finally:
         shutdown()
+        os.environ.clear()  # as it was (a command run in a test's process)
+        os.environ.update(saved_env)
     return 0
 
 
@@ -112,9 +122,14 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
+        samples=bool(args.samples),
     )
+    samples = doc.pop("samples", None)
     if is_main_process():
         write_results(target, doc)
+        if args.samples:
+            text = json.dumps(samples, default=str, sort_keys=True)
+            write_atomic(Path(args.samples), text + "\n")
     return doc, target
 
 
@@ -169,9 +184,10 @@ def _open_checkpoint(target):
     return ckpt
 
 
-def score_target(engine, target, specs, *, limit, num_fewshot, batch_size) -> dict:
-    """The results document of ``target``'s engine on ``specs`` (``anneal.eval.score``).
-    Collective: every rank builds the same tasks and requests."""
+def score_target(engine, target, specs, *, limit, num_fewshot, batch_size, samples=False) -> dict:
+    """The results document of ``target``'s engine on ``specs`` (``anneal.eval.score``; with
+    ``samples``, lm-eval's per-request records under ``"samples"``). Collective: every rank
+    builds the same tasks and requests."""
     from anneal.eval.lm import EngineLM
     from anneal.eval.score import score
     from anneal.eval.tasks import load_tasks
@@ -202,6 +218,7 @@ def score_target(engine, target, specs, *, limit, num_fewshot, batch_size) -> di
             source=target.source,
             checkpoint=target.tag_dir,
             manifest_sha256=target.manifest_sha256,
+            samples=samples,
         )
 
 
@@ -292,13 +309,13 @@ def _print_summary(doc: dict, target) -> None:
 
     where = target.tag_dir or target.hf_dir
     lines = [f"scored {where} (step {doc['step']}) in {doc.get('seconds') or 0:.1f} s"]
-    lines.append(f"{'task':<28} {'metric':<16} {'value':>10} {'stderr':>10}")
+    lines.append(f"{'task':<28} {'metric':<16} {'value':>12} {'stderr':>12}")
     for task, entry in sorted(doc.get("tasks", {}).items()):
         metrics = entry["metrics"]
         for name in sorted(m for m in metrics if not m.endswith("_stderr")):
             err = metrics.get(f"{name}_stderr")
-            shown = f"{err:>10.4f}" if err is not None else f"{'':>10}"
-            lines.append(f"{task:<28} {name:<16} {metrics[name]:>10.4f} {shown}")
+            shown = f"{err:>12.6g}" if err is not None else f"{'':>12}"
+            lines.append(f"{task:<28} {name:<16} {metrics[name]:>12.6g} {shown}")
     for task, why in sorted(doc.get("failed", {}).items()):
         lines.append(f"{task:<28} failed: {why}")
     print0("\n".join(lines))

@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from anneal.config.ds_schema import sequence_parallel_size
+from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.dist import world_size
 from anneal.errors import UserError
+from anneal.eval.lm import unsupported_layout
 from anneal.launch import ds as ds_config
 from anneal.launch import parallel
 from anneal.model import ModelPreset
@@ -39,19 +40,15 @@ def scoring_ds_config(
     checked as a launch's (``anneal.launch.parallel.layout``). ZeRO-1 and -2 partition only
     the optimizer's state and the gradients, neither of which scoring has (DeepSpeed refuses
     them without an optimizer): every rank holds the whole weights as at stage 0, which is
-    what they score at. Sequence parallelism is refused: the scorer's batches are whole
-    sequences split over data-parallel replicas."""
+    what they score at. Sequence parallelism is refused (``anneal.eval.lm.unsupported_layout``
+    says why); a run trained with it scores at ``sequence_parallel_size`` 1
+    (``anneal.cli.eval_target``)."""
     ds = {
         k: v for k, v in json.loads(json.dumps(ds)).items() if k not in ("optimizer", "scheduler")
     }
-    if sequence_parallel_size(ds) > 1:
-        raise UserError(
-            f"{source}: sequence_parallel_size is {sequence_parallel_size(ds)}, and anneal eval "
-            f"does not score under sequence parallelism (Ulysses): lm-eval's requests are "
-            f"scored as whole sequences, each batch split over the data-parallel replicas. "
-            f"Score with --set ds.sequence_parallel_size=1 (any ZeRO stage or "
-            f"ds.tensor_parallel.autotp_size fits a model too big for one rank)."
-        )
+    why = unsupported_layout(autotp_size(ds), sequence_parallel_size(ds))
+    if why is not None:
+        raise UserError(f"{source}: {why}", every_rank=True)
     layout = parallel.layout(ds, preset, world_size=world, source=source)
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage") in (1, 2):
