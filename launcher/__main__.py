@@ -28,7 +28,7 @@ from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
 from anneal.hardware import DEFAULT_GPU
-from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv, watch_job
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -162,16 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "forecast step time and checkpoint size, at least 120, at most half of --time)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
-    sb.add_argument(
-        "--watch-tasks",
-        metavar="TASKS",
-        help="also submit a job beside the training job that scores each checkpoint on these "
-        "tasks as it appears (anneal eval RUN --watch --tasks TASKS; docs/evaluation.md)",
-    )
-    sb.add_argument("--watch-limit", type=int, help="the watcher's --limit (examples per task)")
-    sb.add_argument("--watch-poll-s", type=float, help="the watcher's --poll-s (default 60)")
-    sb.add_argument("--watch-nodes", type=int, help="the watch job's nodes (default 1)")
-    sb.add_argument("--watch-gpus-per-node", type=int, help="its GPUs per node (default 1)")
+    watch_job.add_options(sb)
     return checked(parser)
 
 
@@ -337,9 +328,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
             checkpoint_bytes=launch.checkpoint_bytes,
             time=ns.time,
         )
-    for flag in ("--watch-limit", "--watch-poll-s", "--watch-nodes", "--watch-gpus-per-node"):
-        if getattr(ns, flag[2:].replace("-", "_")) is not None and ns.watch_tasks is None:
-            raise UserError(f"{flag}: a setting of the watch job; give --watch-tasks too.")
+    watch_job.check(ns)
     text = slurm.render_sbatch(
         job_name=f"anneal-{out.name}",
         nodes=ns.nodes,
@@ -358,7 +347,9 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
     )
     scripts = {out / "submit.sbatch": text}
     if ns.watch_tasks is not None:
-        scripts[out / slurm.WATCH_SCRIPT] = _watch_script(ns, out=out, device=device, grace=grace)
+        scripts[out / slurm.WATCH_SCRIPT] = watch_job.script(
+            ns, out=out, device=device, grace=grace
+        )
     print(preflight.forecast.describe(launch.forecast))
     if grace_note:
         print(grace_note)
@@ -380,33 +371,6 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
     for script in scripts:  # training first: the watcher waits for its checkpoints
         print(slurm.sbatch(script), flush=True)
     return 0
-
-
-def _watch_script(ns, *, out: Path, device: str, grace: int) -> str:
-    """``--watch-tasks``: the batch script of the watch job (``slurm.render_watch``), on the
-    training job's partition, account and time limit, with a rendezvous port of its own."""
-    nodes = 1 if ns.watch_nodes is None else ns.watch_nodes
-    gpus = 1 if ns.watch_gpus_per_node is None else ns.watch_gpus_per_node
-    for flag, value in (("--watch-nodes", nodes), ("--watch-gpus-per-node", gpus)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: must be at least 1.")
-    return slurm.render_watch(
-        job_name=f"anneal-eval-{out.name}",
-        nodes=nodes,
-        gpus_per_node=gpus,
-        gpus=device == "cuda",
-        partition=ns.partition,
-        time=ns.time,
-        account=ns.account,
-        grace_s=grace,
-        run_dir=out,
-        workdir=Path.cwd().resolve(),
-        python=sys.executable,
-        tasks=ns.watch_tasks,
-        limit=ns.watch_limit,
-        poll_s=ns.watch_poll_s,
-        master_port=ns.master_port + 1 if ns.master_port < 65535 else ns.master_port - 1,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

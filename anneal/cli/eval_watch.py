@@ -46,7 +46,9 @@ def check(args: argparse.Namespace) -> None:
             if value is not None:
                 raise UserError(f"{flag}: a setting of --watch; give --watch too, or drop it.")
         return
-    for flag, value in (("--step", args.step), ("--out", args.out), ("--force", args.force)):
+    given = {"--step": args.step, "--out": args.out, "--force": args.force}
+    given["--samples"] = getattr(args, "samples", None)
+    for flag, value in given.items():
         if value:
             raise UserError(
                 f"--watch with {flag}: the watcher scores every checkpoint of the run, each "
@@ -64,9 +66,11 @@ def check(args: argparse.Namespace) -> None:
         )
 
 
-def watch(args: argparse.Namespace, specs: list[str], overrides: list[str]) -> int:
+def watch(args: argparse.Namespace, specs: list[str], overrides: list[str], *, scoring) -> int:
     """Collective: the watcher's loop over ``args.target`` until its end; 0, or 75 after a
-    preemption signal. The run directory may not exist yet (the training job starts beside)."""
+    preemption signal. The run directory may not exist yet (the training job starts beside).
+    ``scoring``: ``anneal.cli.evaluate``'s ``build_engine``, ``score_target`` and
+    ``write_results``, passed in (this module is imported by that one)."""
     from anneal.dist import print0
     from anneal.eval.watch import DEFAULT_POLL_S, Stop, Watcher
     from anneal.resilience.preempt import PREEMPTED_EXIT_CODE
@@ -75,7 +79,10 @@ def watch(args: argparse.Namespace, specs: list[str], overrides: list[str]) -> i
     stop = Stop(run_dir)
     poll_s = DEFAULT_POLL_S if args.poll_s is None else args.poll_s
     watcher = Watcher(
-        run_dir, _scorer(args, specs, overrides), until_step=args.until_step, poll_s=poll_s
+        run_dir,
+        _scorer(args, specs, overrides, *scoring),
+        until_step=args.until_step,
+        poll_s=poll_s,
     )
     print0(f"watching {run_dir} for checkpoints every {poll_s:g} s (tasks: {', '.join(specs)})")
     try:
@@ -88,11 +95,10 @@ def watch(args: argparse.Namespace, specs: list[str], overrides: list[str]) -> i
     return PREEMPTED_EXIT_CODE if result == "preempted" else 0
 
 
-def _scorer(args: argparse.Namespace, specs: list[str], overrides: list[str]):
+def _scorer(args, specs, overrides, build_engine, score_target, write_results):
     """``score(tag_dir)`` for the watcher: one checkpoint (pinned, verified) scored as
     ``anneal eval RUN --step N`` scores it, its document naming the run's own tag directory."""
     from anneal import rundir
-    from anneal.cli import evaluate
     from anneal.cli.eval_target import _checkpoint_target
     from anneal.dist import is_main_process
 
@@ -107,9 +113,9 @@ def _scorer(args: argparse.Namespace, specs: list[str], overrides: list[str]):
             tokenizer=Path(args.tokenizer) if args.tokenizer else None,
             data=Path(args.data) if args.data else None,
         )
-        engine = evaluate.build_engine(target, overrides)
+        engine = build_engine(target, overrides)
         try:
-            doc = evaluate.score_target(
+            doc = score_target(
                 engine,
                 target,
                 specs,
@@ -122,6 +128,6 @@ def _scorer(args: argparse.Namespace, specs: list[str], overrides: list[str]):
             gc.collect()
         doc["checkpoint"] = str(rundir.checkpoints_dir(run_dir) / tag_dir.name)
         if is_main_process():
-            evaluate.write_results(target, doc)
+            write_results(target, doc)
 
     return score

@@ -89,7 +89,8 @@ def _eval(args: argparse.Namespace) -> int:
     setup_process()
     try:
         if args.watch:
-            return eval_watch.watch(args, specs, overrides)
+            scoring = (build_engine, score_target, write_results)
+            return eval_watch.watch(args, specs, overrides, scoring=scoring)
         doc, target = run_eval(args, specs, overrides)
         _print_summary(doc, target)
     finally:
