@@ -602,3 +602,41 @@ def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
     assert not rundir.eval_path(run, 4).exists()
     said = [ln for ln in text.splitlines() if "watcher" in ln or "skipped, not scored" in ln]
     print("\n".join(said))  # what each watch job did, for the log of a slow run
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--poll-s", "5"], "--poll-s: a setting of --watch; give --watch too"),
+        (["--until-step", "5"], "--until-step: a setting of --watch"),
+        (["--watch", "--step", "3"], "--watch with --step: the watcher scores every checkpoint"),
+        (["--watch", "--force"], "--watch with --force"),
+        (["--watch", "--poll-s", "0"], "--poll-s 0.0: give seconds between 0 and 86400"),
+        (["--watch", "--until-step", "-1"], "--until-step -1: give a step of at least 0"),
+    ],
+)
+def test_anneal_eval_watch_refusals(tmp_path, capsys, argv, match):
+    """``anneal eval --watch``'s settings are refused in one paragraph, exit 2, before any
+    process group or engine, and nothing is written (the run directory is not even made)."""
+    from anneal.cli import main
+
+    run = tmp_path / "run"
+    assert main(["eval", str(run), "--tasks", "anneal_next_line", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("anneal eval: error: ") and match in err, err
+    assert len(err.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_anneal_eval_watch_refuses_a_checkpoint_or_a_file_for_its_target(tmp_path, capsys):
+    """--watch scores a run's checkpoints as they appear: a tag directory or a file given as
+    the target is refused, naming what to give instead."""
+    from anneal.cli import main
+
+    run = tmp_path / "run"
+    start_run(run, max_steps=10)
+    tag = save(run, 10)
+    for target in (tag, run / "config.json"):
+        assert main(["eval", str(target), "--watch", "--tasks", "anneal_next_line"]) == 2
+        err = capsys.readouterr().err
+        assert "give the run directory (the recipe's --out), not a checkpoint or a file" in err
+    assert not rundir.evals_dir(run).exists()
