@@ -544,6 +544,51 @@ def _plant_damaged(run: Path, source: Path, step: int) -> Path:
     return tag
 
 
+def _submit_both(slurm, tmp_path: Path, data: Path) -> tuple[Path, str, str]:
+    """``launcher submit --watch-tasks`` on the local Slurm: a training job of 12 steps (a save
+    every 3, all kept) and its watch job (a local task, 4 items, a poll every second); (the run
+    directory, the training job's id, the watch job's id)."""
+    from tests.conftest import SMALL
+    from tests.test_cluster import free_ports
+
+    task, run = _write_task(tmp_path / "task"), tmp_path / "run"
+    cmd = [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py"]
+    cmd += "--nodes 1 --gpus-per-node 1 --partition debug --time 00:15:00".split()
+    cmd += ["--device", "cpu", "--grace-s", "60", "--master-port", str(free_ports(2))]
+    cmd += ["--watch-tasks", str(task), "--watch-limit", "4", "--watch-poll-s", "1"]
+    cmd += ["--", "--out", str(run), "--data", str(data), "--max-steps", "12"]
+    cmd += ["--save-every", "3", "--eval-every", "1000", "--set", "train.keep_last=10", *SMALL]
+    done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    train_job, watch_job = [line.split()[-1] for line in done.stdout.splitlines()
+                            if line.startswith("Submitted batch job")]  # fmt: skip
+    return run, train_job, watch_job
+
+
+def _all_scored_once(slurm, run: Path, jobs: list[str], first: Path, first_written: int) -> str:
+    """Wait for ``jobs`` to complete; then every save (3, 6, 9, 12) has one document, the
+    first one as it was first written, and no step a second metrics row. The logs."""
+    from tests.test_cluster import logs, wait_for
+
+    for job in jobs:
+        wait_for(
+            lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
+            timeout_s=600,
+            what=f"the end of job {job}",
+            on_timeout=lambda: logs(run),
+        )
+        assert slurm.job(job)["JobState"] == "COMPLETED", logs(run)
+    assert [d["step"] for d in rundir.read_evals(run)] == [3, 6, 9, 12]
+    assert first.stat().st_mtime_ns == first_written  # never scored again
+    rows = [r["step"] for r in read_metrics(run) if r.get("kind") == "eval"]
+    assert len(rows) == len(set(rows)) and set(rows) <= {3, 6, 9, 12}, rows
+    text = logs(run)
+    said = (run / "logs" / "eval-node0.log").read_text().splitlines()
+    said = [ln for ln in said if "watcher " in ln or "skipped, not scored" in ln]
+    print("\n".join(said))  # what each watch job did, for the log of a slow run
+    return text
+
+
 @pytest.mark.slow
 def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
     two_node_slurm,  # noqa: F811 (the fixture imported above)
@@ -558,21 +603,10 @@ def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
     one document each, the first one untouched by the restart, no step's metrics row twice.
     Slow (about 2-4 minutes on 2 cores): two Slurm jobs, two DeepSpeed starts of the watcher,
     an engine built per checkpoint."""
-    from tests.conftest import SMALL
-    from tests.test_cluster import free_ports, logs, wait_for
+    from tests.test_cluster import logs, wait_for
 
     slurm = two_node_slurm
-    task, run = _write_task(tmp_path / "task"), tmp_path / "run"
-    cmd = [sys.executable, "-m", "launcher", "submit", "recipes/pretrain_tiny.py"]
-    cmd += "--nodes 1 --gpus-per-node 1 --partition debug --time 00:15:00".split()
-    cmd += ["--device", "cpu", "--grace-s", "60", "--master-port", str(free_ports(2))]
-    cmd += ["--watch-tasks", str(task), "--watch-limit", "4", "--watch-poll-s", "1"]
-    cmd += ["--", "--out", str(run), "--data", str(stdlib_data), "--max-steps", "12"]
-    cmd += ["--save-every", "3", "--eval-every", "1000", "--set", "train.keep_last=10", *SMALL]
-    done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    train_job, watch_job = [line.split()[-1] for line in done.stdout.splitlines()
-                            if line.startswith("Submitted batch job")]  # fmt: skip
+    run, train_job, watch_job = _submit_both(slurm, tmp_path, stdlib_data)
     ckpt = rundir.checkpoints_dir(run)
     wait_for(lambda: (ckpt / "step00000003" / MANIFEST).exists(), timeout_s=300,
              what="the first save", on_timeout=lambda: logs(run))  # fmt: skip
@@ -584,59 +618,40 @@ def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
     wait_for(lambda: slurm.job(watch_job).get("JobState") in ("CANCELLED", "COMPLETED"),
              timeout_s=60, what="the watch job's end")  # fmt: skip
     again = slurm("sbatch", str(run / "eval-watch.sbatch")).split()[-1]
-    for job in (train_job, again):
-        wait_for(
-            lambda job=job: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED"),
-            timeout_s=600,
-            what=f"the end of job {job}",
-            on_timeout=lambda: logs(run),
-        )
-        assert slurm.job(job)["JobState"] == "COMPLETED", logs(run)
-    assert [d["step"] for d in rundir.read_evals(run)] == [3, 6, 9, 12]
-    assert first.stat().st_mtime_ns == first_written  # never scored again
-    rows = [r["step"] for r in read_metrics(run) if r.get("kind") == "eval"]
-    assert len(rows) == len(set(rows)) and set(rows) <= {3, 6, 9, 12}, rows
-    text = logs(run)
+    _all_scored_once(slurm, run, [train_job, again], first, first_written)
+    text = (run / "logs" / "eval-node0.log").read_text()  # both watch jobs, appended
     assert "step00000004: skipped, not scored: 1 file(s) differ from its manifest.json" in text
-    assert "watcher finished: scored step(s)" in text and "skipped 1" in text, text
+    assert "watcher finished: scored step(s)" in text and "skipped 1" in text, text[-5000:]
     assert not rundir.eval_path(run, 4).exists()
-    said = [ln for ln in text.splitlines() if "watcher" in ln or "skipped, not scored" in ln]
-    print("\n".join(said))  # what each watch job did, for the log of a slow run
 
 
-@pytest.mark.parametrize(
-    "argv,match",
-    [
-        (["--poll-s", "5"], "--poll-s: a setting of --watch; give --watch too"),
-        (["--until-step", "5"], "--until-step: a setting of --watch"),
-        (["--watch", "--step", "3"], "--watch with --step: the watcher scores every checkpoint"),
-        (["--watch", "--force"], "--watch with --force"),
-        (["--watch", "--poll-s", "0"], "--poll-s 0.0: give seconds between 0 and 86400"),
-        (["--watch", "--until-step", "-1"], "--until-step -1: give a step of at least 0"),
-    ],
-)
-def test_anneal_eval_watch_refusals(tmp_path, capsys, argv, match):
-    """``anneal eval --watch``'s settings are refused in one paragraph, exit 2, before any
-    process group or engine, and nothing is written (the run directory is not even made)."""
-    from anneal.cli import main
+@pytest.mark.slow
+def test_a_preempted_watch_job_is_requeued_and_resumes_on_slurm(
+    two_node_slurm,  # noqa: F811 (the fixture imported above)
+    stdlib_data,
+    tmp_path,
+):
+    """The watch job's own preemption on the local Slurm: ``scancel --signal=USR1 --batch``
+    once it has scored a step; the trap signals the watcher, which ends the scoring in progress
+    and exits 75; the script requeues the job (Restarts=1), which resumes: every save scored
+    once, the first score untouched. Slow (about 1-3 minutes on 2 cores): two Slurm jobs, the
+    watcher started twice, Slurm's requeue."""
+    from tests.test_cluster import logs, wait_for
 
-    run = tmp_path / "run"
-    assert main(["eval", str(run), "--tasks", "anneal_next_line", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("anneal eval: error: ") and match in err, err
-    assert len(err.strip().splitlines()) == 1 and not run.exists()
-
-
-def test_anneal_eval_watch_refuses_a_checkpoint_or_a_file_for_its_target(tmp_path, capsys):
-    """--watch scores a run's checkpoints as they appear: a tag directory or a file given as
-    the target is refused, naming what to give instead."""
-    from anneal.cli import main
-
-    run = tmp_path / "run"
-    start_run(run, max_steps=10)
-    tag = save(run, 10)
-    for target in (tag, run / "config.json"):
-        assert main(["eval", str(target), "--watch", "--tasks", "anneal_next_line"]) == 2
-        err = capsys.readouterr().err
-        assert "give the run directory (the recipe's --out), not a checkpoint or a file" in err
-    assert not rundir.evals_dir(run).exists()
+    slurm = two_node_slurm
+    run, train_job, watch_job = _submit_both(slurm, tmp_path, stdlib_data)
+    first = rundir.eval_path(run, 3)
+    wait_for(first.exists, timeout_s=300, what="the first score", on_timeout=lambda: logs(run))
+    first_written = first.stat().st_mtime_ns
+    slurm("scancel", "--signal=USR1", "--batch", watch_job)
+    wait_for(lambda: slurm.job(watch_job).get("Restarts") == "1", timeout_s=120,
+             what="the requeue", on_timeout=lambda: logs(run))  # fmt: skip
+    wait_for(lambda: slurm.job(watch_job).get("JobState") == "PENDING", timeout_s=60,
+             what="the requeued job pending")  # fmt: skip
+    time.sleep(2)  # a new credential in another second than the revoked one (test_cluster.py)
+    slurm("scontrol", "update", f"jobid={watch_job}", "StartTime=now")
+    text = _all_scored_once(slurm, run, [train_job, watch_job], first, first_written)
+    assert "the watcher exited 75" in text and f"requeueing job {watch_job}" in text, text
+    node_log = (run / "logs" / "eval-node0.log").read_text()  # both runs, appended
+    assert "watcher preempted: scored step(s) 3" in node_log, node_log[-5000:]
+    assert "watcher finished: scored step(s)" in node_log and "(restart 1)" in text, text
