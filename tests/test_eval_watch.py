@@ -655,3 +655,42 @@ def test_a_preempted_watch_job_is_requeued_and_resumes_on_slurm(
     node_log = (run / "logs" / "eval-node0.log").read_text()  # both runs, appended
     assert "watcher preempted: scored step(s) 3" in node_log, node_log[-5000:]
     assert "watcher finished: scored step(s)" in node_log and "(restart 1)" in text, text
+
+
+def _two_ranks(run: Path, out: Path, *extra: str) -> list[int]:
+    """tests/scripts/watch_two_ranks.py on two processes of one gloo group; their exit codes."""
+    from tests.conftest import env, free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "tests/scripts/watch_two_ranks.py", str(run), str(out), *extra],
+            cwd=ROOT,
+            env={
+                **env(),
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },  # fmt: skip
+        )
+        for r in range(2)
+    ]
+    return [p.wait(timeout=120) for p in procs]
+
+
+def test_two_ranks_score_the_same_checkpoints_and_stop_together(tmp_path):
+    """The watcher on two ranks (gloo, real processes): rank 0 decides, both score the same
+    tags in the same order, each once, through a collective; a signal that reaches rank 1 only
+    stops both after the checkpoint in progress (exit 75 each), and the restarted pair scores
+    the rest. (About 5 s: four processes that import torch.)"""
+    run = tmp_path / "run"
+    start_run(run, max_steps=30)
+    for step in (10, 20, 30):
+        save(run, step)
+    out = tmp_path / "scored"
+    assert _two_ranks(run, out, "signal") == [75, 75]
+    assert [Path(f"{out}.{r}").read_text().split() for r in range(2)] == [["10"], ["10"]]
+    assert _two_ranks(run, out) == [0, 0]
+    assert [Path(f"{out}.{r}").read_text().split() for r in range(2)] == [["10", "20", "30"]] * 2
+    assert [d["step"] for d in rundir.read_evals(run)] == [10, 20, 30]
