@@ -112,6 +112,23 @@ def test_one_rank_scores_as_hflm_on_the_export(trained, reference, capsys):
     assert "tiny_mc_b" in printed and "acc_norm" in printed and f"(step {STEPS})" in printed
 
 
+def test_a_task_that_fails_is_recorded_and_the_exit_is_1(trained, tmp_path, capsys):
+    """A task whose data file is missing fails to load: the others are scored and written
+    (under --out, the run left as it was), the failure is in the document and the summary, and
+    the command exits 1."""
+    broken = tmp_path / "broken.yaml"
+    text = Path(trained["specs"][0]).read_text().replace("tiny_mc_a", "broken_mc")
+    broken.write_text(text.replace(".jsonl", "_missing.jsonl"))
+    metrics_before = (trained["run"] / "metrics.jsonl").read_bytes()
+    specs = f"{trained['specs'][0]},{broken}"
+    code = main(["eval", str(trained["run"]), "--tasks", specs, "--out", str(tmp_path / "o")])
+    assert code == 1
+    doc = json.loads((tmp_path / "o" / "evals" / f"step-{STEPS}.json").read_text())
+    assert set(doc["tasks"]) == {"tiny_mc_a"} and set(doc["failed"]) == {str(broken)}
+    assert "failed:" in capsys.readouterr().out
+    assert (trained["run"] / "metrics.jsonl").read_bytes() == metrics_before
+
+
 @pytest.mark.slow
 def test_two_ranks_at_zero3_score_as_hflm(trained, reference):
     """2 ranks through DeepSpeed's runner at the run's own ZeRO-3 (the weights read into the
@@ -207,7 +224,8 @@ def test_sequence_parallelism_is_refused_with_the_reason(trained, tmp_path, caps
 
 def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys):
     """``evals/step-N.json`` already there: refused without --force, and with --force when the
-    file is not a document anneal eval writes; the file is left as it was."""
+    file is not a document anneal eval writes; so is a ``--samples`` file that is not
+    ``--samples``' own. The files are left as they were."""
     run = copy_run(trained, tmp_path)
     existing = run / "evals" / f"step-{STEPS}.json"
     existing.parent.mkdir()
@@ -216,6 +234,12 @@ def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys)
     existing.write_text("my notes\n")
     assert "replaces only scores that anneal eval wrote" in refused(run, trained, capsys, "--force")
     assert existing.read_text() == "my notes\n"
+    existing.unlink()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for force in ([], ["--force"]):  # --samples FILE: a file there is never replaced
+        assert "the file exists" in refused(run, trained, capsys, "--samples", str(notes), *force)
+    assert notes.read_text() == "my notes\n" and not existing.exists()
 
 
 def test_the_scoring_config_has_no_optimizer_and_one_sample_per_replica():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from anneal.cli import data, evaluate, planning, runs
@@ -41,5 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:  # anything else is a bug or the environment: keep its traceback
         command = f"anneal {args.command}" if args else "anneal"
-        print(f"{command}: error: {e}", file=sys.stderr)
+        if not (e.every_rank and os.environ.get("RANK", "0") != "0"):  # once, not per rank
+            print(f"{command}: error: {e}", file=sys.stderr)
         return 2

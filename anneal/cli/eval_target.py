@@ -64,7 +64,7 @@ def find_target(
     target = Path(target)
     if not target.is_dir():
         raise UserError(
-            f"anneal eval {target}: no such directory. Give a run directory (the recipe's "
+            f"{target}: no such directory. Give a run directory (the recipe's "
             f"--out), one of its checkpoints (RUN/checkpoints/stepNNNNNNNN) or a Hugging Face "
             f"model directory.",
             every_rank=True,
@@ -124,7 +124,7 @@ def _choose_tag(run_dir: Path, step: int | None) -> Path:
             return tag_dir
         log.warning("%s does not verify (%s differ from its manifest): skipped", tag_dir, bad[:3])
     raise UserError(
-        f"anneal eval {run_dir}: no checkpoint in {ckpt_dir} verifies (intact by size: {steps}; "
+        f"{run_dir}: no checkpoint in {ckpt_dir} verifies (intact by size: {steps}; "
         f"a run writes one every --save-every steps and at its last step). Train it first, "
         f"copy its checkpoints again, or give another run.",
         every_rank=True,
@@ -136,7 +136,7 @@ def _verified_tag(tag_dir: Path) -> Path:
     Collective."""
     if read_manifest(tag_dir) is None or not checkpoint.is_intact(tag_dir):
         raise UserError(
-            f"anneal eval {tag_dir}: not a checkpoint whose {MANIFEST} verifies (missing, not "
+            f"{tag_dir}: not a checkpoint whose {MANIFEST} verifies (missing, not "
             f"one Anneal writes, or files missing or of another size: a save still being "
             f"written, or interrupted). Give an intact tag of {tag_dir.parent}, or the run "
             f"directory for its newest that verifies.",
@@ -145,7 +145,7 @@ def _verified_tag(tag_dir: Path) -> Path:
     bad = verify(tag_dir)
     if bad:
         raise UserError(
-            f"anneal eval {tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes "
+            f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes "
             f"in its {MANIFEST} ({', '.join(bad[:3])}): bit rot, a torn copy or a change after "
             f"the save. Nothing was scored. Give another step, or copy the checkpoint again.",
             every_rank=True,
@@ -223,7 +223,7 @@ def _check_files(tag_dir: Path, manifest: dict) -> None:
     unlisted = [f.name for f in read if f.name not in manifest["files"]]
     if unlisted or not read:
         raise UserError(
-            f"anneal eval {tag_dir}: {', '.join(unlisted) or 'no model states file'} "
+            f"{tag_dir}: {', '.join(unlisted) or 'no model states file'} "
             f"{'not listed in its ' + MANIFEST if unlisted else ''}, so the checkpoint is not "
             f"one whose bytes can be checked. Nothing was scored. Give another step, or copy "
             f"the checkpoint again from where it was saved.",
@@ -246,7 +246,7 @@ def _hf_target(directory: Path, *, out, ds_config, data) -> Target:
 
     if out is None:
         raise UserError(
-            f"anneal eval {directory}: a Hugging Face directory has no run to write its scores "
+            f"{directory}: a Hugging Face directory has no run to write its scores "
             f"into; give --out DIR (they go to DIR/evals/step-N.json).",
             every_rank=True,
         )

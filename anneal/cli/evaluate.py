@@ -2,8 +2,8 @@
 directory) on lm-eval tasks, on one process or many (docs/evaluation.md, "anneal eval").
 
 One process: ``anneal eval RUN --tasks ...``. Several ranks, on one host or many: DeepSpeed's
-own runner starts the module on each, ``deepspeed [--hostfile H] --num_gpus N --module
-anneal.cli eval RUN --tasks ...``; every rank builds the same engine (any ZeRO stage,
+own runner starts the module on each, ``deepspeed [--hostfile H] --num_gpus N --no_local_rank
+--module anneal.cli eval RUN --tasks ...``; every rank builds the same engine (any ZeRO stage,
 tensor-parallel degree through ``--set ds.tensor_parallel.autotp_size``), scores in lockstep
 (``anneal.eval.lm``), and rank 0 writes ``evals/step-<N>.json`` and the run's metrics row.
 """
@@ -34,7 +34,7 @@ def add_commands(sub) -> None:
         "checkpoint tag directory, or a Hugging Face model directory, on loglikelihood tasks "
         "of lm-eval (names, task YAML paths, anneal_next_line). Writes RUN/evals/step-N.json "
         "and the run's metrics row (eval/<task>/<metric>). Several ranks: `deepspeed "
-        "--num_gpus N --module anneal.cli eval ...`. See docs/evaluation.md.",
+        "--num_gpus N --no_local_rank --module anneal.cli eval ...`. See docs/evaluation.md.",
     )
     p.add_argument(
         "target",
@@ -97,7 +97,7 @@ def _eval(args: argparse.Namespace) -> int:
         shutdown()
         os.environ.clear()  # as it was (a command run in a test's process)
         os.environ.update(saved_env)
-    return 0
+    return 1 if doc["failed"] else 0  # the others' scores are written
 
 
 def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
@@ -115,7 +115,9 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         data=Path(args.data) if args.data else None,
     )
     _check_results_file(target, force=args.force)
-    engine = build_engine(target, overrides)
+    if args.samples:
+        _check_samples_file(Path(args.samples), force=args.force)
+    engine = target_engine(target, overrides)
     doc = score_target(
         engine,
         target,
@@ -134,7 +136,7 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
     return doc, target
 
 
-def build_engine(target, overrides: list[str]):
+def target_engine(target, overrides: list[str]):
     """The scoring engine of ``target`` on this world, its weights read by the exporter's
     verified readers (a checkpoint) or ``anneal.hf.load_weights`` (a Hugging Face
     directory). Collective."""
@@ -261,6 +263,23 @@ def _check_results_file(target, *, force: bool) -> None:
         raise UserError(
             f"{existing}: --force replaces only scores that anneal eval wrote, and this is not "
             f"one (not such a JSON document, or a link). Move it away first.",
+            every_rank=True,
+        )
+
+
+def _check_samples_file(path: Path, *, force: bool) -> None:
+    """``--samples FILE`` is new, or (with ``--force``) records that ``--samples`` wrote: a
+    JSON object of lists, never another file under its name."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        doc = json.loads(path.read_text()) if force and path.is_file() else None
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    if not (isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values())):
+        raise UserError(
+            f"--samples {path}: the file exists. Give a new name, or --force to replace the "
+            f"records an earlier --samples wrote there (only such a file).",
             every_rank=True,
         )
 

@@ -1,5 +1,5 @@
-"""``anneal export``, ``plot``, ``report``, ``generate``: a run, after (or while) it trains
-(anneal/hf/, anneal/observe/; docs/observability.md).
+"""``anneal export``, ``plot``, ``report``, ``compare``, ``generate``: a run, after (or while)
+it trains (anneal/hf/, anneal/observe/; docs/observability.md, docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def _report(args: argparse.Namespace) -> int:
     return 1 if args.strict and any(s.status == report.PROBLEM for s in signals) else 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from anneal.observe import compare
+
+    print(compare.format_compare(compare.load([Path(r) for r in args.runs])))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from anneal.hf import generate
 
@@ -89,10 +96,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub) -> None:
-    """``export``, ``plot``, ``report`` and ``generate``, on the top-level subparsers ``sub``."""
+    """``export``, ``plot``, ``report``, ``compare`` and ``generate``, on the top-level
+    subparsers ``sub``."""
     _add_export(sub)
     _add_plot(sub)
     _add_report(sub)
+    _add_compare(sub)
     _add_generate(sub)
 
 
@@ -129,7 +138,8 @@ def _add_plot(sub) -> None:
         "plot",
         help="PNG charts of a run (RUN/plots/) or of an LR schedule",
         description="`anneal plot RUN` writes loss, LR, grad-norm and throughput charts to "
-        "RUN/plots/. `anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
+        "RUN/plots/ (and downstream.png when the run has downstream scores). "
+        "`anneal plot --schedule ds_configs/zero3_bf16.json --steps 100000` draws "
         "the warmup-cosine schedule alone.",
     )
     plot.add_argument("run", metavar="RUN", nargs="?", type=path, help="run directory")
@@ -156,6 +166,19 @@ def _add_report(sub) -> None:
     rep.add_argument("--json", action="store_true", help="print one JSON list")
     rep.add_argument("--strict", action="store_true", help="exit 1 when a signal is a problem")
     rep.set_defaults(func=_report)
+
+
+def _add_compare(sub) -> None:
+    com = sub.add_parser(
+        "compare",
+        help="runs side by side: final validation and latest downstream scores, the best marked",
+        description="Set the cooldown branches of one parent (or any runs) side by side: each "
+        "run's last val_loss and val_bpb and its latest score on each downstream task (with its "
+        "stderr), the best of each row marked, and which run wins on what. See "
+        "docs/evaluation.md.",
+    )
+    com.add_argument("runs", metavar="RUN", nargs="+", type=path, help="run directories (2+)")
+    com.set_defaults(func=_compare)
 
 
 def _add_generate(sub) -> None:

@@ -1,6 +1,8 @@
 """A run's charts (``anneal plot RUN``, and the end of every run): loss against tokens with
 the dev loss and the random baseline, the learning rate planned and applied, the gradient norm
-with the guard's events, and throughput with MFU, all read from ``RUN/metrics.jsonl``.
+with the guard's events, and throughput with MFU, all read from ``RUN/metrics.jsonl``; and,
+when the run has downstream scores (``RUN/evals/``), each task's against tokens
+(``downstream``).
 
 The schedule and fit charts live in ``formula_plots`` and the shared look in ``plot_style``;
 the CLI imports all three kinds of chart from here."""
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.observe import downstream
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
 from anneal.run_record import RunRecord
 
@@ -30,7 +33,9 @@ def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 def plot_run(
     run_dir: Path, *, out_dir: Path | None = None, dark: bool = False, keep_others: bool = False
 ) -> list[Path]:
-    """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``.
+    """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``,
+    val_sources.png for a blend, downstream.png when the run has downstream scores (a damaged
+    ``evals/`` document is a UserError; with ``keep_others`` a warning, and no such chart).
 
     A file there that Anneal did not write is a UserError (``claim_pngs``), before anything is
     drawn; with ``keep_others`` (the end of a run) it is kept, its chart is not drawn, and a
@@ -58,6 +63,10 @@ def plot_run(
         charts["val_sources.png"] = lambda p: _plot_val_sources(
             plt, c, train, val, sources, p, name
         )
+    tasks = _downstream(run_dir, rows, keep_others=keep_others)
+    if downstream.drawable(tasks):
+        theirs = _parent_downstream(record)
+        charts["downstream.png"] = lambda p: downstream.draw(plt, c, tasks, p, name, theirs)
     if out_dir.exists() and not out_dir.is_dir():
         if not keep_others:
             raise UserError(f"--out {out_dir}: a file is there; name a directory for the charts.")
@@ -79,6 +88,35 @@ def plot_run(
     plt, style, c = pyplot(dark)
     with plt.rc_context(style):
         return [draw(out_dir / n) for n, draw in charts.items() if out_dir / n not in kept]
+
+
+def _downstream(run_dir: Path, rows: list[dict], *, keep_others: bool) -> list:
+    """The run's downstream scores (``anneal.observe.downstream``). A damaged document: a
+    UserError, or with ``keep_others`` (the end of a run) a warning and none."""
+    from anneal.errors import UserError
+
+    try:
+        return downstream.read_scores(run_dir, rows)
+    except UserError as e:
+        if not keep_others:
+            raise
+        log.warning("no downstream chart: %s", e)
+        return []
+
+
+def _parent_downstream(record: RunRecord) -> list:
+    """A cooldown branch's parent's downstream scores, drawn under the branch's; none when
+    not a branch or they cannot be read."""
+    from anneal import rundir
+    from anneal.errors import UserError
+
+    run = record.parent_run
+    try:
+        if run is None or not rundir.metrics_path(run).is_file():
+            return []
+        return downstream.read_scores(run, rundir.read_metrics(run))
+    except UserError:
+        return []
 
 
 def _parent_rows(record: RunRecord) -> tuple[str, list[dict], list[dict]] | None:

@@ -7,6 +7,7 @@ train loss         falls steadily            flat near the random baseline
 dev loss           falls, then stabilizes    rises while train loss falls
 grad norm          finite, bounded           NaN or repeated huge spikes
 tokens/s           stable for a config       sudden drop or data stall
+downstream <task>  holds or rises            fell by > 2 stderr, or failed
 =================  ========================  ===============================
 
 The random baseline is ``ln(V)`` nats per token: a model that has learned nothing spreads its
@@ -197,9 +198,49 @@ def throughput_signal(train: list[dict]) -> Signal:
     return Signal("tokens/s", HEALTHY, detail, means)
 
 
+def downstream_signals(run_dir: Path, rows: list[dict]) -> list[Signal]:
+    """One signal per downstream task (``anneal.observe.downstream``): its latest score with
+    its stderr and step, a problem when it fell (``downstream.RULE``) or the latest scoring
+    did not score it. A damaged evals/ document is one problem signal that names it."""
+    from anneal.errors import UserError
+    from anneal.observe import downstream
+
+    means = f"holds or rises ({downstream.RULE})"
+    try:
+        tasks = downstream.read_scores(run_dir, rows)
+    except UserError as e:
+        return [Signal("downstream", PROBLEM, str(e), means)]
+    out = []
+    for t in tasks:
+        name = f"downstream {t.task}"
+        if not t.scores:
+            out.append(Signal(name, PROBLEM, f"never scored: {t.failed}", means))
+            continue
+        latest = t.scores[-1]
+        chance = f" (chance {t.chance:.3g})" if t.chance is not None else ""
+        detail = f"{t.metric} {downstream.show(latest)} at step {latest.step}{chance}"
+        if t.failed:
+            why = f"did not score at step {t.failed_step} ({t.failed}); last {detail}"
+            out.append(Signal(name, PROBLEM, why, means))
+        elif len(t.scores) < 2:
+            out.append(Signal(name, UNKNOWN, f"{detail}; one scoring, none to compare", means))
+        elif fell := t.fell():
+            best = fell[0]
+            side = "above" if t.lower_is_better else "below"
+            why = f"{downstream.FELL_STDERR:g} x its stderr {side} its best earlier"
+            fell_to = f"fell: {detail}, more than {why} {best.value:.4g} at step {best.step}"
+            out.append(Signal(name, PROBLEM, fell_to, means))
+        else:
+            best = t.best(t.scores[:-1])
+            tail = "" if latest.stderr is not None else "; no stderr, so a fall is not judged"
+            earlier = f"best earlier {best.value:.4g} at step {best.step}{tail}"
+            out.append(Signal(name, HEALTHY, f"{detail}; {earlier}", means))
+    return out
+
+
 def health(run_dir: Path) -> list[Signal]:
-    """The four signals of a run directory, and one dev-loss signal per source of a blend
-    (UserError if it has no train rows yet)."""
+    """The four signals of a run directory, one dev-loss signal per source of a blend, and one
+    per downstream task (UserError if it has no train rows yet)."""
     rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
@@ -212,6 +253,7 @@ def health(run_dir: Path) -> list[Signal]:
         grad_norm_signal(train, events, clip),
         throughput_signal(train),
         *source_signals(val, train),
+        *downstream_signals(run_dir, rows),
     ]
 
 
