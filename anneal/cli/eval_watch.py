@@ -69,7 +69,7 @@ def check(args: argparse.Namespace) -> None:
 def watch(args: argparse.Namespace, specs: list[str], overrides: list[str], *, scoring) -> int:
     """Collective: the watcher's loop over ``args.target`` until its end; 0, or 75 after a
     preemption signal. The run directory may not exist yet (the training job starts beside).
-    ``scoring``: ``anneal.cli.evaluate``'s ``build_engine``, ``score_target`` and
+    ``scoring``: ``anneal.cli.evaluate``'s ``target_engine``, ``score_target`` and
     ``write_results``, passed in (this module is imported by that one)."""
     from anneal.dist import print0
     from anneal.eval.watch import DEFAULT_POLL_S, Stop, Watcher
@@ -95,7 +95,7 @@ def watch(args: argparse.Namespace, specs: list[str], overrides: list[str], *, s
     return PREEMPTED_EXIT_CODE if result == "preempted" else 0
 
 
-def _scorer(args, specs, overrides, build_engine, score_target, write_results):
+def _scorer(args, specs, overrides, target_engine, score_target, write_results):
     """``score(tag_dir)`` for the watcher: one checkpoint (pinned, verified) scored as
     ``anneal eval RUN --step N`` scores it, its document naming the run's own tag directory."""
     from anneal import rundir
@@ -113,7 +113,7 @@ def _scorer(args, specs, overrides, build_engine, score_target, write_results):
             tokenizer=Path(args.tokenizer) if args.tokenizer else None,
             data=Path(args.data) if args.data else None,
         )
-        engine = build_engine(target, overrides)
+        engine = target_engine(target, overrides)
         try:
             doc = score_target(
                 engine,

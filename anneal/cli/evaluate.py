@@ -89,7 +89,7 @@ def _eval(args: argparse.Namespace) -> int:
     setup_process()
     try:
         if args.watch:
-            scoring = (build_engine, score_target, write_results)
+            scoring = (target_engine, score_target, write_results)
             return eval_watch.watch(args, specs, overrides, scoring=scoring)
         doc, target = run_eval(args, specs, overrides)
         _print_summary(doc, target)
