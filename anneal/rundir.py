@@ -49,7 +49,8 @@ RUN_FILES = (
     CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, EVALS, "wandb"
 )  # fmt: skip
 """What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
-The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, logs/) and the
+The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, eval-watch.sbatch,
+logs/) and the
 live ``preempt/`` stay where they are."""
 MARKS = (CONFIG, METRICS, GUARD)
 """Files whose presence shows that a run has been in a directory (as does a checkpoint)."""
@@ -59,6 +60,7 @@ LAUNCHER_FILES = (
     "forecast.json",
     "hostfile",
     "submit.sbatch",
+    "eval-watch.sbatch",
     "logs",
     PREEMPT,
 )

@@ -28,7 +28,7 @@ from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
 from anneal.hardware import DEFAULT_GPU
-from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv, watch_job
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "forecast step time and checkpoint size, at least 120, at most half of --time)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
+    watch_job.add_options(sb)
     return checked(parser)
 
 
@@ -327,6 +328,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
             checkpoint_bytes=launch.checkpoint_bytes,
             time=ns.time,
         )
+    watch_job.check(ns)
     text = slurm.render_sbatch(
         job_name=f"anneal-{out.name}",
         nodes=ns.nodes,
@@ -343,6 +345,11 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         recipe_args=recipe_args,
         master_port=ns.master_port,
     )
+    scripts = {out / "submit.sbatch": text}
+    if ns.watch_tasks is not None:
+        scripts[out / slurm.WATCH_SCRIPT] = watch_job.script(
+            ns, out=out, device=device, grace=grace
+        )
     print(preflight.forecast.describe(launch.forecast))
     if grace_note:
         print(grace_note)
@@ -350,17 +357,19 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
         dsenv.left_out(dict(os.environ), ns.env, hand_written=dsenv.hand_written(out))
     ):
         print(note)
-    script = out / "submit.sbatch"
     if ns.dry_run:
-        print(f"# {script} would hold:")
-        print(text, end="", flush=True)
+        for script, text in scripts.items():
+            print(f"# {script} would hold:")
+            print(text, end="", flush=True)
         return 0
     (make_dir(out) / "logs").mkdir(exist_ok=True)  # slurmd opens --output before the script
     dsenv.write(out, env_values)
     write_atomic(out / preflight.forecast.FILE, json.dumps(launch.forecast.to_dict(), indent=2))
-    write_atomic(script, text)
-    print(f"wrote {script}")
-    print(slurm.sbatch(script), flush=True)
+    for script, text in scripts.items():
+        write_atomic(script, text)
+        print(f"wrote {script}")
+    for script in scripts:  # training first: the watcher waits for its checkpoints
+        print(slurm.sbatch(script), flush=True)
     return 0
 
 

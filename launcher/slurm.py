@@ -228,8 +228,10 @@ def render_sbatch(
     recipe: str,
     recipe_args: list[str],
     master_port: int = 29500,
+    log_name: str = "slurm",
 ) -> str:
-    """The batch script: the template with its ``{{NAME}}`` fields filled in.
+    """The batch script: the template with its ``{{NAME}}`` fields filled in; Slurm writes the
+    script's output to ``RUN/logs/<log_name>-<job id>.out``.
 
     Every value is checked or quoted: numbers in range, names from a safe alphabet, paths and
     recipe flags shell-quoted and free of control characters, and the run directory (which
@@ -257,7 +259,7 @@ def render_sbatch(
         "ACCOUNT_LINE": f"#SBATCH --account={account}\n" if account else "",
         "GRACE_S": str(grace_s),
         "RUN_DIR": shlex.quote(str(run_dir)),
-        "RUN_DIR_SLURM": f'"{run_dir}/logs/slurm-%j.out"',
+        "RUN_DIR_SLURM": f'"{run_dir}/logs/{log_name}-%j.out"',
         "WORKDIR": shlex.quote(str(workdir)),
         "PYTHON": shlex.quote(python),
         "DEEPSPEED": shlex.quote(str(Path(python).parent / "deepspeed")),
@@ -270,6 +272,51 @@ def render_sbatch(
     left = re.findall(r"\{\{[A-Z_]+\}\}", text)
     assert not left, f"template {template} has unfilled fields {left}"
     return text
+
+
+WATCH_SCRIPT = "eval-watch.sbatch"
+"""The watch job's batch script in the run directory, beside the training job's submit.sbatch."""
+
+
+def watch_command(
+    *, run_dir: Path, tasks: str, limit: int | None, poll_s: float | None = None
+) -> list[str]:
+    """The arguments of ``python -m anneal.cli`` in the watch job: ``eval RUN --watch`` on
+    ``tasks`` (each value joined to its flag, so that none is read as a flag of its own)."""
+    check_plain(
+        tasks,
+        what=f"--watch-tasks {tasks!r}",
+        why="the script carries the eval command on one line. Give task names or YAML paths "
+        "separated by commas",
+    )
+    if not tasks.strip():
+        raise UserError("--watch-tasks: no task given. Name lm-eval tasks or task YAML files.")
+    if limit is not None and limit < 1:
+        raise UserError(
+            f"--watch-limit {limit}: give at least 1 example per task, or leave it out."
+        )
+    if poll_s is not None and not 0 < poll_s <= 86400:
+        raise UserError(f"--watch-poll-s {poll_s}: give seconds between 0 and 86400, e.g. 60.")
+    command = ["eval", str(run_dir), "--watch", f"--tasks={tasks}"]
+    command += [f"--limit={limit}"] if limit is not None else []
+    return command + ([f"--poll-s={poll_s:g}"] if poll_s is not None else [])
+
+
+def render_watch(
+    *, tasks: str, limit: int | None, run_dir: Path, poll_s: float | None = None, **job
+) -> str:
+    """The watch job's batch script (``templates/eval_watch.sbatch``): ``anneal eval RUN
+    --watch`` on ``job``'s allocation, every value checked and quoted as ``render_sbatch``
+    does for training."""
+    command = watch_command(run_dir=run_dir, tasks=tasks, limit=limit, poll_s=poll_s)
+    return render_sbatch(
+        template="eval_watch.sbatch",
+        run_dir=run_dir,
+        recipe="anneal.cli",
+        recipe_args=command,
+        log_name="eval-watch",
+        **job,
+    )
 
 
 def sbatch(script: Path) -> str:

@@ -65,6 +65,12 @@ LAUNCHER_OPTIONS = {
         "--account",
         "--grace-s",
         "--master-port",
+        # Issue 29: a job beside the training job that scores each checkpoint (the watcher).
+        "--watch-tasks",
+        "--watch-limit",
+        "--watch-poll-s",
+        "--watch-nodes",
+        "--watch-gpus-per-node",
     ],
 }
 

@@ -16,6 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from anneal.cli import eval_watch
 from anneal.cli.args import path
 from anneal.errors import UserError
 from anneal.files import write_atomic
@@ -69,7 +70,7 @@ def add_commands(sub) -> None:
         type=path,
         help="also write lm-eval's per-request records (JSON) to FILE",
     )
-    # --watch (anneal eval RUN --watch) is added here by its own module
+    eval_watch.add_options(p)  # --watch (anneal eval RUN --watch), from its own module
     p.set_defaults(func=_eval)
 
 
@@ -80,12 +81,16 @@ def _eval(args: argparse.Namespace) -> int:
 
     specs = _specs(args.tasks)
     _check_numbers(args)
+    eval_watch.check(args)
     check_specs(specs)  # before any process group or engine
     overrides = _ds_overrides(args.set)
     saved_env = dict(os.environ)
     _single_process_env()
     setup_process()
     try:
+        if args.watch:
+            scoring = (target_engine, score_target, write_results)
+            return eval_watch.watch(args, specs, overrides, scoring=scoring)
         doc, target = run_eval(args, specs, overrides)
         _print_summary(doc, target)
     finally:

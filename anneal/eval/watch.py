@@ -1,0 +1,318 @@
+"""Beside the run: ``anneal eval RUN --watch`` scores each checkpoint of a training run once, as
+it appears, in a process (a Slurm job of its own) that the training job never waits for.
+
+Which tag directories of ``RUN/checkpoints/`` are due (``survey``, rank 0, without hashing):
+
+- **scored**: ``RUN/evals/step-<N>.json`` exists for its manifest's step N (written whole by
+  this watcher, by an earlier one, by ``anneal eval`` or by the loop). Never scored again, so a
+  restarted watcher resumes where the last one stopped.
+- **being written**: no ``manifest.json`` yet. A save writes its manifest last, after every
+  rank's files are on the disk (``anneal.resilience.manifest``), so this is a save in progress
+  (or one cut short). Said once, and looked at again on every poll: it is scored once its
+  manifest is there and verifies.
+- **damaged**: a ``manifest.json`` that is not one Anneal writes, names a file outside the tag,
+  or lists files that are missing or of another size; found later, files whose bytes differ
+  from the manifest's hashes, or a file torch's weights-only loader refuses. A finished save
+  never changes, so this watcher skips it for good, with a warning that names the files; a
+  restarted watcher looks at it again (put a good copy back first).
+- **due**: the rest, oldest first.
+
+Before a due checkpoint is read, its files are pinned: hard-linked into
+``RUN/evals/.reading/<tag>/`` (``pin``). The run's keep-last pruning may delete the tag at any
+time; once pinned, its bytes stay until the scoring is over. A tag deleted before it was pinned
+is skipped with a warning that says so. Where the file system has no hard links, the tag is read
+in place, and a deletion during the scoring skips it the same way. The pinned copy is verified
+against every hash of its manifest (``anneal.resilience.manifest.verify``, the ranks sharing the
+files), and only then scored.
+
+The watcher ends when the run has finished (a checkpoint at the ``run.train.max_steps`` of the
+run's ``config.json``, read again on every poll, is scored or skipped) or at ``until_step``.
+On SIGUSR1 or SIGTERM it finishes the scoring it is in (a result is written whole, so one
+killed midway leaves nothing), starts no other, and exits 75 (``Preempted``) like training, so
+its batch script requeues it; the requeued job skips what ``evals/`` holds. On several ranks,
+rank 0 decides and the others follow (``all_gather``), so every rank scores the same tags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from anneal import rundir
+from anneal.dist import all_gather, is_main_process
+from anneal.errors import UserError
+from anneal.files import confined, write_atomic
+from anneal.resilience import preempt
+from anneal.resilience.manifest import MANIFEST, missing_files, read_manifest, verify
+
+log = logging.getLogger(__name__)
+
+READING = ".reading"
+"""``RUN/evals/.reading/<tag>/``: the pinned files of the checkpoint being scored."""
+_TAG = re.compile(r"step(\d+)")
+DEFAULT_POLL_S = 60.0
+"""How often the watcher looks for new checkpoints (``--poll-s``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """One tag directory as the survey found it."""
+
+    name: str
+    state: str
+    """"scored", "writing", "damaged" or "due"."""
+    step: int | None = None
+    why: str = ""
+
+
+class Gone(Exception):
+    """The tag directory was removed (keep-last pruning) before its files could be read."""
+
+
+def _state(tag_dir: Path, run_dir: Path) -> Tag:
+    """What ``tag_dir`` is now (see the module docstring); no hashing."""
+    name = tag_dir.name
+    named = int(m[1]) if (m := _TAG.fullmatch(name)) else None  # for a damaged manifest
+    if tag_dir.is_symlink():
+        return Tag(name, "damaged", named, "a link, not a directory the run saved")
+    if not (tag_dir / MANIFEST).exists():
+        return Tag(name, "writing", named, f"no {MANIFEST} yet")
+    try:
+        manifest = read_manifest(tag_dir)
+    except UserError as e:  # a name that leaves the directory
+        return Tag(name, "damaged", named, str(e))
+    if manifest is None:
+        if not tag_dir.exists():
+            raise Gone(name)
+        return Tag(name, "damaged", named, f"its {MANIFEST} is not one Anneal writes")
+    step = manifest["step"]
+    if rundir.eval_path(run_dir, step).exists():
+        return Tag(name, "scored", step)
+    missing = missing_files(tag_dir, manifest)
+    if missing and tag_dir.exists():
+        listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        why = f"files its {MANIFEST} lists are missing or cut ({listed})"
+        return Tag(name, "damaged", step, why)
+    return Tag(name, "due", step)
+
+
+def survey(run_dir: Path) -> list[Tag]:
+    """Every tag directory of ``RUN/checkpoints`` (not ``.superseded``), by name (tags are
+    ``stepNNNNNNNN``, so oldest first). A tag removed while it is looked at is left out."""
+    ckpt_dir = rundir.checkpoints_dir(run_dir)
+    try:
+        names = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        tag_dir = ckpt_dir / name
+        if not tag_dir.is_dir():
+            continue
+        try:
+            found.append(_state(tag_dir, run_dir))
+        except (Gone, FileNotFoundError):
+            continue
+    return found
+
+
+def pin(tag_dir: Path, pin_root: Path) -> Path:
+    """Hard links to the manifest and every file it lists, under ``pin_root/<tag>``; the pinned
+    directory. ``Gone`` when the tag (or a file of it) vanished first; ``tag_dir`` itself where
+    the file system makes no hard links. Rank 0 only."""
+    dest = pin_root / tag_dir.name
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        manifest = read_manifest(tag_dir)
+        if manifest is None:
+            raise Gone(tag_dir.name)
+        for name in [MANIFEST, *manifest["files"]]:
+            src = tag_dir / name if name == MANIFEST else confined(tag_dir, name, where=MANIFEST)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dest / name)
+    except FileNotFoundError:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise Gone(tag_dir.name) from None
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.rmtree(dest, ignore_errors=True)
+        log.info("%s: no hard links here (%s): reading the checkpoint in place", pin_root, e)
+        return tag_dir
+    return dest
+
+
+def _exists(pinned: str) -> bool:
+    """Collective: whether rank 0 still sees the checkpoint's manifest at ``pinned``."""
+    return all_gather(is_main_process() and (Path(pinned) / MANIFEST).exists())[0]
+
+
+class Stop:
+    """SIGUSR1/SIGTERM handler of the watcher: sets a flag (the scoring in progress finishes),
+    and a pid file in ``RUN/preempt/`` through which the batch script's trap finds this
+    process, as it finds the training ranks (``anneal.resilience.preempt``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.signum: int | None = None
+        folder = rundir.preempt_dir(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        preempt.remove_stale(folder)
+        self._pid_file = folder / f"{socket.gethostname()}.{os.getpid()}.pid"
+        write_atomic(self._pid_file, preempt.pid_line(os.getpid()))
+        self._previous = {s: signal.signal(s, self._handle) for s in preempt.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            log.warning(
+                "got %s: finishing the scoring in progress, then exiting %d for a requeue",
+                signal.Signals(signum).name,
+                preempt.PREEMPTED_EXIT_CODE,
+            )
+
+    def requested(self) -> bool:
+        """Collective: whether any rank got a signal."""
+        return any(all_gather(self.signum is not None))
+
+    def close(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._pid_file.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class Watcher:
+    """The loop of ``anneal eval RUN --watch``. ``score(tag_dir)``: collective, scores one
+    verified checkpoint and writes ``RUN/evals/step-<N>.json`` (the command's); ``until_step``:
+    stop once a checkpoint at this step or later is handled (None: at the run's last step)."""
+
+    run_dir: Path
+    score: Callable[[Path], object]
+    until_step: int | None = None
+    poll_s: float = DEFAULT_POLL_S
+    scored: list[int] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Tag -> why, for this watcher's life: damaged, or removed before it was read."""
+    _said: set[str] = dataclasses.field(default_factory=set)
+
+    def target(self) -> int | None:
+        """The step after which the watcher ends: the run's ``run.train.max_steps`` as its
+        config.json holds it now, or ``until_step`` if smaller (None: neither is known yet)."""
+        steps = rundir.record_or_empty(self.run_dir).train.get("max_steps")
+        if not isinstance(steps, int) or isinstance(steps, bool):
+            return self.until_step
+        return steps if self.until_step is None else min(steps, self.until_step)
+
+    def plan(self) -> tuple[list[Tag], bool]:
+        """Rank 0's survey, shared with every rank: (the due tags, whether the end is reached
+        by what is scored or skipped already)."""
+        due, done = [], False
+        if is_main_process():
+            tags, target = survey(self.run_dir), self.target()
+            for tag in tags:
+                self._note(tag)
+            handled = [t for t in tags if t.state == "scored" or t.name in self.skipped]
+            handled_steps = [t.step for t in handled if t.step is not None]
+            done = target is not None and any(s >= target for s in handled_steps)
+            due = [t for t in tags if t.state == "due" and t.name not in self.skipped]
+            last = [i for i, t in enumerate(due) if target is not None and t.step >= target]
+            due = due[: last[0] + 1] if last else due  # nothing past the end
+        return all_gather((due, done))[0]
+
+    def _note(self, tag: Tag) -> None:
+        """Say once what a tag that is not scored now is (being written, or damaged)."""
+        if tag.state == "writing" and tag.name not in self._said:
+            log.info(
+                "%s: %s (a save still being written, or one cut short): it is scored once its "
+                "manifest is there and verifies",
+                tag.name,
+                tag.why,
+            )
+            self._said.add(tag.name)
+        elif tag.state == "damaged":
+            self._skip(tag.name, tag.why)
+
+    def _skip(self, name: str, why: str) -> None:
+        if name in self.skipped:
+            return
+        self.skipped[name] = why
+        log.warning("%s: skipped, not scored: %s", name, why)
+
+    def handle(self, tag: Tag) -> None:
+        """Collective: pin, verify and score one due tag (or skip it, saying why)."""
+        ckpt_dir = rundir.checkpoints_dir(self.run_dir)
+        pin_root = rundir.evals_dir(self.run_dir) / READING
+        pinned = None
+        if is_main_process():
+            try:
+                pinned = str(pin(ckpt_dir / tag.name, pin_root))
+            except Gone:
+                pass
+        pinned = all_gather(pinned)[0]
+        if pinned is None:
+            return self._gone(tag.name)
+        try:
+            if bad := verify(Path(pinned)):
+                if not _exists(pinned):  # read in place, and pruned meanwhile
+                    return self._gone(tag.name)
+                listed = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+                self._skip(tag.name, f"{len(bad)} file(s) differ from its {MANIFEST} ({listed})")
+                return None
+            try:
+                self.score(Path(pinned))
+            except (UserError, OSError) as e:
+                if not _exists(pinned):
+                    return self._gone(tag.name)
+                if not isinstance(e, UserError):
+                    raise
+                self._skip(tag.name, str(e))
+                return None
+            self.scored.append(tag.step)
+        finally:
+            if is_main_process() and Path(pinned).parent == pin_root:
+                shutil.rmtree(pinned, ignore_errors=True)
+        return None
+
+    def _gone(self, name: str) -> None:
+        """Skip a tag that the run deleted before (or, read in place, while) it was read."""
+        self._skip(name, "removed (the run's keep-last pruning) before it could be read")
+
+    def run(self, stop: Stop | None = None, *, sleep: Callable[[float], None] = time.sleep) -> str:
+        """Until the end: "finished" (the target step is handled) or "preempted" (a signal;
+        the caller exits 75). Between polls, sleeps ``poll_s`` in slices of at most 1 s, and
+        wakes early on this rank's signal."""
+        pin_root = rundir.evals_dir(self.run_dir) / READING
+        if is_main_process():
+            shutil.rmtree(pin_root, ignore_errors=True)  # a killed watcher's pins
+        try:
+            return self._loop(stop, sleep)
+        finally:
+            if is_main_process() and pin_root.is_dir() and not any(pin_root.iterdir()):
+                pin_root.rmdir()
+
+    def _loop(self, stop: Stop | None, sleep: Callable[[float], None]) -> str:
+        while True:
+            due, done = self.plan()
+            if done:
+                return "finished"
+            for tag in due:
+                if stop is not None and stop.requested():
+                    return "preempted"
+                self.handle(tag)
+            if due:
+                continue  # the end may be reached now; look again before sleeping
+            if stop is not None and stop.requested():
+                return "preempted"
+            slept = 0.0
+            while slept < self.poll_s and not (stop is not None and stop.signum is not None):
+                sleep(min(1.0, self.poll_s - slept))
+                slept += 1.0
