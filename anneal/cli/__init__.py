@@ -3,8 +3,8 @@
 Each command group lives in its own module, which adds its subcommands and their handlers:
 ``data`` (``anneal data prepare | synth | verify``), ``planning`` (``plan``, ``fit``,
 ``estimate``), ``runs`` (``export``, ``plot``, ``report``, ``compare``, ``generate``) and
-``evaluate`` (``eval``). The recipes' own command line is ``recipe``. ``main()`` is the one place where a ``UserError`` becomes a one-line
-message and exit status 2.
+``evaluate`` (``eval``). The recipes' own command line is ``recipe``. ``main()`` is the one
+place where a ``UserError`` becomes a one-line message and exit status 2.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class InLoop:
         built under ``RUN/evals/tasks``, which the others then read); a task that did not load
         on every rank is an ``eval_failed`` event at ``step``."""
         from anneal.eval.lm import EngineLM
+        from anneal.eval.score import rng_restored
         from anneal.eval.tasks import load_tasks
 
         train = launch.cfg.train
@@ -95,14 +96,15 @@ class InLoop:
             max_length=launch.seq_len,
         )
 
-        def load():
-            return load_tasks(
-                train.eval_tasks,
-                data_dir=Path(launch.cfg.data.path),
-                work_dir=rundir.evals_dir(launch.out) / "tasks",
-                num_fewshot=None,
-                limit=train.eval_tasks_limit or None,
-            )
+        def load():  # lm-eval's TaskManager draws from python's generator: put it back
+            with rng_restored():
+                return load_tasks(
+                    train.eval_tasks,
+                    data_dir=Path(launch.cfg.data.path),
+                    work_dir=rundir.evals_dir(launch.out) / "tasks",
+                    num_fewshot=None,
+                    limit=train.eval_tasks_limit or None,
+                )
 
         loaded = load() if rank() == 0 else None
         barrier()
