@@ -23,6 +23,7 @@ from anneal.data.prepared import (  # noqa: E402
 )
 from anneal.dist import free_port  # noqa: E402
 from anneal.observe.metrics import read_metrics  # noqa: E402
+from anneal.rundir import read_evals  # noqa: E402
 
 DEFAULT_STEPS = 320
 """Optimizer steps of the demo: 320 x 2,048 tokens (``BATCH_TOKENS``), 655,360 tokens, a fifth
@@ -52,6 +53,20 @@ to 0 that ends the run is what lets a short run reach its lowest loss (tests/tes
 below cosine to 0.1 x peak at the same length)."""
 
 
+DS_CONFIG = "zero2_bf16.json"
+"""ZeRO-2 (fp32 on a CPU): for this 7.4M-parameter model on 2 CPU ranks, ZeRO-3's per-layer
+parameter gathers cost more than they save; 80 steps of the demo took 35.5 and 37.6 s at
+ZeRO-2 against 41.7 and 41.2 s at ZeRO-3, the same losses (docs/benchmarks.md)."""
+
+MICRO_BATCH = 4
+"""Sequences per rank per micro-batch: the 8 of ``BATCH_TOKENS`` over 2 ranks, no accumulation
+(zero2_bf16.json's own 8 would round the global batch up to 16)."""
+
+TASK = "anneal_next_line"
+"""The downstream task the demo scores before its first step and after its last: the true next
+line of a function among four, built from the val split (docs/evaluation.md); chance 25%."""
+
+
 def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) -> list[str]:
     """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too)."""
     return [
@@ -67,12 +82,20 @@ def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) ->
         data,
         "--max-steps",
         str(steps),
+        "--ds-config",
+        DS_CONFIG,
+        "--set",
+        f"ds.train_micro_batch_size_per_gpu={MICRO_BATCH}",
         "--eval-every",
-        str(max(1, steps // 4)),
+        str(steps),
         "--save-every",
         str(max(1, steps // 2)),
         "--set",
         f"train.eval_samples={EVAL_WINDOWS}",
+        "--set",
+        f"train.eval_tasks={TASK}",
+        "--set",
+        "train.eval_tasks_every=0",
         "--set",
         f"optim.schedule={SCHEDULE}",
         "--set",
@@ -80,6 +103,23 @@ def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) ->
         "--set",
         f"optim.lr={PEAK_LR}",
     ]
+
+
+def downstream(run: Path) -> str:
+    """The shipped task's accuracy before the first step and after the last, from the run's
+    ``evals/step-N.json`` (the in-loop scorings)."""
+    docs = [d for d in read_evals(run) if TASK in d.get("tasks", {})]
+    if len(docs) < 2:
+        failed = {k: v for d in read_evals(run) for k, v in d.get("failed", {}).items()}
+        return f"{TASK}: not scored ({failed.get(TASK, 'no scoring found')})"
+    first, last = (d["tasks"][TASK] for d in (docs[0], docs[-1]))
+    acc = lambda e: f"{100 * e['metrics']['acc']:.1f}%"  # noqa: E731
+    return (
+        f"{TASK} (the true next line among 4, {last['n_samples']} items of the val split): "
+        f"accuracy {acc(first)} at step {docs[0]['step']} -> {acc(last)} at step "
+        f"{docs[-1]['step']} (chance {100 * (last['chance'] or 0.25):.0f}%), "
+        f"{docs[-1]['seconds']:.1f} s a scoring"
+    )
 
 
 def main() -> int:
@@ -114,6 +154,7 @@ def main() -> int:
     base_bpb = unigram_entropy_bits_per_byte(ROOT / args.data, "val")
     base_nats = base_bpb * math.log(2) * split["bytes"] / split["tokens"]
     tok_s = sorted(r["tokens_per_s"] for r in train[len(train) // 10 :])
+    scored = downstream(ROOT / args.out)
     packed = compressor_bits_per_byte(ROOT / args.data, "val")
     model_bpb = val[-1]["val_bpb"]
     against = "\n".join(
@@ -130,6 +171,7 @@ def main() -> int:
         f"unigram baseline {base_nats:.4f} nats/token, {base_bpb:.4f} bits/byte "
         f"(entropy of the val split's token frequencies)\n"
         f"compressors on the val split's {split['bytes']:,} bytes:\n{against}\n"
+        f"{scored}\n"
         f"median throughput {tok_s[len(tok_s) // 2]:,.0f} tokens/s\n"
         f"run directory {args.out}"
     )

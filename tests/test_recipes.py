@@ -96,8 +96,9 @@ def test_make_demo_resolves_on_a_gpu_machine(n_gpus, stdlib_data, tmp_path):
     recipe = next(a for a in cmd if a.startswith("recipes/"))
     assert cmd[cmd.index("--num_gpus") + 1] == str(n_gpus)
     _, plan = plan_for(ROOT / recipe, cmd[cmd.index(recipe) + 1 :], device="cuda", world=n_gpus)
-    assert plan.cfg.ds_config == "zero3_bf16.json" and plan.bf16
+    assert plan.cfg.ds_config == demo.DS_CONFIG == "zero2_bf16.json" and plan.bf16
     assert plan.cfg.train.max_steps == demo.DEFAULT_STEPS
+    assert plan.cfg.train.eval_tasks == (demo.TASK,)  # scored in lockstep on any GPU count
 
 
 def test_big_recipes_checkpoint_activations():
