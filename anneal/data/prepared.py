@@ -85,8 +85,9 @@ def check_prepared(data: Path | PreparedDir) -> dict:
 def verify(data_dir: Path) -> dict:
     """``anneal data verify``: re-hash every shard against the sha256 in meta.json, and every
     tokenizer file (``PreparedDir.tokenizer_records``). Returns the shards checked, their bytes, the
-    tokenizer files checked and the top-level files meta.json has no hash for ("uncovered": a
-    directory prepared before ``tokenizer_files``); a UserError lists every file that is
+    tokenizer files checked, the top-level files meta.json has no hash for ("uncovered": a
+    directory prepared before ``tokenizer_files``) and the tree's ``content_sha256`` (the same
+    for any two preparations of the same inputs and flags); a UserError lists every file that is
     missing, of the wrong size or differs."""
     prepared = PreparedDir(data_dir)
     data_dir, meta = prepared.path, prepared.meta()
@@ -122,6 +123,7 @@ def verify(data_dir: Path) -> dict:
         )
     uncovered = sorted(set(prepared.tokenizer_files(hashed=False)) - set(tokenizer_names))
     return {
+        "content_sha256": prepared.content_sha256(meta=meta),
         "shards": shards,
         "bytes": nbytes,
         "tokenizer": tokenizer_names,

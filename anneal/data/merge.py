@@ -1,0 +1,304 @@
+"""Step 3 of a preparation in tasks (:mod:`anneal.data.plan`): ``--merge`` writes OUT from the
+tasks' parts, byte for byte what one node's ``anneal data prepare`` writes from the same inputs
+and flags (``PreparedDir.content_sha256`` is the same), verifies it as ``anneal data verify``
+does, and then removes the parts.
+
+It refuses, before writing anything, while a task has no completion marker (naming every such
+task), when a marker belongs to another plan, and when a part's ``part.json`` is not the one its
+marker recorded or a file of it has another size; a file whose bytes changed at the same size is
+found while it is copied (its sha256), and the directory being written is then removed. In
+every case the parts and any earlier OUT are left as they were.
+
+Each (split, source)'s shards are the concatenation of the tasks' pieces in task order, cut
+again at ``--shard-tokens``: the copy is I/O and hashing, no tokenizing. One case tokenizes: a
+source of two or more documents none of which hashed into validation holds out its
+smallest-hash document, as one node does (:func:`anneal.data.pack.pack_all`), and that source is
+tokenized again here, as one node tokenizes it a second time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from anneal.data import tokenizer
+from anneal.data.pack import ShardWriter, pack_units, summarize
+from anneal.data.part import PART, read_done
+from anneal.data.plan import (
+    OWNER,
+    PLAN,
+    TOKENIZER,
+    done_file,
+    load,
+    parts_dir,
+    task_dir,
+)
+from anneal.data.prepare_config import PrepareConfig
+from anneal.data.prepared_dir import SPLITS, TOKEN_BYTES, PreparedDir
+from anneal.data.readers import Problems
+from anneal.data.units import units_of
+from anneal.errors import UserError
+from anneal.files import replace_dir, sha256_file
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20
+"""Bytes read at a time while a piece is copied."""
+
+
+def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
+    """Step 3. Returns meta.json's dict with provenance.json's added."""
+    from anneal.data import prepare as one_node
+    from anneal.data.prepared import verify
+
+    t0 = time.time()
+    plan, plan_sha, sources, units = load(cfg, tasks)
+    parts = parts_dir(cfg.out)
+    one_node.claim_out(cfg, sources)
+    found = check_parts(plan, plan_sha, parts, cfg)
+    one_node._remove_stale_partials(cfg.out)
+    partial = one_node._make_partial(cfg.out)
+    try:
+        tok_dir = parts / TOKENIZER
+        for name in [*plan["tokenizer"]["files"], TOKEN_BYTES]:
+            shutil.copyfile(tok_dir / name, partial / name)
+        t_copy = time.time()
+        splits, per_source, copied = _write_shards(partial, plan, found, cfg, sources, units)
+        copy_s = time.time() - t_copy
+        problems = Problems(cfg.read.on_error, quiet=True)
+        problems.empty_files = plan["empty_files"]
+        problems.empty_examples = plan["empty_examples"]
+        for part in found:
+            problems.skipped += part["skipped"]
+            problems.examples += part["examples"][: max(0, 20 - len(problems.examples))]
+        one_node.check_counts(cfg, sources, splits, per_source, problems)
+        tok = tokenizer.load(partial)
+        meta = one_node.build_meta(
+            cfg,
+            sources,
+            tok=tok,
+            dtype=np.dtype(plan["tokenizer"]["dtype"]),
+            tok_info=plan["tokenizer"]["info"],
+            tok_files=plan["tokenizer"]["files"],
+            tok_sha256=plan["tokenizer"]["sha256"],
+            splits=splits,
+            per_source=per_source,
+            problems=problems,
+            nbytes=sum(p["input_bytes"] for p in found),
+        )
+        PreparedDir(partial).write_meta(meta)
+        (partial / one_node.PARTIAL_MARKER).unlink()  # not part of the tree that is hashed
+        t_verify = time.time()
+        verified = verify(partial)
+        record = _provenance(cfg, plan_sha, parts, plan, copied, copy_s, time.time() - t_verify)
+        record["content_sha256"] = verified["content_sha256"]
+        record["seconds"] = round(time.time() - t0, 1)
+        PreparedDir(partial).write_provenance(record)
+        replace_dir(partial, cfg.out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    remove_parts(parts, plan["settings"]["tasks"])
+    return {**meta, **record}
+
+
+def check_parts(plan: dict, plan_sha: str, parts: Path, cfg: PrepareConfig) -> list[dict]:
+    """Every task's part.json, once every task is complete under this plan and every part is
+    whole; otherwise one UserError naming the tasks and what to run."""
+    tasks = plan["settings"]["tasks"]
+    dones = [read_done(parts, t) for t in range(tasks)]
+    missing = [t for t, d in enumerate(dones) if d is None]
+    if missing:
+        started = [t for t in missing if task_dir(parts, t).exists()]
+        raise UserError(
+            f"{parts}: {len(missing)} of {tasks} tasks have no completion marker: "
+            f"{_list(missing)}"
+            + (f" ({_list(started)} started and did not finish)" if started else "")
+            + f". Run them (`anneal data prepare ... --task I --tasks {tasks}` with the plan's "
+            f"flags, or `python -m launcher submit-prepare` again, which submits only the tasks "
+            f"without a marker), then merge. Nothing was written; the parts are kept."
+        )
+    other = [t for t, d in enumerate(dones) if d.get("plan_sha256") != plan_sha]
+    if other:
+        raise UserError(
+            f"{parts}: the parts of tasks {_list(other)} were made under another plan "
+            f"(their markers name plan {str(dones[other[0]].get('plan_sha256'))[:12]}..., "
+            f"{parts / PLAN} is {plan_sha[:12]}...): another input list, tokenizer or flags. "
+            f"Remove their markers ({done_file(parts, other[0]).name}, ...) and run those tasks "
+            f"again. Nothing was written; the parts are kept."
+        )
+    found = []
+    for t, done in enumerate(dones):
+        path = task_dir(parts, t) / PART
+        if not path.is_file() or sha256_file(path) != done.get("part_sha256"):
+            raise _tampered(parts, t, path, "is missing or its sha256 differs from the marker's")
+        part = json.loads(path.read_bytes())
+        for split in SPLITS:
+            for piece in part["pieces"][split].values():
+                _check_sizes(parts, t, split, piece, plan)
+        found.append(part)
+    return found
+
+
+def _check_sizes(parts: Path, task: int, split: str, piece: dict, plan: dict) -> None:
+    itemsize = np.dtype(plan["tokenizer"]["dtype"]).itemsize
+    directory = task_dir(parts, task) / split
+    files = [(s["file"], s["tokens"] * itemsize) for s in piece["shards"]]
+    if piece["doc_index"]:
+        files.append((piece["doc_index"], piece["docs_bytes"]))
+    for name, want in files:
+        path = directory / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != want:
+            what = "is missing" if size is None else f"holds {size:,} bytes, not {want:,}"
+            raise _tampered(parts, task, path, f"{what} (part.json)")
+
+
+def _tampered(parts: Path, task: int, path: Path, what: str) -> UserError:
+    return UserError(
+        f"{path}: {what}: task {task}'s part changed after the task wrote it (a bad copy, a "
+        f"disk error, an edit), so it cannot be merged. Run task {task} again: remove "
+        f"{done_file(parts, task)} and run `anneal data prepare ... --task {task}` with the "
+        f"plan's flags (or `python -m launcher submit-prepare` again, which runs only the tasks "
+        f"without a marker). Nothing was written to --out; the parts are kept."
+    )
+
+
+def _list(tasks: list[int]) -> str:
+    shown = ", ".join(map(str, tasks[:20]))
+    return shown + (f" and {len(tasks) - 20} more" if len(tasks) > 20 else "")
+
+
+def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units):
+    """Every (split, source)'s shards under ``partial``: the pieces in task order, or a source
+    tokenized again with its held-out document. Returns the splits, the counts per source and
+    the bytes copied."""
+    from anneal.data.prepare import default_workers
+
+    dtype = np.dtype(plan["tokenizer"]["dtype"])
+    writers = {
+        (split, s.index): ShardWriter(
+            PreparedDir(partial).split_dir(split),
+            source=s.index,
+            dtype=dtype,
+            shard_tokens=cfg.shard_tokens,
+        )
+        for split in SPLITS
+        for s in sources
+    }
+    held_out = _held_out(cfg, sources, found)
+    parts = parts_dir(cfg.out)
+    copied = 0
+    for s in sources:
+        if s.index in held_out:
+            initargs = (
+                str(parts / TOKENIZER),
+                cfg.read,
+                cfg.val_fraction,
+                dtype.name,
+                {s.index: held_out[s.index]},
+            )
+            mine = {k: w for k, w in writers.items() if k[1] == s.index}
+            quiet = Problems(cfg.read.on_error, quiet=True)  # counted by the tasks
+            workers = cfg.workers or default_workers()
+            pack_units(
+                units_of(units[s.index]), mine, quiet, None, workers=workers, initargs=initargs
+            )
+            continue
+        for split in SPLITS:
+            for part in found:
+                piece = part["pieces"][split].get(str(s.index))
+                if piece is not None:
+                    directory = task_dir(parts, part["task"]) / split
+                    copied += _append(writers[split, s.index], directory, piece, dtype, parts, part)
+    splits, per_source = summarize(writers, sources)
+    return splits, per_source, copied
+
+
+def _held_out(cfg: PrepareConfig, sources, found: list[dict]) -> dict[int, str]:
+    """{source index: document name} of the sources that hold out their smallest-hash document
+    (no document of theirs hashed into validation, two or more documents): one node's rule."""
+    held = {}
+    for s in sources:
+        key = str(s.index)
+        docs = {
+            split: sum(p["pieces"][split].get(key, {}).get("documents", 0) for p in found)
+            for split in SPLITS
+        }
+        smallest = [tuple(p["smallest"][key]) for p in found if key in p["smallest"]]
+        if cfg.val_fraction > 0 and docs["val"] == 0 and docs["train"] >= 2 and smallest:
+            held[s.index] = min(smallest)[1]
+    return held
+
+
+def _append(writer: ShardWriter, directory: Path, piece: dict, dtype, parts, part) -> int:
+    """Append one task's piece of a (split, source) to ``writer``, checking each file's sha256
+    as it is read. Returns the bytes read."""
+    base = writer.tokens
+    read = 0
+    if piece["doc_index"]:
+        path = directory / piece["doc_index"]
+        for chunk in _chunks(path, piece["docs_sha256"], parts, part["task"]):
+            writer.add_ends(np.frombuffer(chunk, dtype="<u8") + np.uint64(base))
+            read += len(chunk)
+    for shard in piece["shards"]:
+        path = directory / shard["file"]
+        for chunk in _chunks(path, shard["sha256"], parts, part["task"]):
+            writer.add_ids(np.frombuffer(chunk, dtype=dtype.newbyteorder("<")))
+            read += len(chunk)
+    writer.bytes += piece["bytes"]
+    writer.documents += piece["documents"]
+    return read
+
+
+def _chunks(path: Path, sha256: str, parts: Path, task: int):
+    """The bytes of ``path`` in chunks (each a fresh buffer, handed on before the next read);
+    a UserError after the last one when their sha256 is not ``sha256``."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(CHUNK_BYTES)
+            if not chunk:
+                break
+            h.update(chunk)
+            yield chunk
+    if h.hexdigest() != sha256:
+        raise _tampered(parts, task, path, "its sha256 differs from the one in part.json")
+
+
+def _provenance(cfg, plan_sha, parts, plan, copied, copy_s, verify_s) -> dict:
+    from anneal.data.prepare import command_line
+
+    dones = [read_done(parts, t) or {} for t in range(plan["settings"]["tasks"])]
+    keep = ("task", "host", "units", "input_bytes", "tokens", "seconds", "pack_cpu_seconds")
+    return {
+        "command": command_line(cfg),
+        "python": sys.version.split()[0],
+        "plan_sha256": plan_sha,
+        "tasks": [{k: d.get(k) for k in (*keep, "workers")} for d in dones],
+        "pack_cpu_seconds": round(sum(d.get("pack_cpu_seconds", 0) for d in dones), 2),
+        "merge_bytes": copied,
+        "merge_seconds": round(copy_s, 2),
+        "merge_mb_per_s": round(copied / 1e6 / max(copy_s, 1e-9), 2),
+        "verify_seconds": round(verify_s, 2),
+    }
+
+
+def remove_parts(parts: Path, tasks: int) -> None:
+    """After a merge: the parts, the markers, the tokenizer and the plan; the Slurm scripts and
+    logs (``slurm/``) stay, and ``OUT.parts`` with them when there are any."""
+    for t in range(tasks):
+        shutil.rmtree(task_dir(parts, t), ignore_errors=True)
+        done_file(parts, t).unlink(missing_ok=True)
+    shutil.rmtree(parts / TOKENIZER, ignore_errors=True)
+    (parts / PLAN).unlink(missing_ok=True)
+    left = [p for p in parts.iterdir() if p.name != OWNER]
+    if not left:
+        shutil.rmtree(parts)
