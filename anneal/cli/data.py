@@ -29,6 +29,7 @@ def prepare_options(args: argparse.Namespace) -> dict:
         "exclude": args.exclude,
         "on_error": args.on_error,
         "streaming": args.streaming,
+        "unit_bytes": int(args.unit_mb * 2**20),
         "val_fraction": args.val_fraction,
         "seq_len": args.seq_len,
         "seed": args.seed,
@@ -173,6 +174,13 @@ def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
         "or skip it and count it in meta.json",
     )
     prep.add_argument("--streaming", action="store_true", help="stream hf: datasets")
+    prep.add_argument(
+        "--unit-mb",
+        type=float,
+        default=read.unit_bytes / 2**20,
+        help=f"input MB per work unit, the grain workers and tasks share (default "
+        f"{read.unit_bytes / 2**20:g}; the output is the same for any)",
+    )
 
 
 def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:

@@ -82,7 +82,7 @@ def _task(cfg, args, parts) -> int:
     print(
         f"task {args.task} of {args.tasks}: {done['units']:,} units, "
         f"{done['input_bytes'] / 1e6:,.1f} MB, {done['tokens']:,} tokens in {done['seconds']} s "
-        f"({done['workers']} workers) -> {where}"
+        f"({done['workers']} worker{'s' if done['workers'] != 1 else ''}) -> {where}"
     )
     return 0
 

@@ -72,7 +72,7 @@ FLAGS = {
     "exclude": "--exclude",
     "on_error": "--on-error",
     "streaming": "--streaming",
-    "unit_bytes": "unit_bytes",
+    "unit_bytes": "--unit-mb (in bytes)",
     "out": "--out",
     "tasks": "--tasks",
 }

@@ -91,6 +91,11 @@ def _check_config(cfg: PrepareConfig) -> None:
         raise UserError(f"--seq-len {cfg.seq_len}: give 1 or more (the model's context).")
     if cfg.shard_tokens < 1024:
         raise UserError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
+    if not cfg.read.unit_bytes >= 1024:
+        raise UserError(
+            f"--unit-mb {cfg.read.unit_bytes / 2**20:g}: give at least 0.001 (1 KiB); the "
+            f"default 4 suits any input."
+        )
     if cfg.tokenizer_sample_mb <= 0:
         raise UserError(f"--tokenizer-sample-mb {cfg.tokenizer_sample_mb}: give a size above 0.")
     if not cfg.inputs:
