@@ -1,4 +1,4 @@
-"""``python -m launcher {hostfile,run,submit}``: runs on the launch host.
+"""``python -m launcher {hostfile,run,submit,submit-prepare}``: runs on the launch host.
 
 One command line for every subcommand::
 
@@ -11,7 +11,8 @@ unchanged (and is checked here with the recipe's own parser). ``--dry-run`` anyw
 ``run`` pre-flights the launch (``launcher.preflight``), writes ``.deepspeed_env`` and the
 forecast into the run directory, and runs DeepSpeed's own ``deepspeed`` runner, exiting with
 its exit code. ``submit`` renders ``launcher/templates/multinode.sbatch`` into the run directory
-and calls ``sbatch``.
+and calls ``sbatch``. ``submit-prepare`` submits ``anneal data prepare`` as Slurm jobs
+(``launcher.submit_prepare``; its flags after ``--``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
 from anneal.hardware import DEFAULT_GPU
-from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, submit_prepare, venv
 
 DEFAULT_GRACE_S = 120
 WRITE_BYTES_PER_S = 200e6
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "forecast step time and checkpoint size, at least 120, at most half of --time)",
     )
     sb.add_argument("--master-port", type=int, default=29500)
+    submit_prepare.add_parser(sub)
     return checked(parser)
 
 
@@ -375,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_hostfile(ns)
         if ns.command == "run":
             return cmd_run(ns, recipe_args)
+        if ns.command == "submit-prepare":
+            return submit_prepare.cmd_submit_prepare(ns, recipe_args)
         return cmd_submit(ns, recipe_args)
     except UserError as e:
         print(f"launcher: error: {e}", file=sys.stderr, flush=True)

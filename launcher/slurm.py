@@ -193,22 +193,15 @@ def _check_command(*, run_dir: Path, workdir: Path, python: str, args: list[str]
     check_plain(
         str(run_dir), what=f"--out {str(run_dir)!r}", also=RUN_DIR_REFUSED, why=_RUN_DIR_WHY
     )
-    check_plain(
-        str(workdir),
-        what=f"the working directory {str(workdir)!r}",
-        why="the script `cd`s there. Run from a directory without one (rename it)",
-    )
-    check_plain(
-        python,
-        what=f"the Python {python!r}",
-        why="the script runs it by path. Use a virtual environment at a plain path",
-    )
+    check_plain(str(workdir), what=f"the working directory {str(workdir)!r}", why=_CD_WHY)
+    check_plain(python, what=f"the Python {python!r}", why=_PYTHON_WHY)
     for arg in args:
-        check_plain(
-            arg,
-            what=f"recipe argument {arg!r}",
-            why="the script carries the command on one line. Remove it",
-        )
+        check_plain(arg, what=f"recipe argument {arg!r}", why=_LINE_WHY)
+
+
+_CD_WHY = "the script `cd`s there. Run from a directory without one (rename it)"
+_PYTHON_WHY = "the script runs it by path. Use a virtual environment at a plain path"
+_LINE_WHY = "the script carries the command on one line. Remove it"
 
 
 def render_sbatch(
@@ -270,6 +263,103 @@ def render_sbatch(
     left = re.findall(r"\{\{[A-Z_]+\}\}", text)
     assert not left, f"template {template} has unfilled fields {left}"
     return text
+
+
+PREPARE_STEPS = {
+    "plan": ("step 1 of 3, the plan and the tokenizer", "", "plan-%j.out"),
+    "tasks": ("step 2 of 3, one task of the array", ' --task "$SLURM_ARRAY_TASK_ID"',
+              "task-%a-%A.out"),
+    "merge": ("step 3 of 3, the merge and its verification", " --merge", "merge-%j.out"),
+}  # fmt: skip
+"""Per step of a preparation in tasks: its title, what its command line adds, its log's name."""
+
+
+def render_prepare(
+    *,
+    step: str,
+    job_name: str,
+    tasks: int,
+    partition: str,
+    time: str,
+    account: str | None,
+    logs: Path,
+    workdir: Path,
+    python: str,
+    prepare_args: list[str],
+) -> str:
+    """One step's batch script (``launcher/templates/prepare.sbatch``). As for training
+    (:func:`render_sbatch`), every value is checked or quoted: the logs' directory (on the
+    ``#SBATCH --output=`` line) free of what Slurm reads there, paths and the prepare flags
+    shell-quoted and free of control characters."""
+    _check_job(
+        time=time,
+        nodes=1,
+        gpus_per_node=1,
+        partition=partition,
+        account=account,
+        grace_s=1,
+        master_port=1,
+    )
+    check_plain(
+        str(logs),
+        what=f"--out's parts directory {str(logs.parent.parent)!r}",
+        also=RUN_DIR_REFUSED,
+        why="the scripts' `#SBATCH --output=` lines carry its logs' directory, and Slurm reads "
+        "'%' there as a file-name pattern (%j, %a) and quotes, '\\' and '#' as its own syntax. "
+        "Choose an --out without these characters",
+    )
+    check_plain(str(workdir), what=f"the working directory {str(workdir)!r}", why=_CD_WHY)
+    check_plain(python, what=f"the Python {python!r}", why=_PYTHON_WHY)
+    for arg in prepare_args:
+        check_plain(arg, what=f"prepare flag {arg!r}", why=_LINE_WHY)
+    title, step_args, log_name = PREPARE_STEPS[step]
+    fields = {
+        "STEP": step,
+        "STEP_TITLE": title,
+        "TASKS": str(tasks),
+        "JOB_NAME": re.sub(r"[^A-Za-z0-9_.\-]", "_", job_name),
+        "PARTITION": partition,
+        "TIME": time,
+        "ACCOUNT_LINE": f"#SBATCH --account={account}\n" if account else "",
+        "EXTRA_LINE": "#SBATCH --kill-on-invalid-dep=yes\n" if step != "plan" else "",
+        "OUTPUT": f'"{logs}/{log_name}"',
+        "WORKDIR": shlex.quote(str(workdir)),
+        "PYTHON": shlex.quote(python),
+        "PREPARE_CMD": shlex.join([*prepare_args, "--tasks", str(tasks)]),
+        "STEP_ARGS": step_args,
+    }
+    text = (TEMPLATES / "prepare.sbatch").read_text()
+    for key, value in fields.items():
+        text = text.replace("{{" + key + "}}", value)
+    left = re.findall(r"\{\{[A-Z_]+\}\}", text)
+    assert not left, f"template prepare.sbatch has unfilled fields {left}"
+    return text
+
+
+def sbatch_parsable(script: Path, *options: str) -> str:
+    """Submit ``script`` with ``options`` (``--array``, ``--dependency``); returns the job id."""
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise UserError(
+            "sbatch is not on PATH: run `python -m launcher submit-prepare` on a Slurm login "
+            "node, or use --dry-run to write the scripts only."
+        )
+    cmd = [exe, "--parsable", *options, str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if done.returncode != 0:
+        raise UserError(f"{shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
+
+
+def array_spec(tasks: list[int]) -> str:
+    """Slurm's ``--array`` list of task ids, runs of consecutive ids as ranges: ``0-2,5``."""
+    runs: list[list[int]] = []
+    for t in sorted(tasks):
+        if runs and t == runs[-1][1] + 1:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def sbatch(script: Path) -> str:

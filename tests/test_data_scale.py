@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import pytest
 from anneal.cli import main
 from anneal.data.pack import is_validation
 from anneal.data.prepared_dir import PreparedDir
+from anneal.errors import UserError
 from tests.conftest import ROOT, env
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -354,3 +356,97 @@ def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys
     assert main(["data", "prepare", *args, "--task", "1"]) == 0
     assert json.loads((parts / "task-00001.done.json").read_text())["host"] == socket.gethostname()
     assert main(["data", "prepare", *args, "--merge"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm: the three batch scripts (the real cluster: tests/test_data_scale_slurm.py)
+
+
+def submit_prepare(capsys, *args: str) -> tuple[int, str, str]:
+    from launcher.__main__ import main as launcher_main
+
+    capsys.readouterr()
+    code = launcher_main(["submit-prepare", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+JOB = ["--tasks", "3", "--partition", "debug", "--time", "00:30:00"]
+
+
+def test_submit_prepare_dry_run_shows_three_chained_steps(corpus, tmp_path, capsys):
+    """--dry-run prints the plan, array and merge scripts (valid bash), each running `anneal
+    data prepare` with the given flags and --tasks plus its step's; nothing is written."""
+    out = tmp_path / "data"
+    flags = [*inputs(corpus), *FLAGS, "--out", str(out)]
+    code, printed, err = submit_prepare(capsys, *JOB, "--nodes", "2", "--dry-run", "--", *flags)
+    assert code == 0, err
+    assert printed.startswith("3 of 3 tasks to run: plan, tasks, merge")
+    scripts = printed.split("# ")[1:]
+    names = [s.split(" would hold:")[0] for s in scripts if "would hold" in s]
+    assert names == [str(out.with_name("data.parts") / "slurm" / f"{s}.sbatch")
+                     for s in ("plan", "tasks", "merge")]  # fmt: skip
+    command = "data prepare " + " ".join(flags) + " --tasks 3"
+    assert command + "\n" in printed
+    assert command + ' --task "$SLURM_ARRAY_TASK_ID"\n' in printed
+    assert command + " --merge\n" in printed
+    assert printed.count("#SBATCH --kill-on-invalid-dep=yes") == 2  # the array and the merge
+    assert "# the array: --array=0-2%2" in printed
+    for text in printed.split("# /")[1:]:
+        body = text.split("would hold:\n", 1)[1]
+        subprocess.run(["bash", "-n"], input=body, text=True, check=True)
+    assert not out.with_name("data.parts").exists() and not out.exists()
+
+
+def test_submit_prepare_again_submits_only_what_is_left(planned, capsys):
+    """With the plan there and tasks 0 and 2 complete: no plan job, an array of task 1 only;
+    with other flags: the steps' own refusal."""
+    args, out, parts = planned
+    (parts / "task-00001.done.json").unlink()
+    flags = [a for a in args if a not in ("--tasks", "3")]
+    code, printed, err = submit_prepare(capsys, *JOB, "--dry-run", "--", *flags)
+    assert code == 0, err
+    assert printed.startswith(f"1 of 3 tasks to run (the plan in {parts} is kept): tasks, merge")
+    assert "--array=1\n" in printed and "plan.sbatch" not in printed
+    code, printed, err = submit_prepare(capsys, *JOB, "--dry-run", "--", *flags, "--seed", "3")
+    assert code == 2 and "--seed 3 (the plan: 0)" in err
+
+
+def test_the_scripts_carry_the_flags_exactly_and_refuse_injection(tmp_path):
+    """A flag with spaces, quotes and `$(...)` reaches the command as one argument, never run;
+    the task id comes from Slurm's variable; control characters, Slurm's own syntax in the logs'
+    path, and unsafe job values are refused, one paragraph each."""
+    from launcher import slurm
+
+    argv = tmp_path / "argv.sh"
+    argv.write_text('#!/bin/sh\nfor a in "$@"; do printf "[%s]\\n" "$a"; done\n')
+    argv.chmod(0o755)
+    odd = "/data/my corpus/it's $(touch pwned) `id`.jsonl"
+    kw = dict(
+        job_name="p", tasks=4, partition="debug", time="01:00:00", account=None,
+        logs=tmp_path / "d.parts" / "slurm" / "logs", workdir=tmp_path, python=str(argv),
+        prepare_args=["--input", odd, "--out", "d"],
+    )  # fmt: skip
+    text = slurm.render_prepare(step="tasks", **kw)
+    done = subprocess.run(["bash", "-c", text], capture_output=True, text=True,
+                          env={"SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9", "PATH": os.environ["PATH"]})  # fmt: skip
+    assert done.stdout.splitlines()[1:] == [
+        f"[{a}]"
+        for a in ["-m", "anneal.cli", "data", "prepare", "--input", odd, "--out", "d",
+                  "--tasks", "4", "--task", "2"]
+    ], done.stdout + done.stderr  # fmt: skip
+    assert not (tmp_path / "pwned").exists()
+    bad = [
+        (dict(prepare_args=["--input", "a\ntouch /tmp/x"]), "prepare flag"),
+        (dict(logs=Path("/d%j.parts/slurm/logs")), "holds '%'"),
+        (dict(logs=Path('/d".parts/slurm/logs')), "holds '\"'"),
+        (dict(workdir=Path("/w\n#SBATCH --x")), "the working directory"),
+        (dict(python="/py\rthon"), "the Python"),
+        (dict(partition="a;b"), "--partition"),
+        (dict(time="1:00:00; id"), "--time"),
+        (dict(account="a b"), "--account"),
+    ]
+    for change, match in bad:
+        with pytest.raises(UserError) as e:
+            slurm.render_prepare(step="plan", **{**kw, **change})
+        assert match in str(e.value) and "\n" not in str(e.value), e.value

@@ -66,6 +66,17 @@ LAUNCHER_OPTIONS = {
         "--grace-s",
         "--master-port",
     ],
+    # Issue 32: `anneal data prepare` as Slurm jobs (plan, array of tasks, merge); its own
+    # flags go after '--'.
+    "submit-prepare": [
+        "-h/--help",
+        "--tasks",
+        "--nodes",
+        "--partition",
+        "--time",
+        "--account",
+        "--dry-run",
+    ],
 }
 
 

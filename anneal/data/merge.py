@@ -32,9 +32,9 @@ from anneal.data import tokenizer
 from anneal.data.pack import ShardWriter, pack_units, summarize
 from anneal.data.part import PART, read_done
 from anneal.data.plan import (
-    OWNER,
     PLAN,
     TOKENIZER,
+    clear_parts,
     done_file,
     load,
     parts_dir,
@@ -105,7 +105,7 @@ def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    remove_parts(parts, plan["settings"]["tasks"])
+    clear_parts(parts)  # the parts, markers, tokenizer and plan: OUT holds it all now
     return {**meta, **record}
 
 
@@ -289,16 +289,3 @@ def _provenance(cfg, plan_sha, parts, plan, copied, copy_s, verify_s) -> dict:
         "merge_mb_per_s": round(copied / 1e6 / max(copy_s, 1e-9), 2),
         "verify_seconds": round(verify_s, 2),
     }
-
-
-def remove_parts(parts: Path, tasks: int) -> None:
-    """After a merge: the parts, the markers, the tokenizer and the plan; the Slurm scripts and
-    logs (``slurm/``) stay, and ``OUT.parts`` with them when there are any."""
-    for t in range(tasks):
-        shutil.rmtree(task_dir(parts, t), ignore_errors=True)
-        done_file(parts, t).unlink(missing_ok=True)
-    shutil.rmtree(parts / TOKENIZER, ignore_errors=True)
-    (parts / PLAN).unlink(missing_ok=True)
-    left = [p for p in parts.iterdir() if p.name != OWNER]
-    if not left:
-        shutil.rmtree(parts)

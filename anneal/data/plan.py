@@ -249,7 +249,7 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     sources = parse_inputs(list(cfg.inputs))
     claim_out(cfg, sources)
     parts = parts_dir(cfg.out)
-    _claim_parts(parts, cfg.out, force=cfg.force)
+    claim_parts(parts, out=cfg.out, force=cfg.force)
     if (parts / PLAN).is_file():
         plan, _ = read_plan(parts)
         try:
@@ -259,7 +259,7 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
             if not cfg.force:
                 raise
             log.warning("replacing %s (another plan; --force)", parts)
-            shutil.rmtree(parts)
+            clear_parts(parts)
         else:
             return plan, False
     make_dir(parts, flag="--out")
@@ -310,7 +310,7 @@ def _sha(path: Path) -> str:
     return sha256_file(path)
 
 
-def _claim_parts(parts: Path, out: Path, *, force: bool) -> None:
+def claim_parts(parts: Path, *, out: Path, force: bool = False) -> None:
     """``OUT.parts`` may be used: absent, or made by this command (its marker file)."""
     if not parts.exists() and not parts.is_symlink():
         return
@@ -320,6 +320,25 @@ def _claim_parts(parts: Path, out: Path, *, force: bool) -> None:
             f"not made by `anneal data prepare --tasks`, so it is neither used nor replaced"
             f"{' (even with --force)' if force else ''}. Move it away, or choose another --out."
         )
+
+
+SLURM = "slurm"
+"""``OUT.parts/slurm/``: the batch scripts and logs of ``submit-prepare``, which outlive the
+parts."""
+
+
+def clear_parts(parts: Path) -> None:
+    """Remove everything in ``OUT.parts`` but its marker and ``slurm/`` (the scripts and logs
+    of the jobs at work), and ``OUT.parts`` itself when nothing else is left."""
+    for p in parts.iterdir():
+        if p.name in (OWNER, SLURM):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    if not (parts / SLURM).exists():
+        shutil.rmtree(parts)
 
 
 def check_tokenizer(plan: dict, parts: Path) -> Path:
@@ -347,7 +366,7 @@ def load(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source]
 
     _check_config(cfg)
     parts = parts_dir(cfg.out)
-    _claim_parts(parts, cfg.out, force=False)
+    claim_parts(parts, out=cfg.out)
     plan, plan_sha = read_plan(parts)
     check_same(plan, cfg, tasks, parts=parts)
     sources = parse_inputs(list(cfg.inputs))
