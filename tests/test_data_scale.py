@@ -38,7 +38,7 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FLAGS = ["--vocab-size", "500", "--unit-mb", "0.04", "--shard-tokens", "20000", "--quiet"]
 
 
-def _paragraphs(package: str) -> list[str]:
+def paragraphs(package: str) -> list[str]:
     return [
         chunk
         for p in sorted((STDLIB / package).glob("*.py"))
@@ -58,12 +58,12 @@ def corpus(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("mixed")
     with open(root / "web.jsonl", "w") as f:
-        for text in _paragraphs("json") + _paragraphs("email"):
+        for text in paragraphs("json") + paragraphs("email"):
             f.write(json.dumps({"text": text}) + "\n")
     (root / "small").mkdir()
     for name in ("__init__.py", "config.py", "handlers.py"):
         (root / "small" / name).write_text((STDLIB / "logging" / name).read_text())
-    table = pa.table({"text": _paragraphs("http")})
+    table = pa.table({"text": paragraphs("http")})
     pq.write_table(table, root / "books.parquet", row_group_size=200)
     return root
 
@@ -159,8 +159,9 @@ def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp
         assert len(holding) >= 2, holding
     if n == 3:  # a resubmitted task that has its marker is not run again
         before = {p: p.stat().st_mtime_ns for p in (parts / "task-00001").rglob("*")}
-        again = cli(*inputs(corpus), *FLAGS, "--out", str(out), "--tasks", "3", "--task", "1",
-                    cwd=tmp_path)  # fmt: skip
+        again = cli(
+            *inputs(corpus), *FLAGS, "--out", str(out), "--tasks", "3", "--task", "1", cwd=tmp_path
+        )
         assert again.returncode == 0 and "complete already" in again.stdout, again.stderr
         assert {p: p.stat().st_mtime_ns for p in before} == before
     merged = cli(*inputs(corpus), *FLAGS, "--out", str(out), "--merge", cwd=tmp_path)
@@ -307,8 +308,9 @@ def test_steps_with_other_flags_are_refused_and_force_replaces_only_the_parts(
     stranger = out.with_name("s.parts")
     stranger.mkdir()
     (stranger / "keep.txt").write_text("mine")
-    err = refused(capsys, *inputs(corpus), *FLAGS, "--out", str(out.with_name("s")), "--tasks",
-                  "2", "--force")  # fmt: skip
+    err = refused(
+        capsys, *inputs(corpus), *FLAGS, "--out", str(out.with_name("s")), "--tasks", "2", "--force"
+    )
     assert "not made by `anneal data prepare --tasks`" in err
     assert (stranger / "keep.txt").read_text() == "mine"
 
@@ -336,8 +338,9 @@ def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys
     import anneal.data.part as part_module
 
     (parts / "task-00001.done.json").unlink()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     leftover = parts / f"task-00001.partial-{part_module._host()}-{dead}"
     leftover.mkdir()
     (leftover / part_module.OWNER).write_text("")
@@ -384,8 +387,10 @@ def test_submit_prepare_dry_run_shows_three_chained_steps(corpus, tmp_path, caps
     assert printed.startswith("3 of 3 tasks to run: plan, tasks, merge")
     scripts = printed.split("# ")[1:]
     names = [s.split(" would hold:")[0] for s in scripts if "would hold" in s]
-    assert names == [str(out.with_name("data.parts") / "slurm" / f"{s}.sbatch")
-                     for s in ("plan", "tasks", "merge")]  # fmt: skip
+    assert names == [
+        str(out.with_name("data.parts") / "slurm" / f"{s}.sbatch")
+        for s in ("plan", "tasks", "merge")
+    ]
     command = "data prepare " + " ".join(flags) + " --tasks 3"
     assert command + "\n" in printed
     assert command + ' --task "$SLURM_ARRAY_TASK_ID"\n' in printed
@@ -423,18 +428,40 @@ def test_the_scripts_carry_the_flags_exactly_and_refuse_injection(tmp_path):
     argv.chmod(0o755)
     odd = "/data/my corpus/it's $(touch pwned) `id`.jsonl"
     kw = dict(
-        job_name="p", tasks=4, partition="debug", time="01:00:00", account=None,
-        logs=tmp_path / "d.parts" / "slurm" / "logs", workdir=tmp_path, python=str(argv),
+        job_name="p",
+        tasks=4,
+        partition="debug",
+        time="01:00:00",
+        account=None,
+        logs=tmp_path / "d.parts" / "slurm" / "logs",
+        workdir=tmp_path,
+        python=str(argv),
         prepare_args=["--input", odd, "--out", "d"],
-    )  # fmt: skip
+    )
     text = slurm.render_prepare(step="tasks", **kw)
-    done = subprocess.run(["bash", "-c", text], capture_output=True, text=True,
-                          env={"SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9", "PATH": os.environ["PATH"]})  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", text],
+        capture_output=True,
+        text=True,
+        env={"SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9", "PATH": os.environ["PATH"]},
+    )
     assert done.stdout.splitlines()[1:] == [
         f"[{a}]"
-        for a in ["-m", "anneal.cli", "data", "prepare", "--input", odd, "--out", "d",
-                  "--tasks", "4", "--task", "2"]
-    ], done.stdout + done.stderr  # fmt: skip
+        for a in [
+            "-m",
+            "anneal.cli",
+            "data",
+            "prepare",
+            "--input",
+            odd,
+            "--out",
+            "d",
+            "--tasks",
+            "4",
+            "--task",
+            "2",
+        ]
+    ], done.stdout + done.stderr
     assert not (tmp_path / "pwned").exists()
     bad = [
         (dict(prepare_args=["--input", "a\ntouch /tmp/x"]), "prepare flag"),
