@@ -252,7 +252,7 @@ def test_merge_refuses_a_part_of_another_plan(planned, corpus, tmp_path, capsys)
 
 @pytest.mark.parametrize("damage", ["byte", "cut", "part.json"])
 def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys, damage):
-    """A byte of a part changed at the same size (found by its sha256 while copying), a part
+    """A byte of a part changed at the same size (found by its crc32 while copying), a part
     cut short (found by its size before writing), its part.json edited (the marker's sha256):
     refused, naming the file and the task to run again; an earlier --out, made by one node, is
     left as it was, and no partial directory stays."""
@@ -278,18 +278,28 @@ def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys
     assert "Nothing was written to --out; the parts are kept" in err
     assert tree(out) == earlier and tree(parts) == before
     assert not list(out.parent.glob("data.partial-*"))
-    what = {"byte": "sha256 differs", "cut": "bytes, not", "part.json": "part.json"}[damage]
+    what = {
+        "byte": "differ from the crc32 in part.json",
+        "cut": "bytes, not",
+        "part.json": "its sha256 differs from the marker's",
+    }[damage]
     assert what in err
 
 
 def test_steps_with_other_flags_are_refused_and_force_replaces_only_the_parts(
-    planned, corpus, capsys
+    planned, corpus, capsys, monkeypatch
 ):
-    """A task, or the merge, given other flags than the plan's: refused, naming each flag and
-    the plan's value; the plan step again with other flags: refused, and with --force it
-    replaces the parts directory (which it made) and nothing else."""
+    """A task, or the merge, given other flags than the plan's, or run from another working
+    directory: refused, naming each flag and the plan's value; the plan step again with other
+    flags: refused, and with --force it replaces the parts directory (which it made) and nothing
+    else."""
     args, out, parts = planned
     before = tree(parts)
+    with monkeypatch.context() as m:
+        m.chdir(corpus)
+        err = refused(capsys, *args, "--task", "0")
+        assert f"this command runs in {os.path.realpath(corpus)}" in err
+        assert "Run every step from the plan's working directory" in err
     err = refused(capsys, *args, "--seed", "7", "--task", "0")
     assert "--seed 7 (the plan: 0)" in err and "Nothing was written" in err
     err = refused(capsys, *args, "--val-fraction", "0.1", "--merge")
@@ -477,3 +487,19 @@ def test_the_scripts_carry_the_flags_exactly_and_refuse_injection(tmp_path):
         with pytest.raises(UserError) as e:
             slurm.render_prepare(step="plan", **{**kw, **change})
         assert match in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_the_plan_says_the_node_hours_of_preparation(capsys):
+    """`anneal plan` gives the node-hours of preparing its tokens: D / (measured tokens per
+    second per core x 128 cores) / 3600, in its JSON and on its data line."""
+    from anneal import planning
+    from anneal.planning.planner import PREPARE_NODE_CORES, PREPARE_TOKENS_PER_CORE_S
+
+    p = planning.plan(tokens=15e12)
+    want = 15e12 / (PREPARE_TOKENS_PER_CORE_S * PREPARE_NODE_CORES) / 3600
+    assert p.prepare_node_hours == pytest.approx(want, rel=1e-12)
+    assert p.to_dict()["prepare_node_hours"] == p.prepare_node_hours
+    line = next(x for x in planning.format_plan(p).splitlines() if "data prep" in x)
+    assert (
+        f"{want:,.0f} node-hours" in line and f"{PREPARE_TOKENS_PER_CORE_S:,.0f} tokens/s" in line
+    )

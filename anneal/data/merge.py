@@ -6,11 +6,13 @@ does, and then removes the parts.
 It refuses, before writing anything, while a task has no completion marker (naming every such
 task), when a marker belongs to another plan, and when a part's ``part.json`` is not the one its
 marker recorded or a file of it has another size; a file whose bytes changed at the same size is
-found while it is copied (its sha256), and the directory being written is then removed. In
+found while it is copied (the crc32s of its ids, the sha256 of its document index), and the
+directory being written is then removed. In
 every case the parts and any earlier OUT are left as they were.
 
 Each (split, source)'s shards are the concatenation of the tasks' pieces in task order, cut
-again at ``--shard-tokens``: the copy is I/O and hashing, no tokenizing. One case tokenizes: a
+again at ``--shard-tokens`` by a pool of threads (:mod:`anneal.data.merge_copy`): the copy is
+I/O and hashing, no tokenizing. One case tokenizes: a
 source of two or more documents none of which hashed into validation holds out its
 smallest-hash document, as one node does (:func:`anneal.data.pack.pack_all`), and that source is
 tokenized again here, as one node tokenizes it a second time.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.data import tokenizer
+from anneal.data import merge_copy, tokenizer
 from anneal.data.pack import ShardWriter, pack_units, summarize
 from anneal.data.part import PART, read_done
 from anneal.data.plan import (
@@ -183,43 +185,95 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
     from anneal.data.prepare import default_workers
 
     dtype = np.dtype(plan["tokenizer"]["dtype"])
+    workers = cfg.workers or default_workers()
+    held_out = _held_out(cfg, sources, found)
+    parts = parts_dir(cfg.out)
+    closed, shards, entries = {}, [], []
+    for split in SPLITS:
+        PreparedDir(partial).split_dir(split).mkdir()
+    for s in sources:
+        if s.index in held_out:
+            closed.update(_tokenize_again(partial, s, units, held_out, dtype, cfg, workers))
+            continue
+        for split in SPLITS:
+            directory = PreparedDir(partial).split_dir(split)
+            pieces = [
+                (task_dir(parts, p["task"]) / split, p["pieces"][split][str(s.index)], p["task"])
+                for p in found
+                if str(s.index) in p["pieces"][split]
+            ]
+            mine = merge_copy.cut(
+                [(d / pc["shards"][0]["file"] if pc["shards"] else d, pc["tokens"],
+                  pc["crc32"], pc["crc32_chunk"], t) for d, pc, t in pieces],
+                directory=directory,
+                source=s.index,
+                itemsize=dtype.itemsize,
+                shard_tokens=cfg.shard_tokens,
+                name=PreparedDir.shard_name,
+            )  # fmt: skip
+            listed = [{"file": sh.path.name, "tokens": sh.tokens, "source": s.index} for sh in mine]
+            shards += mine
+            entries += listed
+            closed[split, s.index] = {
+                "tokens": sum(pc["tokens"] for _, pc, _ in pieces),
+                "bytes": sum(pc["bytes"] for _, pc, _ in pieces),
+                "documents": sum(pc["documents"] for _, pc, _ in pieces),
+                "shards": listed,
+                "doc_index": _write_ends(directory, s.index, pieces, parts),
+            }
+    hashes = merge_copy.write_all(shards, workers=workers, tampered=_tampered_in(parts))
+    for entry, sha in zip(entries, hashes, strict=True):
+        entry["sha256"] = sha
+    splits, per_source = summarize(closed, sources)
+    return splits, per_source, sum(sh.tokens for sh in shards) * dtype.itemsize
+
+
+def _tampered_in(parts: Path):
+    return lambda task, path, what: _tampered(parts, task, path, what)
+
+
+def _tokenize_again(partial, source, units, held_out, dtype, cfg, workers) -> dict:
+    """A source whose held-out document one node adds on a second pass: tokenized again here,
+    all of it, with that document in validation (``pack_units``, as one node does)."""
     writers = {
-        (split, s.index): ShardWriter(
+        (split, source.index): ShardWriter(
             PreparedDir(partial).split_dir(split),
-            source=s.index,
+            source=source.index,
             dtype=dtype,
             shard_tokens=cfg.shard_tokens,
         )
         for split in SPLITS
-        for s in sources
     }
-    held_out = _held_out(cfg, sources, found)
     parts = parts_dir(cfg.out)
-    copied = 0
-    for s in sources:
-        if s.index in held_out:
-            initargs = (
-                str(parts / TOKENIZER),
-                cfg.read,
-                cfg.val_fraction,
-                dtype.name,
-                {s.index: held_out[s.index]},
-            )
-            mine = {k: w for k, w in writers.items() if k[1] == s.index}
-            quiet = Problems(cfg.read.on_error, quiet=True)  # counted by the tasks
-            workers = cfg.workers or default_workers()
-            pack_units(
-                units_of(units[s.index]), mine, quiet, None, workers=workers, initargs=initargs
-            )
-            continue
-        for split in SPLITS:
-            for part in found:
-                piece = part["pieces"][split].get(str(s.index))
-                if piece is not None:
-                    directory = task_dir(parts, part["task"]) / split
-                    copied += _append(writers[split, s.index], directory, piece, dtype, parts, part)
-    splits, per_source = summarize(writers, sources)
-    return splits, per_source, copied
+    initargs = (
+        str(parts / TOKENIZER),
+        cfg.read,
+        cfg.val_fraction,
+        dtype.name,
+        {source.index: held_out[source.index]},
+    )
+    quiet = Problems(cfg.read.on_error, quiet=True)  # counted by the tasks
+    pack_units(
+        units_of(units[source.index]), writers, quiet, None, workers=workers, initargs=initargs
+    )
+    return {key: w.close() for key, w in writers.items()}
+
+
+def _write_ends(directory: Path, source: int, pieces: list, parts: Path) -> str | None:
+    """The document index of one (split, source): each piece's end offsets, moved by the
+    tokens before it, checked against its sha256 as it is read. Its name, or None when no
+    task had units of the source."""
+    if not any(pc["doc_index"] for _, pc, _ in pieces):
+        return None
+    name = PreparedDir.docs_name(source)
+    base = 0
+    with open(directory / name, "wb") as out:
+        for d, pc, task in pieces:
+            if pc["doc_index"]:
+                for chunk in _chunks(d / pc["doc_index"], pc["docs_sha256"], parts, task):
+                    (np.frombuffer(chunk, dtype="<u8") + np.uint64(base)).tofile(out)
+            base += pc["tokens"]
+    return name
 
 
 def _held_out(cfg: PrepareConfig, sources, found: list[dict]) -> dict[int, str]:
@@ -236,26 +290,6 @@ def _held_out(cfg: PrepareConfig, sources, found: list[dict]) -> dict[int, str]:
         if cfg.val_fraction > 0 and docs["val"] == 0 and docs["train"] >= 2 and smallest:
             held[s.index] = min(smallest)[1]
     return held
-
-
-def _append(writer: ShardWriter, directory: Path, piece: dict, dtype, parts, part) -> int:
-    """Append one task's piece of a (split, source) to ``writer``, checking each file's sha256
-    as it is read. Returns the bytes read."""
-    base = writer.tokens
-    read = 0
-    if piece["doc_index"]:
-        path = directory / piece["doc_index"]
-        for chunk in _chunks(path, piece["docs_sha256"], parts, part["task"]):
-            writer.add_ends(np.frombuffer(chunk, dtype="<u8") + np.uint64(base))
-            read += len(chunk)
-    for shard in piece["shards"]:
-        path = directory / shard["file"]
-        for chunk in _chunks(path, shard["sha256"], parts, part["task"]):
-            writer.add_ids(np.frombuffer(chunk, dtype=dtype.newbyteorder("<")))
-            read += len(chunk)
-    writer.bytes += piece["bytes"]
-    writer.documents += piece["documents"]
-    return read
 
 
 def _chunks(path: Path, sha256: str, parts: Path, task: int):

@@ -308,16 +308,16 @@ def pack_all(
         again = (u for s in sources if s.index in held_out for u in units_of(units[s.index]))
         quiet = Problems(cfg.read.on_error, quiet=True)  # counted on the first pass
         pack_units(again, writers, quiet, None, workers=workers, initargs=(*initargs, held_out))
-    splits, per_source = summarize(writers, sources)
+    splits, per_source = summarize({k: w.close() for k, w in writers.items()}, sources)
     return splits, per_source, progress.done
 
 
-def summarize(writers: dict, sources: list[Source]) -> tuple[dict, dict]:
-    """Close ``writers`` ({(split, source index): ShardWriter}) and return each split's totals
-    and shard list, and the counts per split and source (meta.json's ``splits``)."""
+def summarize(closed: dict, sources: list[Source]) -> tuple[dict, dict]:
+    """Each split's totals and shard list, and the counts per split and source (meta.json's
+    ``splits``), from ``closed``: {(split, source index): what ShardWriter.close returns}."""
     splits, per_source = {}, {}
     for split in SPLITS:
-        groups = [(s, writers[split, s.index].close()) for s in sources]
+        groups = [(s, closed[split, s.index]) for s in sources]
         splits[split] = {
             "tokens": sum(g["tokens"] for _, g in groups),
             "bytes": sum(g["bytes"] for _, g in groups),

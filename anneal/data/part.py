@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.data.merge_copy import crc_chunk, piece_crc32
 from anneal.data.pack import ShardWriter, pack_units
 from anneal.data.plan import (
     TOKENIZER,
@@ -96,8 +97,11 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
             iter(mine), writers, problems, progress, workers=workers, initargs=initargs
         )
         progress.close()
+        chunk = crc_chunk(cfg.shard_tokens * dtype.itemsize)
         pieces = {
-            split: {str(s): _piece(partial / split, writers[split, s].close()) for s in touched}
+            split: {
+                str(s): _piece(partial / split, writers[split, s].close(), chunk) for s in touched
+            }
             for split in SPLITS
         }
         part = {
@@ -132,14 +136,18 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
     return {**done, "again": True}
 
 
-def _piece(directory: Path, written: dict) -> dict:
+def _piece(directory: Path, written: dict, chunk: int) -> dict:
     """What part.json records of one (split, source): the writer's counts, its one shard, and
-    the document index's size and sha256."""
+    the document index's size and sha256, and a crc32 of every ``chunk`` bytes of its ids
+    (what the merge checks while it copies them: :mod:`anneal.data.merge_copy`)."""
     docs = directory / written["doc_index"] if written["doc_index"] else None
+    ids = [directory / shard["file"] for shard in written["shards"]]
     return {
         **written,
         "docs_bytes": docs.stat().st_size if docs else 0,
         "docs_sha256": sha256_file(docs) if docs else None,
+        "crc32": piece_crc32(ids[0], chunk) if ids else [],
+        "crc32_chunk": chunk,
     }
 
 

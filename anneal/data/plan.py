@@ -194,7 +194,15 @@ def read_plan(parts: Path) -> tuple[dict, str]:
 
 
 def check_same(plan: dict, cfg: PrepareConfig, tasks: int | None, *, parts: Path) -> None:
-    """The command's flags must be the plan's (``tasks`` None: take the plan's count)."""
+    """The command's flags must be the plan's (``tasks`` None: take the plan's count), given
+    in the plan's working directory (relative paths mean the same files)."""
+    if plan.get("cwd") != os.getcwd():
+        raise UserError(
+            f"{parts / PLAN}: the plan was made in {plan.get('cwd')}, and this command runs in "
+            f"{os.getcwd()}: relative --input and --out paths would name other files. Run every "
+            f"step from the plan's working directory (`cd {plan.get('cwd')}`). Nothing was "
+            f"written."
+        )
     want = settings(cfg, plan["settings"]["tasks"] if tasks is None else tasks)
     have = plan["settings"]
     changed = [k for k in FLAGS if want.get(k) != have.get(k)]
