@@ -173,6 +173,17 @@ def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp
     assert [f for f in want if got[f] != want[f]] == []
     assert tree_sha256(out) == tree_sha256(one_node)
     assert PreparedDir(out).content_sha256() == PreparedDir(one_node).content_sha256()
+    if n == 1:  # the shell's way of taking the same hash (docs/data.md)
+        shell = subprocess.run(
+            "find . -type f ! -path ./provenance.json -printf '%P\\n' | LC_ALL=C sort | "
+            "xargs sha256sum | sha256sum",
+            shell=True,
+            cwd=out,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert shell.stdout.split()[0] == tree_sha256(out)
     assert f"content sha256 {tree_sha256(one_node)}" in merged.stdout
     assert not parts.exists()  # the merge removed the parts
     made = json.loads((out / "provenance.json").read_text())
@@ -323,6 +334,24 @@ def test_steps_with_other_flags_are_refused_and_force_replaces_only_the_parts(
     )
     assert "not made by `anneal data prepare --tasks`" in err
     assert (stranger / "keep.txt").read_text() == "mine"
+
+
+def test_a_plan_step_that_fails_leaves_nothing(corpus, tmp_path, capsys):
+    """A hub dataset (refused before anything is written: it cannot be split) and a tokenizer
+    that cannot be trained (refused after the parts directory was made): no OUT.parts is left;
+    a parts directory that was there before (submit-prepare's logs) stays."""
+    out = tmp_path / "data"
+    err = refused(capsys, "--input", "hf:someone/corpus", "--out", str(out), "--tasks", "2")
+    assert "save_to_disk" in err and "cannot be split into tasks" in err
+    args = [*inputs(corpus), "--vocab-size", "260", "--out", str(out), "--tasks", "2"]
+    err = refused(capsys, *args)
+    assert "--vocab-size" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    logs = tmp_path / "data.parts" / "slurm" / "logs"
+    logs.mkdir(parents=True)
+    (tmp_path / "data.parts" / ".anneal-prepare-parts").write_text("")
+    refused(capsys, *args)
+    assert logs.is_dir() and not (tmp_path / "data.parts" / "tokenizer").exists()
 
 
 def test_an_input_changed_since_the_plan_is_refused(planned, corpus, capsys):

@@ -203,14 +203,22 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
                 if str(s.index) in p["pieces"][split]
             ]
             mine = merge_copy.cut(
-                [(d / pc["shards"][0]["file"] if pc["shards"] else d, pc["tokens"],
-                  pc["crc32"], pc["crc32_chunk"], t) for d, pc, t in pieces],
+                [
+                    (
+                        d / pc["shards"][0]["file"] if pc["shards"] else d,
+                        pc["tokens"],
+                        pc["crc32"],
+                        pc["crc32_chunk"],
+                        t,
+                    )
+                    for d, pc, t in pieces
+                ],
                 directory=directory,
                 source=s.index,
                 itemsize=dtype.itemsize,
                 shard_tokens=cfg.shard_tokens,
                 name=PreparedDir.shard_name,
-            )  # fmt: skip
+            )
             listed = [{"file": sh.path.name, "tokens": sh.tokens, "source": s.index} for sh in mine]
             shards += mine
             entries += listed

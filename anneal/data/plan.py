@@ -43,10 +43,10 @@ from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import TOKEN_BYTES, PreparedDir
 from anneal.data.readers import Problems
-from anneal.data.sources import Source, input_paths, parse_inputs
+from anneal.data.sources import Source, parse_inputs
 from anneal.data.units import _arrow_files, source_files, unit_list
 from anneal.errors import UserError
-from anneal.files import make_dir, write_atomic
+from anneal.files import make_dir, sha256_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -241,16 +241,11 @@ def check_inputs(plan: dict, cfg: PrepareConfig, sources: list[Source], *, parts
         )
 
 
-def list_units(cfg: PrepareConfig, sources: list[Source], problems: Problems) -> dict:
-    units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
-    return units
-
-
 def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     """Step 1: list the inputs, train or install the tokenizer, write ``plan.json`` last.
     Returns (the plan, whether it was made now): a plan already there with the same flags and
     inputs is kept (a resubmission), one with other flags refused unless ``cfg.force``."""
-    from anneal.data.prepare import _check_config, _choose_dtype, claim_out
+    from anneal.data.prepare import _check_config, claim_out
 
     check_tasks(tasks)
     _check_config(cfg)
@@ -270,21 +265,39 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
             clear_parts(parts)
         else:
             return plan, False
-    make_dir(parts, flag="--out")
-    (parts / OWNER).write_text("made by anneal data prepare --tasks\n")
     problems = Problems(cfg.read.on_error)
     inputs = [{"source": s.index, "files": input_files(s, cfg)} for s in sources]
-    units = list_units(cfg, sources, problems)
+    units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
+    created = not parts.exists()
+    make_dir(parts, flag="--out")
+    (parts / OWNER).write_text("made by anneal data prepare --tasks\n")
+    try:
+        plan = _write_plan(cfg, tasks, parts, sources, units, inputs, problems)
+    except BaseException:
+        if created:  # nothing of it is left behind; a directory submit-prepare made stays
+            shutil.rmtree(parts, ignore_errors=True)
+        raise
+    return plan, True
+
+
+def _write_plan(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
+    """The tokenizer into ``parts/tokenizer/``, then plan.json, last."""
+    from anneal.data.prepare import _choose_dtype
+
     tok_dir = parts / TOKENIZER
     if tok_dir.exists():
         shutil.rmtree(tok_dir)  # a plan step that died before plan.json: ours, redone
     partial = parts / f"{TOKENIZER}.partial-{os.getpid()}"
     make_dir(partial)
-    tok_info = make_tokenizer(partial, cfg, sources, units)
-    tok_files = PreparedDir(partial).tokenizer_files()
-    tok = tokenizer.load(partial)
-    dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
-    PreparedDir(partial).write_token_bytes(tok.token_bytes())
+    try:
+        tok_info = make_tokenizer(partial, cfg, sources, units)
+        tok_files = PreparedDir(partial).tokenizer_files()
+        tok = tokenizer.load(partial)
+        dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
+        PreparedDir(partial).write_token_bytes(tok.token_bytes())
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     partial.rename(tok_dir)
     sizes = [u.nbytes for s in sources for u in units[s.index]]
     plan = {
@@ -302,20 +315,14 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
             "info": tok_info,
             "files": tok_files,
             "sha256": tokenizer.tokenizer_sha256(tok_dir),
-            "token_bytes_sha256": _sha(PreparedDir(tok_dir).token_bytes_file),
+            "token_bytes_sha256": sha256_file(PreparedDir(tok_dir).token_bytes_file),
             "dtype": dtype.name,
         },
         "empty_files": problems.empty_files,
         "empty_examples": problems.empty_examples,
     }
     write_atomic(parts / PLAN, json.dumps(plan, indent=1) + "\n", durable=True)
-    return plan, True
-
-
-def _sha(path: Path) -> str:
-    from anneal.files import sha256_file
-
-    return sha256_file(path)
+    return plan
 
 
 def claim_parts(parts: Path, *, out: Path, force: bool = False) -> None:
@@ -358,7 +365,7 @@ def check_tokenizer(plan: dict, parts: Path) -> Path:
     }
     for name, want in recorded.items():
         path = tok_dir / name
-        if not path.is_file() or _sha(path) != want:
+        if not path.is_file() or sha256_file(path) != want:
             raise UserError(
                 f"{path}: {'missing' if not path.is_file() else 'its sha256 differs from'} "
                 f"the tokenizer the plan recorded, so the tasks' ids would not agree. Start over: "
@@ -380,7 +387,7 @@ def load(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source]
     sources = parse_inputs(list(cfg.inputs))
     check_inputs(plan, cfg, sources, parts=parts)
     problems = Problems(cfg.read.on_error, quiet=True)
-    units = list_units(cfg, sources, problems)
+    units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     if listing_sha256(units) != plan["units"]["sha256"]:
         raise UserError(
             f"{parts / PLAN}: the inputs cut into other work units than the plan's (another "
@@ -389,7 +396,3 @@ def load(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source]
         )
     check_tokenizer(plan, parts)
     return plan, plan_sha, sources, units
-
-
-def inputs_of(sources: list[Source]) -> list[Path]:
-    return [p for s in sources for p in input_paths(s)]
