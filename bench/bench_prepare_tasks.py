@@ -5,8 +5,9 @@
 
 On one input (JSON Lines of the Python standard library's source, repeated to ``--mb``) and one
 SentencePiece BPE model (8192 pieces, trained once; every side reuses it with ``--tokenizer``,
-so tokenizer training is in none of the times), cut into the default work units of 4 MB, each
-repeat runs, in turn, each a fresh process:
+so tokenizer training is in none of the times), cut into the default work units of 4 MB and
+written in shards of 2M ids (``SHARD_TOKENS``), each repeat runs, in turn, each a fresh
+process:
 
 - ``one1``: one node, ``--workers 1``: its tokenize+pack phase (provenance.json
   ``pack_seconds``, ``pack_cpu_seconds``);
@@ -51,6 +52,9 @@ from anneal.data.prepared_dir import PreparedDir  # noqa: E402
 from anneal.files import write_atomic  # noqa: E402
 
 TASKS = 4
+SHARD_TOKENS = 1 << 21
+"""Ids per shard on every side (4 MiB at uint16): a 48 MB input then makes about 7 shards, so
+the merge's threads have more than one shard to share (real corpora have thousands)."""
 ENV = {"PYTHONPATH": str(REPO)}
 
 
@@ -70,6 +74,8 @@ def prepare_cmd(inp: Path, tok: Path, out: Path, *extra: str) -> list[str]:
         "--val-fraction",
         "0.01",
         "--quiet",
+        "--shard-tokens",
+        str(SHARD_TOKENS),
         *extra,
     ]
 
