@@ -147,8 +147,8 @@ def run_in_tasks(corpus: Path, out: Path, n: int, *, extra=()) -> dict[int, dict
 @pytest.mark.parametrize("n", [1, 3, 7])
 def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp_path, n):
     """Each N: the plan, N task processes at once, the merge; the merged tree is the one-node
-    tree byte for byte (one sha256 over it, and each file). About 5-10 s each here: one
-    process per task and step on 2 shared cores."""
+    tree byte for byte (one sha256 over it, and each file). About 2 s each here (one process
+    per task and step)."""
     out = tmp_path / "data"
     parts_of = run_in_tasks(corpus, out, n)
     parts = out.with_name("data.parts")

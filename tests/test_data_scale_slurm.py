@@ -96,8 +96,8 @@ def logs(parts: Path) -> str:
 
 
 def test_a_killed_task_reruns_alone_and_the_merge_is_the_one_node_tree(slurm, tmp_path):
-    """About a minute: the cluster, a one-node reference, 4 tasks on 2 nodes (two at a time),
-    one killed and run again."""
+    """About 20 s here (a real cluster is the point): a one-node reference, the plan, 4 tasks
+    on 2 nodes (two at a time), one killed and run again, the merge."""
     flags = [*make_corpus(tmp_path / "corpus"), *FLAGS]
     ref = tmp_path / "one"
     done = subprocess.run(
