@@ -20,10 +20,10 @@ from anneal.planning.law import DEFAULT_FIT, FITS, ChinchillaFit
 DEFAULT_GLOBAL_BATCH = 512
 """Sequences per optimizer step when planning steps (x the sequence length: 1M tokens at
 2048, between GPT-3's 0.5M for its small models and Chinchilla's 1.5-3M)."""
-PREPARE_TOKENS_PER_CORE_S = 1_890_000.0
+PREPARE_TOKENS_PER_CORE_S = 1_910_000.0
 """Tokens per second per core of ``anneal data prepare``'s tokenize+pack in one task of a
-preparation in tasks (the median task of bench/bench_prepare_tasks.py, 2026-12-03: 1.89M, one
-node's 1.97M; docs/benchmarks.md), for SentencePiece BPE of 8192 pieces on Python source on a
+preparation in tasks (the median task of bench/bench_prepare_tasks.py, 2026-12-03: 1.91M, one
+node's 1.98M; docs/benchmarks.md), for SentencePiece BPE of 8192 pieces on Python source on a
 shared 2-core machine; a larger vocabulary, another tokenizer or other text changes it. The
 plan's node-hours leave out the merge, one node's I/O (docs/data.md)."""
 PREPARE_NODE_CORES = 128
