@@ -8,7 +8,7 @@ larger than the memory it is allowed.
 
 The limit: in a fresh process, the same input read by the same readers, cut into lines and
 batches exactly as the pipeline does (not timed), then ``sp.encode(batch, num_threads=1)``
-alone, timed in wall and CPU seconds. Anneal's tokenize+pack phase is timed by meta.json
+alone, timed in wall and CPU seconds. Anneal's tokenize+pack phase is timed by provenance.json
 (``pack_seconds``, ``pack_cpu_seconds``: its own and its workers' CPU). Each repeat runs the
 limit, then Anneal and ``datasets`` for every worker count, in turn; medians are reported.
 
@@ -16,7 +16,7 @@ Both sides get the same input (JSON Lines made by repeating the Python standard 
 source files), the same SentencePiece BPE model (8192 pieces, trained once on the stdlib) and
 the same encode function on batches of the same size (``ENCODE_BATCH_CHARS`` characters).
 ``datasets`` is timed for ``Dataset.map`` alone (its JSON -> Arrow load is reported apart);
-Anneal for its tokenize+pack phase (meta.json ``pack_seconds``) and for the whole command.
+Anneal for its tokenize+pack phase (provenance.json ``pack_seconds``) and for the whole command.
 Memory is the peak over the run of the proportional set size (PSS: a shared page is split
 between the processes that share it) summed over the command's process tree, sampled every
 20 ms. Prints one JSON line of results, and with ``--report PATH`` writes a Markdown fragment

@@ -1,4 +1,4 @@
-"""``python -m launcher {hostfile,run,submit}``: runs on the launch host.
+"""``python -m launcher {hostfile,run,submit,submit-prepare}``: runs on the launch host.
 
 One command line for every subcommand::
 
@@ -11,7 +11,8 @@ unchanged (and is checked here with the recipe's own parser). ``--dry-run`` anyw
 ``run`` pre-flights the launch (``launcher.preflight``), writes ``.deepspeed_env`` and the
 forecast into the run directory, and runs DeepSpeed's own ``deepspeed`` runner, exiting with
 its exit code. ``submit`` renders ``launcher/templates/multinode.sbatch`` into the run directory
-and calls ``sbatch``.
+and calls ``sbatch``. ``submit-prepare`` submits ``anneal data prepare`` as Slurm jobs
+(``launcher.submit_prepare``; its flags after ``--``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from anneal.cli.args import checked, path
 from anneal.errors import UserError
 from anneal.files import make_dir, write_atomic
 from anneal.hardware import DEFAULT_GPU
-from launcher import dsenv, hostfile, pdsh, preflight, slurm, venv, watch_job
+from launcher import dsenv, hostfile, pdsh, preflight, slurm, submit_prepare, venv, watch_job
 
-DEFAULT_GRACE_S = 120
-WRITE_BYTES_PER_S = 200e6
 """Checkpoint write rate assumed for the grace time (docs/cluster.md has the measured one)."""
 
 
@@ -163,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sb.add_argument("--master-port", type=int, default=29500)
     watch_job.add_options(sb)
+    submit_prepare.add_parser(sub)
     return checked(parser)
 
 
@@ -287,24 +287,6 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
     return done.returncode if done.returncode >= 0 else 128 - done.returncode
 
 
-def default_grace_s(*, step_s: float, checkpoint_bytes: int, time: str) -> tuple[int, str]:
-    """(seconds, note) of the preemption signal's lead when ``--grace-s`` is not given: two
-    forecast steps, one checkpoint save at WRITE_BYTES_PER_S and 30 s of exit, at least
-    DEFAULT_GRACE_S; at most Slurm's limit and half the job's ``time``. The note (else "")
-    says when that bound cut the lead short of what the forecast asks for."""
-    want = max(DEFAULT_GRACE_S, int(2 * step_s + checkpoint_bytes / WRITE_BYTES_PER_S) + 30)
-    limit_s = slurm.time_limit_s(time)
-    bound = min(slurm.MAX_SIGNAL_S, max(1, limit_s // 2) if limit_s else slurm.MAX_SIGNAL_S)
-    if want <= bound:
-        return want, ""
-    return bound, (
-        f"note: the forecast asks for {want} s between the preemption signal and the time "
-        f"limit (two steps, one checkpoint save, the exit), more than the {bound} s that "
-        f"--time {time} and Slurm allow; the signal comes {bound} s before the end. Give a "
-        f"longer --time, or measure the save and pass --grace-s (docs/cluster.md)."
-    )
-
-
 def cmd_submit(ns, recipe_args: list[str]) -> int:
     env_values = dsenv.select(dict(os.environ), ns.env)
     device = ns.device or "cuda"  # the job's GPUs, not this host's
@@ -323,7 +305,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
     out = Path(launch.launch.out).resolve()
     grace, grace_note = ns.grace_s, ""
     if grace is None:  # --grace-s 0 is refused by render_sbatch, not taken for the default
-        grace, grace_note = default_grace_s(
+        grace, grace_note = slurm.default_grace_s(
             step_s=launch.forecast.step_s,
             checkpoint_bytes=launch.checkpoint_bytes,
             time=ns.time,
@@ -347,7 +329,7 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
     )
     scripts = {out / "submit.sbatch": text}
     if ns.watch_tasks is not None:
-        scripts[out / slurm.WATCH_SCRIPT] = watch_job.script(
+        scripts[out / watch_job.WATCH_SCRIPT] = watch_job.script(
             ns, out=out, device=device, grace=grace
         )
     print(preflight.forecast.describe(launch.forecast))
@@ -384,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_hostfile(ns)
         if ns.command == "run":
             return cmd_run(ns, recipe_args)
+        if ns.command == "submit-prepare":
+            return submit_prepare.cmd_submit_prepare(ns, recipe_args)
         return cmd_submit(ns, recipe_args)
     except UserError as e:
         print(f"launcher: error: {e}", file=sys.stderr, flush=True)

@@ -193,22 +193,37 @@ def _check_command(*, run_dir: Path, workdir: Path, python: str, args: list[str]
     check_plain(
         str(run_dir), what=f"--out {str(run_dir)!r}", also=RUN_DIR_REFUSED, why=_RUN_DIR_WHY
     )
-    check_plain(
-        str(workdir),
-        what=f"the working directory {str(workdir)!r}",
-        why="the script `cd`s there. Run from a directory without one (rename it)",
-    )
-    check_plain(
-        python,
-        what=f"the Python {python!r}",
-        why="the script runs it by path. Use a virtual environment at a plain path",
-    )
+    check_plain(str(workdir), what=f"the working directory {str(workdir)!r}", why=_CD_WHY)
+    check_plain(python, what=f"the Python {python!r}", why=_PYTHON_WHY)
     for arg in args:
-        check_plain(
-            arg,
-            what=f"recipe argument {arg!r}",
-            why="the script carries the command on one line. Remove it",
-        )
+        check_plain(arg, what=f"recipe argument {arg!r}", why=_LINE_WHY)
+
+
+_CD_WHY = "the script `cd`s there. Run from a directory without one (rename it)"
+_PYTHON_WHY = "the script runs it by path. Use a virtual environment at a plain path"
+_LINE_WHY = "the script carries the command on one line. Remove it"
+
+
+DEFAULT_GRACE_S = 120
+WRITE_BYTES_PER_S = 200e6
+
+
+def default_grace_s(*, step_s: float, checkpoint_bytes: int, time: str) -> tuple[int, str]:
+    """(seconds, note) of the preemption signal's lead when ``--grace-s`` is not given: two
+    forecast steps, one checkpoint save at WRITE_BYTES_PER_S and 30 s of exit, at least
+    DEFAULT_GRACE_S; at most Slurm's limit and half the job's ``time``. The note (else "")
+    says when that bound cut the lead short of what the forecast asks for."""
+    want = max(DEFAULT_GRACE_S, int(2 * step_s + checkpoint_bytes / WRITE_BYTES_PER_S) + 30)
+    limit_s = time_limit_s(time)
+    bound = min(MAX_SIGNAL_S, max(1, limit_s // 2) if limit_s else MAX_SIGNAL_S)
+    if want <= bound:
+        return want, ""
+    return bound, (
+        f"note: the forecast asks for {want} s between the preemption signal and the time "
+        f"limit (two steps, one checkpoint save, the exit), more than the {bound} s that "
+        f"--time {time} and Slurm allow; the signal comes {bound} s before the end. Give a "
+        f"longer --time, or measure the save and pass --grace-s (docs/cluster.md)."
+    )
 
 
 def render_sbatch(
@@ -274,49 +289,101 @@ def render_sbatch(
     return text
 
 
-WATCH_SCRIPT = "eval-watch.sbatch"
-"""The watch job's batch script in the run directory, beside the training job's submit.sbatch."""
+PREPARE_STEPS = {
+    "plan": ("step 1 of 3, the plan and the tokenizer", "", "plan-%j.out"),
+    "tasks": ("step 2 of 3, one task of the array", ' --task "$SLURM_ARRAY_TASK_ID"',
+              "task-%a-%A.out"),
+    "merge": ("step 3 of 3, the merge and its verification", " --merge", "merge-%j.out"),
+}  # fmt: skip
+"""Per step of a preparation in tasks: its title, what its command line adds, its log's name."""
 
 
-def watch_command(
-    *, run_dir: Path, tasks: str, limit: int | None, poll_s: float | None = None
-) -> list[str]:
-    """The arguments of ``python -m anneal.cli`` in the watch job: ``eval RUN --watch`` on
-    ``tasks`` (each value joined to its flag, so that none is read as a flag of its own)."""
-    check_plain(
-        tasks,
-        what=f"--watch-tasks {tasks!r}",
-        why="the script carries the eval command on one line. Give task names or YAML paths "
-        "separated by commas",
-    )
-    if not tasks.strip():
-        raise UserError("--watch-tasks: no task given. Name lm-eval tasks or task YAML files.")
-    if limit is not None and limit < 1:
-        raise UserError(
-            f"--watch-limit {limit}: give at least 1 example per task, or leave it out."
-        )
-    if poll_s is not None and not 0 < poll_s <= 86400:
-        raise UserError(f"--watch-poll-s {poll_s}: give seconds between 0 and 86400, e.g. 60.")
-    command = ["eval", str(run_dir), "--watch", f"--tasks={tasks}"]
-    command += [f"--limit={limit}"] if limit is not None else []
-    return command + ([f"--poll-s={poll_s:g}"] if poll_s is not None else [])
-
-
-def render_watch(
-    *, tasks: str, limit: int | None, run_dir: Path, poll_s: float | None = None, **job
+def render_prepare(
+    *,
+    step: str,
+    job_name: str,
+    tasks: int,
+    partition: str,
+    time: str,
+    account: str | None,
+    logs: Path,
+    workdir: Path,
+    python: str,
+    prepare_args: list[str],
 ) -> str:
-    """The watch job's batch script (``templates/eval_watch.sbatch``): ``anneal eval RUN
-    --watch`` on ``job``'s allocation, every value checked and quoted as ``render_sbatch``
-    does for training."""
-    command = watch_command(run_dir=run_dir, tasks=tasks, limit=limit, poll_s=poll_s)
-    return render_sbatch(
-        template="eval_watch.sbatch",
-        run_dir=run_dir,
-        recipe="anneal.cli",
-        recipe_args=command,
-        log_name="eval-watch",
-        **job,
+    """One step's batch script (``launcher/templates/prepare.sbatch``). As for training
+    (:func:`render_sbatch`), every value is checked or quoted: the logs' directory (on the
+    ``#SBATCH --output=`` line) free of what Slurm reads there, paths and the prepare flags
+    shell-quoted and free of control characters."""
+    _check_job(
+        time=time,
+        nodes=1,
+        gpus_per_node=1,
+        partition=partition,
+        account=account,
+        grace_s=1,
+        master_port=1,
     )
+    check_plain(
+        str(logs),
+        what=f"--out's parts directory {str(logs.parent.parent)!r}",
+        also=RUN_DIR_REFUSED,
+        why="the scripts' `#SBATCH --output=` lines carry its logs' directory, and Slurm reads "
+        "'%' there as a file-name pattern (%j, %a) and quotes, '\\' and '#' as its own syntax. "
+        "Choose an --out without these characters",
+    )
+    check_plain(str(workdir), what=f"the working directory {str(workdir)!r}", why=_CD_WHY)
+    check_plain(python, what=f"the Python {python!r}", why=_PYTHON_WHY)
+    for arg in prepare_args:
+        check_plain(arg, what=f"prepare flag {arg!r}", why=_LINE_WHY)
+    title, step_args, log_name = PREPARE_STEPS[step]
+    fields = {
+        "STEP": step,
+        "STEP_TITLE": title,
+        "TASKS": str(tasks),
+        "JOB_NAME": re.sub(r"[^A-Za-z0-9_.\-]", "_", job_name),
+        "PARTITION": partition,
+        "TIME": time,
+        "ACCOUNT_LINE": f"#SBATCH --account={account}\n" if account else "",
+        "EXTRA_LINE": "#SBATCH --kill-on-invalid-dep=yes\n" if step != "plan" else "",
+        "OUTPUT": f'"{logs}/{log_name}"',
+        "WORKDIR": shlex.quote(str(workdir)),
+        "PYTHON": shlex.quote(python),
+        "PREPARE_CMD": shlex.join([*prepare_args, "--tasks", str(tasks)]),
+        "STEP_ARGS": step_args,
+    }
+    text = (TEMPLATES / "prepare.sbatch").read_text()
+    for key, value in fields.items():
+        text = text.replace("{{" + key + "}}", value)
+    left = re.findall(r"\{\{[A-Z_]+\}\}", text)
+    assert not left, f"template prepare.sbatch has unfilled fields {left}"
+    return text
+
+
+def sbatch_parsable(script: Path, *options: str) -> str:
+    """Submit ``script`` with ``options`` (``--array``, ``--dependency``); returns the job id."""
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise UserError(
+            "sbatch is not on PATH: run `python -m launcher submit-prepare` on a Slurm login "
+            "node, or use --dry-run to write the scripts only."
+        )
+    cmd = [exe, "--parsable", *options, str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if done.returncode != 0:
+        raise UserError(f"{shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
+
+
+def array_spec(tasks: list[int]) -> str:
+    """Slurm's ``--array`` list of task ids, runs of consecutive ids as ranges: ``0-2,5``."""
+    runs: list[list[int]] = []
+    for t in sorted(tasks):
+        if runs and t == runs[-1][1] + 1:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def sbatch(script: Path) -> str:

@@ -1,7 +1,7 @@
 """``python -m launcher submit --watch-tasks``: the downstream-evaluation watcher of the run as
 a Slurm job of its own beside the training job (``anneal eval RUN --watch``, nanotron's
 pattern: the training job never waits for evaluation). Its options, their checks, and its batch
-script (``launcher/templates/eval_watch.sbatch``, rendered by ``launcher.slurm.render_watch``
+script (``launcher/templates/eval_watch.sbatch``, rendered by ``render_watch``
 with the training script's checks and quoting). docs/evaluation.md, "Beside the run on Slurm".
 """
 
@@ -44,7 +44,7 @@ def script(ns, *, out: Path, device: str, grace: int) -> str:
     for flag, value in (("--watch-nodes", nodes), ("--watch-gpus-per-node", gpus)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1.")
-    return slurm.render_watch(
+    return render_watch(
         job_name=f"anneal-eval-{out.name}",
         nodes=nodes,
         gpus_per_node=gpus,
@@ -60,4 +60,49 @@ def script(ns, *, out: Path, device: str, grace: int) -> str:
         limit=ns.watch_limit,
         poll_s=ns.watch_poll_s,
         master_port=ns.master_port + 1 if ns.master_port < 65535 else ns.master_port - 1,
+    )
+
+
+WATCH_SCRIPT = "eval-watch.sbatch"
+"""The watch job's batch script in the run directory, beside the training job's submit.sbatch."""
+
+
+def watch_command(
+    *, run_dir: Path, tasks: str, limit: int | None, poll_s: float | None = None
+) -> list[str]:
+    """The arguments of ``python -m anneal.cli`` in the watch job: ``eval RUN --watch`` on
+    ``tasks`` (each value joined to its flag, so that none is read as a flag of its own)."""
+    slurm.check_plain(
+        tasks,
+        what=f"--watch-tasks {tasks!r}",
+        why="the script carries the eval command on one line. Give task names or YAML paths "
+        "separated by commas",
+    )
+    if not tasks.strip():
+        raise UserError("--watch-tasks: no task given. Name lm-eval tasks or task YAML files.")
+    if limit is not None and limit < 1:
+        raise UserError(
+            f"--watch-limit {limit}: give at least 1 example per task, or leave it out."
+        )
+    if poll_s is not None and not 0 < poll_s <= 86400:
+        raise UserError(f"--watch-poll-s {poll_s}: give seconds between 0 and 86400, e.g. 60.")
+    command = ["eval", str(run_dir), "--watch", f"--tasks={tasks}"]
+    command += [f"--limit={limit}"] if limit is not None else []
+    return command + ([f"--poll-s={poll_s:g}"] if poll_s is not None else [])
+
+
+def render_watch(
+    *, tasks: str, limit: int | None, run_dir: Path, poll_s: float | None = None, **job
+) -> str:
+    """The watch job's batch script (``templates/eval_watch.sbatch``): ``anneal eval RUN
+    --watch`` on ``job``'s allocation, every value checked and quoted as ``render_sbatch``
+    does for training."""
+    command = watch_command(run_dir=run_dir, tasks=tasks, limit=limit, poll_s=poll_s)
+    return slurm.render_sbatch(
+        template="eval_watch.sbatch",
+        run_dir=run_dir,
+        recipe="anneal.cli",
+        recipe_args=command,
+        log_name="eval-watch",
+        **job,
     )

@@ -279,7 +279,7 @@ def test_a_manifest_naming_a_file_outside_its_tag_is_damaged_and_nothing_is_link
 
 
 def _render_watch(**kw):
-    from launcher import slurm
+    from launcher import watch_job
 
     args = dict(
         job_name="anneal-eval-x",
@@ -297,7 +297,7 @@ def _render_watch(**kw):
         limit=None,
         master_port=29501,
     )
-    return slurm.render_watch(**{**args, **kw})
+    return watch_job.render_watch(**{**args, **kw})
 
 
 @pytest.mark.parametrize(

@@ -530,10 +530,10 @@ def test_the_launchers_files_are_the_ones_rundir_allows():
     (the recipe's check above relies on it; the launcher's own constants are the truth)."""
     from anneal.planning import forecast
     from anneal.rundir import LAUNCHER_FILES, PREEMPT
-    from launcher import dsenv, slurm
+    from launcher import dsenv, watch_job
 
     written = {dsenv.FILE, dsenv.RUNNER_FILE, forecast.FILE, "submit.sbatch", "hostfile", "logs"}
-    written.add(slurm.WATCH_SCRIPT)  # submit --watch-tasks
+    written.add(watch_job.WATCH_SCRIPT)  # submit --watch-tasks
     assert set(LAUNCHER_FILES) == written | {PREEMPT}
     template = (ROOT / "launcher" / "templates" / "multinode.sbatch").read_text()
     assert '--out "$RUN_DIR/hostfile"' in template and '"$RUN_DIR/logs"' in template

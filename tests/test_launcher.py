@@ -290,7 +290,7 @@ def test_the_default_grace_fits_the_job():
     """The default lead of the preemption signal: two forecast steps, one save at 200 MB/s and
     30 s, at least 120 s; at most half the job's --time (in each of Slurm's forms) and Slurm's
     65535 s, with a note when that cuts it short."""
-    grace = launcher_cli.default_grace_s
+    grace = slurm.default_grace_s
     assert grace(step_s=1.0, checkpoint_bytes=int(2e9), time="04:00:00") == (120, "")
     assert grace(step_s=100.0, checkpoint_bytes=int(94e9), time="1-00") == (700, "")
     seconds, note = grace(step_s=100.0, checkpoint_bytes=int(94e9), time="20")

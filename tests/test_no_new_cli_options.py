@@ -72,6 +72,17 @@ LAUNCHER_OPTIONS = {
         "--watch-nodes",
         "--watch-gpus-per-node",
     ],
+    # Issue 32: `anneal data prepare` as Slurm jobs (plan, array of tasks, merge); its own
+    # flags go after '--'.
+    "submit-prepare": [
+        "-h/--help",
+        "--tasks",
+        "--nodes",
+        "--partition",
+        "--time",
+        "--account",
+        "--dry-run",
+    ],
 }
 
 

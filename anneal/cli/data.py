@@ -15,52 +15,41 @@ from pathlib import Path
 from anneal.cli.args import path
 
 
-def _data_prepare(args: argparse.Namespace) -> int:
-    from anneal.data.prepare import prepare
-    from anneal.data.prepared import unigram_entropy_bits_per_byte
+def prepare_options(args: argparse.Namespace) -> dict:
+    """``anneal data prepare``'s flags as the keywords of :func:`anneal.data.prepare.config`."""
+    return {
+        "inputs": args.input,
+        "out": Path(args.out),
+        "vocab_size": args.vocab_size,
+        "model_type": args.model_type,
+        "tokenizer": Path(args.tokenizer) if args.tokenizer else None,
+        "tokenizer_sample_mb": args.tokenizer_sample_mb,
+        "text_field": args.text_field,
+        "include": args.include,
+        "exclude": args.exclude,
+        "on_error": args.on_error,
+        "streaming": args.streaming,
+        "unit_bytes": int(args.unit_mb * 2**20),
+        "val_fraction": args.val_fraction,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "workers": args.workers,
+        "dtype": args.dtype,
+        "shard_tokens": args.shard_tokens,
+        "force": args.force,
+        "progress": not args.quiet,
+        "command": shlex.join(["anneal", *sys.argv[1:]]),
+    }
 
-    meta = prepare(
-        inputs=args.input,
-        out=Path(args.out),
-        vocab_size=args.vocab_size,
-        model_type=args.model_type,
-        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
-        tokenizer_sample_mb=args.tokenizer_sample_mb,
-        text_field=args.text_field,
-        include=args.include,
-        exclude=args.exclude,
-        on_error=args.on_error,
-        streaming=args.streaming,
-        val_fraction=args.val_fraction,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        workers=args.workers,
-        dtype=args.dtype,
-        shard_tokens=args.shard_tokens,
-        force=args.force,
-        progress=not args.quiet,
-        command=shlex.join(["anneal", *sys.argv[1:]]),
-    )
-    splits = meta["splits"]
-    skipped = meta["skipped"]
-    baseline_split = "val" if splits["val"]["tokens"] else "train"
-    print(
-        f"prepared {args.out}: vocab {meta['vocab_size']} ({meta['dtype']}), "
-        f"train {splits['train']['tokens']:,} tokens / {splits['train']['documents']} docs, "
-        f"val {splits['val']['tokens']:,} tokens / {splits['val']['documents']} docs, "
-        f"in {meta['seconds']} s; unigram baseline "
-        f"{unigram_entropy_bits_per_byte(Path(args.out), baseline_split):.3f} bits/byte "
-        f"({baseline_split})"
-        + (f"; skipped {skipped['records']} bad records" if skipped["records"] else "")
-        + (f", {skipped['empty_files']} empty files" if skipped["empty_files"] else "")
-    )
-    if len(meta["sources"]) > 1:  # a blend: what each source holds, validation included
-        for source in meta["sources"]:
-            train, val = (splits[s]["sources"][source["name"]] for s in ("train", "val"))
-            print(
-                f"  {source['name']}: train {train['tokens']:,} tokens / {train['documents']} "
-                f"docs, val {val['tokens']:,} tokens / {val['documents']} docs"
-            )
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from anneal.cli.data_prepare import prepare_in_tasks, print_prepared
+    from anneal.data.prepare import config, run
+
+    cfg = config(**prepare_options(args))
+    if args.tasks is not None or args.task is not None or args.merge:
+        return prepare_in_tasks(cfg, args)
+    print_prepared(args.out, run(cfg))
     return 0
 
 
@@ -95,6 +84,7 @@ def _data_verify(args: argparse.Namespace) -> int:
     what += " and the tokenizer match" if found["tokenizer"] else " match"
     files = f" ({', '.join(found['tokenizer'])})" if found["tokenizer"] else ""
     print(f"verified {args.dir}: {what} the sha256 recorded in meta.json{files}")
+    print(f"content sha256 {found['content_sha256']} (every file but provenance.json)")
     if found["uncovered"]:
         print(
             f"note: meta.json records no sha256 for {', '.join(found['uncovered'])} (prepared "
@@ -184,6 +174,13 @@ def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
         "or skip it and count it in meta.json",
     )
     prep.add_argument("--streaming", action="store_true", help="stream hf: datasets")
+    prep.add_argument(
+        "--unit-mb",
+        type=float,
+        default=read.unit_bytes / 2**20,
+        help=f"input MB per work unit, the grain workers and tasks share (default "
+        f"{read.unit_bytes / 2**20:g}; the output is the same for any)",
+    )
 
 
 def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:
@@ -213,6 +210,23 @@ def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:
         "--shard-tokens", type=int, default=cfg.shard_tokens, help="ids per shard file"
     )
     prep.add_argument("--quiet", action="store_true", help="no progress line")
+    prep.add_argument(
+        "--tasks",
+        type=int,
+        metavar="N",
+        help="prepare in N tasks (nodes): alone, step 1 writes the plan and the tokenizer into "
+        "OUT.parts; then --task I for each I, then --merge (docs/data.md, 'Preparing tens of "
+        "terabytes')",
+    )
+    prep.add_argument(
+        "--task", type=int, metavar="I", help="step 2: tokenize and pack task I's share (0..N-1)"
+    )
+    prep.add_argument(
+        "--merge",
+        action="store_true",
+        help="step 3: write OUT from every task's part (the one-node result), verify, remove "
+        "the parts",
+    )
     prep.add_argument(
         "--force", action="store_true", help="replace an --out that an earlier prepare wrote"
     )

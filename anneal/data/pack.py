@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import sys
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ import numpy as np
 from anneal.data import tokenizer
 from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import SPLITS, PreparedDir
+from anneal.data.progress import Progress
 from anneal.data.readers import Problems, ReadOptions, Unit
 from anneal.data.sources import Source
 from anneal.data.units import read_unit, units_of
@@ -175,13 +174,22 @@ class ShardWriter:
         self._docs = None
 
     def add(self, part: Part) -> None:
-        if self._docs is None:
-            self._docs = open(self.dir / self._docs_name, "wb")  # noqa: SIM115 - closed in close()
-        (part.doc_ends + self.tokens).astype("<u8").tofile(self._docs)
-        self.tokens += len(part.ids)
+        self.add_ends(part.doc_ends + self.tokens)
         self.bytes += part.bytes
         self.documents += part.documents
-        ids = part.ids.astype(self.dtype.newbyteorder("<"), copy=False)
+        self.add_ids(part.ids)
+
+    def add_ends(self, ends: np.ndarray) -> None:
+        """Append document end offsets, already in this writer's coordinates (the tokens
+        written before them added)."""
+        if self._docs is None:
+            self._docs = open(self.dir / self._docs_name, "wb")  # noqa: SIM115 - closed in close()
+        ends.astype("<u8", copy=False).tofile(self._docs)
+
+    def add_ids(self, ids: np.ndarray) -> None:
+        """Append ids, cut into shards of ``shard_tokens``."""
+        self.tokens += len(ids)
+        ids = ids.astype(self.dtype.newbyteorder("<"), copy=False)
         while len(ids):
             if self._file is None:
                 self._open()
@@ -223,62 +231,6 @@ class ShardWriter:
             "shards": self.shards,
             "doc_index": self._docs_name if self._docs is not None else None,
         }
-
-
-class Progress:
-    """MB read, MB/s and tokens on stderr: a tqdm bar on a terminal, else a plain line every
-    10 s and one at the end, so logs stay readable."""
-
-    def __init__(self, total_bytes: int | None, *, enabled: bool, workers: int):
-        self.total = total_bytes
-        self.enabled = enabled
-        self.workers = workers
-        self.start = time.time()
-        self.done = 0
-        self.tokens = 0
-        self._last = self.start
-        self._bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total_bytes,
-                desc="tokenize+pack",
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1000,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                postfix=f"0 tokens, {workers} workers",
-            )
-
-    def update(self, nbytes: int, tokens: int) -> None:
-        self.done += nbytes
-        self.tokens += tokens
-        if self._bar is not None:
-            self._bar.set_postfix_str(f"{self.tokens:,} tokens, {self.workers} workers", False)
-            self._bar.update(nbytes)
-            return
-        now = time.time()
-        if self.enabled and now - self._last >= 10.0:
-            self._last = now
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def line(self) -> str:
-        dt = max(time.time() - self.start, 1e-9)
-        total = f"/{self.total / 1e6:,.1f}" if self.total else ""
-        pct = f" {100 * self.done / self.total:3.0f}%" if self.total else ""
-        return (
-            f"tokenize+pack{pct} {self.done / 1e6:,.1f}{total} MB | "
-            f"{self.done / 1e6 / dt:,.1f} MB/s ({self.workers} workers) | "
-            f"{self.tokens:,} tokens | {dt:,.1f} s"
-        )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self.enabled:
-            print(self.line(), file=sys.stderr, flush=True)
 
 
 def _ordered(fn, units: Iterator[Unit], *, workers: int, initargs: tuple) -> Iterator:
@@ -335,7 +287,9 @@ def pack_all(
     progress = Progress(total, enabled=cfg.progress, workers=workers)
     all_units = (u for s in sources for u in units_of(units[s.index]))
     initargs = (str(partial), cfg.read, cfg.val_fraction, dtype.name)
-    smallest = _pack(all_units, writers, problems, progress, workers=workers, initargs=initargs)
+    smallest = pack_units(
+        all_units, writers, problems, progress, workers=workers, initargs=initargs
+    )
     progress.close()
     # A source of 2 or more documents none of which hashed below the fraction: packed again,
     # with its smallest-hash document held out (the same one for any number of workers).
@@ -353,10 +307,17 @@ def pack_all(
     if held_out:
         again = (u for s in sources if s.index in held_out for u in units_of(units[s.index]))
         quiet = Problems(cfg.read.on_error, quiet=True)  # counted on the first pass
-        _pack(again, writers, quiet, None, workers=workers, initargs=(*initargs, held_out))
+        pack_units(again, writers, quiet, None, workers=workers, initargs=(*initargs, held_out))
+    splits, per_source = summarize({k: w.close() for k, w in writers.items()}, sources)
+    return splits, per_source, progress.done
+
+
+def summarize(closed: dict, sources: list[Source]) -> tuple[dict, dict]:
+    """Each split's totals and shard list, and the counts per split and source (meta.json's
+    ``splits``), from ``closed``: {(split, source index): what ShardWriter.close returns}."""
     splits, per_source = {}, {}
     for split in SPLITS:
-        groups = [(s, writers[split, s.index].close()) for s in sources]
+        groups = [(s, closed[split, s.index]) for s in sources]
         splits[split] = {
             "tokens": sum(g["tokens"] for _, g in groups),
             "bytes": sum(g["bytes"] for _, g in groups),
@@ -367,10 +328,10 @@ def pack_all(
             s.name: {k: g[k] for k in ("tokens", "bytes", "documents", "doc_index")}
             for s, g in groups
         }
-    return splits, per_source, progress.done
+    return splits, per_source
 
 
-def _pack(units, writers, problems, progress, *, workers, initargs) -> dict[int, tuple]:
+def pack_units(units, writers, problems, progress, *, workers, initargs) -> dict[int, tuple]:
     """Tokenize ``units`` into ``writers``; the smallest (hash, name) of a training document
     of each source."""
     smallest: dict[int, tuple] = {}

@@ -59,16 +59,19 @@ def default_workers() -> int:
 
 def prepare(*, inputs: list[str], out: Path, **options) -> dict:
     """Train or install a tokenizer, tokenize and pack ``inputs`` into ``out``. Returns the
-    meta.json dict. Options are the fields of :class:`PrepareConfig`; ``text_field``,
-    ``include``, ``exclude``, ``on_error``, ``streaming`` and ``unit_bytes`` go to
-    :class:`ReadOptions`."""
+    meta.json dict (with provenance.json's keys). Options: see :func:`config`."""
+    return run(config(inputs=inputs, out=out, **options))
+
+
+def config(*, inputs: list[str], out: Path, **options) -> PrepareConfig:
+    """A :class:`PrepareConfig` from keywords: its fields; ``text_field``, ``include``,
+    ``exclude``, ``on_error``, ``streaming`` and ``unit_bytes`` go to :class:`ReadOptions`."""
     read_keys = {"text_field", "include", "exclude", "on_error", "streaming", "unit_bytes"}
     read = {k: options.pop(k) for k in list(options) if k in read_keys}
     for k in ("include", "exclude"):
         if k in read:
             read[k] = tuple(read[k] or ())
-    cfg = PrepareConfig(inputs=tuple(inputs), out=Path(out), read=ReadOptions(**read), **options)
-    return run(cfg)
+    return PrepareConfig(inputs=tuple(inputs), out=Path(out), read=ReadOptions(**read), **options)
 
 
 def _check_config(cfg: PrepareConfig) -> None:
@@ -88,6 +91,11 @@ def _check_config(cfg: PrepareConfig) -> None:
         raise UserError(f"--seq-len {cfg.seq_len}: give 1 or more (the model's context).")
     if cfg.shard_tokens < 1024:
         raise UserError(f"--shard-tokens {cfg.shard_tokens}: give at least 1024.")
+    if not cfg.read.unit_bytes >= 1024:
+        raise UserError(
+            f"--unit-mb {cfg.read.unit_bytes / 2**20:g}: give at least 0.001 (1 KiB); the "
+            f"default 4 suits any input."
+        )
     if cfg.tokenizer_sample_mb <= 0:
         raise UserError(f"--tokenizer-sample-mb {cfg.tokenizer_sample_mb}: give a size above 0.")
     if not cfg.inputs:
@@ -95,20 +103,14 @@ def _check_config(cfg: PrepareConfig) -> None:
 
 
 def run(cfg: PrepareConfig) -> dict:
-    """:func:`prepare` for a ready :class:`PrepareConfig`. Everything is checked before
+    """:func:`prepare` for a ready :class:`PrepareConfig`; returns meta.json's dict with
+    provenance.json's (how it was made) added. Everything is checked before
     anything is written; ``--out`` is replaced only when it is empty or an earlier prepare's
     output (:func:`anneal.files.claim_output`)."""
     _check_config(cfg)
     out = cfg.out
     sources = parse_inputs(list(cfg.inputs))
-    inputs = [p for s in sources for p in input_paths(s)]
-    claim_output(
-        out,
-        force=cfg.force,
-        made_by_us=is_prepared_dir,
-        what="prepared data directory",
-        inputs=inputs + ([cfg.tokenizer] if cfg.tokenizer is not None else []),
-    )
+    claim_out(cfg, sources)
     _remove_stale_partials(out)
     start = time.time()
     partial = _make_partial(out)
@@ -120,6 +122,19 @@ def run(cfg: PrepareConfig) -> dict:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return meta
+
+
+def claim_out(cfg: PrepareConfig, sources: list[Source]) -> None:
+    """``--out`` may be written (:func:`anneal.files.claim_output`): apart from the inputs,
+    empty, or with ``--force`` an earlier prepare's output."""
+    inputs = [p for s in sources for p in input_paths(s)]
+    claim_output(
+        cfg.out,
+        force=cfg.force,
+        made_by_us=is_prepared_dir,
+        what="prepared data directory",
+        inputs=inputs + ([cfg.tokenizer] if cfg.tokenizer is not None else []),
+    )
 
 
 PARTIAL_MARKER = ".anneal-prepare-partial"
@@ -192,6 +207,43 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         partial, cfg, sources, units, dtype, problems, workers=workers
     )
     pack_s, pack_cpu_s = time.time() - t_pack, _cpu_seconds() - cpu_pack
+    check_counts(cfg, sources, splits, per_source, problems)
+    meta = build_meta(
+        cfg,
+        sources,
+        tok=tok,
+        dtype=dtype,
+        tok_info=tok_info,
+        tok_files=tok_files,
+        tok_sha256=tokenizer.tokenizer_sha256(partial),
+        splits=splits,
+        per_source=per_source,
+        problems=problems,
+        nbytes=nbytes,
+    )
+    PreparedDir(partial).write_meta(meta)
+    record = {
+        "command": command_line(cfg),
+        "python": sys.version.split()[0],
+        "seconds": round(time.time() - start, 1),
+        "pack_seconds": round(pack_s, 2),
+        "pack_mb_per_s": round(nbytes / 1e6 / max(pack_s, 1e-9), 2),
+        "pack_cpu_seconds": round(pack_cpu_s, 2),
+        "workers": workers,
+    }
+    PreparedDir(partial).write_provenance(record)
+    return {**meta, **record}
+
+
+def command_line(cfg: PrepareConfig) -> str:
+    """The command recorded in provenance.json: the CLI's, else this process's argv."""
+    return cfg.command or " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+
+
+def check_counts(
+    cfg: PrepareConfig, sources: list[Source], splits: dict, per_source: dict, problems: Problems
+) -> None:
+    """After packing: every source has documents, and the validation split holds a window."""
     for s in sources:
         docs = sum(per_source[split][s.name]["documents"] for split in SPLITS)
         if docs == 0:
@@ -207,13 +259,31 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
         )
     if cfg.val_fraction > 0:
         _check_validation(cfg, splits)
-    seconds = time.time() - start
-    meta = {
+
+
+def build_meta(
+    cfg: PrepareConfig,
+    sources: list[Source],
+    *,
+    tok,
+    dtype: np.dtype,
+    tok_info: dict,
+    tok_files: dict,
+    tok_sha256: str,
+    splits: dict,
+    per_source: dict,
+    problems: Problems,
+    nbytes: int,
+) -> dict:
+    """meta.json: a function of the inputs and the settings only (how long it took, on how
+    many workers, by which command, goes to provenance.json), so that one node and a merge of
+    many tasks (:mod:`anneal.data.merge`) write the same bytes."""
+    return {
         "format_version": FORMAT_VERSION,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "dtype": dtype.name,
-        "tokenizer_sha256": tokenizer.tokenizer_sha256(partial),
+        "tokenizer_sha256": tok_sha256,
         "tokenizer_files": tok_files,
         "tokenizer": tok_info,
         "sources": [_source_meta(s, per_source) for s in sources],
@@ -227,17 +297,8 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
             "empty_files": problems.empty_files,
             "examples": problems.examples,
         },
-        "command": cfg.command or " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "python": sys.version.split()[0],
         "input_bytes": nbytes,
-        "seconds": round(seconds, 1),
-        "pack_seconds": round(pack_s, 2),
-        "pack_mb_per_s": round(nbytes / 1e6 / max(pack_s, 1e-9), 2),
-        "pack_cpu_seconds": round(pack_cpu_s, 2),
-        "workers": workers,
     }
-    PreparedDir(partial).write_meta(meta)
-    return meta
 
 
 def _cpu_seconds() -> float:

@@ -13,6 +13,7 @@ tokenizer files are not covered, and ``anneal data verify`` says so.
 ```
 DIR/
   meta.json          vocab size, dtype, counts per split and source, tokenizer hashes, ...
+  provenance.json    how it was made: the command, seconds, workers (not hashed)
   token_bytes.npy    the UTF-8 bytes each id stands for (bits per byte)
   tokenizer.*        the tokenizer's files (meta.json's tokenizer_files records their hashes)
   train/ val/        each split's shards (SS_NNNNN.bin: source SS, shard NNNNN; meta.json's
@@ -26,8 +27,10 @@ through ``PreparedDir.meta_object``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +41,12 @@ from anneal.files import confined, sha256_file
 
 META = "meta.json"
 TOKEN_BYTES = "token_bytes.npy"
+PROVENANCE = "provenance.json"
+"""How the directory was made (the command, the Python, seconds, workers; for a merge, each
+task's): the one file that differs between two preparations of the same data, which
+:func:`content_sha256` leaves out."""
 TOKENIZER_MODEL = "tokenizer.model"
-NOT_TOKENIZER = (META, TOKEN_BYTES)
+NOT_TOKENIZER = (META, TOKEN_BYTES, PROVENANCE)
 """The files of a prepared directory's top level that are not the tokenizer's."""
 SPLITS = ("train", "val")
 FORMAT_VERSION = 2
@@ -111,6 +118,40 @@ class PreparedDir:
 
     def write_meta(self, meta: dict) -> None:
         self.meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+
+    def write_provenance(self, record: dict) -> None:
+        (self.path / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+
+    def provenance(self) -> dict:
+        """provenance.json as a JSON object ({} when absent or unreadable: it is a log, read
+        by people and benchmarks, never by training). A directory prepared before it existed
+        has these keys in meta.json."""
+        try:
+            record = json.loads((self.path / PROVENANCE).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def content_sha256(self, *, meta: dict | None = None) -> str:
+        """One sha256 over the whole tree but provenance.json: ``sha256sum``'s line for every
+        file (its sha256, two spaces, its path relative to the directory), sorted by path as
+        bytes, hashed. In the directory: ``find . -type f ! -path ./provenance.json -printf
+        '%P\\n' | LC_ALL=C sort | xargs sha256sum | sha256sum``. Two preparations of the same
+        inputs with the same settings, on one node or merged from many tasks, have the same
+        one. ``meta``: meta.json, its shards' sha256 just verified (``anneal data verify``), taken
+        for theirs instead of reading them again."""
+        known = {
+            f"{split}/{shard['file']}": shard["sha256"]
+            for split in SPLITS
+            for shard in (meta or {}).get("splits", {}).get(split, {}).get("shards", [])
+        }
+        files = {p.relative_to(self.path).as_posix(): p for p in self.path.rglob("*")}
+        lines = [
+            f"{known.get(rel) or sha256_file(files[rel])}  {rel}\n"
+            for rel in sorted(files, key=os.fsencode)
+            if files[rel].is_file() and rel != PROVENANCE
+        ]
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
 
     def write_token_bytes(self, table: np.ndarray) -> None:
         np.save(self.token_bytes_file, table)

@@ -20,6 +20,14 @@ from anneal.planning.law import DEFAULT_FIT, FITS, ChinchillaFit
 DEFAULT_GLOBAL_BATCH = 512
 """Sequences per optimizer step when planning steps (x the sequence length: 1M tokens at
 2048, between GPT-3's 0.5M for its small models and Chinchilla's 1.5-3M)."""
+PREPARE_TOKENS_PER_CORE_S = 1_910_000.0
+"""Tokens per second per core of ``anneal data prepare``'s tokenize+pack in one task of a
+preparation in tasks (the median task of bench/bench_prepare_tasks.py, 2026-12-03: 1.91M, one
+node's 1.98M; docs/benchmarks.md), for SentencePiece BPE of 8192 pieces on Python source on a
+shared 2-core machine; a larger vocabulary, another tokenizer or other text changes it. The
+plan's node-hours leave out the merge, one node's I/O (docs/data.md)."""
+PREPARE_NODE_CORES = 128
+"""Cores of the node in the node-hours of preparation (a common CPU node: 2 x 64 cores)."""
 
 
 def parse_rule(text: str) -> float:
@@ -110,6 +118,12 @@ class ComputePlan:
         return self.flops / (self.gpu_peak_flops * self.mfu) / 3600
 
     @property
+    def prepare_node_hours(self) -> float:
+        """Node-hours of ``anneal data prepare`` for the planned tokens (docs/data.md,
+        "Preparing tens of terabytes"), at the measured rate per core."""
+        return self.tokens / (PREPARE_TOKENS_PER_CORE_S * PREPARE_NODE_CORES) / 3600
+
+    @property
     def wall_clock_hours(self) -> float | None:
         return self.gpu_hours / self.gpus if self.gpus else None
 
@@ -134,6 +148,7 @@ class ComputePlan:
             "gpus": self.gpus,
             "gpu_hours": self.gpu_hours,
             "wall_clock_hours": self.wall_clock_hours,
+            "prepare_node_hours": self.prepare_node_hours,
         }
 
 
@@ -371,4 +386,10 @@ def format_plan(p: ComputePlan) -> str:
     if p.wall_clock_hours is not None:
         wall = format_duration(p.wall_clock_hours * 3600)
         lines.append(f"  wall-clock     {wall} on {p.gpus} GPUs")
+    hours = p.prepare_node_hours
+    lines.append(
+        f"  data prep      {f'{hours:,.0f}' if hours >= 10 else f'{hours:.2g}'} node-hours of "
+        f"`anneal data prepare` on {PREPARE_NODE_CORES}-core nodes, at "
+        f"{PREPARE_TOKENS_PER_CORE_S:,.0f} tokens/s per core (measured: docs/data.md)"
+    )
     return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""Step 2 of a preparation in tasks (:mod:`anneal.data.plan`): ``--task I`` tokenizes and packs
+the work units the plan gives task I, with every core of its node, into its part.
+
+A part is written into ``task-0000I.partial-HOST-PID/`` and renamed to ``task-0000I/`` when
+complete; then its completion marker ``task-0000I.done.json`` is written (atomically, and
+flushed to the disk), holding the sha256 of the plan and of the part's ``part.json``, which in
+turn holds the sha256 of every file of the part. A task that dies leaves no marker, and the
+next run of that task removes what it left; a task that has its marker is not run again.
+
+The part of a task is a prepared directory's ``train/`` and ``val/`` for the sources its units
+belong to, with one shard per (split, source) (``SS_00000.bin``, its document ends in
+``SS_docs.bin`` counted from the part's start): what the merge appends, in task order, to the
+shards of the one-node layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+from anneal.data.merge_copy import crc_chunk, piece_crc32
+from anneal.data.pack import ShardWriter, pack_units
+from anneal.data.plan import (
+    TOKENIZER,
+    done_file,
+    load,
+    parts_dir,
+    task_dir,
+)
+from anneal.data.prepare_config import PrepareConfig
+from anneal.data.prepared_dir import SPLITS
+from anneal.data.progress import Progress
+from anneal.data.readers import Problems
+from anneal.errors import UserError
+from anneal.files import sha256_file, write_atomic
+
+log = logging.getLogger(__name__)
+
+PART = "part.json"
+OWNER = ".anneal-prepare-task"
+ONE_SHARD = 1 << 62
+"""A part's shard size: one shard per (split, source); the merge cuts the real ones."""
+
+
+def read_done(parts: Path, task: int) -> dict | None:
+    """Task ``task``'s completion marker as a JSON object, or None when it has none (or one
+    that cannot be read: the task did not finish writing it)."""
+    try:
+        done = json.loads(done_file(parts, task).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return done if isinstance(done, dict) else None
+
+
+def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
+    """Step 2: task ``task`` of ``tasks``. Returns its completion marker; a task already
+    complete under this plan is not run again (``"again": False``)."""
+    from anneal.data.prepare import _cpu_seconds, default_workers
+
+    plan, plan_sha, sources, units = load(cfg, tasks)
+    if not 0 <= task < tasks:
+        raise UserError(f"--task {task}: give 0 to {tasks - 1} (--tasks {tasks}).")
+    parts = parts_dir(cfg.out)
+    done = read_done(parts, task)
+    if done is not None and done.get("plan_sha256") == plan_sha:
+        log.info("task %d is complete already (%s): not run again", task, done_file(parts, task))
+        return {**done, "again": False}
+    done_file(parts, task).unlink(missing_ok=True)  # of another plan, or unreadable
+    _remove_leftovers(parts, task)
+    partial = parts / f"{task_dir(parts, task).name}.partial-{_host()}-{os.getpid()}"
+    partial.mkdir()
+    (partial / OWNER).write_text(f"anneal data prepare --task {task}\n")
+    try:
+        t0, cpu0 = time.time(), _cpu_seconds()
+        start, end = plan["ranges"][task]
+        mine = [u for s in sources for u in units[s.index]][start:end]
+        touched = sorted({u.source for u in mine})
+        dtype = np.dtype(plan["tokenizer"]["dtype"])
+        writers = {
+            (split, s): ShardWriter(partial / split, source=s, dtype=dtype, shard_tokens=ONE_SHARD)
+            for split in SPLITS
+            for s in touched
+        }
+        problems = Problems(cfg.read.on_error)
+        workers = cfg.workers or default_workers()
+        progress = Progress(sum(u.nbytes for u in mine), enabled=cfg.progress, workers=workers)
+        initargs = (str(parts / TOKENIZER), cfg.read, cfg.val_fraction, dtype.name)
+        smallest = pack_units(
+            iter(mine), writers, problems, progress, workers=workers, initargs=initargs
+        )
+        progress.close()
+        chunk = crc_chunk(cfg.shard_tokens * dtype.itemsize)
+        pieces = {
+            split: {
+                str(s): _piece(partial / split, writers[split, s].close(), chunk) for s in touched
+            }
+            for split in SPLITS
+        }
+        part = {
+            "plan_sha256": plan_sha,
+            "task": task,
+            "units": [start, end],
+            "input_bytes": progress.done,
+            "pieces": pieces,
+            "smallest": {str(s): list(v) for s, v in sorted(smallest.items())},
+            "skipped": problems.skipped,
+            "examples": problems.examples,
+        }
+        (partial / PART).write_text(json.dumps(part, indent=1) + "\n")
+        (partial / OWNER).unlink()
+        partial.rename(task_dir(parts, task))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    done = {
+        "plan_sha256": plan_sha,
+        "part_sha256": sha256_file(task_dir(parts, task) / PART),
+        "task": task,
+        "host": socket.gethostname(),
+        "units": end - start,
+        "input_bytes": progress.done,
+        "tokens": sum(p["tokens"] for split in pieces.values() for p in split.values()),
+        "seconds": round(time.time() - t0, 2),
+        "pack_cpu_seconds": round(_cpu_seconds() - cpu0, 2),
+        "workers": workers,
+    }
+    write_atomic(done_file(parts, task), json.dumps(done, indent=1) + "\n", durable=True)
+    return {**done, "again": True}
+
+
+def _piece(directory: Path, written: dict, chunk: int) -> dict:
+    """What part.json records of one (split, source): the writer's counts, its one shard, and
+    the document index's size and sha256, and a crc32 of every ``chunk`` bytes of its ids
+    (what the merge checks while it copies them: :mod:`anneal.data.merge_copy`)."""
+    docs = directory / written["doc_index"] if written["doc_index"] else None
+    ids = [directory / shard["file"] for shard in written["shards"]]
+    return {
+        **written,
+        "docs_bytes": docs.stat().st_size if docs else 0,
+        "docs_sha256": sha256_file(docs) if docs else None,
+        "crc32": piece_crc32(ids[0], chunk) if ids else [],
+        "crc32_chunk": chunk,
+    }
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.\-]", "_", socket.gethostname())[:64] or "host"
+
+
+def _remove_leftovers(parts: Path, task: int) -> None:
+    """What an earlier run of this task left without finishing: its part directory (no marker
+    beside it) and its partial directories on this host whose process is gone. A partial of a
+    live process, or of another host, is left alone."""
+    whole = task_dir(parts, task)
+    if whole.is_dir() and not whole.is_symlink():
+        log.warning("removing %s, left by a run of task %d that did not finish", whole, task)
+        shutil.rmtree(whole)
+    prefix = f"{whole.name}.partial-{_host()}-"
+    for p in parts.glob(f"{whole.name}.partial-*"):
+        pid = p.name[len(prefix) :] if p.name.startswith(prefix) else ""
+        if not pid.isdigit() or not (p / OWNER).is_file() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by an interrupted run of task %d", p, task)
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            continue
