@@ -325,7 +325,7 @@ def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_
     assert list(doc["tasks"]) == ["tiny_mc_b"]
     assert set(doc["failed"]) == {"tiny_broken", str(tmp_path / "gone.yaml")}
     assert (
-        doc["failed"]["tiny_broken"].startswith("ValueError: ")
+        doc["failed"]["tiny_broken"].startswith("UserError: ")
         and "continuation" in (doc["failed"]["tiny_broken"])
     )
     alone = score(lm, load(root, ["tiny_mc_b"]), **kw)

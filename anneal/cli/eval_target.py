@@ -96,7 +96,7 @@ def _rest(scope: dict) -> dict:
 def _is_hf_dir(directory: Path) -> bool:
     """A directory whose config.json is a Hugging Face model's, not a run's."""
     try:
-        doc = json.loads((directory / "config.json").read_text())
+        doc = json.loads(rundir.config_path(directory).read_text())  # a run's, or a model's
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and not RunRecord.holds(doc) and "model_type" in doc

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -84,7 +85,8 @@ def _eval(args: argparse.Namespace) -> int:
     eval_watch.check(args)
     check_specs(specs)  # before any process group or engine
     overrides = _ds_overrides(args.set)
-    saved_env = dict(os.environ)
+    saved_env, root = dict(os.environ), logging.getLogger()
+    saved_log = (list(root.handlers), root.level)  # setup_process replaces the root handlers
     _single_process_env()
     setup_process()
     try:
@@ -97,6 +99,8 @@ def _eval(args: argparse.Namespace) -> int:
         shutdown()
         os.environ.clear()  # as it was (a command run in a test's process)
         os.environ.update(saved_env)
+        root.handlers[:] = saved_log[0]
+        root.setLevel(saved_log[1])
     return 1 if doc["failed"] else 0  # the others' scores are written
 
 

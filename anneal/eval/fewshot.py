@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from lm_eval.api.samplers import ContextSampler, FirstNSampler
 
+from anneal.errors import UserError
+
 
 def evaluated_split(config) -> str | None:
     """The split lm-eval evaluates: the test split, else the validation split."""
@@ -157,7 +159,7 @@ class OwnItemExcluded(ContextSampler):
 
 def _enough(n: int, available: int) -> None:
     if available < n:
-        raise ValueError(
+        raise UserError(  # inside one task's prompts: recorded in its `failed`
             f"{n} few-shot demonstrations requested, but the pool holds only {available} "
             f"items besides the evaluated one; lower num_fewshot"
         )

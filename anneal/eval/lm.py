@@ -103,7 +103,11 @@ class EngineLM(TemplateLM):
         if why := unsupported_layout(1, getattr(engine, "sequence_parallel_size", 1)):
             raise UserError(why)
         if batch_size < 1 or max_length < 2:
-            raise ValueError(f"batch_size {batch_size} and max_length {max_length}: too small")
+            raise UserError(
+                f"batch size {batch_size} and context {max_length}: downstream evaluation needs "
+                f"at least 1 row per forward call and a context of 2 tokens; give --batch-size "
+                f"1 or more (or train.eval_tasks on a micro-batch of at least 1)."
+            )
         self.engine = engine
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.replica = replica
@@ -219,9 +223,10 @@ class EngineLM(TemplateLM):
     def _row(self, context: list[int], continuation: list[int]) -> list[int]:
         """HFLM's causal row: left-truncated to ``max_length + 1`` tokens, the last dropped."""
         if not continuation or len(continuation) > self.max_length:
-            raise ValueError(
+            raise UserError(  # inside one task's scoring: recorded in its `failed`
                 f"a request's continuation of {len(continuation)} tokens: nothing to score, or "
-                f"more than the model's context of {self.max_length} (HFLM refuses it too)"
+                f"more than the model's context of {self.max_length} (HFLM refuses it too); "
+                f"fix the task's doc_to_target/doc_to_choice"
             )
         return (context + continuation)[-(self.max_length + 1) :][:-1]
 
