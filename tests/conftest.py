@@ -95,11 +95,19 @@ SHARD_WEIGHTS_S = {
     "test_bench_train.py": 22,
     "test_stale_state.py": 20,
     "test_docs_commands.py": 90,  # 43 s alone (2026-12-03); most blocks are dry runs
+    # issue 29 and 32's files (2026-12-03, measured alone or under another session's load)
+    "test_eval_loop.py": 110,  # four 2-rank launches, 60-82 s
+    "test_eval_watch.py": 80,  # two Slurm drills, about 30 s each
+    "test_eval_cmd.py": 70,  # a run and its export, then three 2-rank scorings
+    "test_eval_lm.py": 45,
+    "test_data_scale_slurm.py": 30,
 }
 DEFAULT_WEIGHT_S = 60
-# Files whose slow tests share something outside the session go to one shard together: both
+# Files whose slow tests share something outside the session go to one shard together: all
 # drive the local cluster (Slurm's two nodes; pdsh and ssh to this host).
-SHARD_TOGETHER = [("test_cluster.py", "test_launcher.py")]
+SHARD_TOGETHER = [
+    ("test_cluster.py", "test_launcher.py", "test_eval_watch.py", "test_data_scale_slurm.py")
+]
 
 
 def _shard_of(items, spec: str) -> list:

@@ -7,6 +7,10 @@ verify, sequence parallelism and an ``evals/step-N.json`` already there (without
 One real run (the tiny recipe, SMALL shapes, ZeRO-3 on one rank, a few steps on ``tiny_data``)
 serves every test; the tasks are local (JSONL and YAML written here, offline): two
 multiple-choice tasks and a loglikelihood cloze task (``tests/test_eval_lm.py: write_tasks``).
+
+The tests that need that run are marked ``slow`` (make test-all, CI): its training and export
+take about 17 s, which the quick suite's 3 minutes have no room for; the scoring configuration's
+test stays quick.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def assert_as_hflm(results_dir: Path, samples_file: Path, reference: dict) -> No
     assert per_request(ours)["tiny_mc_a"]  # compared something
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_one_rank_scores_as_hflm_on_the_export(trained, reference, capsys):
     """At 1 rank (this process, the command's own code path): per-request log-likelihoods
     within 1e-4 and acc / acc_norm equal to HFLM's on the export; RUN/evals/step-N.json names
@@ -113,6 +118,7 @@ def test_one_rank_scores_as_hflm_on_the_export(trained, reference, capsys):
     assert "tiny_mc_b" in printed and "acc_norm" in printed and f"(step {STEPS})" in printed
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_a_task_that_fails_is_recorded_and_the_exit_is_1(trained, tmp_path, capsys):
     """A task whose data file is missing fails to load: the others are scored and written
     (under --out, the run left as it was), the failure is in the document and the summary, and
@@ -188,6 +194,7 @@ def damage(tag: Path) -> Path:
     return damaged
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_the_newest_checkpoint_that_verifies_or_the_step_asked_for(trained, tmp_path):
     """A run whose newest checkpoint does not verify is scored at the one before it (the run's
     evals/step-3.json names that tag); ``--step 3`` of the intact run scores that one (under
@@ -212,6 +219,7 @@ def refused(target: Path, trained, capsys, *extra: str) -> str:
     return " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_a_run_without_a_checkpoint_is_refused(trained, tmp_path, capsys):
     """A run directory with no checkpoint: refused, naming the run; nothing written."""
     run = copy_run(trained, tmp_path, steps=())
@@ -220,6 +228,7 @@ def test_a_run_without_a_checkpoint_is_refused(trained, tmp_path, capsys):
     assert not (run / "evals").exists()
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_a_tag_whose_manifest_does_not_verify_is_refused(trained, tmp_path, capsys):
     """A tag one of whose files changed after the save (same size, other bytes): refused by
     name, as a tag and through its run (no other checkpoint verifies); a tag without its
@@ -235,6 +244,7 @@ def test_a_tag_whose_manifest_does_not_verify_is_refused(trained, tmp_path, caps
     assert not (run / "evals").exists()
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_sequence_parallelism_is_refused_with_the_reason(trained, tmp_path, capsys):
     """``--set ds.sequence_parallel_size=2``: refused with the adapter's reason, before any
     engine."""
@@ -246,6 +256,7 @@ def test_sequence_parallelism_is_refused_with_the_reason(trained, tmp_path, caps
     assert not (run / "evals").exists()
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
 def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys):
     """``evals/step-N.json`` already there: refused without --force, and with --force when the
     file is not a document anneal eval writes; so is a ``--samples`` file that is not

@@ -14,6 +14,9 @@ sequence parallelism are refused with their reason, and on 2 ranks (ZeRO-3,
 ``tests/scripts/eval_lockstep.py``) both ranks call forward the same number of times and score
 what one replica scores. About 11 s for the quick tests (the engine, 30 steps and the export
 once for the file), 15 s for the 2-rank one (slow).
+
+The tests that need the module's trained engine and its export are marked ``slow`` (make
+test-all, CI): about 16 s once, which the quick suite's 3 minutes have no room for.
 """
 
 from __future__ import annotations
@@ -201,6 +204,7 @@ def assert_same_scores(ours: dict, theirs: dict, tasks: list[str]) -> None:
                 ), (task, metric)
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_scores_equal_hflms_on_the_exported_weights(scored):
     """Two multiple-choice tasks and a cloze task: every request's log-likelihood within 1e-4
     of HFLM's and acc / acc_norm exactly equal. The model learned something (acc well above
@@ -213,6 +217,7 @@ def test_scores_equal_hflms_on_the_exported_weights(scored):
     assert mc_a["acc"] > 0.5 and mc_a["acc"] != mc_a["acc_norm"]
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_rolling_windows_equal_hflms_own_computation(scored):
     """Rolling perplexity over documents of 2 to 4 context windows: every document's
     log-likelihood within 1e-4 of HFLM's with ``logits_cache=False``, and word perplexity with
@@ -231,6 +236,7 @@ def test_rolling_windows_equal_hflms_own_computation(scored):
     assert_same_scores(cached, plain, ["tiny_mc_a", "tiny_mc_b", "tiny_cloze"])
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_the_document_holds_what_the_contract_names(scored, task_dir):
     """The document's fields (results.py): every task's metrics with their stderr, chance and
     config hash from the loaded tasks' info, the sample count, the lm-eval version; tokens
@@ -268,6 +274,7 @@ class RandomDrawingLM(EngineLM):
         return super()._loglikelihood_tokens(requests, **kwargs)
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_score_puts_back_the_generators_and_the_train_mode(trained, task_dir):
     """After a scoring whose model draws from every global generator, python's, numpy's and
     torch's states are the ones before; the engine ran its forward calls in eval mode and is
@@ -307,6 +314,7 @@ def test_loading_tasks_moves_pythons_generator_unless_inside_rng_restored(task_d
     assert random.getstate() == state
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_path):
     """A task whose requests cannot be scored (a cloze target of no text), and one that never
     loaded (in ``loaded.failed``), are recorded in ``failed`` with a one-line reason; the other
@@ -332,6 +340,7 @@ def test_a_failing_task_is_recorded_and_the_others_score(trained, task_dir, tmp_
     assert doc["tasks"]["tiny_mc_b"]["metrics"] == alone["tasks"]["tiny_mc_b"]["metrics"]
 
 
+@pytest.mark.slow  # the module's trained run and export: about 16 s once
 def test_generation_and_sequence_parallelism_are_refused_with_their_reason(trained):
     """``generate_until`` says that generation is out of scope; ``unsupported_layout`` passes
     every tensor-parallel degree and refuses Ulysses, saying what to run instead, and so does
