@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,24 +94,75 @@ def cut(
 
 
 def write_shard(shard: Shard, tampered: Callable[[int, Path, str], Exception]) -> str:
-    """Write ``shard`` from its ranges, checking every chunk read; returns its sha256."""
+    """Write ``shard`` from its ranges, checking every chunk read; returns its sha256.
+
+    Each read fills a reused buffer of whole chunks (up to ``READ_BYTES``) with ``readinto``;
+    the bytes are checked, hashed and written from that buffer through memoryviews, so what is
+    written and hashed is exactly what was checked, with no copy between."""
     h = hashlib.sha256()
-    with open(shard.path, "wb") as out:
+    buf = _buffer(max((r.chunk for r in shard.ranges), default=1))
+    with open(shard.path, "wb", buffering=0) as out:
         for r in shard.ranges:
-            with open(r.path, "rb") as f:
-                first, last = r.start // r.chunk, -(-r.end // r.chunk)
-                f.seek(first * r.chunk)
-                for c in range(first, last):
-                    chunk = f.read(r.chunk)
-                    if c >= len(r.crcs) or zlib.crc32(chunk) != r.crcs[c]:
-                        where = f"its bytes from {c * r.chunk:,} differ from the crc32 in part.json"
-                        raise tampered(r.task, r.path, where)
-                    lo = max(r.start - c * r.chunk, 0)
-                    hi = min(r.end - c * r.chunk, len(chunk))
-                    view = memoryview(chunk)[lo:hi]
-                    out.write(view)
-                    h.update(view)
+            per_read = max(1, len(buf) // r.chunk) * r.chunk
+            with open(r.path, "rb", buffering=0) as f:
+                at, end = r.start // r.chunk * r.chunk, -(-r.end // r.chunk) * r.chunk
+                _advise(f, at, end - at)
+                f.seek(at)
+                while at < r.end:
+                    got = _read_full(f, memoryview(buf)[: min(per_read, end - at)])
+                    view = memoryview(buf)[:got]
+                    for lo in range(0, got, r.chunk):
+                        c = (at + lo) // r.chunk
+                        if c >= len(r.crcs) or zlib.crc32(view[lo : lo + r.chunk]) != r.crcs[c]:
+                            raise tampered(r.task, r.path, _differs(c * r.chunk))
+                    piece = view[max(r.start - at, 0) : min(r.end - at, got)]
+                    h.update(piece)
+                    _write_full(out, piece)
+                    at += got
+                    if not got:
+                        raise tampered(r.task, r.path, f"it ends at {at:,} bytes, before {r.end:,}")
     return h.hexdigest()
+
+
+def _differs(offset: int) -> str:
+    return f"its bytes from {offset:,} differ from the crc32 in part.json"
+
+
+READ_BYTES = 8 << 20
+"""Bytes read at a time per thread (whole crc32 chunks)."""
+
+_local = threading.local()
+
+
+def _buffer(chunk: int) -> bytearray:
+    """This thread's read buffer: ``READ_BYTES``, or one chunk when a chunk is larger."""
+    size = max(READ_BYTES, chunk)
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _local.buf = bytearray(size)
+    return buf
+
+
+def _advise(f, offset: int, length: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_SEQUENTIAL)
+
+
+def _read_full(f, view: memoryview) -> int:
+    """Fill ``view`` from ``f`` up to its end; the bytes read (fewer only at the file's end)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_full(out, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += out.write(view[done:])
 
 
 def write_all(shards: list[Shard], *, workers: int, tampered) -> list[str]:
