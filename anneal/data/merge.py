@@ -72,7 +72,9 @@ def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
         for name in [*plan["tokenizer"]["files"], TOKEN_BYTES]:
             shutil.copyfile(tok_dir / name, partial / name)
         t_copy = time.time()
-        splits, per_source, copied = _write_shards(partial, plan, found, cfg, sources, units)
+        splits, per_source, copied, written = _write_shards(
+            partial, plan, found, cfg, sources, units
+        )
         copy_s = time.time() - t_copy
         problems = Problems(cfg.read.on_error, quiet=True)
         problems.empty_files = plan["empty_files"]
@@ -98,7 +100,7 @@ def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
         PreparedDir(partial).write_meta(meta)
         (partial / one_node.PARTIAL_MARKER).unlink()  # not part of the tree that is hashed
         t_verify = time.time()
-        verified = verify(partial)
+        verified = verify(partial, written=written)  # the shards' sha256 of what was written
         record = _provenance(cfg, plan_sha, parts, plan, copied, copy_s, time.time() - t_verify)
         record["content_sha256"] = verified["content_sha256"]
         record["seconds"] = round(time.time() - t0, 1)
@@ -180,8 +182,8 @@ def _list(tasks: list[int]) -> str:
 
 def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units):
     """Every (split, source)'s shards under ``partial``: the pieces in task order, or a source
-    tokenized again with its held-out document. Returns the splits, the counts per source and
-    the bytes copied."""
+    tokenized again with its held-out document. Returns the splits, the counts per source, the
+    bytes copied and {"split/file": sha256} of the copied shards, hashed from the bytes written."""
     from anneal.data.prepare import default_workers
 
     dtype = np.dtype(plan["tokenizer"]["dtype"])
@@ -230,10 +232,11 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
                 "doc_index": _write_ends(directory, s.index, pieces, parts),
             }
     hashes = merge_copy.write_all(shards, workers=workers, tampered=_tampered_in(parts))
-    for entry, sha in zip(entries, hashes, strict=True):
-        entry["sha256"] = sha
+    written = {}
+    for entry, sh, sha in zip(entries, shards, hashes, strict=True):
+        entry["sha256"] = written[f"{sh.path.parent.name}/{sh.path.name}"] = sha
     splits, per_source = summarize(closed, sources)
-    return splits, per_source, sum(sh.tokens for sh in shards) * dtype.itemsize
+    return splits, per_source, sum(sh.tokens for sh in shards) * dtype.itemsize, written
 
 
 def _tampered_in(parts: Path):
