@@ -330,7 +330,7 @@ def _provenance(cfg, plan_sha, parts, plan, copied, copy_s, verify_s) -> dict:
         "tasks": [{k: d.get(k) for k in (*keep, "workers")} for d in dones],
         "pack_cpu_seconds": round(sum(d.get("pack_cpu_seconds", 0) for d in dones), 2),
         "merge_bytes": copied,
-        "merge_seconds": round(copy_s, 2),
+        "merge_seconds": round(copy_s, 4),
         "merge_mb_per_s": round(copied / 1e6 / max(copy_s, 1e-9), 2),
-        "verify_seconds": round(verify_s, 2),
+        "verify_seconds": round(verify_s, 4),
     }
