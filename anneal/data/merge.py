@@ -6,7 +6,7 @@ does, and then removes the parts.
 It refuses, before writing anything, while a task has no completion marker (naming every such
 task), when a marker belongs to another plan, and when a part's ``part.json`` is not the one its
 marker recorded or a file of it has another size; a file whose bytes changed at the same size is
-found while it is copied (the crc32s of its ids, the sha256 of its document index), and the
+found while it is copied (the xxh3-128s of its ids, the sha256 of its document index), and the
 directory being written is then removed. In
 every case the parts and any earlier OUT are left as they were.
 
@@ -154,6 +154,8 @@ def check_parts(plan: dict, plan_sha: str, parts: Path, cfg: PrepareConfig) -> l
 def _check_sizes(parts: Path, task: int, split: str, piece: dict, plan: dict) -> None:
     itemsize = np.dtype(plan["tokenizer"]["dtype"]).itemsize
     directory = task_dir(parts, task) / split
+    if piece["shards"] and not piece.get("xxh3_128"):
+        raise _tampered(parts, task, task_dir(parts, task) / PART, "records no xxh3-128 of its ids")
     files = [(s["file"], s["tokens"] * itemsize) for s in piece["shards"]]
     if piece["doc_index"]:
         files.append((piece["doc_index"], piece["docs_bytes"]))
@@ -209,8 +211,8 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
                     (
                         d / pc["shards"][0]["file"] if pc["shards"] else d,
                         pc["tokens"],
-                        pc["crc32"],
-                        pc["crc32_chunk"],
+                        pc["xxh3_128"],
+                        pc["xxh3_128_chunk"],
                         t,
                     )
                     for d, pc, t in pieces
