@@ -130,8 +130,10 @@ def _differs(offset: int) -> str:
     return f"its bytes from {offset:,} differ from the xxh3-128 in part.json"
 
 
-READ_BYTES = 8 << 20
-"""Bytes read at a time per thread (whole chunks of ``CHECK_CHUNK``)."""
+READ_BYTES = 1 << 20
+"""Bytes read at a time per thread (whole chunks of ``CHECK_CHUNK``): a buffer that stays in
+the core's cache while it is checked, hashed and written (measured on 2 cores: about 10%
+faster than 8 MiB, whose bytes are fetched from memory three times)."""
 
 _local = threading.local()
 
