@@ -120,15 +120,18 @@ def verify(data_dir: Path, *, written: dict[str, str] | None = None) -> dict:
                 to_hash.append((rel, path, shard["sha256"]))
     written = written or {}
     unread = [path for rel, path, _ in to_hash if rel not in written]
-    with ThreadPoolExecutor(_cores()) as pool:  # hashlib and reads release the GIL
-        read = dict(zip(unread, pool.map(sha256_file, unread), strict=True))
+    read = {}
+    if unread:
+        with ThreadPoolExecutor(_cores()) as pool:  # hashlib and reads release the GIL
+            read = dict(zip(unread, pool.map(sha256_file, unread), strict=True))
     hashes = [written.get(rel) or read[path] for rel, path, _ in to_hash]
     bad += [
         f"{rel} (sha256 differs: the bytes changed)"
         for (rel, _, want), sha in zip(to_hash, hashes, strict=True)
         if sha != want
     ]
-    shards, tokenizer_names = files, sorted(prepared.tokenizer_records(meta))
+    records = prepared.tokenizer_records(meta)
+    shards, tokenizer_names = files, sorted(records)
     files += len(tokenizer_names)
     changed = prepared.tokenizer_changes(meta)
     bad += [f"{n} ({'sha256 differs' if a else 'missing'})" for n, a, _ in changed]
@@ -141,7 +144,8 @@ def verify(data_dir: Path, *, written: dict[str, str] | None = None) -> dict:
         )
     uncovered = sorted(set(prepared.tokenizer_files(hashed=False)) - set(tokenizer_names))
     return {
-        "content_sha256": prepared.content_sha256(meta=meta),
+        # the tokenizer's files matched their records just now: those are their sha256
+        "content_sha256": prepared.content_sha256(meta=meta, checked=records),
         "shards": shards,
         "bytes": nbytes,
         "tokenizer": tokenizer_names,
