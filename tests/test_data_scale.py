@@ -261,9 +261,10 @@ def test_merge_refuses_a_part_of_another_plan(planned, corpus, tmp_path, capsys)
     assert tree(parts) == before and not out.exists()
 
 
-@pytest.mark.parametrize("damage", ["byte", "cut", "part.json"])
+@pytest.mark.parametrize("damage", ["byte", "last byte", "cut", "part.json"])
 def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys, damage):
-    """A byte of a part changed at the same size (found by its crc32 while copying), a part
+    """A byte of a part changed at the same size, in its middle or its last byte (found by its
+    xxh3-128 while copying), a part
     cut short (found by its size before writing), its part.json edited (the marker's sha256):
     refused, naming the file and the task to run again; an earlier --out, made by one node, is
     left as it was, and no partial directory stays."""
@@ -274,8 +275,8 @@ def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys
     (piece,) = [p for p in part["pieces"]["train"].values() if p["tokens"]][:1]
     shard = parts / "task-00001" / "train" / piece["shards"][0]["file"]
     data = bytearray(shard.read_bytes())
-    if damage == "byte":
-        data[len(data) // 2] ^= 1
+    if damage in ("byte", "last byte"):
+        data[len(data) // 2 if damage == "byte" else -1] ^= 1
         shard.write_bytes(bytes(data))
     elif damage == "cut":
         shard.write_bytes(bytes(data[:-2]))
@@ -290,7 +291,8 @@ def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys
     assert tree(out) == earlier and tree(parts) == before
     assert not list(out.parent.glob("data.partial-*"))
     what = {
-        "byte": "differ from the crc32 in part.json",
+        "byte": "differ from the xxh3-128 in part.json",
+        "last byte": "differ from the xxh3-128 in part.json",
         "cut": "bytes, not",
         "part.json": "its sha256 differs from the marker's",
     }[damage]

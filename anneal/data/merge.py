@@ -6,7 +6,7 @@ does, and then removes the parts.
 It refuses, before writing anything, while a task has no completion marker (naming every such
 task), when a marker belongs to another plan, and when a part's ``part.json`` is not the one its
 marker recorded or a file of it has another size; a file whose bytes changed at the same size is
-found while it is copied (the crc32s of its ids, the sha256 of its document index), and the
+found while it is copied (the xxh3-128s of its ids, the sha256 of its document index), and the
 directory being written is then removed. In
 every case the parts and any earlier OUT are left as they were.
 
@@ -72,7 +72,9 @@ def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
         for name in [*plan["tokenizer"]["files"], TOKEN_BYTES]:
             shutil.copyfile(tok_dir / name, partial / name)
         t_copy = time.time()
-        splits, per_source, copied = _write_shards(partial, plan, found, cfg, sources, units)
+        splits, per_source, copied, written = _write_shards(
+            partial, plan, found, cfg, sources, units
+        )
         copy_s = time.time() - t_copy
         problems = Problems(cfg.read.on_error, quiet=True)
         problems.empty_files = plan["empty_files"]
@@ -98,7 +100,7 @@ def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
         PreparedDir(partial).write_meta(meta)
         (partial / one_node.PARTIAL_MARKER).unlink()  # not part of the tree that is hashed
         t_verify = time.time()
-        verified = verify(partial)
+        verified = verify(partial, written=written)  # the shards' sha256 of what was written
         record = _provenance(cfg, plan_sha, parts, plan, copied, copy_s, time.time() - t_verify)
         record["content_sha256"] = verified["content_sha256"]
         record["seconds"] = round(time.time() - t0, 1)
@@ -152,6 +154,8 @@ def check_parts(plan: dict, plan_sha: str, parts: Path, cfg: PrepareConfig) -> l
 def _check_sizes(parts: Path, task: int, split: str, piece: dict, plan: dict) -> None:
     itemsize = np.dtype(plan["tokenizer"]["dtype"]).itemsize
     directory = task_dir(parts, task) / split
+    if piece["shards"] and not piece.get("xxh3_128"):
+        raise _tampered(parts, task, task_dir(parts, task) / PART, "records no xxh3-128 of its ids")
     files = [(s["file"], s["tokens"] * itemsize) for s in piece["shards"]]
     if piece["doc_index"]:
         files.append((piece["doc_index"], piece["docs_bytes"]))
@@ -180,8 +184,8 @@ def _list(tasks: list[int]) -> str:
 
 def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units):
     """Every (split, source)'s shards under ``partial``: the pieces in task order, or a source
-    tokenized again with its held-out document. Returns the splits, the counts per source and
-    the bytes copied."""
+    tokenized again with its held-out document. Returns the splits, the counts per source, the
+    bytes copied and {"split/file": sha256} of the copied shards, hashed from the bytes written."""
     from anneal.data.prepare import default_workers
 
     dtype = np.dtype(plan["tokenizer"]["dtype"])
@@ -207,8 +211,8 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
                     (
                         d / pc["shards"][0]["file"] if pc["shards"] else d,
                         pc["tokens"],
-                        pc["crc32"],
-                        pc["crc32_chunk"],
+                        pc["xxh3_128"],
+                        pc["xxh3_128_chunk"],
                         t,
                     )
                     for d, pc, t in pieces
@@ -230,10 +234,11 @@ def _write_shards(partial: Path, plan, found, cfg: PrepareConfig, sources, units
                 "doc_index": _write_ends(directory, s.index, pieces, parts),
             }
     hashes = merge_copy.write_all(shards, workers=workers, tampered=_tampered_in(parts))
-    for entry, sha in zip(entries, hashes, strict=True):
-        entry["sha256"] = sha
+    written = {}
+    for entry, sh, sha in zip(entries, shards, hashes, strict=True):
+        entry["sha256"] = written[f"{sh.path.parent.name}/{sh.path.name}"] = sha
     splits, per_source = summarize(closed, sources)
-    return splits, per_source, sum(sh.tokens for sh in shards) * dtype.itemsize
+    return splits, per_source, sum(sh.tokens for sh in shards) * dtype.itemsize, written
 
 
 def _tampered_in(parts: Path):
@@ -327,7 +332,7 @@ def _provenance(cfg, plan_sha, parts, plan, copied, copy_s, verify_s) -> dict:
         "tasks": [{k: d.get(k) for k in (*keep, "workers")} for d in dones],
         "pack_cpu_seconds": round(sum(d.get("pack_cpu_seconds", 0) for d in dones), 2),
         "merge_bytes": copied,
-        "merge_seconds": round(copy_s, 2),
+        "merge_seconds": round(copy_s, 4),
         "merge_mb_per_s": round(copied / 1e6 / max(copy_s, 1e-9), 2),
-        "verify_seconds": round(verify_s, 2),
+        "verify_seconds": round(verify_s, 4),
     }

@@ -3,51 +3,55 @@ order, cut into shards of ``--shard-tokens`` exactly as one node cuts them, each
 and hashed by a thread of a pool, so that the copy runs at the disk's rate rather than one
 core's sha256 rate (reads, writes and hashlib all release the GIL).
 
-A task records a crc32 of every ``CRC_CHUNK`` bytes of its ids (part.json ``crc32``); a shard's
-job reads the whole chunks its range overlaps and checks each against it before it writes and
-hashes the bytes it needs, so a changed byte anywhere in a part is found while copying, with no
-pass of its own. (A crc32 finds every error of a bit, every burst of up to 32 bits, and any
-other change but one in 2**32: a bad copy or a disk error. Nobody who can rewrite a part is
-kept out by a stronger hash, since part.json and the marker lie beside it.)
+A task records an xxh3-128 of every ``CHECK_CHUNK`` bytes of its ids (part.json ``xxh3_128``);
+a shard's job reads the whole chunks its range overlaps and checks each against it before it
+writes and hashes the bytes it needs, so a changed byte anywhere in a part is found while
+copying, with no pass of its own. (xxh3-128 misses a change, any change, once in 2**128: a bad
+copy or a disk error; it runs at about 10 GB/s per core, against crc32's 2 GB/s, so the
+merge's CPU goes to the sha256 that meta.json records. Nobody who can rewrite a part is kept
+out by a cryptographic hash, since part.json and the marker lie beside it.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import zlib
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CRC_CHUNK = 1 << 20
-"""Bytes of a task's ids per crc32 in part.json, at most (less for shards smaller than it, so
+import xxhash
+
+CHECK_CHUNK = 1 << 20
+"""Bytes of a task's ids per xxh3-128 in part.json, at most (less for shards smaller than it, so
 that a shard's job reads little more than its own bytes)."""
 
 
-def crc_chunk(shard_bytes: int) -> int:
-    return max(1, min(CRC_CHUNK, shard_bytes))
+def check_chunk(shard_bytes: int) -> int:
+    return max(1, min(CHECK_CHUNK, shard_bytes))
 
 
-def piece_crc32(path: Path, chunk_bytes: int) -> list[int]:
-    """The crc32 of every ``chunk_bytes`` bytes of ``path`` (the last chunk may be shorter)."""
-    crcs = []
+def piece_hashes(path: Path, chunk_bytes: int) -> list[str]:
+    """The xxh3-128 (hex) of every ``chunk_bytes`` bytes of ``path`` (the last may be shorter)."""
+    hashes = []
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
-            crcs.append(zlib.crc32(chunk))
-    return crcs
+            hashes.append(xxhash.xxh3_128_hexdigest(chunk))
+    return hashes
 
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """Bytes ``[start, end)`` of one task's ids file, and that file's chunk checksums."""
+    """Bytes ``[start, end)`` of one task's ids file, and that file's chunk hashes."""
 
     path: Path
     start: int
     end: int
-    crcs: tuple[int, ...]
+    hashes: tuple[str, ...]
     chunk: int
-    """Bytes per crc32."""
+    """Bytes per xxh3-128."""
     task: int
 
 
@@ -61,7 +65,7 @@ class Shard:
 
 
 def cut(
-    pieces: list[tuple[Path, int, list[int], int, int]],
+    pieces: list[tuple[Path, int, list[str], int, int]],
     *,
     directory: Path,
     source: int,
@@ -69,10 +73,9 @@ def cut(
     shard_tokens: int,
     name: Callable[[int, int], str],
 ) -> list[Shard]:
-    """The shards of one (split, source): ``pieces`` are (ids file, tokens, crc32s, bytes per
-    crc32, task) in
-    task order, their ids concatenated and cut every ``shard_tokens`` as one node's writer
-    cuts them; ``name(source, index)`` names shard ``index``."""
+    """The shards of one (split, source): ``pieces`` are (ids file, tokens, xxh3-128s, bytes
+    per hash, task) in task order, their ids concatenated and cut every ``shard_tokens`` as
+    one node's writer cuts them; ``name(source, index)`` names shard ``index``."""
     starts, total = [], 0
     for _, tokens, _, _, _ in pieces:
         starts.append(total)
@@ -92,24 +95,78 @@ def cut(
 
 
 def write_shard(shard: Shard, tampered: Callable[[int, Path, str], Exception]) -> str:
-    """Write ``shard`` from its ranges, checking every chunk read; returns its sha256."""
+    """Write ``shard`` from its ranges, checking every chunk read; returns its sha256.
+
+    Each read fills a reused buffer of whole chunks (up to ``READ_BYTES``) with ``readinto``;
+    the bytes are checked, hashed and written from that buffer through memoryviews, so what is
+    written and hashed is exactly what was checked, with no copy between."""
     h = hashlib.sha256()
-    with open(shard.path, "wb") as out:
+    buf = _buffer(max((r.chunk for r in shard.ranges), default=1))
+    with open(shard.path, "wb", buffering=0) as out:
         for r in shard.ranges:
-            with open(r.path, "rb") as f:
-                first, last = r.start // r.chunk, -(-r.end // r.chunk)
-                f.seek(first * r.chunk)
-                for c in range(first, last):
-                    chunk = f.read(r.chunk)
-                    if c >= len(r.crcs) or zlib.crc32(chunk) != r.crcs[c]:
-                        where = f"its bytes from {c * r.chunk:,} differ from the crc32 in part.json"
-                        raise tampered(r.task, r.path, where)
-                    lo = max(r.start - c * r.chunk, 0)
-                    hi = min(r.end - c * r.chunk, len(chunk))
-                    view = memoryview(chunk)[lo:hi]
-                    out.write(view)
-                    h.update(view)
+            per_read = max(1, len(buf) // r.chunk) * r.chunk
+            with open(r.path, "rb", buffering=0) as f:
+                at, end = r.start // r.chunk * r.chunk, -(-r.end // r.chunk) * r.chunk
+                _advise(f, at, end - at)
+                f.seek(at)
+                while at < r.end:
+                    got = _read_full(f, memoryview(buf)[: min(per_read, end - at)])
+                    view = memoryview(buf)[:got]
+                    for lo in range(0, got, r.chunk):
+                        c = (at + lo) // r.chunk
+                        got_hash = xxhash.xxh3_128_hexdigest(view[lo : lo + r.chunk])
+                        if c >= len(r.hashes) or got_hash != r.hashes[c]:
+                            raise tampered(r.task, r.path, _differs(c * r.chunk))
+                    piece = view[max(r.start - at, 0) : min(r.end - at, got)]
+                    h.update(piece)
+                    _write_full(out, piece)
+                    at += got
+                    if not got:
+                        raise tampered(r.task, r.path, f"it ends at {at:,} bytes, before {r.end:,}")
     return h.hexdigest()
+
+
+def _differs(offset: int) -> str:
+    return f"its bytes from {offset:,} differ from the xxh3-128 in part.json"
+
+
+READ_BYTES = 1 << 20
+"""Bytes read at a time per thread (whole chunks of ``CHECK_CHUNK``): a buffer that stays in
+the core's cache while it is checked, hashed and written (measured on 2 cores: about 10%
+faster than 8 MiB, whose bytes are fetched from memory three times)."""
+
+_local = threading.local()
+
+
+def _buffer(chunk: int) -> bytearray:
+    """This thread's read buffer: ``READ_BYTES``, or one chunk when a chunk is larger."""
+    size = max(READ_BYTES, chunk)
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _local.buf = bytearray(size)
+    return buf
+
+
+def _advise(f, offset: int, length: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_SEQUENTIAL)
+
+
+def _read_full(f, view: memoryview) -> int:
+    """Fill ``view`` from ``f`` up to its end; the bytes read (fewer only at the file's end)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_full(out, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += out.write(view[done:])
 
 
 def write_all(shards: list[Shard], *, workers: int, tampered) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.data.merge_copy import crc_chunk, piece_crc32
+from anneal.data.merge_copy import check_chunk, piece_hashes
 from anneal.data.pack import ShardWriter, pack_units
 from anneal.data.plan import (
     TOKENIZER,
@@ -97,7 +97,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
             iter(mine), writers, problems, progress, workers=workers, initargs=initargs
         )
         progress.close()
-        chunk = crc_chunk(cfg.shard_tokens * dtype.itemsize)
+        chunk = check_chunk(cfg.shard_tokens * dtype.itemsize)
         pieces = {
             split: {
                 str(s): _piece(partial / split, writers[split, s].close(), chunk) for s in touched
@@ -138,7 +138,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
 
 def _piece(directory: Path, written: dict, chunk: int) -> dict:
     """What part.json records of one (split, source): the writer's counts, its one shard, and
-    the document index's size and sha256, and a crc32 of every ``chunk`` bytes of its ids
+    the document index's size and sha256, and an xxh3-128 of every ``chunk`` bytes of its ids
     (what the merge checks while it copies them: :mod:`anneal.data.merge_copy`)."""
     docs = directory / written["doc_index"] if written["doc_index"] else None
     ids = [directory / shard["file"] for shard in written["shards"]]
@@ -146,8 +146,8 @@ def _piece(directory: Path, written: dict, chunk: int) -> dict:
         **written,
         "docs_bytes": docs.stat().st_size if docs else 0,
         "docs_sha256": sha256_file(docs) if docs else None,
-        "crc32": piece_crc32(ids[0], chunk) if ids else [],
-        "crc32_chunk": chunk,
+        "xxh3_128": piece_hashes(ids[0], chunk) if ids else [],
+        "xxh3_128_chunk": chunk,
     }
 
 

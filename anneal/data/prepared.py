@@ -84,14 +84,19 @@ def check_prepared(data: Path | PreparedDir) -> dict:
     return meta
 
 
-def verify(data_dir: Path) -> dict:
+def verify(data_dir: Path, *, written: dict[str, str] | None = None) -> dict:
     """``anneal data verify``: re-hash every shard against the sha256 in meta.json (a thread per
     core: hashlib and reads release the GIL), and every
     tokenizer file (``PreparedDir.tokenizer_records``). Returns the shards checked, their bytes, the
     tokenizer files checked, the top-level files meta.json has no hash for ("uncovered": a
     directory prepared before ``tokenizer_files``) and the tree's ``content_sha256`` (the same
     for any two preparations of the same inputs and flags); a UserError lists every file that is
-    missing, of the wrong size or differs."""
+    missing, of the wrong size or differs.
+
+    ``written``: {"split/file": sha256} of shards whose sha256 the caller computed from the very
+    bytes it wrote to them just now (the merge of tasks); those are checked for presence and
+    size and their sha256 taken as read, not read back (a read-back of a file just written
+    comes from the page cache, so it finds no more than the size check does)."""
     prepared = PreparedDir(data_dir)
     data_dir, meta = prepared.path, prepared.meta()
     dtype = np.dtype(meta["dtype"])
@@ -113,14 +118,20 @@ def verify(data_dir: Path) -> dict:
             else:
                 nbytes += want_size
                 to_hash.append((rel, path, shard["sha256"]))
-    with ThreadPoolExecutor(_cores()) as pool:  # hashlib and reads release the GIL
-        hashes = list(pool.map(sha256_file, [path for _, path, _ in to_hash]))
+    written = written or {}
+    unread = [path for rel, path, _ in to_hash if rel not in written]
+    read = {}
+    if unread:
+        with ThreadPoolExecutor(_cores()) as pool:  # hashlib and reads release the GIL
+            read = dict(zip(unread, pool.map(sha256_file, unread), strict=True))
+    hashes = [written.get(rel) or read[path] for rel, path, _ in to_hash]
     bad += [
         f"{rel} (sha256 differs: the bytes changed)"
         for (rel, _, want), sha in zip(to_hash, hashes, strict=True)
         if sha != want
     ]
-    shards, tokenizer_names = files, sorted(prepared.tokenizer_records(meta))
+    records = prepared.tokenizer_records(meta)
+    shards, tokenizer_names = files, sorted(records)
     files += len(tokenizer_names)
     changed = prepared.tokenizer_changes(meta)
     bad += [f"{n} ({'sha256 differs' if a else 'missing'})" for n, a, _ in changed]
@@ -133,7 +144,8 @@ def verify(data_dir: Path) -> dict:
         )
     uncovered = sorted(set(prepared.tokenizer_files(hashed=False)) - set(tokenizer_names))
     return {
-        "content_sha256": prepared.content_sha256(meta=meta),
+        # the tokenizer's files matched their records just now: those are their sha256
+        "content_sha256": prepared.content_sha256(meta=meta, checked=records),
         "shards": shards,
         "bytes": nbytes,
         "tokenizer": tokenizer_names,

@@ -132,15 +132,16 @@ class PreparedDir:
             return {}
         return record if isinstance(record, dict) else {}
 
-    def content_sha256(self, *, meta: dict | None = None) -> str:
+    def content_sha256(self, *, meta: dict | None = None, checked: dict | None = None) -> str:
         """One sha256 over the whole tree but provenance.json: ``sha256sum``'s line for every
         file (its sha256, two spaces, its path relative to the directory), sorted by path as
         bytes, hashed. In the directory: ``find . -type f ! -path ./provenance.json -printf
         '%P\\n' | LC_ALL=C sort | xargs sha256sum | sha256sum``. Two preparations of the same
         inputs with the same settings, on one node or merged from many tasks, have the same
         one. ``meta``: meta.json, its shards' sha256 just verified (``anneal data verify``), taken
-        for theirs instead of reading them again."""
-        known = {
+        for theirs instead of reading them again; ``checked``: {relative path: sha256} of other
+        files just checked against their records, taken likewise."""
+        known = (checked or {}) | {
             f"{split}/{shard['file']}": shard["sha256"]
             for split in SPLITS
             for shard in (meta or {}).get("splits", {}).get(split, {}).get("shards", [])
