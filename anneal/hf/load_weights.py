@@ -114,34 +114,41 @@ def _first_of_group(p: torch.Tensor) -> bool:
 
 def load_pretrained_(model: torch.nn.Module, directory: Path, *, gather=None) -> dict:
     """Copy the weights in ``directory`` into ``model``'s parameters (cast to their dtype),
-    one module at a time; ``gather(params)`` makes a module's parameters whole and writable
-    on the first rank of their partition group and partitions them again on exit (ZeRO-3),
-    None: each rank writes its copy.
-    Returns counts (tensors, elements, bytes read)."""
+    one module at a time (``copy_into_``). Returns counts (tensors, elements, bytes read)."""
     directory = Path(directory)
-    done: set[int] = set()
-    count = {"tensors": 0, "elements": 0, "bytes_read": 0}
     with contextlib.ExitStack() as stack:
         tensors = _Tensors(directory, stack)
         _check_names(model, tensors)
-        for prefix, module in model.named_modules():
-            params = {
-                f"{prefix}.{n}".lstrip("."): p
-                for n, p in module.named_parameters(recurse=False)
-                if id(p) not in done
-            }
-            if not params:
-                continue
-            context = gather(list(params.values())) if gather else contextlib.nullcontext()
-            reads = gather is None or _first_of_group(next(iter(params.values())))
-            with context, torch.no_grad():
-                for name, p in params.items():
-                    if reads:
-                        t = tensors.read(name)
-                        p.data.copy_(t.to(p.dtype))
-                        count["bytes_read"] += t.numel() * t.element_size()
-                        del t
-                    done.add(id(p))
-                    count["tensors"] += 1
-                    count["elements"] += p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        return copy_into_(model, tensors.read, gather=gather)
+
+
+def copy_into_(model: torch.nn.Module, read, *, gather=None) -> dict:
+    """Copy ``read(name)`` (the whole tensor of each parameter, any float dtype and a shape of
+    as many elements) into ``model``, one module at a time; ``gather(params)`` makes a module's
+    parameters whole and writable on the first rank of their partition group and partitions
+    them again on exit (ZeRO-3; under tensor parallelism each tensor-parallel rank has a group
+    of its own), None: each rank writes its copy. A tied parameter is copied once. The caller
+    has checked the names and shapes. Returns counts (tensors, elements, bytes read)."""
+    done: set[int] = set()
+    count = {"tensors": 0, "elements": 0, "bytes_read": 0}
+    for prefix, module in model.named_modules():
+        params = {
+            f"{prefix}.{n}".lstrip("."): p
+            for n, p in module.named_parameters(recurse=False)
+            if id(p) not in done
+        }
+        if not params:
+            continue
+        context = gather(list(params.values())) if gather else contextlib.nullcontext()
+        reads = gather is None or _first_of_group(next(iter(params.values())))
+        with context, torch.no_grad():
+            for name, p in params.items():
+                if reads:
+                    t = read(name)
+                    p.data.copy_(t.view(p.shape).to(p.dtype))
+                    count["bytes_read"] += t.numel() * t.element_size()
+                    del t
+                done.add(id(p))
+                count["tensors"] += 1
+                count["elements"] += p.ds_numel if hasattr(p, "ds_numel") else p.numel()
     return count

@@ -64,45 +64,12 @@ def copy_weights_(
     model: torch.nn.Module, tensors: Mapping[str, Callable[[], torch.Tensor]], *, gather=None
 ) -> int:
     """Copy each parameter's tensor (``tensors[name]()``, whole, any float dtype) into
-    ``model``, one module at a time; ``gather`` as ``anneal.hf.load_weights.load_pretrained_``
-    takes it (ZeRO-3: the first rank of each partition group reads and writes a module made
-    whole, the others receive their partitions on leaving; under tensor parallelism each
-    tensor-parallel rank has a group of its own). A tied parameter is copied once. Returns the
-    tensors copied. The caller has checked the names and shapes
-    (``anneal.hf.source.check_shapes``)."""
-    done: set[int] = set()
-    for prefix, module in model.named_modules():
-        params = {
-            f"{prefix}.{n}".lstrip("."): p
-            for n, p in module.named_parameters(recurse=False)
-            if id(p) not in done
-        }
-        if not params:
-            continue
-        context = gather(list(params.values())) if gather else _nothing()
-        reads = gather is None or _first_of_group(next(iter(params.values())))
-        with context, torch.no_grad():
-            for name, p in params.items():
-                if reads:
-                    p.data.copy_(tensors[name]().view(p.shape).to(p.dtype))
-                done.add(id(p))
-    return len(done)
+    ``model``, one module at a time, as ``--init-from`` copies a Hugging Face directory's
+    (``anneal.hf.load_weights.copy_into_``, ``gather`` as there). Returns the tensors copied.
+    The caller has checked the names and shapes (``anneal.hf.source.check_shapes``)."""
+    from anneal.hf.load_weights import copy_into_
 
-
-def _first_of_group(p: torch.Tensor) -> bool:
-    """Whether this rank is the first of the group ``p`` is partitioned over (ZeRO-3's
-    ``ds_process_group``; ``GatheredParameters(modifier_rank=0)`` sends that rank's values)."""
-    import torch.distributed as dist
-
-    return dist.get_rank(group=getattr(p, "ds_process_group", None)) == 0
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return copy_into_(model, lambda name: tensors[name](), gather=gather)["tensors"]
 
 
 def scoring_engine(
