@@ -153,10 +153,11 @@ class ComputePlan:
 
 
 def nearest_preset(params: float) -> tuple[str, int]:
-    """The preset whose parameter count (at its nominal vocabulary) is closest in log scale."""
+    """The dense preset whose parameter count (at its nominal vocabulary) is closest in log
+    scale (the law is a dense model's: a sparse preset is never the nearest)."""
     from anneal.model import PRESETS, count_params
 
-    counts = {name: count_params(p) for name, p in PRESETS.items()}
+    counts = {name: count_params(p) for name, p in PRESETS.items() if not p.is_moe}
     name = min(counts, key=lambda k: abs(math.log(counts[k] / params)))
     return name, counts[name]
 
