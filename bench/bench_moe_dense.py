@@ -7,7 +7,9 @@ Both are the demo's run (scripts/demo.py: 2,048 tokens per step, peak LR 7e-4, W
 one model after the other, for each ``--seeds`` (the init; the data order is the same). The
 active parameters per token are equal but for the router (256 x 8 per layer: 8,192 of 7.4M);
 the sparse model holds 13.7M in all. The result (each validation point of each run, and the
-final gap against the spread over seeds) is printed and, with ``--report``, written as JSON.
+final gap against the spread over seeds) is printed, as one JSON line too, and with
+``--report`` written as a markdown fragment (``bench/run_all.py`` appends it to
+docs/benchmarks.md).
 
     .venv/bin/python bench/bench_moe_dense.py [--steps 320] [--seeds 0,1] [--report F]
     .venv/bin/python bench/bench_moe_dense.py --smoke        (CI: a few steps, no figures kept)
@@ -81,7 +83,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--every", type=int, default=40, help="validate every N steps")
     p.add_argument("--data", default=str(DEFAULT_DATA))
-    p.add_argument("--report", help="write the runs and the gap as JSON here")
+    p.add_argument("--report", help="write the runs and the gap here, as markdown")
     p.add_argument("--smoke", action="store_true", help="4 steps, one seed, nothing kept")
     args = p.parse_args()
     steps, seeds, every = args.steps, [int(s) for s in args.seeds.split(",")], args.every
@@ -105,9 +107,25 @@ def main() -> None:
         f"seed {[round(g, 4) for g in gaps]}; spread over seeds: dense {spread['dense']:.4f}, "
         f"sparse {spread['sparse']:.4f}"
     )
+    print(json.dumps({"bench": "moe_dense", "steps": steps, "runs": runs, "gaps": gaps}))
     if args.report and not args.smoke:
-        doc = {"machine": machine_line(), "steps": steps, "runs": runs, "gaps": gaps}
-        Path(args.report).write_text(json.dumps(doc, indent=2) + "\n")
+        Path(args.report).write_text(fragment(runs, steps=steps, gaps=gaps))
+
+
+def fragment(runs: list[dict], *, steps: int, gaps: list[float]) -> str:
+    """The markdown of ``--report``: one row per run, its validation curve and final bpb."""
+    points = sorted(runs[0]["val_bpb"])
+    head = "| model | seed | " + " | ".join(f"bpb @ {s}" for s in points) + " | tokens/s |"
+    rows = [head, "|" + "---|" * (len(points) + 3)]
+    for r in runs:
+        bpb = " | ".join(f"{r['val_bpb'][s]:.4f}" for s in points)
+        rows.append(f"| {r['kind']} | {r['seed']} | {bpb} | {r['median_tokens_per_s']:,.0f} |")
+    return (
+        f"### Sparse against dense at equal active compute ({steps} steps)\n\n"
+        f"`.venv/bin/python bench/bench_moe_dense.py --steps {steps}` on {machine_line()}: "
+        f"dense - sparse final validation bits per byte per seed: "
+        f"{', '.join(f'{g:.4f}' for g in gaps)}.\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 if __name__ == "__main__":
