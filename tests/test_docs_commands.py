@@ -95,6 +95,10 @@ RULES = [
         "tests/test_export.py exports runs",
     ),
     Rule(pattern=r"^python recipes/pretrain_tiny\.py --out ", given=STDLIB, add=TRAIN),
+    Rule(pattern=r"^python recipes/pretrain_moe_tiny\.py --out ", given=STDLIB, add=TRAIN),
+    Rule(
+        pattern=r"^deepspeed --num_gpus 2 recipes/pretrain_moe_tiny\.py ", given=STDLIB, add=TRAIN
+    ),
     Rule(
         pattern=r"^deepspeed --num_gpus 8 recipes/continue_pretraining\.py ",
         skip="8 GPUs and models/Qwen2.5-7B, a download; tests/test_init_from.py trains from "
