@@ -87,7 +87,7 @@ class MetricsLogger:
                     continue
                 if isinstance(value, int | float):
                     self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
-                elif isinstance(value, list) and not key.startswith("moe_"):  # per rank: mem_gib
+                elif isinstance(value, list):  # one value per rank, e.g. mem_gib
                     for i, v in enumerate(value):
                         self._tb.add_scalar(f"{row['kind']}/{key}/rank{i}", v, row["step"])
             for tag, value in moe.scalars(row).items():  # a sparse model's balance
