@@ -135,6 +135,8 @@ def refusal(e: Exception) -> str:
 
 _STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
 """What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
+_EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
+"""One expert's weights, as DeepSpeed's AutoEP saves them: a flat dict of tensors."""
 
 
 def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
@@ -142,11 +144,22 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
     never read, so that a refusal comes before anything is loaded, the same on every rank.
 
     ``skip_hidden``: not a file under a hidden name (a leftover that nothing loads)."""
+    import torch
+
     tag_dir = Path(tag_dir)
     for path in sorted(tag_dir.rglob("*.pt")):
         if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
             continue
         state = load(path, map_location="cpu", mmap=True)
+        if _EXPERT_FILE.fullmatch(path.name):
+            if not (
+                isinstance(state, dict) and state and all(map(torch.is_tensor, state.values()))
+            ):
+                raise UserError(
+                    f"{path}: holds a {type(state).__name__} that is not a dict of tensors, not "
+                    f"what DeepSpeed's AutoEP saves in an expert's file, so it is not loaded."
+                )
+            continue
         key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
         if key and not (isinstance(state, dict) and key in state):
             raise UserError(
