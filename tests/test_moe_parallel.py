@@ -19,8 +19,9 @@ from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, ru
 
 MOE = ROOT / "recipes" / "pretrain_moe_tiny.py"
 STEPS = PARALLEL_STEPS
-EXPERTS = sets("model.num_experts=4", "model.expert_intermediate_size=32")
-"""The tiny-moe preset at the parallel tests' shape: 4 experts of width 32, top-2."""
+EXPERTS = sets("model.num_experts=4", "model.expert_intermediate_size=32", "train.log_every=1")
+"""The tiny-moe preset at the parallel tests' shape: 4 experts of width 32, top-2; a moe row
+(each step's token counts) at every step."""
 
 
 def _args(data, out, *, ep: int, stage: int, extra=()) -> list[str]:

@@ -1,5 +1,6 @@
 """metrics.jsonl (written here; read back by ``anneal.rundir.read_metrics``, re-exported here),
-TensorBoard and the console line.
+TensorBoard and the console line. A sparse model's balance goes to TensorBoard under ``moe/``
+(``anneal.observe.moe``).
 
 Only rank 0 writes. Every row is flushed as it is written, so a killed run keeps its metrics
 (all but, at worst, a torn last line, which ``read_metrics`` skips). The device peaks that MFU
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.dist import is_main_process
+from anneal.observe import moe
 from anneal.rundir import read_metrics
 
 __all__ = ["MetricsLogger", "Mfu", "read_metrics"]
@@ -81,11 +83,15 @@ class MetricsLogger:
             self._eval_scalars(row)
         if self._tb is not None and row.get("kind") in ("train", "val"):
             for key, value in row.items():
-                if key not in ("kind", "step") and isinstance(value, int | float):
+                if key in ("kind", "step") or key in moe.MOE_FIELDS:
+                    continue
+                if isinstance(value, int | float):
                     self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
-                elif isinstance(value, list) and not key.startswith("moe_"):  # per rank: mem_gib
+                elif isinstance(value, list):  # one value per rank, e.g. mem_gib
                     for i, v in enumerate(value):
                         self._tb.add_scalar(f"{row['kind']}/{key}/rank{i}", v, row["step"])
+            for tag, value in moe.scalars(row).items():  # a sparse model's balance
+                self._tb.add_scalar(tag, value, row["step"])
 
     def _eval_scalars(self, row: dict) -> None:
         """A scoring's row (``anneal.eval.results.metrics_row``): ``eval/<task>/<metric>`` and

@@ -2,7 +2,7 @@
 the dev loss and the random baseline, the learning rate planned and applied, the gradient norm
 with the guard's events, and throughput with MFU, all read from ``RUN/metrics.jsonl``; and,
 when the run has downstream scores (``RUN/evals/``), each task's against tokens
-(``downstream``).
+(``downstream``); a sparse model's expert load and router balance (``moe_plots``).
 
 The schedule and fit charts live in ``formula_plots`` and the shared look in ``plot_style``;
 the CLI imports all three kinds of chart from here."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anneal.observe import downstream
+from anneal.observe import downstream, moe, moe_plots
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
 from anneal.run_record import RunRecord
 
@@ -34,7 +34,8 @@ def plot_run(
     run_dir: Path, *, out_dir: Path | None = None, dark: bool = False, keep_others: bool = False
 ) -> list[Path]:
     """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``,
-    val_sources.png for a blend, downstream.png when the run has downstream scores (a damaged
+    val_sources.png for a blend, expert_load.png and moe_balance.png for a sparse model (a
+    run with moe rows), downstream.png when the run has downstream scores (a damaged
     ``evals/`` document is a UserError; with ``keep_others`` a warning, and no such chart).
 
     A file there that Anneal did not write is a UserError (``claim_pngs``), before anything is
@@ -63,6 +64,10 @@ def plot_run(
         charts["val_sources.png"] = lambda p: _plot_val_sources(
             plt, c, train, val, sources, p, name
         )
+    if balance := moe.moe_rows(rows):  # a sparse model (anneal.observe.moe_plots)
+        top_k = (record.model.get("moe") or {}).get("top_k")
+        charts["expert_load.png"] = lambda p: moe_plots.draw_expert_load(plt, c, balance, p, name)
+        charts["moe_balance.png"] = lambda p: moe_plots.draw_balance(plt, c, train, p, name, top_k)
     tasks = _downstream(run_dir, rows, keep_others=keep_others)
     if downstream.drawable(tasks):
         theirs = _parent_downstream(record)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from anneal.dist import is_main_process
+from anneal.observe import moe
 from anneal.planning.forecast import format_duration
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class ProgressBar:
-    """Step, loss, tokens/s and ETA on rank 0.
+    """Step, loss (and a sparse model's aux loss beside it), tokens/s and ETA on rank 0.
 
     ``interactive`` defaults to whether ``stream`` is a terminal. Interactive: a tqdm bar
     redrawn in place, with a plain line kept above it every ``log_every`` steps. Otherwise: a
@@ -80,8 +81,10 @@ class ProgressBar:
         return f"step {step:>{len(str(self.max_steps))}}/{self.max_steps}"
 
     def _fields(self, row: dict) -> list[str]:
-        loss = row.get("loss")
+        loss, aux = row.get("loss"), row.get("aux_loss")
         parts = [f"loss {loss:.4f}" if isinstance(loss, int | float) else "loss nan"]
+        if "aux_loss" in row:  # a sparse model: its router's aux loss beside the LM loss
+            parts[0] += f" aux {aux:.4f}" if isinstance(aux, int | float) else " aux nan"
         if isinstance(row.get("lr"), int | float):
             parts.append(f"lr {row['lr']:.2e}")
         if isinstance(row.get("grad_norm"), int | float):
@@ -154,9 +157,9 @@ class WandbSink:
         if row["kind"] == "eval":
             self._log_eval(row)
             return
-        data = {}
+        data = moe.scalars(row)  # a sparse model's balance, as TensorBoard gets it
         for key, value in row.items():
-            if key in ("kind", "step"):
+            if key in ("kind", "step") or key in moe.MOE_FIELDS:
                 continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 data[f"{row['kind']}/{key}"] = value

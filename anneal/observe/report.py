@@ -8,7 +8,11 @@ dev loss           falls, then stabilizes    rises while train loss falls
 grad norm          finite, bounded           NaN or repeated huge spikes
 tokens/s           stable for a config       sudden drop or data stall
 downstream <task>  holds or rises            fell by > 2 stderr, or failed
+experts            each keeps a share        one's share stays near 0
+expert balance     max/mean load near 1      max/mean stays above 2 at the end
 =================  ========================  ===============================
+
+The last two are a sparse model's (a run with ``moe`` rows; ``anneal.observe.moe``).
 
 The random baseline is ``ln(V)`` nats per token: a model that has learned nothing spreads its
 probability evenly over the V ids. Thresholds are in the constants below, with their reasons.
@@ -25,10 +29,11 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.files import write_atomic
+from anneal.observe import moe
+from anneal.observe.health_signal import HEALTHY, PROBLEM, UNKNOWN, Signal
 
 log = logging.getLogger("anneal.observe.report")  # the same name when run as __main__
 
-HEALTHY, PROBLEM, UNKNOWN = "healthy", "problem", "n/a"
 # Train loss counts as "near the baseline" above this share of ln(V): a model that has learned
 # only unigram frequencies is already well below it (stdlib corpus: ~0.6 ln V).
 NEAR_BASELINE = 0.9
@@ -43,17 +48,6 @@ SPIKES_REPEATED = 3
 # the data loader "stalls" when it holds the step this share of the time (median).
 TPUT_DROP = 0.5
 DATA_STALL = 0.10
-
-
-@dataclasses.dataclass
-class Signal:
-    name: str
-    status: str
-    detail: str
-    healthy_means: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def _finite(x) -> bool:
@@ -239,8 +233,8 @@ def downstream_signals(run_dir: Path, rows: list[dict]) -> list[Signal]:
 
 
 def health(run_dir: Path) -> list[Signal]:
-    """The four signals of a run directory, one dev-loss signal per source of a blend, and one
-    per downstream task (UserError if it has no train rows yet)."""
+    """The four signals of a run directory, one dev-loss signal per source of a blend, one
+    per downstream task and a sparse model's two (UserError if it has no train rows yet)."""
     rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val"]
@@ -254,6 +248,7 @@ def health(run_dir: Path) -> list[Signal]:
         throughput_signal(train),
         *source_signals(val, train),
         *downstream_signals(run_dir, rows),
+        *moe.signals(rows),
     ]
 
 

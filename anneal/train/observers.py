@@ -26,6 +26,7 @@ from anneal import rundir
 from anneal.dist import is_main_process, print0, rank, world_size
 from anneal.eval import results
 from anneal.observe.metrics import MetricsLogger
+from anneal.observe.moe import MoeCounts, without_counts
 from anneal.observe.progress import ProgressBar, WandbSink, finish_run
 from anneal.planning import forecast
 from anneal.resilience import heartbeat
@@ -100,16 +101,39 @@ class Observers(Observer):
 class Metrics(Observer):
     """Every row and event to metrics.jsonl and TensorBoard (rank 0); the console line of a
     validation and of a scoring of the downstream tasks, whose document goes to
-    ``RUN/evals/step-<N>.json`` (rank 0)."""
+    ``RUN/evals/step-<N>.json`` (rank 0).
 
-    def __init__(self, logger: MetricsLogger, *, run_dir: Path | None = None):
-        self.logger, self.run_dir = logger, run_dir
+    A sparse model's train rows go without their ``moe_counts``: those are summed
+    (``anneal.observe.moe.MoeCounts``) into a ``moe`` row every ``log_every`` steps, at each
+    checkpoint (so that a resume from it starts a fresh sum: no step is lost or counted twice),
+    at the run's last step and when the loop stops (a crash's last steps are seen). A rewind
+    forgets the sum: its steps are trained again."""
+
+    def __init__(self, logger: MetricsLogger, *, run_dir: Path | None = None, log_every: int = 1):
+        self.logger, self.run_dir, self.log_every = logger, run_dir, max(1, log_every)
+        self.moe = MoeCounts()
 
     def on_step(self, row: dict) -> None:
-        self.logger.write(row)
+        self.moe.add(row)
+        self.logger.write(without_counts(row))
+        if row["step"] % self.log_every == 0:
+            self.write_moe()
+
+    def write_moe(self) -> None:
+        """The moe row of the steps summed since the last one, if any."""
+        row = self.moe.take()
+        if row is not None:
+            self.logger.write(row)
 
     def on_event(self, step: int, event: str, **fields) -> None:
+        if event == "rewind":
+            self.moe.drop()
         self.logger.event(step, event, **fields)
+        if event == "checkpoint":
+            self.write_moe()
+
+    def on_end(self) -> None:
+        self.write_moe()
 
     def on_val(self, row: dict) -> None:
         self.logger.write(row)
@@ -129,6 +153,7 @@ class Metrics(Observer):
         print0(eval_line(doc))
 
     def close(self) -> None:
+        self.write_moe()
         self.logger.close()
 
 

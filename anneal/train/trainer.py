@@ -214,10 +214,9 @@ class Trainer:
 
     def start(self, client: dict | None, resumed: dict) -> None:
         """The checkpoint's state (if resuming), then the observers, which start from it."""
-        out = self.launch.out
-        self.observers = observers.Observers(
-            [observers.PlotsAndReport(out), observers.Metrics(MetricsLogger(out), run_dir=out)]
-        )
+        out, log_every = self.launch.out, self.cfg.train.log_every
+        metrics = observers.Metrics(MetricsLogger(out), run_dir=out, log_every=log_every)
+        self.observers = observers.Observers([observers.PlotsAndReport(out), metrics])
         if client is None:
             self._open_stream(0)
         else:
