@@ -32,12 +32,11 @@ from anneal.planning.planner import (
     DEFAULT_GLOBAL_BATCH,
     ComputePlan,
     format_plan,
-    mfu_from_run,
     nearest_preset,
     parse_rule,
     plan,
 )
-from anneal.planning.runs import RunPoint, read_csv, read_run, read_runs
+from anneal.planning.runs import RunPoint, mfu_from_run, read_csv, read_run, read_runs
 
 __all__ = [
     "DEFAULT_FIT",

@@ -24,12 +24,10 @@ With ``memory``'s ZeRO formulas per family, a GPU's expert states take (mixed pr
 
 EP divides what ZeRO leaves whole (at stage 1 the weights and gradients, at stage 2 the
 weights): the partitioned part, ``x (P_e / EP) / (n / EP) = x P_e / n``, does not depend on EP,
-and at stage 3 nothing of the states does. There EP shrinks what ZeRO-3 gathers: one layer's
-experts (``3 h I E / EP`` parameters, one module) are the largest thing it fetches. Under AutoTP
-the experts are not sharded: AutoEP folds its groups across the tensor-parallel lanes
-(``module_inject/auto_ep_folding.py``; the expert-data-parallel group stays n / EP) and the
-folded layer splits the routed rows over the TP ranks; the estimate counts AutoTP's shards of a
-sparse model as its attention and LM head.
+and at stage 3 nothing of the states would (ZeRO-3 would gain from EP only a smaller gathered
+module: one layer's experts). Anneal refuses a sparse model with ZeRO-3, offload, tensor or
+sequence parallelism before launch (``anneal/launch/experts.py``), and so does this estimate
+(``check``), with the same reasons.
 
 Under imbalance the rank whose experts the router favours computes more rows than the balanced
 ``k s b`` this estimate counts (``memory_activations``); Megatron-Core's README warns of
@@ -41,15 +39,6 @@ from __future__ import annotations
 from anneal.errors import UserError
 from anneal.model import ModelPreset
 from anneal.planning import memory_tp
-
-
-def autoep_size(ds: dict) -> int:
-    """``expert_parallel.autoep_size`` of a ds_config when the section is enabled, else 1."""
-    section = ds.get("expert_parallel")
-    if not isinstance(section, dict) or not section.get("enabled", False):
-        return 1
-    value = section.get("autoep_size", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 def expert_params(preset: ModelPreset) -> int:
@@ -68,25 +57,14 @@ def params_per_gpu(preset: ModelPreset, *, tp: int, ep: int) -> tuple[int, int]:
     return memory_tp.params_per_gpu(preset, tp) - experts, experts // ep
 
 
-def largest_module_params(preset: ModelPreset, *, tp: int, ep: int) -> int:
-    """The largest module ZeRO-3 gathers at once: a dense model's (``memory_tp``), or for a
-    sparse one the larger of the embedding (V x h) and one layer's local experts
-    (``3 h I E / EP``, AutoEP's ``experts`` module)."""
-    if preset.moe is None:
-        return memory_tp.largest_layer_params(preset, tp)
-    local = preset.moe.num_experts // ep
-    vh = preset.vocab_size * preset.hidden_size
-    return max(vh, 3 * preset.hidden_size * preset.moe.expert_intermediate_size * local)
-
-
 def routed_buffer_bytes(preset: ModelPreset, work, *, value_bytes: int) -> int:
-    """Working copies of one sparse layer's routed rows (``N = k s b / t`` on a rank: the folded
-    layer splits them over the t TP ranks): the combine's zero-filled scatter target (v bytes a
-    value) and its fp32 product with the router's scores, ``N h (v + 4)``. The dispatch's
-    all-to-all send and receive copies (``2 N h v``) are no larger. 0 for a dense model."""
+    """Working copies of one sparse layer's ``N = k s b`` routed rows, at their peak in the
+    combine: its zero-filled scatter target (v bytes a value) and its fp32 product with the
+    router's scores, ``N h (v + 4)``; the dispatch's all-to-all send and receive copies
+    (``2 N h v``) are no larger. 0 for a dense model."""
     if preset.moe is None:
         return 0
-    rows = preset.moe.top_k * work.seq_len * work.micro_batch / work.tp
+    rows = preset.moe.top_k * work.seq_len * work.micro_batch
     return int(rows * preset.hidden_size * (value_bytes + 4))
 
 
@@ -100,10 +78,10 @@ def fitting_degrees(preset: ModelPreset, n_gpus: int) -> list[int]:
 
 
 def check(preset: ModelPreset, zero, work) -> None:
-    """One UserError where AutoEP (DeepSpeed 0.19.8) would refuse ``work.ep`` for ``preset``
-    with ``zero`` (a ``memory.ZeroSetup``) on ``work`` (a ``memory.Workload``), with the flag
-    to change."""
-    ep, n, tp, sp = work.ep, work.n_gpus, work.tp, work.sp
+    """One UserError where Anneal would refuse ``work.ep`` for ``preset`` with ``zero`` (a
+    ``memory.ZeroSetup``) on ``work`` (a ``memory.Workload``) before launch
+    (``anneal/launch/experts.py``), with the flag to change."""
+    ep, n = work.ep, work.n_gpus
     if ep < 1:
         raise UserError(f"--ep {ep}: the expert-parallel degree must be at least 1.")
     moe = preset.moe
@@ -111,39 +89,40 @@ def check(preset: ModelPreset, zero, work) -> None:
         if ep > 1:
             raise UserError(
                 f"--ep {ep} (expert_parallel.autoep_size) with {preset.name}, a dense model: "
-                f"expert parallelism shards the experts of a sparse one. Drop --ep, or give a "
-                f"sparse model (a preset such as olmoe-1b-7b)."
+                f"expert parallelism shares out the experts of a sparse one. Drop --ep, or give "
+                f"a sparse model (tiny-moe, olmoe-1b-7b, qwen3-30b-a3b or its config.json)."
             )
         return
-    degrees = ", ".join(map(str, fitting_degrees(preset, n)))
-    choose = f"Choose an --ep that divides both: {degrees}."
+    choose = f"Choose an --ep that divides both: {', '.join(map(str, fitting_degrees(preset, n)))}."
     why = None
     if moe.num_experts % ep:
         why = (
             f"does not divide the {moe.num_experts} experts of each layer of {preset.name}: "
-            f"AutoEP gives each rank of a group the same number of whole experts. {choose}"
+            f"each rank of an expert group holds an equal share of them. {choose}"
         )
     elif n % ep:
         why = (
-            f"with {n} GPUs (--nodes x --gpus-per-node): the GPUs do not split into "
-            f"expert-parallel groups of {ep}. {choose}"
+            f"with {n} GPUs (--nodes x --gpus-per-node): the GPUs do not split into expert "
+            f"groups of {ep}. {choose}"
         )
-    elif tp > 1 and ep == 1:
+    elif work.tp > 1 or work.sp > 1:
+        flag = f"--tp {work.tp}" if work.tp > 1 else f"--sp {work.sp}"
         why = (
-            f"with --tp {tp}: AutoEP runs tensor parallelism only folded into expert "
-            f"parallelism (autoep_size above 1; at 1 every TP rank would compute every routed "
-            f"token). Choose an --ep above 1 that divides both: {degrees.removeprefix('1, ')}. "
-            f"Or drop --tp"
+            f"with {flag}: Anneal runs a sparse model with expert and data parallelism only "
+            f"(DeepSpeed 0.19.8's AutoEP folds into AutoTP only for some layouts and refuses "
+            f"Ulysses under ZeRO-3, and Anneal has run neither with experts). Drop "
+            f"{flag.split()[0]}"
         )
-    elif zero.stage == 3 and sp > 1:
+    elif zero.stage == 3:
         why = (
-            f"with --sp {sp} and ZeRO-3: AutoEP under ZeRO-3 refuses sequence parallelism. "
-            f"Use ZeRO-2 with --sp, or drop --sp"
+            "with ZeRO stage 3: Anneal trains a sparse model at ZeRO-1 or 2 (AutoEP's ZeRO-3 "
+            "checkpoints are not read by its exporter and checks yet). Give --ds-config "
+            "zero2_bf16.json (or zero1_bf16.json)"
         )
-    elif tp > 1 and (zero.offload_optimizer or zero.offload_param):
+    elif zero.offload_optimizer or zero.offload_param:
         why = (
-            f"with --tp {tp} and ZeRO offload: AutoEP refuses offload with AutoTP folding. "
-            f"Drop the offload or --tp"
+            "with ZeRO offload: Anneal has not run AutoEP with offload. Give a ds_config "
+            "without offload_optimizer / offload_param, and a larger --ep"
         )
     if why:
         raise UserError(f"--ep {ep} (expert_parallel.autoep_size) {why.rstrip('.')}.")

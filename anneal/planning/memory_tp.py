@@ -12,11 +12,9 @@ Korthikanti et al. 2022 (arXiv 2205.05198, Table 2): with tensor parallelism and
 parallelism a GPT layer keeps ``s b h (10 + 24/t + 5 a s / (h t))`` bytes, the 10 being the
 layer norms' and the two block inputs' tensors, which every rank of the group holds whole. In
 Anneal's Llama block that is the two RMSNorms' saved tensors (the inputs of q/k/v and of
-gate/up); every other saved tensor belongs to a sharded matmul and divides by t. In a sparse
-layer the routers run whole on every rank of the group and the routed rows split over it
-(AutoEP's folding, ``memory_ep``). The LM head's gathered output is the full logits on every
-rank, and Anneal's chunked loss falls back to the plain one under TP (anneal/train/loss.py), so
-the logits are counted whole, with the plain loss.
+gate/up); every other saved tensor belongs to a sharded matmul and divides by t. The LM head's
+gathered output is the full logits on every rank, and Anneal's chunked loss falls back to the
+plain one under TP (anneal/train/loss.py), so the logits are counted whole, with the plain loss.
 """
 
 from __future__ import annotations
@@ -32,20 +30,17 @@ REPLICATED_TENSORS = (
     "attention: dropout mask",
     "MLP: first linear input",
     "MLP: dropout mask",
-    "MoE: router softmax (fp32)",
-    "MoE: load-balancing loss softmax (fp32)",
 )
 """Saved tensors (``memory.saved_tensors``' names) every rank of a TP group holds whole: in the
 GPT block they sum to Korthikanti's 10 s b h; in the Llama block, the two RMSNorms'."""
 
 
 def sharded_params(preset: ModelPreset) -> int:
-    """Parameters AutoTP shards: q, k, v, o, gate, up, down in every layer, and the LM head; of a
-    sparse model, attention and the LM head (its experts are AutoEP's: ``memory_ep``)."""
+    """Parameters AutoTP shards: q, k, v, o, gate, up, down in every layer, and the LM head."""
     h, f = preset.hidden_size, preset.intermediate_size
     q = preset.num_attention_heads * preset.head_dim
     kv = preset.num_key_value_heads * preset.head_dim
-    per_layer = 2 * h * q + 2 * h * kv + (0 if preset.is_moe else 3 * h * f)
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * f
     return preset.num_hidden_layers * per_layer + preset.vocab_size * h
 
 
