@@ -8,7 +8,8 @@ that EP leaves a dense model bit for bit unchanged; `--ep` and a ds_config's aut
 alike, and each layout Anneal refuses is one clear error; the EP lever is the smallest degree
 that fits; FLOPs per token follow the active parameters, not the total (more experts at the
 same top_k raise memory, not FLOPs); and `anneal plan --model` plans a sparse preset on its
-active parameters with the note, while the nearest preset of a plain budget stays dense.
+active parameters with the note, while the nearest preset of a plain budget stays dense; and
+the launcher's pre-flight forecast of a sparse launch follows its autoep_size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch
 from anneal import cli, planning
 from anneal.errors import UserError
 from anneal.launch.ds import find_ds_config, load_ds_config
-from anneal.model import active_params, build_model, count_params, flops_per_token, get_preset
+from anneal.model import (
+    active_params,
+    build_model,
+    count_params,
+    flops_per_token,
+    get_preset,
+    human_count,
+)
 from anneal.planning import memory, memory_ep, memory_io, memory_levers
 from anneal.planning.memory import GiB
 
@@ -221,3 +229,39 @@ def test_plan_of_a_sparse_preset_counts_its_active_parameters(capsys):
     assert "exactly one budget" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "gpt-5"]) == 2
     assert "--model gpt-5: not a preset" in capsys.readouterr().err
+
+
+def test_preflight_of_a_sparse_launch_forecasts_with_its_ep(tiny_data, tmp_path):
+    """The launcher's pre-flight of recipes/pretrain_moe_tiny.py on 2 CPU ranks forecasts through
+    forecast.make with the resolved expert_parallel section: at autoep_size 2 each rank holds 4
+    of the 8 experts, so the forecast per GPU is the estimate's at ep=2, below EP=1's; the
+    printed launch shows the active parameters beside the total."""
+    from launcher.preflight import preflight
+
+    def launch(*extra: str):
+        args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data), "--max-steps", "10"]
+        return preflight(
+            recipe="recipes/pretrain_moe_tiny.py",
+            recipe_args=[*args, *extra],
+            world_size=2,
+            device_type="cpu",
+            mfu=None,
+        )
+
+    one, two = launch(), launch("--set", "ds.expert_parallel.autoep_size=2")
+    assert two.forecast.memory_bytes_per_gpu < one.forecast.memory_bytes_per_gpu
+    preset, ds = two.launch.preset, two.launch.ds_config
+    expect = memory.estimate(
+        preset,
+        memory.ZeroSetup.from_ds_config(ds),
+        memory.Workload(
+            micro_batch=ds["train_micro_batch_size_per_gpu"],
+            seq_len=preset.seq_len,
+            n_gpus=2,
+            ep=2,
+        ),
+    )
+    assert two.forecast.memory_bytes_per_gpu == expect.total
+    active = active_params(preset)
+    assert active < count_params(preset)
+    assert f"{human_count(active)} active" in two.launch.describe()
