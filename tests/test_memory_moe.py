@@ -265,3 +265,18 @@ def test_preflight_of_a_sparse_launch_forecasts_with_its_ep(tiny_data, tmp_path)
     active = active_params(preset)
     assert active < count_params(preset)
     assert f"{human_count(active)} active" in two.launch.describe()
+
+
+def test_a_sparse_runs_point_in_a_fit_is_its_active_parameters(tmp_path):
+    """`anneal fit` reads a sparse run's N as its active parameters (the law read against
+    them), from the model section its config.json holds (the preset's fields and the total)."""
+    preset = get_preset("tiny-moe")
+    model = {**dataclasses.asdict(preset), "params": count_params(preset)}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model}))
+    rows = [
+        {"kind": "train", "step": 1, "tokens": 2048, "loss": 9.0},
+        {"kind": "val", "step": 1, "val_loss": 8.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    point = planning.read_run(tmp_path)
+    assert point.params == active_params(preset) < count_params(preset)

@@ -22,8 +22,9 @@ class RunPoint:
 
 
 def read_run(run_dir: str | Path) -> RunPoint:
-    """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
-    the last validation loss of a run directory."""
+    """N (all parameters, embeddings included, as Hoffmann counted; of a sparse model the
+    active ones, as ``anneal.planning.sparse`` reads the law), D (tokens consumed) and the last
+    validation loss of a run directory."""
     from anneal.rundir import config_path, metrics_path, read_metrics, record_or_empty
 
     run_dir = Path(run_dir)
@@ -41,6 +42,10 @@ def read_run(run_dir: str | Path) -> RunPoint:
             f"run directories, or --csv with params,tokens,loss."
         )
     params = record.params
+    if isinstance(record.model.get("moe"), dict):  # a sparse model: its active parameters
+        from anneal.model import active_params, preset_from_dict
+
+        params = active_params(preset_from_dict(record.model, source=str(cfg_path)))
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val" and r.get("val_loss") is not None]
