@@ -24,7 +24,7 @@ the balanced case: with expert parallelism a rank computes the rows routed to it
 which is ``N`` on average and more on the rank whose experts the router favours (the run's
 ``moe_max_mean``). Index tensors (8 bytes a row) are left out. Against the tensors AutoEP's layer
 saves (tests/test_memory_moe.py, fp32, EP=1, h 256, I 128, E 8, top-2, 1024 tokens) the count
-is 3% low: the index tensors and the alignment padding of each expert's rows.
+is 2.7% low: the index tensors and the alignment padding of each expert's rows.
 """
 
 from __future__ import annotations
