@@ -1,9 +1,11 @@
 """Chinchilla scaling laws: the law and its published fits (``law``), the compute-optimal
 planner behind ``anneal plan`` (``planner``), and fitting the law to a user's own runs
 (``runs`` reads them, ``fit`` fits them) behind ``anneal fit``. Beside the law: the per-GPU
-memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_levers`` what to
-change when it does not fit, ``memory_io`` what the command reads and prints) and the forecast a
-run checks itself against (``forecast``).
+memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_activations`` what
+a layer keeps for backward, ``memory_tp``, ``memory_sp`` and ``memory_ep`` the tensor, sequence
+and expert parallelism, ``memory_levers`` what to change when it does not fit, ``memory_io``
+what the command reads and prints), how a sparse model is planned (``sparse``) and the forecast
+a run checks itself against (``forecast``).
 
 The names below are the public interface; ``from anneal import planning`` and
 ``planning.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
