@@ -30,8 +30,8 @@ sequence parallelism before launch (``anneal/launch/experts.py``), and so does t
 (``check``), with the same reasons.
 
 Under imbalance the rank whose experts the router favours computes more rows than the balanced
-``k s b`` this estimate counts (``memory_activations``); Megatron-Core's README warns of
-out-of-memory errors from it in a dropless router's first few hundred steps.
+``k s b`` this estimate counts (``memory_activations``); Megatron-Core's MoE README warns of
+out-of-memory errors from it, typically in the first 100-300 steps from scratch.
 """
 
 from __future__ import annotations
