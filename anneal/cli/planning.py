@@ -46,6 +46,7 @@ def _plan(args: argparse.Namespace) -> int:
         tokens_per_param=planning.parse_rule(args.rule) if args.rule else None,
         global_batch=args.global_batch,
         seq_len=args.seq_len,
+        model=args.model,
     )
     print(json.dumps(result.to_dict()) if args.json else planning.format_plan(result))
     return 0
@@ -95,7 +96,11 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+    from anneal.config.ds_schema import (
+        autotp_size,
+        expert_parallel_size,
+        sequence_parallel_size,
+    )
     from anneal.hardware import get_gpu
     from anneal.launch.ds import find_ds_config, load_ds_config
     from anneal.planning import memory, memory_io, memory_levers
@@ -106,7 +111,8 @@ def _estimate(args: argparse.Namespace) -> int:
     if record is not None and record.ds_config and not args.ds_config:
         ds = record.ds_config
     else:
-        ds = load_ds_config(find_ds_config(args.ds_config or memory.DEFAULT_DS_CONFIG))
+        default = memory.DEFAULT_SPARSE_DS_CONFIG if preset.is_moe else memory.DEFAULT_DS_CONFIG
+        ds = load_ds_config(find_ds_config(args.ds_config or default))
     zero = memory.ZeroSetup.from_ds_config(ds)
     if args.gpu_mem_gib is not None:
         if not args.gpu_mem_gib > 0:
@@ -128,6 +134,7 @@ def _estimate(args: argparse.Namespace) -> int:
         eager_attention=args.eager_attention,
         tp=autotp_size(ds) if args.tp is None else args.tp,
         sp=sequence_parallel_size(ds) if args.sp is None else args.sp,
+        ep=expert_parallel_size(ds) if args.ep is None else args.ep,
         **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)
@@ -140,11 +147,12 @@ def _estimate(args: argparse.Namespace) -> int:
         doc = {
             **est.to_dict(),
             "model": preset.name,
-            "param_count": memory.count_params(preset),
+            **memory_io.compute_figures(preset, work, gpu=args.gpu),
             "zero_stage": zero.stage,
             "n_gpus": work.n_gpus,
             "tp": work.tp,
             "sp": work.sp,
+            "ep": work.ep,
             "micro_batch": work.micro_batch,
             "seq_len": work.seq_len,
             "loss": work.loss,
@@ -161,6 +169,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 work=work,
                 capacity_name=capacity_name,
                 lever_list=lever_list,
+                gpu=args.gpu,
             )
         )
     return 0
@@ -185,8 +194,9 @@ def _add_plan(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="what to train for a budget: compute-optimal N and D, loss, steps, GPU-hours",
-        description="Give exactly one budget: --flops, --gpus with --hours, --params, --tokens "
-        "or --target-loss. FLOPs are 6ND. See docs/planning.md.",
+        description="Give exactly one budget: --flops, --gpus with --hours, --params, --tokens, "
+        "--target-loss or --model. FLOPs are 6ND (N: a sparse model's active parameters). See "
+        "docs/planning.md.",
     )
     plan.add_argument("--flops", type=float, help="training compute C in FLOPs")
     plan.add_argument("--gpus", type=int, help="GPUs (with --hours: the budget; else wall-clock)")
@@ -206,6 +216,10 @@ def _add_plan(sub) -> None:
     )
     plan.add_argument("--params", type=float, help="model size N in parameters")
     plan.add_argument("--tokens", type=float, help="training tokens D")
+    plan.add_argument(
+        "--model",
+        help="a preset: N is its parameters, a sparse one's active parameters (docs/planning.md)",
+    )
     plan.add_argument("--target-loss", type=float, help="final loss in nats/token")
     plan.add_argument(
         "--fit",
@@ -286,7 +300,7 @@ def _add_estimate(sub) -> None:
         "--ds-config",
         type=path,
         help="DeepSpeed JSON (default: the run's when --model is a run's config.json, else "
-        f"{memory.DEFAULT_DS_CONFIG})",
+        f"{memory.DEFAULT_DS_CONFIG}; {memory.DEFAULT_SPARSE_DS_CONFIG} for a sparse model)",
     )
     est.add_argument(
         "--nodes", type=int, default=memory.DEFAULT_NODES, help="(default %(default)s)"
@@ -306,6 +320,12 @@ def _add_estimate(sub) -> None:
         "--sp",
         type=int,
         help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size)",
+    )
+    est.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel degree of a sparse model (default: the ds_config's "
+        "expert_parallel.autoep_size, 1)",
     )
     est.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     est.add_argument("--micro-batch", type=int, help="default: the ds_config's")

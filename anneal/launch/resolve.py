@@ -23,7 +23,7 @@ from anneal.files import claim_output
 from anneal.launch import cooldown, experts, parallel
 from anneal.launch import ds as ds_config
 from anneal.launch.preset import model_preset
-from anneal.model import ModelPreset, count_params, human_count
+from anneal.model import ModelPreset, active_params, count_params, human_count
 from anneal.resilience import checkpoint
 from anneal.run_record import RunRecord
 
@@ -126,10 +126,11 @@ class Launch:
     def describe(self) -> str:
         """The resolved launch, printed at start."""
         ds = self.ds_config
-        n_params = count_params(self.preset)
+        n_params, active = count_params(self.preset), active_params(self.preset)
+        sparse = f", {human_count(active)} active" if active != n_params else ""
         lines = [
             f"model {self.cfg.model.preset}: {n_params:,} parameters "
-            f"({human_count(n_params)}), vocab {self.preset.vocab_size}, seq "
+            f"({human_count(n_params)}{sparse}), vocab {self.preset.vocab_size}, seq "
             f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
             f"{ds.get('zero_optimization', {}).get('stage', 0)}, "
             f"{'bf16' if self.bf16 else 'fp32'}",

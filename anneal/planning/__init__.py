@@ -1,9 +1,11 @@
 """Chinchilla scaling laws: the law and its published fits (``law``), the compute-optimal
 planner behind ``anneal plan`` (``planner``), and fitting the law to a user's own runs
 (``runs`` reads them, ``fit`` fits them) behind ``anneal fit``. Beside the law: the per-GPU
-memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_levers`` what to
-change when it does not fit, ``memory_io`` what the command reads and prints) and the forecast a
-run checks itself against (``forecast``).
+memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_activations`` what
+a layer keeps for backward, ``memory_tp``, ``memory_sp`` and ``memory_ep`` the tensor, sequence
+and expert parallelism, ``memory_levers`` what to change when it does not fit, ``memory_io``
+what the command reads and prints), how a sparse model is planned (``sparse``) and the forecast
+a run checks itself against (``forecast``).
 
 The names below are the public interface; ``from anneal import planning`` and
 ``planning.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the
@@ -32,12 +34,11 @@ from anneal.planning.planner import (
     DEFAULT_GLOBAL_BATCH,
     ComputePlan,
     format_plan,
-    mfu_from_run,
     nearest_preset,
     parse_rule,
     plan,
 )
-from anneal.planning.runs import RunPoint, read_csv, read_run, read_runs
+from anneal.planning.runs import RunPoint, mfu_from_run, read_csv, read_run, read_runs
 
 __all__ = [
     "DEFAULT_FIT",

@@ -27,7 +27,7 @@ import math
 import statistics
 from pathlib import Path
 
-from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, flops_per_token
 from anneal.planning import memory
@@ -83,6 +83,7 @@ def make(
             n_gpus=world_size,
             tp=autotp_size(ds_config),
             sp=sequence_parallel_size(ds_config),
+            ep=expert_parallel_size(ds_config),
             activation_checkpointing=activation_checkpointing,
         ),
     )

@@ -12,20 +12,17 @@ al. 2020, section 3.1). With P parameters over n data-parallel GPUs (section 5):
 (stage 3) moves the weights as well. Without bf16 (fp32 training, as on CPUs) weights and
 gradients take 4 bytes each and DeepSpeed still keeps a separate fp32 master copy: 4 + 4 + 12.
 
-Activations are counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in
-Large Transformer Models", section 4.1) count them: every tensor a layer keeps for backward.
-For their GPT-3 block that sums to the published ``s b h (34 + 5 a s / h)`` bytes per layer
-(``saved_tensors(block="gpt")``); Anneal's Llama block (RMSNorm, RoPE, SDPA, SwiGLU, no
-dropout) keeps ``s b h (22 + 8 f / h)`` bytes at bf16 with SDPA, which stores no attention
-scores. With full recomputation a layer keeps only its input, ``2 s b h``, and backward
-rebuilds one layer at a time.
+Activations, the logits and the loss are ``memory_activations`` (Korthikanti et al. 2022's
+count of every tensor a layer keeps for backward).
 
 A peak happens in one of two phases: forward/backward (activations, logits, communication
 buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam). ``total``
 lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
 ``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
 
-Tensor parallelism is ``memory_tp``, sequence parallelism ``memory_sp``; the levers for a run
+Tensor parallelism is ``memory_tp``, sequence parallelism ``memory_sp``, a sparse model's
+experts under expert parallelism ``memory_ep`` (each family of parameters partitioned over its
+own group); the levers for a run
 that does not fit, ``memory_levers``; what ``anneal estimate`` reads and prints, ``memory_io``.
 """
 
@@ -36,13 +33,22 @@ import math
 
 from anneal.errors import UserError
 from anneal.hardware import GiB
-from anneal.model import ModelPreset, count_params
-from anneal.planning import memory_sp, memory_tp
+from anneal.model import ModelPreset, count_params  # noqa: F401 (memory.count_params)
+from anneal.planning import memory_ep, memory_sp, memory_tp
+from anneal.planning.memory_activations import (  # noqa: F401 (memory.saved_tensors, ...)
+    activation_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    saved_tensors,
+)
 from anneal.planning.memory_tp import largest_layer_params
 
 DEFAULT_DS_CONFIG = "zero3_bf16.json"
 """The ds_config ``anneal estimate`` assumes when neither ``--ds-config`` nor a run's
 config.json names one: ZeRO-3, the stage that lets the largest models fit."""
+DEFAULT_SPARSE_DS_CONFIG = "zero2_bf16.json"
+"""The one it assumes for a sparse model: ZeRO-2, the highest stage Anneal trains experts at
+(``memory_ep.check``)."""
 
 DEFAULT_NODES = 1
 DEFAULT_GPUS_PER_NODE = 8
@@ -117,6 +123,7 @@ class Workload:
     """GPUs (nodes x GPUs per node); ZeRO partitions over the n_gpus / tp data-parallel ones."""
     tp: int = 1  # tensor_parallel.autotp_size: anneal.planning.memory_tp
     sp: int = 1  # sequence_parallel_size (Ulysses; each rank holds seq / sp): memory_sp
+    ep: int = 1  # expert_parallel.autoep_size (AutoEP; E / ep experts a rank): memory_ep
     activation_checkpointing: bool = False
     eager_attention: bool = False
     """Attention that keeps its a x s x s scores (Korthikanti's 5as/h); SDPA keeps none."""
@@ -215,125 +222,6 @@ def model_state_bytes(params: int, zero: ZeroSetup, n_gpus: int) -> tuple[int, i
     return int(weights), int(grads), int(optimizer), int(host)
 
 
-def saved_tensors(
-    *,
-    s: int,
-    b: int,
-    h: int,
-    f: int,
-    a: int,
-    kv: int,
-    bf16: bool,
-    eager: bool,
-    block: str,
-    t: int = 1,
-) -> list[tuple[str, float]]:
-    """Bytes each tensor that one decoder layer keeps for backward, Korthikanti et al.'s way.
-
-    ``block="gpt"`` is their GPT-3 block (16-bit, 4h GeLU MLP, LayerNorm, dropout masks of 1
-    byte), which sums to the paper's ``s b h (34 + 5 a s / h)``. ``block="llama"`` is Anneal's
-    model as Hugging Face runs it: RMSNorm that saves an fp32 copy of its input and its
-    normalised output, RoPE'd q and k, SDPA (no scores kept unless ``eager``), SwiGLU with
-    intermediate size f, no dropout; ``kv`` is the key/value width (h without GQA); ``t``, TP.
-    """
-    sbh, sbf, sbkv, scores = s * b * h, s * b * f, s * b * kv, a * s * s * b
-    if block == "gpt":
-        return memory_tp.divide_tensors(
-            [
-                ("attention: QKV input", 2 * sbh),
-                ("attention: Q and K", 4 * sbh),
-                ("attention: softmax output", 2 * scores),
-                ("attention: softmax dropout mask", scores),
-                ("attention: dropout output (for x V)", 2 * scores),
-                ("attention: V", 2 * sbh),
-                ("attention: output projection input", 2 * sbh),
-                ("attention: dropout mask", sbh),
-                ("MLP: first linear input", 2 * sbh),
-                ("MLP: GeLU input", 8 * sbh),
-                ("MLP: second linear input", 8 * sbh),
-                ("MLP: dropout mask", sbh),
-                ("two LayerNorm inputs", 4 * sbh),
-            ],
-            t,
-        )
-    v = 2 if bf16 else 4  # bytes per activation value
-    norm = (4 + 2) if bf16 else (4 + 4)  # fp32 input copy (for the variance) + normalised output
-    items = [
-        ("attention: RMSNorm", norm * sbh),
-        ("attention: q after RoPE", v * sbh),
-        ("attention: k after RoPE and v", 2 * v * sbkv),
-        ("attention: output projection input", v * sbh),
-    ]
-    if eager:
-        # fp32 softmax probabilities (and their 16-bit cast) for the x V matmul.
-        items.append(("attention: softmax probabilities", (4 + (2 if bf16 else 0)) * scores))
-    else:
-        items.append(("attention: SDPA output", v * sbh))
-    items += [
-        ("MLP: RMSNorm", norm * sbh),
-        ("MLP: SiLU input (gate)", v * sbf),
-        ("MLP: SiLU output", v * sbf),
-        ("MLP: up projection output", v * sbf),
-        ("MLP: down projection input", v * sbf),
-    ]
-    return memory_tp.divide_tensors(items, t)
-
-
-def layer_activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> float:
-    """Bytes one decoder layer keeps for backward, without recomputation."""
-    return sum(
-        n
-        for _, n in saved_tensors(
-            s=work.seq_len,
-            b=work.micro_batch,
-            h=preset.hidden_size,
-            f=preset.intermediate_size,
-            a=preset.num_attention_heads,
-            kv=preset.num_key_value_heads * preset.head_dim,
-            bf16=bf16,
-            eager=work.eager_attention,
-            block="llama",
-            t=work.tp,
-        )
-    )
-
-
-def activation_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
-    """Activations kept for backward on one GPU. With full recomputation each layer keeps its
-    input (2 s b h bytes at 16 bits) and backward rebuilds one layer's activations at a time."""
-    per_layer = layer_activation_bytes(preset, work, bf16=bf16)
-    layers = preset.num_hidden_layers
-    if work.activation_checkpointing:
-        value = 2 if bf16 else 4
-        return int(
-            layers * value * work.seq_len * work.micro_batch * preset.hidden_size + per_layer
-        )
-    return int(layers * per_layer)
-
-
-def logits_bytes(preset: ModelPreset, work: Workload, *, bf16: bool) -> int:
-    """Peak bytes of the logits and the loss.
-
-    plain, at the start of backward: the fp32 log-softmax that cross-entropy keeps, its
-    incoming gradient, exp(log-softmax) and the logits' fp32 gradient (4 x 4 bytes per token
-    and vocabulary entry), plus that gradient's 16-bit cast under bf16. The forward logits
-    (and their fp32 upcast) are freed by then.
-
-    chunked (``anneal.train.loss``), in the loss's forward, where it computes the gradients:
-    one chunk's fp32 logits and their log-softmax (2 x 4 bytes per chunk token and vocabulary
-    entry; the log-softmax is then overwritten by the logits' gradient, whose 16-bit cast
-    under bf16 takes the place of the freed logits), the hidden states' gradient (tokens x h
-    values) and the head weight's, summed over chunks in fp32 (V x h x 4 bytes, and under bf16
-    each chunk's 16-bit product, 2 more), both held into backward. With c = min(chunk, tokens)
-    and v bytes a value: ``8 c V + tokens h v + V h (4 + 2 [bf16])``.
-    """
-    tokens, vocab, h = work.seq_len * work.micro_batch, preset.vocab_size, preset.hidden_size
-    if work.loss == "plain" or work.tp > 1:  # the LM head's gathered output: the full logits
-        return int(tokens * vocab * (4 * 4 + (2 if bf16 else 0)))
-    chunk, value = min(work.loss_chunk_tokens, tokens), 2 if bf16 else 4
-    return int(8 * chunk * vocab + tokens * h * value + vocab * h * (6 if bf16 else 4))
-
-
 def estimate(
     preset: ModelPreset,
     zero: ZeroSetup,
@@ -356,10 +244,16 @@ def estimate(
         if value < 1:
             raise UserError(f"{name} {value}: must be at least 1.")
     memory_tp.check(preset, n_gpus=work.n_gpus, tp=work.tp)
+    memory_ep.check(preset, zero, work)
     local = memory_sp.local_workload(preset, zero.stage, work)  # one rank's seq / sp tokens
-    p = count_params(preset) if work.tp == 1 else memory_tp.params_per_gpu(preset, work.tp)
+    dense, experts = memory_ep.params_per_gpu(preset, tp=work.tp, ep=work.ep)
+    p = dense + experts
     n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over
-    weights, grads, optimizer, host = model_state_bytes(p, zero, n)
+    n_experts = work.n_gpus // work.ep  # the expert-data-parallel group, the experts' (memory_ep)
+    states = [model_state_bytes(dense, zero, n)]
+    if experts:
+        states.append(model_state_bytes(experts, zero, n_experts))
+    weights, grads, optimizer, host = (sum(column) for column in zip(*states, strict=True))
     value_bytes = 2 if zero.bf16 else 4
 
     buffers = {}
@@ -369,9 +263,16 @@ def estimate(
     if zero.stage == 3:
         live = largest_layer_params(preset, work.tp) + min(zero.prefetch_bucket_size, p)
         buffers["gathered weights"] = live * value_bytes
+    if preset.is_moe:
+        routed = memory_ep.routed_buffer_bytes(preset, local, value_bytes=value_bytes)
+        buffers["MoE dispatch and combine"] = routed
     step = {}
     if not zero.offload_optimizer:
-        partition = p if zero.stage == 0 else math.ceil(p / n)
+        # One parameter group's fp32 copy at a time (stage_1_and_2.step frees each before the
+        # next): a sparse model's dense partition, then its experts'.
+        partition = (
+            p if zero.stage == 0 else max(math.ceil(dense / n), math.ceil(experts / n_experts))
+        )
         if zero.stage == 3:
             partition = min(partition, zero.sub_group_size)
         step["fp32 gradient partition"] = 4 * partition

@@ -1,15 +1,33 @@
 """What ``anneal estimate`` reads and prints: the model from a preset name or a config file
 (an Anneal run's or a Hugging Face one), the ds_config a run resolved, and the table of the
-estimate with its levers. The estimate itself is ``anneal.planning.memory``.
+estimate with its levers and the compute a token costs. The estimate itself is
+``anneal.planning.memory``.
+
+Memory counts a sparse model's *total* parameters (every expert is held somewhere, E / EP of
+them on each GPU); compute counts its *active* ones (a token runs through top_k experts):
+``flops_per_token`` is ``6 N_active + 12 L H Q T`` (``anneal.model.counts``), the figure MFU
+and the forecast use. Beside it the table prints what the same token would cost if it ran
+through every expert, to show what sparsity saves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.model import PRESETS, ModelPreset, count_params, get_preset, preset_from_dict
+from anneal.hardware import DEFAULT_MFU, get_gpu
+from anneal.model import (
+    PRESETS,
+    ModelPreset,
+    active_params,
+    count_params,
+    flops_per_token,
+    get_preset,
+    human_count,
+    preset_from_dict,
+)
 from anneal.planning.memory import MemoryEstimate, Workload, ZeroSetup, format_bytes
 from anneal.planning.memory_levers import Lever
 from anneal.run_record import RunRecord
@@ -43,6 +61,25 @@ def load_model(spec: str) -> tuple[ModelPreset, RunRecord | None]:
     return preset, record
 
 
+def compute_figures(preset: ModelPreset, work: Workload, *, gpu: str) -> dict:
+    """Parameters (total and active) and FLOPs per token (active, and with every expert), and
+    the tokens per second per GPU they allow at the assumed MFU of ``gpu``'s peak."""
+    flops = flops_per_token(preset, seq_len=work.seq_len)
+    every = preset
+    if preset.moe is not None:  # the same token through all E experts of each layer
+        moe = dataclasses.replace(preset.moe, top_k=preset.moe.num_experts)
+        every = dataclasses.replace(preset, moe=moe)
+    mfu, peak = DEFAULT_MFU["cuda"], get_gpu(gpu).peak_flops
+    return {
+        "param_count": count_params(preset),
+        "active_params": active_params(preset),
+        "flops_per_token": flops,
+        "flops_per_token_all_experts": flops_per_token(every, seq_len=work.seq_len),
+        "mfu_assumed": mfu,
+        "tokens_per_s_per_gpu": mfu * peak / flops,
+    }
+
+
 def format_estimate(
     est: MemoryEstimate,
     *,
@@ -51,10 +88,12 @@ def format_estimate(
     work: Workload,
     capacity_name: str,
     lever_list: list[Lever] = (),
+    gpu: str = "h100",
 ) -> str:
     """The table ``anneal estimate`` prints."""
     p = count_params(preset)
     n = work.n_gpus // work.tp
+    compute = compute_figures(preset, work, gpu=gpu)
     precision = "bf16 mixed precision (2+2+12 bytes/param)" if zero.bf16 else "fp32 (4+4+12)"
     offload = [
         k for k, v in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if v
@@ -71,7 +110,7 @@ def format_estimate(
 
     sp = f" (sequence-parallel {work.sp}: {work.seq_len // work.sp} a GPU)" if work.sp > 1 else ""
     lines = [
-        f"model {preset.name}: {p:,} parameters; "
+        f"model {preset.name}: {p:,} parameters{_sparse_label(preset, work, compute)}; "
         + (f"tensor-parallel {work.tp} x " if work.tp > 1 else "")
         + f"ZeRO stage {zero.stage} over {n} GPUs, "
         f"{precision}{'; offload ' + ' and '.join(offload) if offload else ''}",
@@ -89,6 +128,8 @@ def format_estimate(
         *(row(f"{k} (step)", v) for k, v in est.step_buffers.items()),
         row("runtime", est.runtime),
         row("peak", est.total),
+        "",
+        _compute_line(compute, preset=preset, gpu=gpu),
     ]
     if est.host_bytes:
         lines.append(row("host memory per GPU (offloaded)", est.host_bytes))
@@ -113,3 +154,26 @@ def format_estimate(
                 f"context cannot."
             )
     return "\n".join(lines)
+
+
+def _compute_line(compute: dict, *, preset: ModelPreset, gpu: str) -> str:
+    every = ""
+    if preset.moe is not None:
+        every = f" (through all experts: {compute['flops_per_token_all_experts']:.3g})"
+    return (
+        f"compute: {compute['flops_per_token']:.3g} FLOPs per token{every}; "
+        f"{compute['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU at MFU "
+        f"{compute['mfu_assumed']:.0%} of the {gpu.upper()}'s peak"
+    )
+
+
+def _sparse_label(preset: ModelPreset, work: Workload, compute: dict) -> str:
+    """How a sparse model's experts lie on the GPUs ("" for a dense model)."""
+    moe = preset.moe
+    if moe is None:
+        return ""
+    return (
+        f" ({human_count(compute['active_params'])} active: top-{moe.top_k} of "
+        f"{moe.num_experts} experts; expert-parallel {work.ep}: {moe.num_experts // work.ep} "
+        f"experts of each layer a GPU, their ZeRO states over {work.n_gpus // work.ep} GPUs)"
+    )

@@ -1,6 +1,8 @@
 """Levers: what to change for a run that does not fit in GPU memory, in order of preference:
 first what costs nothing (the chunked loss, when the plain one is selected), then what costs no
-quality (micro-batch, with more accumulation), then context, then tensor parallelism (it
+quality (micro-batch, with more accumulation; for a sparse model, expert parallelism, which
+spreads the experts over more GPUs for two all-to-alls of the routed tokens per layer), then
+context, then tensor parallelism (it
 shards the layers' matrices and activations over the GPUs of a node, and costs communication),
 then Ulysses sequence parallelism (it splits every sequence's activations and logits over the
 GPUs of a node, not the weights, for two all-to-alls per layer), then model shape. Each lever
@@ -15,14 +17,17 @@ import math
 
 from anneal.hardware import GiB
 from anneal.model import ModelPreset
+from anneal.planning import memory_ep
 from anneal.planning.memory import Workload, ZeroSetup, estimate
+
+_SPARSE = "not with a sparse model (Anneal runs experts with EP and data parallelism only)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lever:
     name: str
-    """chunked loss | micro-batch | context length | tensor parallel | sequence parallel |
-    layers | width"""
+    """chunked loss | micro-batch | expert parallel | context length | tensor parallel |
+    sequence parallel | layers | width"""
     setting: str | None
     """The largest value that fits, as the flag or key to set; None when nothing does."""
     total: int | None
@@ -44,7 +49,8 @@ def levers(
     preset: ModelPreset, zero: ZeroSetup, work: Workload, *, capacity: int, runtime_bytes: int
 ) -> list[Lever]:
     """Each lever alone, from the given setup: the chunked loss (under the plain one),
-    micro-batch, context length, tensor parallelism, sequence parallelism, layers, width."""
+    micro-batch, expert parallelism (a sparse model), context length, tensor parallelism,
+    sequence parallelism, layers, width."""
 
     def total(p: ModelPreset, w: Workload) -> int:
         return estimate(p, zero, w, capacity=capacity, runtime_bytes=runtime_bytes).total
@@ -64,20 +70,9 @@ def levers(
             note="" if b else "even micro-batch 1 does not fit",
         )
     )
-    step = 128 if work.seq_len > 128 else 1
-    t = _largest(
-        1,
-        (work.seq_len - 1) // step,
-        lambda x: total(preset, _w(work, seq_len=x * step)) <= capacity,
-    )
-    out.append(
-        Lever(
-            name="context length",
-            setting=None if t is None else f"model.seq_len={t * step}",
-            total=None if t is None else total(preset, _w(work, seq_len=t * step)),
-            note="" if t else f"even {step} tokens do not fit",
-        )
-    )
+    if preset.is_moe:
+        out.append(_expert_parallel(preset, work, total, capacity))
+    out.append(_context_length(preset, work, total, capacity))
     out.append(_tensor_parallel(preset, work, total, capacity))
     out.append(_sequence_parallel(preset, zero, work, total, capacity))
     n_layers = _largest(
@@ -100,7 +95,11 @@ def levers(
     def narrower(k: int) -> ModelPreset:
         h = k * unit
         f = max(64, round(preset.intermediate_size * h / preset.hidden_size / 64) * 64)
-        return dataclasses.replace(preset, hidden_size=h, intermediate_size=f)
+        moe = preset.moe
+        if moe is not None:  # the experts narrow in proportion
+            width = max(64, round(moe.expert_intermediate_size * h / preset.hidden_size / 64) * 64)
+            moe = dataclasses.replace(moe, expert_intermediate_size=width)
+        return dataclasses.replace(preset, hidden_size=h, intermediate_size=f, moe=moe)
 
     k = _largest(
         1, (preset.hidden_size - 1) // unit, lambda x: total(narrower(x), work) <= capacity
@@ -108,15 +107,58 @@ def levers(
     out.append(
         Lever(
             name="width",
-            setting=None
-            if k is None
-            else f"model.hidden_size={narrower(k).hidden_size} "
-            f"model.intermediate_size={narrower(k).intermediate_size}",
+            setting=None if k is None else _width_setting(narrower(k)),
             total=None if k is None else total(narrower(k), work),
             note="" if k else f"even hidden size {unit} does not fit",
         )
     )
     return out
+
+
+def _context_length(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
+    """The longest context, in steps of 128 tokens, that fits."""
+    step = 128 if work.seq_len > 128 else 1
+    t = _largest(
+        1,
+        (work.seq_len - 1) // step,
+        lambda x: total(preset, _w(work, seq_len=x * step)) <= capacity,
+    )
+    return Lever(
+        name="context length",
+        setting=None if t is None else f"model.seq_len={t * step}",
+        total=None if t is None else total(preset, _w(work, seq_len=t * step)),
+        note="" if t else f"even {step} tokens do not fit",
+    )
+
+
+def _width_setting(p: ModelPreset) -> str:
+    if p.moe is not None:
+        return (
+            f"model.hidden_size={p.hidden_size} "
+            f"model.moe.expert_intermediate_size={p.moe.expert_intermediate_size}"
+        )
+    return f"model.hidden_size={p.hidden_size} model.intermediate_size={p.intermediate_size}"
+
+
+def _expert_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
+    """The smallest expert-parallel degree above the current one that AutoEP accepts (it divides
+    the experts of a layer and the GPUs: ``memory_ep.fitting_degrees``) and fits."""
+    name = "expert parallel"
+    degrees = [d for d in memory_ep.fitting_degrees(preset, work.n_gpus) if d > work.ep]
+    for d in degrees:
+        fitting = total(preset, _w(work, ep=d))
+        if fitting <= capacity:
+            setting = f"--set ds.expert_parallel.autoep_size={d}"
+            return Lever(name=name, setting=setting, total=fitting)
+    tried = ", ".join(map(str, degrees))
+    return Lever(
+        name=name,
+        setting=None,
+        total=None,
+        note=f"autoep_size {tried} does not fit"
+        if degrees
+        else f"no degree above {work.ep} divides the experts and the {work.n_gpus} GPUs",
+    )
 
 
 def _chunked_loss(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
@@ -133,7 +175,10 @@ def _chunked_loss(preset: ModelPreset, work: Workload, total, capacity: int) -> 
 
 def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
     """The smallest power-of-2 tensor-parallel degree above the current one, up to 8 (one node),
-    that divides the head counts and the GPUs and fits; none under SP (Anneal runs them apart)."""
+    that divides the head counts and the GPUs and fits; none under SP (Anneal runs them apart)
+    or for a sparse model."""
+    if preset.is_moe:
+        return Lever(name="tensor parallel", setting=None, total=None, note=_SPARSE)
     if work.sp > 1:
         return Lever(name="tensor parallel", setting=None, total=None, note="not with SP")
     degrees = [
@@ -168,8 +213,11 @@ def _sequence_parallel(
 ) -> Lever:
     """The smallest power-of-2 Ulysses degree above the current one, up to 8 (one node), that
     divides the head counts, the sequence and the GPUs and fits; none where Anneal would refuse
-    Ulysses (with TP, below ZeRO-2, eager attention: anneal.planning.memory_sp)."""
+    Ulysses (with TP, below ZeRO-2, eager attention, a sparse model: anneal.planning.memory_sp,
+    memory_ep)."""
     name = "sequence parallel"
+    if preset.is_moe:
+        return Lever(name=name, setting=None, total=None, note=_SPARSE)
     if work.tp > 1 or zero.stage < 2 or work.eager_attention:
         why = "not with TP" if work.tp > 1 else "needs ZeRO-2 or 3 and SDPA attention"
         return Lever(name=name, setting=None, total=None, note=why)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-from pathlib import Path
 
 from anneal.errors import UserError
 from anneal.hardware import DEFAULT_GPU, DEFAULT_MFU, get_gpu
+from anneal.planning import sparse
 from anneal.planning.forecast import format_duration
 from anneal.planning.law import DEFAULT_FIT, FITS, ChinchillaFit
 
@@ -50,38 +49,6 @@ def _positive(flag: str, value: float | None) -> None:
         raise UserError(f"{flag} {value}: must be a positive, finite number.")
 
 
-def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
-    """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
-    from anneal.rundir import read_metrics, record_or_empty
-
-    try:
-        train = read_metrics(run_dir, "train")
-    except UserError as e:
-        raise UserError(f"--mfu-from {run_dir}: {e} Or give --mfu M.") from None
-    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
-    if not mfus:
-        raise UserError(
-            f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
-            f"a run that trained at least one step, or --mfu M."
-        )
-    device = record_or_empty(run_dir).device  # only a label
-    kept = mfus[len(mfus) // 10 :] or mfus
-    mfu = statistics.median(kept)
-    if not 0 < mfu <= 1:
-        why = (
-            "That run measured it against a device peak that was too small (a CPU peak "
-            "measured on a busy machine; runs logged since MFU is capped at 100% do not show "
-            "this)"
-            if mfu > 1
-            else "That run logged no throughput"
-        )
-        raise UserError(
-            f"--mfu-from {run_dir}: the median MFU of its train rows is {mfu:.1%}, and MFU is a "
-            f"fraction of peak in (0, 100%]. {why}. Give --mfu M instead, or another run."
-        )
-    return mfu, f"median over {len(kept)} steps of {run_dir} ({device})"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ComputePlan:
     """What to train for a budget, and what it costs. FLOPs are ``6 N D`` throughout."""
@@ -104,6 +71,9 @@ class ComputePlan:
     mfu: float
     mfu_source: str
     gpus: int | None
+    total_params: int | None = None
+    """All parameters of a sparse ``--model`` (what memory holds); ``params`` is then its active
+    count (``anneal.planning.sparse``). None otherwise."""
 
     @property
     def tokens_per_param(self) -> float:
@@ -149,6 +119,7 @@ class ComputePlan:
             "gpu_hours": self.gpu_hours,
             "wall_clock_hours": self.wall_clock_hours,
             "prepare_node_hours": self.prepare_node_hours,
+            "total_params": self.total_params,
         }
 
 
@@ -184,9 +155,11 @@ def plan(
     tokens_per_param: float | None = None,
     global_batch: int = DEFAULT_GLOBAL_BATCH,
     seq_len: int | None = None,
+    model: str | None = None,
 ) -> ComputePlan:
     """N and D for exactly one budget: ``flops``, ``gpus`` x ``hours`` (at ``mfu`` of the
-    ``gpu``'s peak), ``params``, ``tokens`` or ``target_loss``.
+    ``gpu``'s peak), ``params``, ``tokens``, ``target_loss`` or ``model`` (a preset, whose N is
+    its active parameters: ``anneal.planning.sparse``).
 
     Without ``tokens_per_param`` N and D sit on ``fit``'s compute-optimal frontier; with it,
     D = R N (Chinchilla's rule of thumb is R = 20) and ``fit`` only predicts the loss.
@@ -214,21 +187,17 @@ def plan(
                 "--flops and --gpus/--hours both set a compute budget; give one of them."
             )
         flops = gpus * hours * 3600 * spec.peak_flops * mfu
-    _check_one_budget(flops=flops, params=params, tokens=tokens, target_loss=target_loss)
+    _check_one_budget(
+        flops=flops, params=params, tokens=tokens, target_loss=target_loss, model=model
+    )
+    chosen = sparse.planned_model(model) if model is not None else None
+    params = chosen.params if chosen else params
+    budget = dict(flops=flops, params=params, tokens=tokens, target_loss=target_loss)
     if tokens_per_param is not None:
-        params, tokens, basis = _by_rule(
-            fit,
-            tokens_per_param,
-            flops=flops,
-            params=params,
-            tokens=tokens,
-            target_loss=target_loss,
-        )
+        params, tokens, basis = _by_rule(fit, tokens_per_param, **budget)
     else:
-        params, tokens, basis = _on_frontier(
-            fit, flops=flops, params=params, tokens=tokens, target_loss=target_loss
-        )
-    preset, preset_params = nearest_preset(params)
+        params, tokens, basis = _on_frontier(fit, **budget)
+    preset, preset_params = (chosen.name, chosen.params) if chosen else nearest_preset(params)
     return ComputePlan(
         params=params,
         tokens=tokens,
@@ -245,6 +214,7 @@ def plan(
         mfu=mfu,
         mfu_source=mfu_source,
         gpus=gpus,
+        total_params=chosen.total if chosen and chosen.total != chosen.params else None,
     )
 
 
@@ -289,6 +259,7 @@ def _check_one_budget(
     params: float | None,
     tokens: float | None,
     target_loss: float | None,
+    model: str | None = None,
 ) -> None:
     """A plan answers one question: the budgets would otherwise disagree with each other."""
     given = {
@@ -298,6 +269,7 @@ def _check_one_budget(
             ("--params", params),
             ("--tokens", tokens),
             ("--target-loss", target_loss),
+            ("--model", model),
         )
         if v is not None
     }
@@ -305,7 +277,7 @@ def _check_one_budget(
         raise UserError(
             f"anneal plan needs exactly one budget, got "
             f"{', '.join(given) if given else 'none'}: give --flops C, or --gpus G --hours H, "
-            f"or --params N, or --tokens D, or --target-loss L."
+            f"or --params N, or --tokens D, or --target-loss L, or --model PRESET."
         )
 
 
@@ -379,7 +351,10 @@ def format_plan(p: ComputePlan) -> str:
         f"{p.tokens_per_param:.1f} tokens per parameter",
         f"  predicted loss {p.loss:.4f} nats/token",
         f"  nearest preset {p.preset} ({_si(p.preset_params)} parameters, "
-        f"x{p.preset_params / p.params:.2g} of N)",
+        f"x{p.preset_params / p.params:.2g} of N)"
+        if p.total_params is None
+        else f"  sparse model   {p.preset}: N is its {_si(p.params)} active parameters of "
+        f"{_si(p.total_params)} (see below)",
         f"  steps          {p.steps:,} at a global batch of {p.global_batch} x {p.seq_len} tokens",
         f"  GPU-hours      {gpu_hours} on {p.gpu.upper()} at MFU {100 * p.mfu:.1f}% "
         f"({p.mfu_source}; peak {p.gpu_peak_flops / 1e12:g} TFLOP/s)",
@@ -393,4 +368,6 @@ def format_plan(p: ComputePlan) -> str:
         f"`anneal data prepare` on {PREPARE_NODE_CORES}-core nodes, at "
         f"{PREPARE_TOKENS_PER_CORE_S:,.0f} tokens/s per core (measured: docs/data.md)"
     )
+    if p.total_params is not None:
+        lines.append(sparse.NOTE.format(name=p.preset))
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import statistics
 from pathlib import Path
 
 from anneal.errors import UserError
@@ -21,8 +22,9 @@ class RunPoint:
 
 
 def read_run(run_dir: str | Path) -> RunPoint:
-    """N (all parameters, embeddings included, as Hoffmann counted), D (tokens consumed) and
-    the last validation loss of a run directory."""
+    """N (all parameters, embeddings included, as Hoffmann counted; of a sparse model the
+    active ones, as ``anneal.planning.sparse`` reads the law), D (tokens consumed) and the last
+    validation loss of a run directory."""
     from anneal.rundir import config_path, metrics_path, read_metrics, record_or_empty
 
     run_dir = Path(run_dir)
@@ -40,6 +42,10 @@ def read_run(run_dir: str | Path) -> RunPoint:
             f"run directories, or --csv with params,tokens,loss."
         )
     params = record.params
+    if isinstance(record.model.get("moe"), dict):  # a sparse model: its active parameters
+        from anneal.model import active_params, preset_from_dict
+
+        params = active_params(preset_from_dict(record.model, source=str(cfg_path)))
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("kind") == "train"]
     val = [r for r in rows if r.get("kind") == "val" and r.get("val_loss") is not None]
@@ -110,3 +116,35 @@ def read_csv(path: str | Path) -> list[RunPoint]:
             ) from None
         points.append(p)
     return points
+
+
+def mfu_from_run(run_dir: str | Path) -> tuple[float, str]:
+    """Median MFU of a run's train rows (the first 10% of steps skipped as warm-up)."""
+    from anneal.rundir import read_metrics, record_or_empty
+
+    try:
+        train = read_metrics(run_dir, "train")
+    except UserError as e:
+        raise UserError(f"--mfu-from {run_dir}: {e} Or give --mfu M.") from None
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    if not mfus:
+        raise UserError(
+            f"--mfu-from {run_dir}: its metrics.jsonl has no train rows with an mfu value; give "
+            f"a run that trained at least one step, or --mfu M."
+        )
+    device = record_or_empty(run_dir).device  # only a label
+    kept = mfus[len(mfus) // 10 :] or mfus
+    mfu = statistics.median(kept)
+    if not 0 < mfu <= 1:
+        why = (
+            "That run measured it against a device peak that was too small (a CPU peak "
+            "measured on a busy machine; runs logged since MFU is capped at 100% do not show "
+            "this)"
+            if mfu > 1
+            else "That run logged no throughput"
+        )
+        raise UserError(
+            f"--mfu-from {run_dir}: the median MFU of its train rows is {mfu:.1%}, and MFU is a "
+            f"fraction of peak in (0, 100%]. {why}. Give --mfu M instead, or another run."
+        )
+    return mfu, f"median over {len(kept)} steps of {run_dir} ({device})"

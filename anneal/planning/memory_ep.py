@@ -1,0 +1,128 @@
+"""Expert parallelism (DeepSpeed AutoEP) in the memory estimate: where a sparse model's experts
+live, and over which ranks ZeRO partitions their states.
+
+A sparse preset's P parameters split in two: the experts, ``P_e = L E 3 h I`` (each of the L
+layers' E SwiGLU experts of width I), and the rest, ``P_d = P - P_e`` (attention, norms, the
+routers, the embedding and the LM head). AutoEP (``"expert_parallel": {"autoep_size": EP}``)
+gives each rank of an expert-parallel group of EP consecutive ranks E / EP experts of every
+layer, so a GPU holds ``P_e / EP`` expert parameters and the dense ones whole (before TP). ZeRO
+then partitions each family over its own group, as DeepSpeed 0.19.8 does:
+
+- the dense parameters over the data-parallel group (n / t ranks; all n under Ulysses), as for
+  a dense model;
+- the expert parameters over the expert-data-parallel group, the n / EP ranks that hold the same
+  experts (``utils/groups._create_expert_and_data_parallel``). ZeRO-1/2 give each MoE parameter
+  group that group as its ``real_dp_process_group`` and its size as ``partition_count``
+  (``runtime/zero/stage_1_and_2._configure_moe_settings``); ZeRO-3 sets every AutoEP expert
+  parameter's ``ds_zero_partition_process_group`` to it (``runtime/engine.py``,
+  ``_partition_autoep_zero3_experts``).
+
+With ``memory``'s ZeRO formulas per family, a GPU's expert states take (mixed precision)::
+
+    stage 0:  16 P_e / EP                   stage 2:  2 P_e / EP + 14 P_e / n
+    stage 1:  4 P_e / EP + 12 P_e / n       stage 3:  16 P_e / n
+
+EP divides what ZeRO leaves whole (at stage 1 the weights and gradients, at stage 2 the
+weights): the partitioned part, ``x (P_e / EP) / (n / EP) = x P_e / n``, does not depend on EP,
+and at stage 3 nothing of the states would (ZeRO-3 would gain from EP only a smaller gathered
+module: one layer's experts). Anneal refuses a sparse model with ZeRO-3, offload, tensor or
+sequence parallelism before launch (``anneal/launch/experts.py``), and so does this estimate
+(``check``), with the same reasons.
+
+Under imbalance the rank whose experts the router favours computes more rows than the balanced
+``k s b`` this estimate counts (``memory_activations``); Megatron-Core's MoE README warns of
+out-of-memory errors from it, typically in the first 100-300 steps from scratch.
+"""
+
+from __future__ import annotations
+
+from anneal.errors import UserError
+from anneal.model import ModelPreset
+from anneal.planning import memory_tp
+
+
+def expert_params(preset: ModelPreset) -> int:
+    """``P_e = L E 3 h I``: the parameters of every layer's experts (0 for a dense model)."""
+    moe = preset.moe
+    if moe is None:
+        return 0
+    width = 3 * preset.hidden_size * moe.expert_intermediate_size
+    return preset.num_hidden_layers * moe.num_experts * width
+
+
+def params_per_gpu(preset: ModelPreset, *, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU before ZeRO: the dense ones after AutoTP's shards
+    (``memory_tp.params_per_gpu``), and ``P_e / EP``."""
+    experts = expert_params(preset)
+    return memory_tp.params_per_gpu(preset, tp) - experts, experts // ep
+
+
+def routed_buffer_bytes(preset: ModelPreset, work, *, value_bytes: int) -> int:
+    """Working copies of one sparse layer's ``N = k s b`` routed rows, at their peak in the
+    combine: its zero-filled scatter target (v bytes a value) and its fp32 product with the
+    router's scores, ``N h (v + 4)``; the dispatch's all-to-all send and receive copies
+    (``2 N h v``) are no larger. 0 for a dense model."""
+    if preset.moe is None:
+        return 0
+    rows = preset.moe.top_k * work.seq_len * work.micro_batch
+    return int(rows * preset.hidden_size * (value_bytes + 4))
+
+
+def fitting_degrees(preset: ModelPreset, n_gpus: int) -> list[int]:
+    """The EP degrees AutoEP accepts for ``preset`` on ``n_gpus``: divisors of both the experts
+    per layer and the GPUs."""
+    if preset.moe is None:
+        return [1]
+    experts = preset.moe.num_experts
+    return [d for d in range(1, min(experts, n_gpus) + 1) if experts % d == 0 and n_gpus % d == 0]
+
+
+def check(preset: ModelPreset, zero, work) -> None:
+    """One UserError where Anneal would refuse ``work.ep`` for ``preset`` with ``zero`` (a
+    ``memory.ZeroSetup``) on ``work`` (a ``memory.Workload``) before launch
+    (``anneal/launch/experts.py``), with the flag to change."""
+    ep, n = work.ep, work.n_gpus
+    if ep < 1:
+        raise UserError(f"--ep {ep}: the expert-parallel degree must be at least 1.")
+    moe = preset.moe
+    if moe is None:
+        if ep > 1:
+            raise UserError(
+                f"--ep {ep} (expert_parallel.autoep_size) with {preset.name}, a dense model: "
+                f"expert parallelism shares out the experts of a sparse one. Drop --ep, or give "
+                f"a sparse model (tiny-moe, olmoe-1b-7b, qwen3-30b-a3b or its config.json)."
+            )
+        return
+    choose = f"Choose an --ep that divides both: {', '.join(map(str, fitting_degrees(preset, n)))}."
+    why = None
+    if moe.num_experts % ep:
+        why = (
+            f"does not divide the {moe.num_experts} experts of each layer of {preset.name}: "
+            f"each rank of an expert group holds an equal share of them. {choose}"
+        )
+    elif n % ep:
+        why = (
+            f"with {n} GPUs (--nodes x --gpus-per-node): the GPUs do not split into expert "
+            f"groups of {ep}. {choose}"
+        )
+    elif work.tp > 1 or work.sp > 1:
+        flag = f"--tp {work.tp}" if work.tp > 1 else f"--sp {work.sp}"
+        why = (
+            f"with {flag}: Anneal runs a sparse model with expert and data parallelism only "
+            f"(DeepSpeed 0.19.8's AutoEP folds into AutoTP only for some layouts and refuses "
+            f"Ulysses under ZeRO-3, and Anneal has run neither with experts). Drop "
+            f"{flag.split()[0]}"
+        )
+    elif zero.stage == 3:
+        why = (
+            "with ZeRO stage 3: Anneal trains a sparse model at ZeRO-1 or 2 (AutoEP's ZeRO-3 "
+            "checkpoints are not read by its exporter and checks yet). Give --ds-config "
+            "zero2_bf16.json (or zero1_bf16.json)"
+        )
+    elif zero.offload_optimizer or zero.offload_param:
+        why = (
+            "with ZeRO offload: Anneal has not run AutoEP with offload. Give a ds_config "
+            "without offload_optimizer / offload_param, and a larger --ep"
+        )
+    if why:
+        raise UserError(f"--ep {ep} (expert_parallel.autoep_size) {why.rstrip('.')}.")
