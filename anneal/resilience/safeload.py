@@ -135,6 +135,20 @@ def refusal(e: Exception) -> str:
 
 _STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
 """What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
+_EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
+"""One expert's weights of a sparse layer (DeepSpeed's AutoEP): ``{prefix}.experts.w1.E``,
+``w2.E`` and ``w3.E`` as tensors, no ``module``."""
+
+
+def _holds_what_deepspeed_saves(path: Path, state) -> str | None:
+    """None when ``state`` is what DeepSpeed saves in a file of ``path``'s name, else what
+    it should have held."""
+    if _EXPERT_FILE.fullmatch(path.name):
+        items = state.items() if isinstance(state, dict) else ()
+        weights = [k for k, v in items if ".experts.w" in str(k) and hasattr(v, "shape")]
+        return None if weights else "an expert's weights"
+    key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
+    return None if not key or (isinstance(state, dict) and key in state) else repr(key)
 
 
 def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
@@ -147,10 +161,9 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
         if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
             continue
         state = load(path, map_location="cpu", mmap=True)
-        key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
-        if key and not (isinstance(state, dict) and key in state):
+        if want := _holds_what_deepspeed_saves(path, state):
             raise UserError(
-                f"{path}: holds a {type(state).__name__} without {key!r}, not what DeepSpeed "
+                f"{path}: holds a {type(state).__name__} without {want}, not what DeepSpeed "
                 f"saves in such a file, so it is not loaded."
             )
 

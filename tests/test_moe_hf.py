@@ -1,0 +1,249 @@
+"""Sparse models and Hugging Face, both ways (issue 30, item 4).
+
+Out: the checkpoint of a bare DeepSpeed AutoEP engine (``tests/moe_engine.py``: a plain
+transformers Qwen3-MoE given to ``deepspeed.initialize`` with an ``"expert_parallel"`` section,
+one rank, EP=1) exported by ``anneal export`` (its own verification on) and read back with
+plain ``from_pretrained``:
+
+- an engine saved before any step gives back the very weights it was built from, every tensor
+  equal (the router renamed from AutoEP's ``router.gate``, each expert's gate and up rows fused
+  back in transformers' order: a swap of the two would change the logits, checked too);
+- an engine trained two steps at ZeRO-2 gives the logits the engine computes, within float
+  noise of two implementations of the same experts;
+- a pickle planted in an expert file (the manifest rehashed to match) is refused by the export
+  and by the check every resume makes, and never runs; an expert file that holds no expert is
+  refused.
+
+In: ``--init-from`` a Qwen3-MoE directory that ``save_pretrained`` wrote: the run's model is
+sparse (its ``moe`` shape read from config.json, active parameters below the total), and its
+validation loss before any update equals plain transformers' on the same windows within 1e-5;
+other Mixture-of-Experts architectures (Mixtral, OLMoE, Qwen2-MoE) and a Qwen3-MoE with dense
+layers are refused with one paragraph naming what works.
+
+About 25 s on 2 cores: two in-process engines, three exports with their verification.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from anneal.errors import UserError
+from anneal.hf.export import export
+from anneal.resilience import safeload
+from tests import moe_engine, planted
+from tests.moe_engine import SEQ, VOCAB
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def preset():
+    return moe_engine.tiny_preset()
+
+
+@pytest.fixture(scope="module")
+def runs(world_of_one, tiny_data, preset, tmp_path_factory) -> dict:
+    """Two runs saved by bare AutoEP engines: ``fresh`` at ZeRO-1 before any step (with the
+    state dict of the model it was built from) and ``trained`` at ZeRO-2 after two steps (with
+    the engine's logits on a fixed batch)."""
+    root = tmp_path_factory.mktemp("moe_runs")
+    source = moe_engine.hf_model(preset)
+    weights = {k: v.clone() for k, v in source.state_dict().items()}
+    fresh = moe_engine.bare_engine(source, stage=1)
+    moe_engine.save_as_run(fresh, preset, root / "fresh", tiny_data, "step00000000")
+    trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=2)
+    assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
+    moe_engine.train_steps(trained, 2)
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = trained.module(input_ids=batch).logits.float()
+    moe_engine.save_as_run(trained, preset, root / "trained", tiny_data, "step00000002")
+    return {
+        "fresh": root / "fresh",
+        "weights": weights,
+        "trained": root / "trained",
+        "batch": batch,
+        "logits": logits,
+    }
+
+
+def from_pretrained(out: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+
+def test_a_fresh_engine_exports_the_weights_it_was_built_from(runs, tmp_path):
+    """HF model -> AutoEP engine -> checkpoint -> export -> HF model: every tensor equal, the
+    config a Qwen3-MoE whose loss is the language model's; gate and up swapped would not give
+    the same logits (so the equality proves their order)."""
+    report = export(runs["fresh"], out=tmp_path / "hf", dtype="fp32")
+    model = from_pretrained(tmp_path / "hf")
+    got = model.state_dict()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert set(got) == set(runs["weights"])
+    assert all(torch.equal(got[k], v) for k, v in runs["weights"].items())
+    config = model.config
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim) == (4, 2, 32)
+    assert (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["output_router_logits"] is False
+    )
+    assert report["verify"]["max_abs_logit_diff"] <= report["verify"]["tolerance"]
+
+    batch = runs["batch"]
+    with torch.no_grad():
+        before = model(input_ids=batch).logits
+        up_gate = got["model.layers.0.mlp.experts.gate_up_proj"].roll(32, dims=1)
+        model.model.layers[0].mlp.experts.gate_up_proj.copy_(up_gate)
+        assert (model(input_ids=batch).logits - before).abs().max() > 1e-3
+
+
+def test_a_trained_engine_exports_its_logits(runs, tmp_path):
+    """Two ZeRO-2 steps, then export (verified) and from_pretrained: the engine's logits, up
+    to float noise (measured: equal); the bf16 export verifies too."""
+    report = export(runs["trained"], out=tmp_path / "hf", dtype="fp32")
+    logits = from_pretrained(tmp_path / "hf")(input_ids=runs["batch"]).logits
+    scale = runs["logits"].abs().max().item()
+    assert (logits - runs["logits"]).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert report["step"] == 2 and report["zero_stage"] == 2
+    bf16 = export(runs["trained"], out=tmp_path / "bf16", dtype="bf16")["verify"]
+    assert bf16["max_abs_logit_diff"] <= bf16["tolerance"] < bf16["dtype_rounding_diff"]
+
+
+def _copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    copy = Path(shutil.copytree(run, tmp_path / "run", symlinks=True))
+    return copy, copy / "checkpoints" / "step00000002"
+
+
+@pytest.mark.parametrize("kind", planted.KINDS)
+def test_a_pickle_planted_in_an_expert_file_never_runs(runs, tmp_path, kind):
+    """An expert file with a payload (the manifest rehashed): the export and the check of
+    every resume refuse it, naming the file; the payload never runs."""
+    run, tag_dir = _copy(runs["trained"], tmp_path)
+    target = tag_dir / "layer_1_expert_3_mp_rank_00_model_states.pt"
+    marker = tmp_path / "ran"
+    planted.plant(target, kind, marker)
+    with pytest.raises(UserError, match=target.name) as e:
+        export(run, out=tmp_path / "hf", dtype="fp32")
+    assert "Nothing was exported" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match=target.name):
+        safeload.check_checkpoint(tag_dir)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_an_expert_file_without_an_expert_is_refused(runs, tmp_path):
+    """An expert file rewritten as a dict of no expert weights: not what DeepSpeed saves
+    there, refused on resume and export; the other files as saved pass the same check."""
+    run, tag_dir = _copy(runs["trained"], tmp_path)
+    safeload.check_checkpoint(tag_dir)  # as saved: every file, the expert files included
+    target = tag_dir / "layer_0_expert_1_mp_rank_00_model_states.pt"
+    torch.save({"module": {}}, target)
+    planted.rehash(tag_dir)
+    with pytest.raises(UserError, match="without an expert's weights"):
+        safeload.check_checkpoint(tag_dir)
+    with pytest.raises(UserError, match=target.name):
+        export(run, out=tmp_path / "hf", dtype="fp32")
+
+
+# --- --init-from a Qwen3-MoE directory --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_data, preset, tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE after two plain-torch AdamW steps, saved with ``save_pretrained``
+    beside tiny_data's tokenizer."""
+    out = tmp_path_factory.mktemp("hf_moe") / "qwen3_moe"
+    model = moe_engine.hf_model(preset, seed=2).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (4, 33))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.config.output_router_logits = False  # as the Hub's releases ship it
+    model.save_pretrained(str(out))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tiny_data / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_data(moe_dir, tmp_path_factory) -> Path:
+    """A corpus prepared with the directory's tokenizer (``--tokenizer DIR``), in this process
+    as tests/test_init_from.py prepares its own."""
+    from anneal.data import make_tokenizer
+    from anneal.data.prepare import prepare
+
+    src = tmp_path_factory.mktemp("moe_src") / "text.txt"
+    src.write_text("\n\n".join(f"doc {i}: " + f"the {i % 7} fox jumps " * 30 for i in range(120)))
+    out = tmp_path_factory.mktemp("moe_data") / "data"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(make_tokenizer, "_in_child", lambda fn, *args: fn(*args))
+        prepare(
+            inputs=[str(src)],
+            out=out,
+            tokenizer=moe_dir,
+            val_fraction=0.2,
+            workers=1,
+            progress=False,
+        )
+    return out
+
+
+def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
+    world_of_one, moe_dir, moe_data, tmp_path
+):
+    """The run's model is the directory's sparse one, and Anneal's validation loss before any
+    update (the engine as training builds it, ZeRO-1) equals plain transformers' within 1e-5."""
+    from anneal.model import active_params, count_params
+    from tests.test_init_from import EVAL_WINDOWS, anneal_step0, resolve, transformers_loss
+
+    launch = resolve(moe_dir, moe_data, tmp_path / "plan")
+    assert launch.preset.moe.num_experts == 4 and launch.preset.moe.top_k == 2
+    assert launch.preset.head_dim == 32
+    assert active_params(launch.preset) < count_params(launch.preset)
+    ours = anneal_step0(moe_dir, moe_data, tmp_path / "run", 1)
+    theirs = transformers_loss(moe_dir, moe_data)
+    assert EVAL_WINDOWS and ours == pytest.approx(theirs, rel=1e-5)
+    assert abs(ours - math.log(VOCAB)) > 0.01
+
+
+def _config_only(tmp_path: Path, config) -> Path:
+    config.save_pretrained(str(tmp_path / "m"))
+    return tmp_path / "m"
+
+
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.MixtralConfig(num_local_experts=4, intermediate_size=32, **SMALL),
+        transformers.OlmoeConfig(num_experts=4, intermediate_size=32, **SMALL),
+        transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32, **SMALL),
+    ],
+    ids=lambda c: c.model_type,
+)
+def test_other_sparse_architectures_are_refused_naming_qwen3_moe(config, tmp_path):
+    """Mixtral, OLMoE and Qwen2-MoE: one paragraph naming the architecture that works, before
+    any weight is read (the directory holds none)."""
+    from anneal.hf.load import read_hf_config
+
+    with pytest.raises(UserError, match="qwen3_moe") as e:
+        read_hf_config(_config_only(tmp_path, config))
+    assert config.model_type in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_qwen3_moe_with_dense_layers_is_refused(tmp_path):
+    """mlp_only_layers: Anneal's sparse counts take every layer as sparse."""
+    from anneal.hf.load import read_hf_config
+
+    config = transformers.Qwen3MoeConfig(num_experts=4, mlp_only_layers=[0], **SMALL)
+    with pytest.raises(UserError, match="mlp_only_layers"):
+        read_hf_config(_config_only(tmp_path, config))
