@@ -115,6 +115,16 @@ DS_SCHEMA: dict[str, Any] = {
     "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
     # DeepSpeed's Ulysses sequence parallelism (anneal/launch/parallel.py, train/sequence.py).
     "sequence_parallel_size": int,
+    # DeepSpeed's AutoEP expert parallelism (anneal/launch/experts.py): filled in for a sparse
+    # model; its routing comes from the model's config, so only these keys are taken.
+    "expert_parallel": {
+        "enabled": bool,
+        "autoep_size": int,
+        "preset_model": str,
+        "use_grouped_mm": bool,
+        "expert_tensor_parallel_size": int,
+        "load_balance_coeff": Num,
+    },
     # Anneal turns load_universal on by itself for the one load that changes the world size.
     "checkpoint": {"load_universal": bool, "tag_validation": str, "use_node_local_storage": bool},
 }
@@ -143,6 +153,21 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("sequence_parallel_size",): (
         lambda v: v >= 1,
         "the ranks that share each sequence (1: no sequence parallelism)",
+    ),
+    ("expert_parallel", "autoep_size"): (
+        lambda v: v >= 1,
+        "the ranks that share out each layer's experts (1: every rank holds all of them)",
+    ),
+    ("expert_parallel", "expert_tensor_parallel_size"): (
+        lambda v: v == 1,
+        "1: DeepSpeed 0.19.8's AutoEP runs expert tensor parallelism only with AutoTP, which "
+        "Anneal does not combine with experts",
+    ),
+    ("expert_parallel", "load_balance_coeff"): (
+        lambda v: False,
+        "left out: DeepSpeed 0.19.8's AutoEP rejects aux-loss-free balancing (DeepSeek-V3's "
+        "expert bias). Drop the key; the router is balanced by its auxiliary loss "
+        "(--set model.moe_aux_loss_coef=...)",
     ),
     ("optimizer", "params", "lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
     ("optimizer", "params", "betas"): (
@@ -209,6 +234,14 @@ def sequence_parallel_size(ds: dict) -> int:
     """``sequence_parallel_size`` of a ds_config: the ranks that share each sequence
     (DeepSpeed's default, 1: none)."""
     value = ds.get("sequence_parallel_size", 1)
+    return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def expert_parallel_size(ds: dict) -> int:
+    """``expert_parallel.autoep_size`` of a ds_config: the ranks that share out each layer's
+    experts (1 without the section)."""
+    section = ds.get("expert_parallel", {})
+    value = section.get("autoep_size", 1) if isinstance(section, dict) else 1
     return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
 
 

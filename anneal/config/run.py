@@ -37,6 +37,17 @@ class ModelConfig:
     rope_theta: float = 0.0
     """RoPE base frequency; 0 keeps the preset's (10,000). Long contexts train with a larger
     one: Llama 3 used 500,000 for up to 32K tokens, Code Llama 1,000,000."""
+    num_experts: int = 0
+    """Sparse presets: experts per layer; 0 keeps the preset's (as do the next two)."""
+    experts_per_token: int = 0
+    """Sparse presets: experts each token is routed to (top-k)."""
+    expert_intermediate_size: int = 0
+    """Sparse presets: the width of one expert's SwiGLU."""
+    moe_aux_loss_coef: float | None = None
+    """Sparse presets: weight of the router's load-balancing loss in the objective; None
+    ("auto") keeps the preset's (0.01 for tiny-moe and OLMoE's shape, 0.001 for Qwen3's)."""
+    moe_z_loss_coef: float | None = None
+    """Sparse presets: weight of the router z-loss; None ("auto") keeps the preset's."""
     init_from: str = ""
     """A Hugging Face model directory to continue pretraining from (``--init-from``): its
     config.json gives the architecture (the preset's shape is not used; seq_len 0 keeps its

@@ -152,6 +152,17 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "model.intermediate_size": _SIZE,
     "model.num_hidden_layers": _SIZE,
     "model.num_attention_heads": _SIZE,
+    "model.num_experts": _SIZE,
+    "model.experts_per_token": _SIZE,
+    "model.expert_intermediate_size": _SIZE,
+    "model.moe_aux_loss_coef": (
+        lambda v: 0 <= v <= 100,
+        'a weight from 0 (no load balancing) to 100, or "auto" (the preset\'s)',
+    ),
+    "model.moe_z_loss_coef": (
+        lambda v: 0 <= v <= 100,
+        'a weight from 0 (no z-loss) to 100, or "auto" (the preset\'s)',
+    ),
     "model.rope_theta": (
         lambda v: v == 0 or 1 < v <= 1e12,
         "0 (the preset's, 10,000) or a RoPE base above 1, e.g. 500000 (Llama 3)",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
 from anneal.errors import UserError
 
 
@@ -33,6 +33,9 @@ class Layout:
     """Ranks per tensor-parallel group (1: none)."""
     sequence_parallel: int = 1
     """Ranks per sequence-parallel (Ulysses) group, which share each sequence (1: none)."""
+    expert_parallel: int = 1
+    """Ranks per expert-parallel (AutoEP) group, which share out each layer's experts (1:
+    none). Every rank of a group still reads its own samples (``anneal.launch.experts``)."""
 
     @property
     def data_parallel(self) -> int:
@@ -44,6 +47,11 @@ class Layout:
             return (
                 f"{self.world_size} ranks = sequence-parallel {self.sequence_parallel} x "
                 f"data-parallel {self.data_parallel}"
+            )
+        if self.expert_parallel > 1:
+            return (
+                f"{self.world_size} ranks = data-parallel {self.data_parallel}, experts shared "
+                f"out over groups of {self.expert_parallel}"
             )
         if self.tensor_parallel == 1:
             return f"{self.world_size} rank(s)"
@@ -58,11 +66,11 @@ def layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
     over these ranks (a world size that does not split into groups, query or key-value heads
     that do not divide by the degree). Any ZeRO stage goes with it, and so does
     ``train.export_every_save``: export merges the ranks' slices (``anneal.hf.tp_merge``)."""
-    tp, sp = autotp_size(ds), sequence_parallel_size(ds)
+    tp, sp, ep = autotp_size(ds), sequence_parallel_size(ds), expert_parallel_size(ds)
     if sp > 1:
         return _sequence_parallel_layout(ds, preset, world_size=world_size, source=source)
     if tp == 1:
-        return Layout(world_size, 1)
+        return Layout(world_size, 1, 1, ep)
     fix = f"Set ds.tensor_parallel.autotp_size (now {tp}, from {source} or --set)"
     if world_size % tp:
         raise UserError(
@@ -165,6 +173,17 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
     saved_tp = manifest.get("tensor_parallel_size", 1)
     saved_ranks = manifest.get("world_size")
     saved_sp = manifest.get("sequence_parallel_size", 1)
+    saved_ep = manifest.get("expert_parallel_size", 1)
+    if isinstance(saved_ep, int) and saved_ep != here.expert_parallel:
+        raise UserError(
+            f"--resume {tag_dir}: saved with expert-parallel degree {saved_ep} (its manifest) "
+            f"and this launch has {here.expert_parallel}. Each rank's checkpoint files hold the "
+            f"optimizer state of its own share of the experts, and Anneal does not yet reshape "
+            f"it for another degree (DeepSpeed's universal checkpoint can; Anneal's conversion "
+            f"does not cover experts yet). Resume with --set "
+            f"ds.expert_parallel.autoep_size={saved_ep}, or export the model and start a new "
+            f"run from it with --init-from (a fresh optimizer)."
+        )
     if isinstance(saved_sp, int) and saved_sp != here.sequence_parallel:
         raise UserError(
             f"--resume {tag_dir}: saved with sequence-parallel degree {saved_sp} (its manifest) "

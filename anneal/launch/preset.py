@@ -42,7 +42,7 @@ def model_preset(model: ModelConfig, vocab_size: int) -> ModelPreset:
         shape["seq_len"] = model.seq_len
     if model.rope_theta:
         shape["rope_theta"] = float(model.rope_theta)
-    preset = dataclasses.replace(preset, **shape)
+    preset = dataclasses.replace(preset, **shape, moe=_moe_shape(model, preset))
     heads, hidden = preset.num_attention_heads, preset.hidden_size
     if hidden % heads or (hidden // heads) % 2:
         fits = [h for h in range(1, 129) if hidden % h == 0 and hidden // h % 2 == 0]
@@ -55,3 +55,41 @@ def model_preset(model: ModelConfig, vocab_size: int) -> ModelPreset:
             f"to a multiple of {2 * heads} (e.g. {near})."
         )
     return preset
+
+
+MOE_KEYS = {
+    "num_experts": "num_experts",
+    "experts_per_token": "top_k",
+    "expert_intermediate_size": "expert_intermediate_size",
+    "moe_aux_loss_coef": "aux_loss_coef",
+    "moe_z_loss_coef": "z_loss_coef",
+}
+"""The ``model`` keys that override a sparse preset's ``MoeShape``, and the field each sets."""
+
+
+def _moe_shape(model: ModelConfig, preset: ModelPreset):
+    """The preset's sparse shape with this config's overrides (0 and None keep the preset's);
+    UserError for an override on a dense preset, or top-k above the experts."""
+    given = {
+        field: getattr(model, key)
+        for key, field in MOE_KEYS.items()
+        if getattr(model, key) not in (0, None)
+        or (key.endswith("_coef") and getattr(model, key) == 0)
+    }
+    if preset.moe is None:
+        if given:
+            keys = ", ".join(f"model.{k}" for k, f in MOE_KEYS.items() if f in given)
+            raise UserError(
+                f"{keys}: preset {preset.name!r} is dense (one feed-forward per layer, no "
+                f"experts). Choose a sparse preset (--set model.preset=tiny-moe, olmoe-1b-7b or "
+                f"qwen3-30b-a3b; recipes/pretrain_moe_*.py), or drop the setting."
+            )
+        return None
+    moe = dataclasses.replace(preset.moe, **given)
+    if moe.top_k > moe.num_experts:
+        raise UserError(
+            f"model.experts_per_token {moe.top_k} is more than model.num_experts "
+            f"{moe.num_experts}: each token is routed to top-k of the layer's experts. Set "
+            f"--set model.experts_per_token to at most {moe.num_experts}."
+        )
+    return moe

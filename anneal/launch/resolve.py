@@ -13,14 +13,14 @@ import os
 from pathlib import Path
 
 from anneal import rundir
-from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
-from anneal.launch import cooldown, parallel
+from anneal.launch import cooldown, experts, parallel
 from anneal.launch import ds as ds_config
 from anneal.launch.preset import model_preset
 from anneal.model import ModelPreset, count_params, human_count
@@ -67,7 +67,9 @@ class Launch:
     def layout(self) -> parallel.Layout:
         """TP or SP degree x data-parallel size (``anneal.launch.parallel``)."""
         ds = self.ds_config
-        return parallel.Layout(self.world_size, autotp_size(ds), sequence_parallel_size(ds))
+        return parallel.Layout(
+            self.world_size, autotp_size(ds), sequence_parallel_size(ds), expert_parallel_size(ds)
+        )
 
     @property
     def micro_batch(self) -> int:
@@ -116,6 +118,7 @@ class Launch:
                 "tensor_parallel_size": self.layout.tensor_parallel,
                 "sequence_parallel_size": self.layout.sequence_parallel,
                 "data_parallel_size": self.layout.data_parallel,
+                "expert_parallel_size": self.layout.expert_parallel,
                 "device": self.device_type,
             },
         }
@@ -133,25 +136,10 @@ class Launch:
             f"resolved ({self.cfg.ds_config}, then the recipe's defaults, then --set):",
         ]
         lines += [f"  {key} = {how}" for key, how in self.resolved_from.items()]
+        if self.preset.moe is not None:
+            lines.insert(1, experts.describe_experts(ds, self.preset, world_size=self.world_size))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         return "\n".join(lines)
-
-
-def _precision(cfg: RunConfig, ds: dict, *, fast_bf16: bool, device_type: str):
-    """(ds_config with bf16 decided, note or None). ``auto`` keeps the file's bf16 only where
-    the device has fast bf16 (this CPU ran a bf16 matmul about 400x slower than fp32)."""
-    want = cfg.train.precision
-    if want == "bf16":
-        return ds_config.set_bf16(ds, True), None
-    if want == "fp32" or (ds_config.bf16_enabled(ds) and not fast_bf16):
-        note = None
-        if ds_config.bf16_enabled(ds) and want == "auto":
-            note = (
-                f"device {device_type} has no fast bf16: training in fp32 "
-                f"(bf16.enabled -> false; --set train.precision=bf16 forces bf16)"
-            )
-        return ds_config.set_bf16(ds, False), note
-    return ds, None
 
 
 def resolve_launch(
@@ -188,7 +176,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     ds_path = ds_config.find_ds_config(cfg.ds_config)
     ds = ds_config.load_ds_config(ds_path)
     ds = ds_config.override_ds_config(ds, ds_config.ds_overrides(overrides), source=str(ds_path))
-    ds, note = _precision(cfg, ds, fast_bf16=fast_bf16, device_type=device_type)
+    ds, note = ds_config.precision(cfg, ds, fast_bf16=fast_bf16, device_type=device_type)
     notes = [note] if note else []
 
     data_dir = Path(cfg.data.path)
@@ -198,6 +186,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         from anneal.hf.load import check_model_tokenizer
 
         check_model_tokenizer(preset, meta=meta, data_dir=data_dir)
+    ds = experts.resolve_experts(ds, preset, world_size, device_type, source=str(ds_path))
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
     old_record = check_run_dir(cfg, out, data_dir=data_dir)

@@ -83,7 +83,7 @@ class MetricsLogger:
             for key, value in row.items():
                 if key not in ("kind", "step") and isinstance(value, int | float):
                     self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
-                elif isinstance(value, list):  # one value per rank, e.g. mem_gib
+                elif isinstance(value, list) and not key.startswith("moe_"):  # per rank: mem_gib
                     for i, v in enumerate(value):
                         self._tb.add_scalar(f"{row['kind']}/{key}/rank{i}", v, row["step"])
 

@@ -100,6 +100,7 @@ def write_manifest(
         # a checkpoint resumes only at this degree (anneal.launch.parallel.check_resume_layout)
         "tensor_parallel_size": tp,
         "sequence_parallel_size": client_state.get("sequence_parallel_size", 1),
+        "expert_parallel_size": client_state.get("expert_parallel_size", 1),
         "files": dict(sorted(files.items())),
     }
     if model is not None:
@@ -139,7 +140,7 @@ def _well_formed(doc) -> bool:
         return False
     if "world_size" in doc and not count(doc["world_size"], 1):
         return False
-    for key in ("tensor_parallel_size", "sequence_parallel_size"):
+    for key in ("tensor_parallel_size", "sequence_parallel_size", "expert_parallel_size"):
         if key in doc and not count(doc[key], 1):
             return False
     if not isinstance(doc.get("tokenizer_sha256") or "", str):

@@ -136,19 +136,7 @@ def refusal(e: Exception) -> str:
 _STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
 """What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
 _EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
-"""One expert's weights of a sparse layer (DeepSpeed's AutoEP): ``{prefix}.experts.w1.E``,
-``w2.E`` and ``w3.E`` as tensors, no ``module``."""
-
-
-def _holds_what_deepspeed_saves(path: Path, state) -> str | None:
-    """None when ``state`` is what DeepSpeed saves in a file of ``path``'s name, else what
-    it should have held."""
-    if _EXPERT_FILE.fullmatch(path.name):
-        items = state.items() if isinstance(state, dict) else ()
-        weights = [k for k, v in items if ".experts.w" in str(k) and hasattr(v, "shape")]
-        return None if weights else "an expert's weights"
-    key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
-    return None if not key or (isinstance(state, dict) and key in state) else repr(key)
+"""One expert's weights, as DeepSpeed's AutoEP saves them: a flat dict of tensors."""
 
 
 def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
@@ -156,14 +144,26 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
     never read, so that a refusal comes before anything is loaded, the same on every rank.
 
     ``skip_hidden``: not a file under a hidden name (a leftover that nothing loads)."""
+    import torch
+
     tag_dir = Path(tag_dir)
     for path in sorted(tag_dir.rglob("*.pt")):
         if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
             continue
         state = load(path, map_location="cpu", mmap=True)
-        if want := _holds_what_deepspeed_saves(path, state):
+        if _EXPERT_FILE.fullmatch(path.name):
+            if not (
+                isinstance(state, dict) and state and all(map(torch.is_tensor, state.values()))
+            ):
+                raise UserError(
+                    f"{path}: holds a {type(state).__name__} that is not a dict of tensors, not "
+                    f"what DeepSpeed's AutoEP saves in an expert's file, so it is not loaded."
+                )
+            continue
+        key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
+        if key and not (isinstance(state, dict) and key in state):
             raise UserError(
-                f"{path}: holds a {type(state).__name__} without {want}, not what DeepSpeed "
+                f"{path}: holds a {type(state).__name__} without {key!r}, not what DeepSpeed "
                 f"saves in such a file, so it is not loaded."
             )
 

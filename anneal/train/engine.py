@@ -4,6 +4,7 @@ else; the process setup before it (process group, device, CPU threads)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.eval import in_loop
 from anneal.launch.resolve import Launch, resolve_launch
 from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
-from anneal.train import loss, sequence
+from anneal.train import experts, loss, sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -115,10 +116,13 @@ def _build_model(preset, ds: dict, mpu):
 
 
 def _initialize(**kwargs):
-    """``deepspeed.initialize``, called here and nowhere else in Anneal; the engine."""
+    """``deepspeed.initialize``, called here and nowhere else in Anneal; the engine. A sparse
+    model's AutoEP runs under ``experts.autoep_registry_fix`` (its transformers 5 repair)."""
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(**kwargs)
+    sparse = kwargs["config"].get("expert_parallel", {}).get("enabled", False)
+    with experts.autoep_registry_fix() if sparse else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(**kwargs)
     return engine
 
 

@@ -25,8 +25,9 @@ from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
 from anneal.hardware import GiB, peak_memory_bytes
 from anneal.launch.resolve import Launch
+from anneal.model import MoeShape
 from anneal.resilience.preempt import Preemption
-from anneal.train import loss, sequence
+from anneal.train import experts, loss, sequence
 from anneal.train.engine import data_replica
 
 
@@ -52,6 +53,8 @@ class StepShape:
     the one definition."""
     memory_per_rank: bool = False
     """``train.memory_per_rank``: every rank's memory in the row too (``memory_fields``)."""
+    moe: MoeShape | None = None
+    """A sparse model's shape (its router's loss weights; ``anneal.train.experts``)."""
 
     @classmethod
     def of(cls, launch: Launch) -> StepShape:
@@ -59,6 +62,7 @@ class StepShape:
             grad_accum=launch.grad_accum,
             tokens_per_step=launch.tokens_per_step,
             memory_per_rank=launch.cfg.train.memory_per_rank,
+            moe=launch.preset.moe,
         )
 
 
@@ -73,10 +77,13 @@ def _step_collective(
     preemption: Preemption | None,
     *,
     memory_per_rank: bool = False,
-) -> tuple[float, dict, bool]:
+    extra: torch.Tensor | None = None,
+) -> tuple[float, dict, bool, list[float]]:
     """The one collective (and the one host sync) of a step, on every rank: this rank's mean
-    loss, its memory and whether it got a preemption signal, gathered from all ranks. Returns
-    the mean loss over ranks, the memory fields of the row, and whether any rank was signalled.
+    loss, its memory and whether it got a preemption signal, gathered from all ranks, and
+    ``extra`` (a sparse model's router sums: ``RouterStats.vector``). Returns the mean loss over
+    ranks, the memory fields of the row, whether any rank was signalled, and ``extra`` summed
+    over ranks ([] without it).
     """
     flag = float(preemption is not None and preemption.signalled)
     # the device's peak since the previous step; the host's since the process began (its reset
@@ -89,6 +96,9 @@ def _step_collective(
             torch.tensor(flag, dtype=torch.float64, device=device),
         ]
     )
+    if extra is not None:
+        mine = torch.cat([mine, extra])
+    width = mine.numel()
     if world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(world_size())]
         dist.all_gather(parts, mine)
@@ -96,10 +106,11 @@ def _step_collective(
     # With tensor parallelism each replica's loss comes once per rank of its group, all equal,
     # and with sequence parallelism once per slice, each over as many tokens, so the mean over
     # ranks is still the mean over data-parallel replicas.
-    rows = mine.view(-1, 3).tolist()
+    rows = mine.view(-1, width).tolist()
     memory = memory_fields([r[1] for r in rows], per_rank=memory_per_rank)
     loss_mean = sum(r[0] for r in rows) / len(rows)
-    return loss_mean, memory, any(r[2] > 0 for r in rows)
+    summed = [sum(col) for col in zip(*(r[3:] for r in rows), strict=True)]
+    return loss_mean, memory, any(r[2] > 0 for r in rows), summed
 
 
 def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dict:
@@ -132,23 +143,30 @@ def train_step(
     device = engine.device
     lr = engine.get_lr()[0]  # the LR this step applies
     loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
+    router = experts.RouterStats.of(engine, shape.moe)  # None for a dense model
     for _ in range(shape.grad_accum):
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         inputs, y = sequence.shard(engine, x, y)  # Ulysses: this rank's slice, its positions
+        if router is not None:
+            router.before_forward()
         with loss.targets(engine.module, y):  # train.loss=chunked: no full logits
-            micro_loss = loss_fn(engine(**inputs).logits, y)
+            output = engine(**inputs)
+            micro_loss = loss_fn(output.logits, y)
+        # a sparse model adds its router's losses to the objective (not to the row's loss)
+        objective = micro_loss if router is None else router.objective(output, micro_loss)
         # scales by 1/accumulation; reduces only at the boundary (Ulysses: this slice's share)
-        engine.backward(micro_loss * sequence.loss_share(engine))
+        engine.backward(objective * sequence.loss_share(engine))
         engine.step()  # at the boundary: clip, AdamW, LR step, zero grads
         loss_sum += micro_loss.detach()
-    loss_mean, memory, preempt = _step_collective(
+    loss_mean, memory, preempt, summed = _step_collective(
         loss_sum / shape.grad_accum,
         device,
         preemption,
         memory_per_rank=shape.memory_per_rank,
+        extra=None if router is None else router.vector(),
     )
     if preemption is not None:
         preemption.requested_by_any = preempt
@@ -167,6 +185,7 @@ def train_step(
         "data_wait_s": round(wait_s, 6),
         "data_wait_share": round(wait_s / elapsed, 6),  # of step time; prefetch keeps it < 1%
         **memory,
+        **({} if router is None else router.row(summed, world_size())),
         "time": round(time.time(), 3),  # wall clock at the end of the step
     }
 

@@ -147,6 +147,7 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
             "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
+            "expert_parallel_size": self.launch.layout.expert_parallel,  # and this
         }
 
     def load_state_dict(self, client: dict) -> None:

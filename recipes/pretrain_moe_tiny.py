@@ -1,0 +1,27 @@
+"""Pretrain the tiny-moe preset (a Qwen3-MoE decoder of 8 experts, 2 per token): the sparse
+model's CPU demo and test workhorse, trained through DeepSpeed's AutoEP.
+
+Its schedule and batch are the tiny dense recipe's (recipes/pretrain_tiny.py: nanoGPT's
+Shakespeare-char batch of 64 x 256 tokens, peak LR 3e-3), so the two compare at equal active
+parameters and equal tokens (docs/benchmarks.md, "Sparse against dense"). The router's
+load-balancing loss weighs 0.01 (Switch Transformer, Fedus et al. 2021, and OLMoE) and its
+z-loss 0.001 (ST-MoE, Zoph et al. 2022): ``--set model.moe_aux_loss_coef=...`` and
+``model.moe_z_loss_coef`` change them. Expert parallelism: ``--set
+ds.expert_parallel.autoep_size=N`` (N divides the 8 experts and the ranks).
+
+deepspeed --num_gpus N recipes/pretrain_moe_tiny.py --out runs/tiny-moe --data data/stdlib
+"""
+
+from anneal.cli.recipe import main
+from anneal.config.run import OptimConfig, TrainConfig
+
+RECIPE = dict(
+    preset="tiny-moe",
+    ds_config="zero2_bf16.json",
+    cpu_ds_config="cpu_zero2.json",  # AutoEP with ZeRO-1/2 only (anneal/launch/experts.py)
+    optim=OptimConfig(lr=3e-3, global_batch_tokens=64 * 256, warmup_tokens=100 * 64 * 256),
+    train=TrainConfig(max_steps=200, eval_every=50, save_every=50, log_every=10),
+)
+
+if __name__ == "__main__":
+    main(**RECIPE)
