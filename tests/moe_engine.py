@@ -4,13 +4,13 @@ checkpoint saved as a run directory that ``anneal export`` reads (tests/test_moe
 Bare: ``deepspeed.initialize`` on a plain transformers model with an ``"expert_parallel"``
 section, as DeepSpeed's own AutoEP tests do, nothing of Anneal's training in between, so the
 export is checked against DeepSpeed's layout and not against Anneal's reading of it.
-DeepSpeed 0.19.8's AutoEP calls ``_CanRecordRegistry.get(key, default)``, which transformers
-5.24's takes without a default; ``autoep_shim`` allows it for the call only.
+DeepSpeed 0.19.8's AutoEP treats transformers 5.24's ``_CanRecordRegistry`` as a plain dict;
+the call runs under the core's repair (``anneal.train.experts.autoep_registry_fix``), the one
+thing of Anneal's it shares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -54,31 +54,13 @@ def hf_model(preset: ModelPreset, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-@contextlib.contextmanager
-def autoep_shim():
-    """transformers 5.24's ``_CanRecordRegistry.get`` taking the default AutoEP passes."""
-    from transformers.utils import output_capturing
-
-    registry = output_capturing._CanRecordRegistry
-    original = registry.get
-
-    def get(self, key, *default):
-        if isinstance(key, str):
-            return dict.get(self, key, *default)
-        return original(self, key)
-
-    registry.get = get
-    try:
-        yield
-    finally:
-        registry.get = original
-
-
 def bare_engine(model: torch.nn.Module, *, stage: int, ep: int = 1):
     """``deepspeed.initialize`` with AutoEP (``autoep_size`` ``ep``, the qwen3_moe preset, the
     plain expert loop), ZeRO ``stage``, AdamW, fp32; on the current process group."""
     import deepspeed
     import deepspeed.comm as dist
+
+    from anneal.train.experts import autoep_registry_fix
 
     world = dist.get_world_size()
     config = {
@@ -95,7 +77,7 @@ def bare_engine(model: torch.nn.Module, *, stage: int, ep: int = 1):
         },
     }
     model.config.output_router_logits = True
-    with autoep_shim():
+    with autoep_registry_fix():
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )

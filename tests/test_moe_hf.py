@@ -201,16 +201,26 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     """The run's model is the directory's sparse one, and Anneal's validation loss before any
     update (the engine as training builds it, ZeRO-1) equals plain transformers' within 1e-5."""
     from anneal.model import active_params, count_params
-    from tests.test_init_from import EVAL_WINDOWS, anneal_step0, resolve, transformers_loss
+    from anneal.train import build_engine, evaluate, resolve_run
+    from anneal.train.trainer import Data
+    from tests.test_init_from import config, transformers_loss
 
-    launch = resolve(moe_dir, moe_data, tmp_path / "plan")
+    stage1 = ("--set", "ds.zero_optimization.stage=1")  # cpu.json is ZeRO-3
+    cfg, overrides = config(moe_dir, moe_data, tmp_path / "run", *stage1)
+    launch = resolve_run(cfg, overrides)
     assert launch.preset.moe.num_experts == 4 and launch.preset.moe.top_k == 2
     assert launch.preset.head_dim == 32
     assert active_params(launch.preset) < count_params(launch.preset)
-    ours = anneal_step0(moe_dir, moe_data, tmp_path / "run", 1)
+    assert launch.ds_config["expert_parallel"]["enabled"]
+    engine = build_engine(launch)
+    assert type(engine.module.model.layers[0].mlp).__name__ == "AutoEPMoELayer"
+    d = Data.open(launch)
+    n, micro = launch.cfg.train.eval_samples, launch.micro_batch
+    ours = evaluate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
     theirs = transformers_loss(moe_dir, moe_data)
-    assert EVAL_WINDOWS and ours == pytest.approx(theirs, rel=1e-5)
+    assert ours == pytest.approx(theirs, rel=1e-5)
     assert abs(ours - math.log(VOCAB)) > 0.01
+    assert not (tmp_path / "run").exists()  # nothing written before the loop
 
 
 def _config_only(tmp_path: Path, config) -> Path:
