@@ -13,7 +13,9 @@ layout expects); ``--init-from`` reads either (``fused_shapes``, ``parts``).
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 _PER_EXPERT = re.compile(
     r"(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
@@ -92,3 +94,25 @@ def _fuse(projs: dict[str, dict[int, tuple]]) -> tuple[tuple, tuple] | None:
         return None
     (inter, width), (width_down, inter_down) = gate[0], down[0]
     return (n, 2 * inter, width), (n, width_down, inter_down)
+
+
+def fused_loaders(loaders: dict[str, Callable]) -> dict[str, Callable]:
+    """``loaders`` (name -> a function that reads the tensor) with each layer's per-expert
+    matrices under the fused names of transformers' model, each fused tensor assembled from its
+    parts (``parts``) when it is read; other names as they are."""
+    out, experts = {}, {}
+    for name, load in loaders.items():
+        if m := _PER_EXPERT.fullmatch(name):
+            experts.setdefault(m["prefix"], set()).add(int(m["e"]))
+        else:
+            out[name] = load
+    for prefix, found in experts.items():
+        for fused in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+            out[fused] = functools.partial(_assemble, loaders, parts(fused, len(found)))
+    return out
+
+
+def _assemble(loaders: dict[str, Callable], groups: list[list[str]]):
+    import torch
+
+    return torch.cat([torch.stack([loaders[n]() for n in group]) for group in groups], 1)
