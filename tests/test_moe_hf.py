@@ -43,6 +43,8 @@ from tests import moe_engine, planted
 from tests.moe_engine import SEQ, VOCAB
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+STAGE1 = ("--set", "ds.zero_optimization.stage=1")
+"""recipes/continue_pretraining.py's CPU default is ZeRO-3, which sparse models refuse."""
 
 
 @pytest.fixture(scope="module")
@@ -226,13 +228,14 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     from anneal.train.trainer import Data
     from tests.test_init_from import config, transformers_loss
 
-    stage1 = ("--set", "ds.zero_optimization.stage=1")  # cpu.json is ZeRO-3
-    cfg, overrides = config(moe_dir, moe_data, tmp_path / "run", *stage1)
+    cfg, overrides = config(moe_dir, moe_data, tmp_path / "run", *STAGE1)
     launch = resolve_run(cfg, overrides)
     assert launch.preset.moe.num_experts == 4 and launch.preset.moe.top_k == 2
     assert launch.preset.head_dim == 32
     assert active_params(launch.preset) < count_params(launch.preset)
     assert launch.ds_config["expert_parallel"]["enabled"]
+    assert launch.preset.hf_config["output_router_logits"] is True  # the objective needs them
+    assert launch.preset.moe.aux_loss_coef == 0.01  # config.json's router_aux_loss_coef
     engine = build_engine(launch)
     assert type(engine.module.model.layers[0].mlp).__name__ == "AutoEPMoELayer"
     d = Data.open(launch)
@@ -242,6 +245,19 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert abs(ours - math.log(VOCAB)) > 0.01
     assert not (tmp_path / "run").exists()  # nothing written before the loop
+
+
+def test_init_from_takes_router_weights_and_refuses_expert_shapes(moe_dir, moe_data, tmp_path):
+    """``model.moe_aux_loss_coef`` and ``moe_z_loss_coef`` weigh the router of a continued
+    sparse model; an expert count, top-k or width is config.json's, so setting one is refused
+    (as a hidden size is)."""
+    from tests.test_init_from import resolve
+
+    sets = ("--set", "model.moe_aux_loss_coef=0.02", "--set", "model.moe_z_loss_coef=0.001")
+    moe = resolve(moe_dir, moe_data, tmp_path / "r", *STAGE1, *sets).preset.moe
+    assert (moe.aux_loss_coef, moe.z_loss_coef, moe.num_experts) == (0.02, 0.001, 4)
+    with pytest.raises(UserError, match="model.num_experts is set, but the shape"):
+        resolve(moe_dir, moe_data, tmp_path / "r", *STAGE1, "--set", "model.num_experts=8")
 
 
 def _config_only(tmp_path: Path, config) -> Path:
@@ -338,3 +354,36 @@ def test_an_expert_parallel_run_exports_its_validation_loss(ep2_runs, tiny_data,
     ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item()
     live = rundir.read_metrics(run, "val")[-1]
     assert live["step"] == 10 and ours == pytest.approx(live["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_init_from_trains_with_its_router_losses_and_exports_back(moe_dir, moe_data, tmp_path):
+    """Slow (one 1-rank launch of recipes/continue_pretraining.py, about 8 s): two steps from
+    the Qwen3-MoE directory at ZeRO-1, each train row with the router's losses; ``anneal
+    export --dtype fp32`` (verified) loads back as Qwen3MoeForCausalLM whose loss on the
+    validation windows is the live engine's last validation loss within 1e-5, and whose
+    weights moved from the directory's."""
+    from anneal import rundir
+    from anneal.cli import main as cli_main
+    from anneal.data.stream import PackedSplit
+    from tests.conftest import run_recipe
+    from tests.test_init_from import recipe_args
+
+    run = tmp_path / "run"
+    steps = ("--max-steps", "2", "--eval-every", "2", "--save-every", "2")
+    args = recipe_args(moe_dir, moe_data, run, *STAGE1, *steps)
+    run_recipe(args, recipe="recipes/continue_pretraining.py", extra_env={"OMP_NUM_THREADS": "1"})
+    rows = rundir.read_metrics(run, "train")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["aux_loss"] > 0 and r["z_loss"] > 0 for r in rows)
+    assert cli_main(["export", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    model, start = from_pretrained(tmp_path / "hf"), from_pretrained(moe_dir)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    val = PackedSplit(moe_data, "val", seq_len=SEQ)
+    windows = [val.window(t * val.n_windows // 8) for t in range(8)]
+    ids = torch.stack([torch.as_tensor(w.astype("int64")) for w in windows])
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1]).logits
+        assert not torch.equal(logits, start(input_ids=ids[:, :-1]).logits)
+    ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item()
+    assert ours == pytest.approx(rundir.read_metrics(run, "val")[-1]["val_loss"], rel=1e-5)

@@ -42,7 +42,15 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe")
 SPARSE = ("qwen3_moe",)
 """The sparse ones: trained through DeepSpeed's AutoEP with its ``qwen3_moe`` preset, the one
 Anneal's sparse core configures (``anneal.model.qwen3_moe_config``)."""
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "experts_per_token",
+    "expert_intermediate_size",
+)
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -207,7 +215,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset
             f"{rows:,} rows, so ids {rows:,} and up have no embedding. Prepare the data with "
             f"the model's own tokenizer: anneal data prepare --tokenizer {directory}.",
         )
-    preset = dataclasses.replace(preset, hf_config=doc)
+    preset = _router_settings(directory, dataclasses.replace(preset, hf_config=doc), model)
     _check_against_weights(directory, preset, shapes)
     seq_len = model.seq_len or preset.seq_len
     _describe(directory, doc, preset, seq_len, recipe_preset=model.preset)
@@ -218,6 +226,29 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset
         "tokenizer_sha256": _tokenizer_sha256(directory),
     }
     return dataclasses.replace(preset, seq_len=seq_len, init_from=init_from, nominal_params=None)
+
+
+def _router_settings(directory: Path, preset: ModelPreset, model) -> ModelPreset:
+    """A sparse checkpoint's router as Anneal trains it: the router's logits returned (the
+    objective adds their load-balancing loss and z-loss; the Hub's releases ship
+    ``output_router_logits`` false), ``model.moe_aux_loss_coef`` and ``model.moe_z_loss_coef``
+    applied when set (else config.json's ``router_aux_loss_coef`` and no z-loss). On a dense
+    checkpoint either setting is refused: it would be ignored."""
+    coefs = {"aux_loss_coef": model.moe_aux_loss_coef, "z_loss_coef": model.moe_z_loss_coef}
+    given = {k: float(v) for k, v in coefs.items() if v is not None}
+    if preset.moe is None:
+        if given:
+            raise _error(
+                directory,
+                f"model.moe_{next(iter(given))} is set, but the model of config.json is dense "
+                f"(no experts), so there is no router to weigh. Drop the setting.",
+            )
+        return preset
+    return dataclasses.replace(
+        preset,
+        moe=dataclasses.replace(preset.moe, **given),
+        hf_config={**preset.hf_config, "output_router_logits": True},
+    )
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
