@@ -33,7 +33,14 @@ DOC = ROOT / "docs" / "benchmarks.md"
 DEFAULT_DATA = ROOT / "data" / "stdlib"
 # The scripts that read the prepared corpus and take --data (bench_gpu prepares its own, with the
 # interpreter it benchmarks).
-TAKES_DATA = {"bench_checkpoint.py", "bench_demo.py", "bench_eval.py", "bench_train.py"}
+TAKES_DATA = {
+    "bench_checkpoint.py",
+    "bench_demo.py",
+    "bench_eval.py",
+    "bench_moe_balance.py",
+    "bench_moe_dense.py",
+    "bench_train.py",
+}
 
 
 def ensure_data(data: str | Path) -> Path:
