@@ -54,14 +54,14 @@ def preset():
 
 @pytest.fixture(scope="module")
 def runs(world_of_one, tiny_data, preset, tmp_path_factory) -> dict:
-    """Two runs saved by bare AutoEP engines: ``fresh`` at ZeRO-1 before any step (with the
-    state dict of the model it was built from) and ``trained`` at ZeRO-2 after two steps (with
-    the engine's logits on a fixed batch)."""
+    """Three runs saved by bare AutoEP engines: ``fresh`` at ZeRO-1 and ``fresh0`` without
+    ZeRO, before any step (with the state dict of the model they were built from), and
+    ``trained`` at ZeRO-2 after two steps (with the engine's logits on a fixed batch)."""
     root = tmp_path_factory.mktemp("moe_runs")
-    source = moe_engine.hf_model(preset)
-    weights = {k: v.clone() for k, v in source.state_dict().items()}
-    fresh = moe_engine.bare_engine(source, stage=1)
-    moe_engine.save_as_run(fresh, preset, root / "fresh", tiny_data, "step00000000")
+    weights = {k: v.clone() for k, v in moe_engine.hf_model(preset).state_dict().items()}
+    for name, stage in (("fresh", 1), ("fresh0", 0)):
+        fresh = moe_engine.bare_engine(moe_engine.hf_model(preset), stage=stage)
+        moe_engine.save_as_run(fresh, preset, root / name, tiny_data, "step00000000")
     trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=2)
     assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
     moe_engine.train_steps(trained, 2)
@@ -71,6 +71,7 @@ def runs(world_of_one, tiny_data, preset, tmp_path_factory) -> dict:
     moe_engine.save_as_run(trained, preset, root / "trained", tiny_data, "step00000002")
     return {
         "fresh": root / "fresh",
+        "fresh0": root / "fresh0",
         "weights": weights,
         "trained": root / "trained",
         "batch": batch,
@@ -82,11 +83,13 @@ def from_pretrained(out: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
 
 
-def test_a_fresh_engine_exports_the_weights_it_was_built_from(runs, tmp_path):
-    """HF model -> AutoEP engine -> checkpoint -> export -> HF model: every tensor equal, the
-    config a Qwen3-MoE whose loss is the language model's; gate and up swapped would not give
-    the same logits (so the equality proves their order)."""
-    report = export(runs["fresh"], out=tmp_path / "hf", dtype="fp32")
+@pytest.mark.parametrize("run", ["fresh", "fresh0"])
+def test_a_fresh_engine_exports_the_weights_it_was_built_from(runs, tmp_path, run):
+    """HF model -> AutoEP engine (ZeRO-1; no ZeRO) -> checkpoint -> export -> HF model: every
+    tensor equal, the config a Qwen3-MoE whose loss is the language model's; gate and up
+    swapped would not give the same logits (so the equality proves their order)."""
+    report = export(runs[run], out=tmp_path / "hf", dtype="fp32")
+    assert report["zero_stage"] == {"fresh": 1, "fresh0": 0}[run]
     model = from_pretrained(tmp_path / "hf")
     got = model.state_dict()
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
