@@ -5,7 +5,8 @@ transformers Qwen3-MoE given to ``deepspeed.initialize`` with an ``"expert_paral
 one rank, EP=1) exported by ``anneal export`` (its own verification on) and read back with
 plain ``from_pretrained``:
 
-- an engine saved before any step gives back the very weights it was built from, every tensor
+- an engine saved before any step (ZeRO-1, and without ZeRO, whose expert-parallel optimizer
+  file the check of every load accepts) gives back the very weights it was built from, every tensor
   equal (the router renamed from AutoEP's ``router.gate``, each expert's gate and up rows fused
   back in transformers' order: a swap of the two would change the logits, checked too);
 - an engine trained two steps at ZeRO-2 gives the logits the engine computes, within float
