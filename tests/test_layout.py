@@ -280,14 +280,20 @@ def test_a_type_only_import_counts():
 
 def test_the_hf_loader_imports_nothing_of_the_export():
     """The modules of hf/ that launch/ and train/ may import reach, through their own imports,
-    only the loader: hf.load, hf.load_weights and the weight files' reader."""
+    only the loader: hf.load, hf.load_weights, the weight files' reader and the experts' two
+    sets of names (fused in the model, one matrix each in the files)."""
     graph = _anneal_graph()
     reached, todo = set(), set().union(*MAY_IMPORT_MODULES.values())
     while todo:
         module = todo.pop()
         reached.add(module)
         todo |= {m for m in graph[module] if _part(m) == "hf"} - reached
-    assert reached == {"anneal.hf.load", "anneal.hf.load_weights", "anneal.hf.weight_files"}
+    assert reached == {
+        "anneal.hf.load",
+        "anneal.hf.load_weights",
+        "anneal.hf.weight_files",
+        "anneal.hf.expert_names",
+    }
 
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

@@ -214,12 +214,12 @@ def _check_files(tag_dir: Path, manifest: dict) -> None:
     """Before anything of ``tag_dir`` is opened: every file the reader opens is listed in the
     (verified) manifest, and no pickle in it names a global outside safeload's allow-list."""
     from anneal.hf.source import tensor_parallel_size
-    from anneal.hf.zero import checkpoint_files
+    from anneal.hf.zero import checkpoint_files, expert_files
 
     read = []
     for r in range(tensor_parallel_size(tag_dir, manifest)):
         model_files, optim_files = checkpoint_files(tag_dir, r)
-        read += model_files + optim_files
+        read += model_files + optim_files + expert_files(tag_dir, r)
     unlisted = [f.name for f in read if f.name not in manifest["files"]]
     if unlisted or not read:
         raise UserError(

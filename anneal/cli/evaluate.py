@@ -159,8 +159,10 @@ def target_engine(target, overrides: list[str]):
             load_pretrained_(model, target.hf_dir, gather=gather)
 
         return scoring_engine(target.preset, ds, source=target.ds_source, load_weights=load)
+    from anneal.hf.expert_names import fused_loaders
+
     with _open_checkpoint(target) as ckpt:
-        tensors = {s.name: s.load for s in ckpt.sources}
+        tensors = fused_loaders({s.name: s.load for s in ckpt.sources})  # a sparse run's
         from anneal.train.eval_engine import copy_weights_
 
         def load(model, gather):
@@ -171,8 +173,10 @@ def target_engine(target, overrides: list[str]):
 
 def _open_checkpoint(target):
     """The checkpoint's parameters, indexed lazily (merged over its tensor-parallel ranks'
-    slices), their names and shapes checked against the run's model."""
+    slices; a sparse run's experts read from their files, ``anneal.hf.autoep``), their names
+    and shapes checked against the run's model."""
     from anneal import rundir
+    from anneal.hf.autoep import with_experts
     from anneal.hf.source import check_shapes, expected_shapes, tensor_parallel_size
     from anneal.hf.tp_merge import open_tp_checkpoint
     from anneal.hf.zero import open_checkpoint
@@ -184,6 +188,7 @@ def _open_checkpoint(target):
     else:
         ckpt = open_tp_checkpoint(target.tag_dir, tp, expected_shapes(target.preset))
     try:
+        ckpt = with_experts(ckpt) if tp == 1 else ckpt
         check_shapes(ckpt, target.preset, rundir.config_path(target.run_dir))
     except BaseException:
         ckpt.close()

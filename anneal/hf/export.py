@@ -40,6 +40,7 @@ from pathlib import Path
 from anneal import rundir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
+from anneal.hf.autoep import with_experts
 from anneal.hf.source import (
     check_checkpoint,
     check_shapes,
@@ -186,10 +187,22 @@ def export(
 
 def _open(tag_dir: Path, tp: int, preset) -> ZeroCheckpoint:
     """The checkpoint's parameters, read lazily; with tensor parallelism, each rank's slices
-    merged into the whole matrices (``anneal.hf.tp_merge``)."""
-    if tp == 1:
-        return open_checkpoint(tag_dir)
-    return open_tp_checkpoint(tag_dir, tp, expected_shapes(preset))
+    merged into the whole matrices (``anneal.hf.tp_merge``); a sparse run's in transformers'
+    Qwen3-MoE names, its experts from their files (``anneal.hf.autoep``)."""
+    if tp > 1 and preset.is_moe:
+        raise UserError(
+            f"{tag_dir}: a sparse model saved by {tp} tensor-parallel ranks; anneal export "
+            f"reads sparse checkpoints of one tensor-parallel rank (any expert-parallel "
+            f"degree). Export a run trained without AutoTP."
+        )
+    if tp > 1:
+        return open_tp_checkpoint(tag_dir, tp, expected_shapes(preset))
+    ckpt = open_checkpoint(tag_dir)
+    try:
+        return with_experts(ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
 
 
 def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs) -> list[dict]:

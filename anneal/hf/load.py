@@ -30,15 +30,27 @@ import re
 from pathlib import Path
 
 from anneal.files import sha256_file
+from anneal.hf.expert_names import fused_shapes
 from anneal.hf.weight_files import check_fit, check_links, weight_files, weight_shapes
 from anneal.hf.weight_files import error as _error
 from anneal.model import ModelPreset, build_model, preset_from_dict
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2")
-"""``model_type`` values verified end to end (tests/test_init_from.py)."""
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe")
+"""``model_type`` values verified end to end (tests/test_init_from.py, tests/test_moe_hf.py)."""
+SPARSE = ("qwen3_moe",)
+"""The sparse ones: trained through DeepSpeed's AutoEP with its ``qwen3_moe`` preset, the one
+Anneal's sparse core configures (``anneal.model.qwen3_moe_config``)."""
+_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "experts_per_token",
+    "expert_intermediate_size",
+)
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -69,6 +81,7 @@ def read_hf_config(directory: Path) -> dict:
     if not isinstance(doc, dict):
         raise _error(directory, "config.json is not a JSON object. Restore it.")
     _check_architecture(directory, doc)
+    _check_sparse_layers(directory, doc)
     _check_dtype(directory, doc)
     _check_activation(directory, doc)
     return doc
@@ -86,6 +99,8 @@ def _check_architecture(directory: Path, doc: dict) -> None:
             f"supports {', '.join(SUPPORTED)}: give a checkpoint of one of these (or upgrade "
             f"transformers if the checkpoint is newer than it).",
         )
+    if model_type not in SUPPORTED and _is_sparse(doc):
+        raise _error(directory, _sparse_refusal(model_type))
     if model_type not in SUPPORTED:
         raise _error(
             directory,
@@ -99,6 +114,41 @@ def _check_architecture(directory: Path, doc: dict) -> None:
             "config.json has a quantization_config: the weights are quantized (GPTQ, AWQ, "
             "bitsandbytes, ...) and cannot be trained as they are. Give the full-precision "
             "release (bf16, fp16 or fp32 weights).",
+        )
+
+
+def _is_sparse(doc: dict) -> bool:
+    """A Mixture-of-Experts config.json (transformers' names for the expert count)."""
+    return any(
+        isinstance(doc.get(k), int)
+        for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+
+
+def _sparse_refusal(model_type: str) -> str:
+    return (
+        f"model_type {model_type!r} is a Mixture-of-Experts architecture that Anneal does not "
+        f"train: its sparse models run through DeepSpeed's AutoEP with the qwen3_moe preset "
+        f"(transformers' Qwen3MoeForCausalLM: every layer sparse, experts fused as "
+        f"gate_up_proj and down_proj, no shared expert), whose loss, checkpoints and export "
+        f"are verified; other layouts (Mixtral's, OLMoE's, Qwen2-MoE's shared expert, "
+        f"DeepSeek's) are not. Continue from a qwen3_moe checkpoint (such as "
+        f"Qwen/Qwen3-30B-A3B-Base), or convert this one's weights into a Qwen3-MoE directory "
+        f"first (docs/training.md, 'Sparse models from Hugging Face')."
+    )
+
+
+def _check_sparse_layers(directory: Path, doc: dict) -> None:
+    """A qwen3_moe config.json with dense layers among the sparse ones is refused: Anneal's
+    sparse counts (active parameters, FLOPs) take every layer as sparse."""
+    step, dense = doc.get("decoder_sparse_step", 1), doc.get("mlp_only_layers") or []
+    if doc.get("model_type") in SPARSE and (step != 1 or dense):
+        raise _error(
+            directory,
+            f"config.json gives decoder_sparse_step {step!r} and mlp_only_layers "
+            f"{str(dense)[:40]}: some layers are dense. Anneal trains Qwen3-MoE models whose "
+            f"every layer is sparse (decoder_sparse_step 1, mlp_only_layers [], as "
+            f"Qwen3-30B-A3B and Qwen3-235B-A22B ship); give such a checkpoint.",
         )
 
 
@@ -150,7 +200,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset
             f"config.json's. Drop --set model.{set_shape[0]} (model.seq_len may change).",
         )
     files = weight_files(directory)
-    shapes = weight_shapes(directory, files)
+    shapes = fused_shapes(weight_shapes(directory, files))  # a sparse model's experts fused
     preset = preset_from_dict(
         {**doc, "rope_theta": _rope_theta(doc)},
         source=f"--init-from {directory}/config.json",
@@ -165,7 +215,7 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset
             f"{rows:,} rows, so ids {rows:,} and up have no embedding. Prepare the data with "
             f"the model's own tokenizer: anneal data prepare --tokenizer {directory}.",
         )
-    preset = dataclasses.replace(preset, hf_config=doc)
+    preset = _router_settings(directory, dataclasses.replace(preset, hf_config=doc), model)
     _check_against_weights(directory, preset, shapes)
     seq_len = model.seq_len or preset.seq_len
     _describe(directory, doc, preset, seq_len, recipe_preset=model.preset)
@@ -176,6 +226,29 @@ def pretrained_preset(directory: Path, *, data_vocab: int, model) -> ModelPreset
         "tokenizer_sha256": _tokenizer_sha256(directory),
     }
     return dataclasses.replace(preset, seq_len=seq_len, init_from=init_from, nominal_params=None)
+
+
+def _router_settings(directory: Path, preset: ModelPreset, model) -> ModelPreset:
+    """A sparse checkpoint's router as Anneal trains it: the router's logits returned (the
+    objective adds their load-balancing loss and z-loss; the Hub's releases ship
+    ``output_router_logits`` false), ``model.moe_aux_loss_coef`` and ``model.moe_z_loss_coef``
+    applied when set (else config.json's ``router_aux_loss_coef`` and no z-loss). On a dense
+    checkpoint either setting is refused: it would be ignored."""
+    coefs = {"aux_loss_coef": model.moe_aux_loss_coef, "z_loss_coef": model.moe_z_loss_coef}
+    given = {k: float(v) for k, v in coefs.items() if v is not None}
+    if preset.moe is None:
+        if given:
+            raise _error(
+                directory,
+                f"model.moe_{next(iter(given))} is set, but the model of config.json is dense "
+                f"(no experts), so there is no router to weigh. Drop the setting.",
+            )
+        return preset
+    return dataclasses.replace(
+        preset,
+        moe=dataclasses.replace(preset.moe, **given),
+        hf_config={**preset.hf_config, "output_router_logits": True},
+    )
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

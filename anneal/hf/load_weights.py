@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from anneal.hf.expert_names import fused_shapes, parts
 from anneal.hf.weight_files import (
     check_finite,
     check_fit,
@@ -45,7 +46,9 @@ _TORCH_DTYPES = {
 
 class _Tensors:
     """name -> where the tensor is: a byte range of a safetensors file (read with ``readinto``
-    when its module's turn comes), or a mapped ``.bin`` state dict."""
+    when its module's turn comes), or a mapped ``.bin`` state dict. A sparse model's experts
+    saved one matrix each (``anneal.hf.expert_names``) are also found under the fused names of
+    the model, each fused tensor read from its parts."""
 
     def __init__(self, directory: Path, stack: contextlib.ExitStack):
         self.directory = directory
@@ -63,14 +66,19 @@ class _Tensors:
                     raise twice(directory, name, self._where[name][0].name, path.name)
                 self.shapes[name] = tuple(info["shape"] if info else source[name].shape)
                 self._where[name] = (path, source, info)
-
-    def names(self) -> set[str]:
-        return set(self._where)
+        self.shapes = fused_shapes(self.shapes)
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor, in the file's dtype, checked finite: one read straight into a new tensor
-        (not a mapping of the file, which would leave its pages in the process's resident
-        set)."""
+        """The tensor, in the file's dtype, checked finite; a fused experts tensor stacked from
+        its parts (``anneal.hf.expert_names.parts``)."""
+        if name in self._where:
+            return self._read(name)
+        groups = parts(name, self.shapes[name][0])
+        return torch.cat([torch.stack([self._read(n) for n in group]) for group in groups], 1)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """One tensor of the files: one read straight into a new tensor (not a mapping of the
+        file, which would leave its pages in the process's resident set)."""
         path, source, info = self._where[name]
         if info is None:
             out = source[name]

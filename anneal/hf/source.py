@@ -21,7 +21,8 @@ import torch
 from anneal import rundir
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
-from anneal.hf.zero import ZeroCheckpoint, checkpoint_files
+from anneal.hf.expert_names import saved_shapes
+from anneal.hf.zero import ZeroCheckpoint, checkpoint_files, expert_files
 from anneal.model import ModelPreset, build_model, preset_from_dict
 from anneal.resilience import checkpoint, safeload
 from anneal.resilience.manifest import missing_files
@@ -184,7 +185,7 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
     read = []
     for r in range(tensor_parallel_size(tag_dir, manifest)):  # each rank's files under TP
         model_files, optim_files = checkpoint_files(tag_dir, r)
-        read += model_files + optim_files
+        read += model_files + optim_files + expert_files(tag_dir, r)
     listed = set(manifest["files"])
     unlisted = [f.name for f in read if f.name not in listed]
     if unlisted:
@@ -238,7 +239,10 @@ def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
 
 
 def expected_shapes(preset) -> dict[str, tuple[int, ...]]:
-    """Every parameter name, a tied head's included (DeepSpeed saves it as a shared alias)."""
+    """Every parameter name, a tied head's included (DeepSpeed saves it as a shared alias),
+    fused experts under the per-expert names save_pretrained writes
+    (``anneal.hf.expert_names``)."""
     with torch.device("meta"):
         model = build_model(preset)
-    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    named = model.named_parameters(remove_duplicate=False)
+    return saved_shapes({name: tuple(p.shape) for name, p in named})

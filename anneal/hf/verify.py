@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from anneal.errors import UserError
+from anneal.hf.autoep import reference_to_hf
 from anneal.hf.tp_merge import reference_tp_state_dict
 from anneal.hf.writer import DTYPES
 from anneal.hf.zero import reference_state_dict
@@ -83,7 +84,7 @@ def verify_export(
     if tensor_parallel > 1:
         sd = reference_tp_state_dict(tag_dir, zero_stage, tensor_parallel, ref)
     else:
-        sd = reference_state_dict(tag_dir, zero_stage)
+        sd = reference_to_hf(tag_dir, reference_state_dict(tag_dir, zero_stage))
     rounded = {k: v.to(DTYPES[dtype]).float() for k, v in sd.items()}
     batch = verify_batch(tok, preset.vocab_size, preset.seq_len)
     try:

@@ -169,6 +169,8 @@ def write_configs(out: Path, preset, tok_dir: Path, torch_dtype) -> int | None:
     config.eos_token_id = eos_id  # generation stops at the documents' separator
     config.architectures = [model_class(config).__name__]
     config.use_cache = True
+    if getattr(config, "output_router_logits", False):  # a sparse model: its loss the LM's
+        config.output_router_logits = False  # as Qwen3-30B-A3B's release ships it
     config.dtype = torch_dtype
     config.save_pretrained(str(out))
     GenerationConfig(

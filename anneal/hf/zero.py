@@ -67,6 +67,14 @@ def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
     return pieces
 
 
+EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+"""The file of one expert of one sparse layer that DeepSpeed's AutoEP writes beside the model
+states (``anneal.hf.autoep`` reads them); not a model-states file of the ZeRO layout."""
+EXPERT_PARAM = re.compile(r"\.experts\.w[123]$")
+"""AutoEP's grouped expert weights (DeepSpeed's ``EXPERT_PARAMETER_PATTERNS``): their own
+param groups in ZeRO-1/2, each rank holding its experts only; exported from the expert files."""
+
+
 def _rank_file(mp_rank: int) -> re.Pattern:
     """The optimizer file of each data-parallel rank that holds tensor-parallel rank
     ``mp_rank``'s slices (00 without tensor parallelism)."""
@@ -117,12 +125,33 @@ def checkpoint_files(tag_dir: Path, mp_rank: int = 0) -> tuple[list[Path], list[
     tensor-parallel rank ``mp_rank``'s slices (a ZeRO checkpoint of its own over the
     data-parallel ranks)."""
     rank_file = _rank_file(mp_rank)
-    model_files = sorted(Path(tag_dir).glob(f"*mp_rank_{mp_rank:02d}_model_states.pt"))
+    model_files = sorted(
+        f
+        for f in Path(tag_dir).glob(f"*mp_rank_{mp_rank:02d}_model_states.pt")
+        if not EXPERT_FILE.match(f.name)
+    )
     optim_files = sorted(
         (f for f in Path(tag_dir).glob("*_optim_states.pt") if rank_file.search(f.name)),
         key=lambda f: int(rank_file.search(f.name).group(1)),
     )
     return model_files, optim_files
+
+
+def expert_files(tag_dir: Path, mp_rank: int = 0) -> list[Path]:
+    """The per-expert files of an AutoEP checkpoint (tensor-parallel rank ``mp_rank``'s),
+    sorted by layer and expert; none for a dense model."""
+    found = [(EXPERT_FILE.match(f.name), f) for f in Path(tag_dir).glob("layer_*_expert_*")]
+    found = [(m, f) for m, f in found if m and int(m[3]) == mp_rank]
+    return [f for m, f in sorted(found, key=lambda mf: (int(mf[0][1]), int(mf[0][2])))]
+
+
+def _expert_group(group: dict) -> bool:
+    """Whether a ZeRO param group holds AutoEP's expert weights (DeepSpeed never mixes them
+    with the others in one group)."""
+    experts = [bool(EXPERT_PARAM.search(name)) for name in group]
+    if any(experts) and not all(experts):
+        raise _Layout("a param group mixes expert and other parameters")
+    return bool(experts) and all(experts)
 
 
 def open_checkpoint(tag_dir: Path, mp_rank: int = 0) -> ZeroCheckpoint:
@@ -207,6 +236,8 @@ def _zero12_sources(shapes: list[dict], optims: list[dict]) -> list[TensorSource
     paddings = optims[0].get("param_alignment_paddings")
     sources = []
     for g, group in enumerate(shapes):
+        if _expert_group(group):  # each rank's own experts: read from the expert files
+            continue
         parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
         offset = 0
         for i, (name, shape) in enumerate(group.items()):
@@ -289,6 +320,8 @@ def reference_state_dict(
     else:
         paddings = optims[0].get("param_alignment_paddings")
         for g, group in enumerate(shapes):
+            if _expert_group(group):  # the expert files' (anneal.hf.autoep)
+                continue
             full = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
             offset = 0
             for i, (name, shape) in enumerate(group.items()):

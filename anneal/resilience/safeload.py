@@ -137,6 +137,9 @@ _STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_
 """What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
 _EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
 """One expert's weights, as DeepSpeed's AutoEP saves them: a flat dict of tensors."""
+_EXPERT_OPTIM_FILE = re.compile(r"expp_rank_\d+_mp_rank_\d+_optim_states\.pt")
+"""An expert-parallel rank's optimizer state of an AutoEP run without ZeRO (stage 0):
+``{"optimizer": ...}``, not ZeRO's ``optimizer_state_dict``."""
 
 
 def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
@@ -161,6 +164,8 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
                 )
             continue
         key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
+        if _EXPERT_OPTIM_FILE.fullmatch(path.name):
+            key = "optimizer"
         if key and not (isinstance(state, dict) and key in state):
             raise UserError(
                 f"{path}: holds a {type(state).__name__} without {key!r}, not what DeepSpeed "
