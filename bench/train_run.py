@@ -20,6 +20,7 @@ from anneal.dist import free_port  # noqa: E402
 from anneal.hardware import process_memory_bytes  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
+MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
 
 
 class PeakRss:
