@@ -240,9 +240,9 @@ def moe_runs(tiny_data, tmp_path_factory):
     with the recipe's router-loss weights and then with both weights 0; one rank each, side by
     side, one thread each.
 
-    Over 10 s: about 20-30 s on 2 idle cores, as each process imports torch, DeepSpeed and
-    transformers and builds its AutoEP engines before two micro steps; the bare engine without
-    the router losses is what shows that the equality below can fail."""
+    About 6 s on 2 idle cores (measured), more on a loaded machine, as each process imports
+    torch, DeepSpeed and transformers and builds its AutoEP engines before two micro steps; the
+    bare engine without the router losses is what shows that the equality below can fail."""
     scratch = tmp_path_factory.mktemp("bench-moe")
     dirs = {name: scratch / name for name in ("recipe", "bare", "bare_lm_only")}
     for d in dirs.values():
@@ -267,9 +267,9 @@ def moe_runs(tiny_data, tmp_path_factory):
     return {name: train_run.step_rows(kinds.get(name, "bare"), d) for name, d in dirs.items()}
 
 
-@pytest.mark.slow  # two real processes (~20-30 s): make test-all
+@pytest.mark.slow  # two real processes, multi-process DeepSpeed: make test-all
 def test_the_bare_autoep_engine_computes_what_the_sparse_recipe_computes(moe_runs):
-    """Over 10 s with the ``moe_runs`` fixture's setup. The bare AutoEP engine of bench_moe.py
+    """The bare AutoEP engine of bench_moe.py
     against the tiny-moe recipe at ZeRO-2: the same first loss, grad norm (of the objective with
     the aux and z losses) and LRs, and the same update (step 2); without the router losses the
     bare engine's norm is another, so the equal norms say that it does the recipe's work."""
