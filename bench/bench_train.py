@@ -28,7 +28,9 @@ default 1,2,3) and rank count, the recipe against a bare DeepSpeed engine of the
 batches, AdamW, clip and stage (``reference.py --engine deepspeed``; on 2 ranks both under
 ``deepspeed --num_gpus 2``). A stage's two runs are a pair, run back to back, which one first
 alternating between rounds; the pairs rotate. The ratio is recipe / bare within a round, the
-median over rounds. ``--bare-zero shipped`` gives the bare engine the ds_config's whole
+median over rounds. ``--loss plain`` gives the recipe runs ``train.loss=plain``: the loss over
+the full logits, as the reference loops compute it (the recipe's default, the chunked loss, is
+cheaper on CPU). ``--bare-zero shipped`` gives the bare engine the ds_config's whole
 ``zero_optimization`` (by default only its stage), to tell the shipped settings from the loop.
 
     .venv/bin/python bench/bench_train.py --bare [--repeats 2 --steps 8 --skip 2] [--report F]
@@ -215,6 +217,7 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
     steps = args.small_steps if model == "small" else args.steps
     tokens = MICRO * ACCUM * ranks * 256
     sets = [*MODELS[model].sets, f"optim.global_batch_tokens={tokens}", "train.eval_samples=0"]
+    sets += [f"train.loss={args.loss}"] if args.loss else []  # the reference loops ignore it
     flags = ("--shipped-zero",) if args.bare_zero == "shipped" else ()
     runs = {spec[0]: [] for spec in group}
     for r in range(args.repeats):
@@ -322,6 +325,12 @@ def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
         default="defaults",
         help="--bare: the bare engine's zero_optimization besides the stage: DeepSpeed's "
         "defaults, or the ds_config's whole section",
+    )
+    p.add_argument(
+        "--loss",
+        choices=("chunked", "plain"),
+        help="the recipe's train.loss (default: the recipe's own, chunked); plain computes the "
+        "loss over the full logits, as the reference loops do",
     )
     args = p.parse_args(argv)
     models_given = args.models

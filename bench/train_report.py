@@ -83,6 +83,7 @@ def against_bare(model: str, ranks: int, runs: dict, pairs: list, fpt: float, pe
 
 def ab_flags(args) -> str:
     flags = " --bare-zero shipped" if args.bare and args.bare_zero == "shipped" else ""
+    flags += f" --loss {args.loss}" if getattr(args, "loss", None) else ""
     flags += "" if args.stages is None else " --stages " + ",".join(map(str, args.stages))
     for label, stage, sets in args.arm:
         flags += f' --arm "{label}={stage}:{";".join(sets)}"'

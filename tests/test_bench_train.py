@@ -349,7 +349,8 @@ def test_the_sparse_report_reads_each_round_against_the_dense_twin():
     assert row["stage"] == 2
     assert row["step_over_dense"] == {"median": pytest.approx(2.5), "min": 2.0, "max": 3.0}
     assert row["dense"]["median"] == 249
-    args = _args(bare=True, models=["tiny-moe"], ranks=[1], stages=[2], repeats=2)
+    args = _args(bare=True, models=["tiny-moe"], ranks=[1], stages=[2], repeats=2, loss="plain")
     text = bench_train.report(args, {"peak_flops": 1e9, "rows": [row]})
+    assert "--models tiny-moe --ranks 1 --repeats 2" in text and "--loss plain --stages 2`" in text
     assert "| dense twin tokens/s | sparse / dense step |" in text
     assert text.rstrip().endswith("| 249 (198-300) | 2.50x (2.00-3.00) |")
