@@ -3,7 +3,7 @@ running the same loop, and against the dense step at equal active parameters, in
 (docs/benchmarks.md, "Mixture of Experts").
 
 This is ``bench_train.py --bare --models tiny-moe`` with its own defaults. Per ZeRO stage (1
-and 2: AutoEP refuses ZeRO-3 for Anneal's sparse models) and rank count, three runs back to
+and 2: Anneal refuses ZeRO-3 for a sparse model) and rank count, three runs back to
 back: the bare engine (``reference.py --engine deepspeed``: the same Qwen3-MoE model and init,
 batches, torch AdamW, clip, stage and ``expert_parallel`` section, the same objective: the
 language-model loss + ``aux_loss_coef`` x the load-balancing loss + ``z_loss_coef`` x the
