@@ -1,7 +1,9 @@
 """The GPU benchmark behind ``bench/gpu.sh``: tokens/s, TFLOP/s, MFU and peak memory of the 1b
 and 125m recipes on one GPU, bf16, ZeRO-1 and ZeRO-3, sequence 2048, activation checkpointing
-off and on, and optional 1b rows at sequence 32K with the chunked and the plain loss
-(docs/benchmarks.md, "GPU").
+off and on, and optional rows: the sparse models (tiny-moe, and OLMoE-1B-7B's shape at 8 of its
+16 layers) through AutoEP at ZeRO-2, and 1b at sequence 32K with the chunked and the plain loss
+(docs/benchmarks.md, "GPU"). A row sized for a larger GPU than this one (``Row.gpu``) is
+skipped, saying so.
 
 Each configuration (a row) is its own ``python recipes/pretrain_<preset>.py`` process in its
 own session, with a timeout: an OOM, a failed build or a hang costs that row only, which is
@@ -12,9 +14,10 @@ order of importance; a global deadline stops starting rows that no longer fit, a
 printed whatever happened.
 
 MFU is ``(6N + 12*L*H*Q*T) * tokens/s / peak`` (``anneal.model.flops_per_token``; N without the
-input embedding) against the dense bf16 peak that ``anneal.hardware`` gives the device (989
-TFLOP/s for the H100 and H200 SXM). The driver computes it from the model in each run's
-``config.json`` and checks it against the ``mfu`` the run itself logged.
+input embedding, and a sparse model's active parameters) against the dense bf16 peak that
+``anneal.hardware`` gives the device (989 TFLOP/s for the H100 and H200 SXM). The driver
+computes it from the model in each run's ``config.json`` and checks it against the ``mfu`` the
+run itself logged.
 
     bash bench/gpu.sh LOGDIR                 # the GPU benchmark (sets up python, then this)
     bash bench/gpu.sh --cpu-smoke LOGDIR     # the same code path on CPU: tiny preset, fp32
@@ -53,6 +56,8 @@ from gpu_measure import RUNNING, kill_session, measure  # noqa: E402
 from gpu_probe import ds_report, probe  # noqa: E402
 from gpu_rows import Row, cpu_rows, gpu_rows  # noqa: E402
 from gpu_table import H100_H200_PEAK, header, reading, report_fragment, summary, table  # noqa: E402
+
+from anneal.hardware import GPUS  # noqa: E402
 
 TABLE_RESERVE_S = 8.0
 """Seconds kept back at the deadline for the table and files."""
@@ -269,6 +274,11 @@ def run_row(s: Setup, row: Row, *, inject, last_wall: dict[tuple[str, int], floa
     skip = None
     if row.needs_nvcc and not s.info.get("nvcc"):
         skip = "no nvcc on PATH (FusedAdam is JIT-built with it)"
+    elif not s.cpu and too_small(row, s.info.get("memory_gib")):
+        skip = (
+            f"sized for an {GPUS[row.gpu].name} by Anneal's memory estimate; this GPU has "
+            f"{s.info.get('memory_gib')} GiB"
+        )
     elif left < est:
         skip = f"out of time ({left:.0f} s left, needs ~{est:.0f} s)"
     if skip:
@@ -293,6 +303,13 @@ def run_row(s: Setup, row: Row, *, inject, last_wall: dict[tuple[str, int], floa
     if result["status"] == "ok":
         last_wall[key] = result["wall_s"]
     return result
+
+
+def too_small(row: Row, memory_gib: float | None) -> bool:
+    """Whether a GPU of ``memory_gib`` lacks the memory of the GPU the row is sized for (less
+    than 90% of it: torch reports a little under the nominal size)."""
+    need = GPUS[row.gpu].memory_bytes / 2**30
+    return memory_gib is not None and memory_gib < 0.9 * need
 
 
 def log_result(s: Setup, row: Row, result: dict) -> None:

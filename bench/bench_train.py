@@ -28,19 +28,26 @@ default 1,2,3) and rank count, the recipe against a bare DeepSpeed engine of the
 batches, AdamW, clip and stage (``reference.py --engine deepspeed``; on 2 ranks both under
 ``deepspeed --num_gpus 2``). A stage's two runs are a pair, run back to back, which one first
 alternating between rounds; the pairs rotate. The ratio is recipe / bare within a round, the
-median over rounds. ``--bare-zero shipped`` gives the bare engine the ds_config's whole
+median over rounds. ``--loss plain`` gives the recipe runs ``train.loss=plain``: the loss over
+the full logits, as the reference loops compute it (the recipe's default, the chunked loss, is
+cheaper on CPU). ``--bare-zero shipped`` gives the bare engine the ds_config's whole
 ``zero_optimization`` (by default only its stage), to tell the shipped settings from the loop.
 
     .venv/bin/python bench/bench_train.py --bare [--repeats 2 --steps 8 --skip 2] [--report F]
+
+``--bare --models tiny-moe`` (``bench/bench_moe.py``): the sparse model at ZeRO-1 and 2 (Anneal
+refuses ZeRO-3 for it), expert-parallel over the ranks, the recipe against a bare AutoEP engine
+of the same objective, each stage's pair joined by its dense twin (tiny, equal active
+parameters) in the same recipe: triples instead of pairs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -49,17 +56,46 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
-from train_run import run_one  # noqa: E402
+from train_report import against_bare, against_reference, report  # noqa: E402
+from train_run import ACCUM, MICRO, RECIPE, run_one  # noqa: E402
 
-MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model of the benchmark: its recipe, the ``--set`` overrides on the recipe's preset and
+    the fp32 ds_config its runs take (``--set ds.zero_optimization.stage`` picks the stage)."""
+
+    preset: str
+    sets: tuple = ()
+    recipe: str = RECIPE
+    ds_config: str = "cpu.json"
+    dense_twin: str | None = None
+    """A sparse model's dense preset of equal active parameters: under ``--bare`` each stage's
+    pair gains a third run, that preset trained by the same recipe and stage, whose step time
+    the sparse one is read against. Sparse models run only under ``--bare``, at ZeRO-1/2
+    (Anneal refuses ZeRO-3 with AutoEP), and on N ranks with ``autoep_size`` N."""
+    stages: tuple = (1, 2, 3)
+
+
 MODELS = {
-    "tiny": [],  # 7.4M parameters at vocab 8192, seq 256
-    "small": [  # 34M: the tiny preset widened and deepened
-        "model.hidden_size=512",
-        "model.intermediate_size=1376",
-        "model.num_hidden_layers=8",
-        "model.num_attention_heads=8",
-    ],
+    "tiny": Model("tiny"),  # 7.4M parameters at vocab 8192, seq 256
+    "small": Model(  # 34M: the tiny preset widened and deepened
+        "tiny",
+        sets=(
+            "model.hidden_size=512",
+            "model.intermediate_size=1376",
+            "model.num_hidden_layers=8",
+            "model.num_attention_heads=8",
+        ),
+    ),
+    # tiny's attention and 8 experts of width 344, 2 a token: tiny's active parameters
+    "tiny-moe": Model(
+        "tiny-moe",
+        recipe="recipes/pretrain_moe_tiny.py",
+        ds_config="cpu_zero2.json",
+        dense_twin="tiny",
+        stages=(1, 2),
+    ),
 }
 DEFAULTS = {"models": "tiny,small", "repeats": 3, "steps": 24, "skip": 3}
 # --bare: 24 runs of 8 steps, about 13 min on 2 quiet cores, half of it process start-up.
@@ -115,17 +151,34 @@ def plan_group(ranks: int, stages, arms, smoke: bool = False) -> list[tuple]:
     return [ref, *recipe, *extra]
 
 
-def plan_pairs(ranks: int, stages) -> list[tuple]:
-    """``--bare``: one (bare engine, recipe) pair per ZeRO stage, 1, 2 and 3 unless ``stages``."""
-    return [
-        ((f"bare ZeRO-{s}", "bare", ranks, s), (f"recipe ZeRO-{s}", "recipe", ranks, s))
-        for s in (stages or (1, 2, 3))
-    ]
+def plan_pairs(ranks: int, stages, model: str = "tiny") -> list[tuple]:
+    """``--bare``: one (bare engine, recipe) pair per ZeRO stage, the model's (1, 2 and 3 for a
+    dense one) unless ``stages``. A sparse model's pair runs at expert-parallel degree ``ranks``
+    and gains a third run, its dense twin in the same recipe at the same stage."""
+    spec = MODELS[model]
+    twin = spec.dense_twin
+    ep = (f"ds.expert_parallel.autoep_size={ranks}",)
+    out = []
+    for s in stages or spec.stages:
+        if twin is None:
+            out.append(
+                ((f"bare ZeRO-{s}", "bare", ranks, s), (f"recipe ZeRO-{s}", "recipe", ranks, s))
+            )
+            continue
+        out.append(
+            (
+                (f"bare ZeRO-{s}", "bare", ranks, s, ep),
+                (f"recipe ZeRO-{s}", "recipe", ranks, s, ep),
+                (f"dense {twin} recipe ZeRO-{s}", "recipe", ranks, s, (f"model.preset={twin}",)),
+            )
+        )
+    return out
 
 
 def round_order(group: list, pairs: list, r: int) -> list[tuple]:
     """Round ``r``'s runs: the group rotated by ``r``; with ``pairs``, the pairs rotated by
-    ``r`` and each pair back to back, its bare run first in every other round."""
+    ``r`` and each pair back to back, its bare run first in every other round (a sparse model's
+    triple reversed whole: bare, recipe, dense, then dense, recipe, bare)."""
     if not pairs:
         return group[r % len(group) :] + group[: r % len(group)]
     indexed = list(enumerate(pairs))
@@ -150,18 +203,21 @@ def flops_per_token(model: str, data: str) -> float:
     from anneal.model import flops_per_token as fpt
 
     meta = PreparedDir(data).meta()
+    spec = MODELS[model]
     cfg = apply_overrides(
-        RunConfig(out="", ds_config="cpu.json", model=ModelConfig(preset="tiny")), MODELS[model]
+        RunConfig(out="", ds_config=spec.ds_config, model=ModelConfig(preset=spec.preset)),
+        list(spec.sets),
     )
-    return fpt(model_preset(cfg.model, meta["vocab_size"]))
+    return fpt(model_preset(cfg.model, meta["vocab_size"]))  # a sparse model's: active
 
 
 def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Path) -> dict:
     """Every run of one model and rank count, ``--repeats`` rounds in ``round_order``: each
     run's name -> its results, one per round."""
-    steps = args.steps if model == "tiny" else args.small_steps
+    steps = args.small_steps if model == "small" else args.steps
     tokens = MICRO * ACCUM * ranks * 256
-    sets = [*MODELS[model], f"optim.global_batch_tokens={tokens}", "train.eval_samples=0"]
+    sets = [*MODELS[model].sets, f"optim.global_batch_tokens={tokens}", "train.eval_samples=0"]
+    sets += [f"train.loss={args.loss}"] if args.loss else []  # the reference loops ignore it
     flags = ("--shipped-zero",) if args.bare_zero == "shipped" else ()
     runs = {spec[0]: [] for spec in group}
     for r in range(args.repeats):
@@ -175,6 +231,7 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
                 tokens_per_step=tokens,
                 scratch=scratch,
                 flags=flags,
+                model=MODELS[model],
             )
             runs[spec[0]].append(res)
             print(
@@ -182,63 +239,6 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
                 flush=True,
             )
     return runs
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def against_reference(model: str, ranks: int, runs: dict, fpt: float, peak: float) -> list:
-    """The rows of the default comparison: each run against the group's first (the reference)."""
-    ref_runs = next(iter(runs.values()))
-    ref = statistics.median(x["tokens_per_s"] for x in ref_runs)
-    rows = []
-    for name, rs in runs.items():
-        tps = spread([x["tokens_per_s"] for x in rs])
-        med = tps["median"]
-        rows.append(
-            {
-                "model": model,
-                "ranks": ranks,
-                "run": name,
-                "tokens_per_s": round(med),
-                "min": round(tps["min"]),
-                "max": round(tps["max"]),
-                "ratio": round(med / ref, 3),
-                "mfu": round(fpt * med / peak, 4),
-                "peak_rss_mib": round(statistics.median(x["peak_rss_mib"] for x in rs)),
-                "step1_loss_diff": abs(rs[0]["loss"][0] - ref_runs[0]["loss"][0]),
-            }
-        )
-    return rows
-
-
-def against_bare(model: str, ranks: int, runs: dict, pairs: list, fpt: float, peak: float) -> list:
-    """The rows of ``--bare``: per stage, both sides' tokens/s, recipe / bare of each round and
-    the bare engine's MFU (how much of a step is compute)."""
-    rows = []
-    for (bare_name, *_, stage), (recipe_name, *_) in pairs:
-        bare, recipe = runs[bare_name], runs[recipe_name]
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for b, r in zip(bare, recipe, strict=True)]
-        rows.append(
-            {
-                "model": model,
-                "ranks": ranks,
-                "stage": stage,
-                "bare": spread([x["tokens_per_s"] for x in bare]),
-                "recipe": spread([x["tokens_per_s"] for x in recipe]),
-                "ratio": spread(ratios),
-                "bare_mfu": round(
-                    fpt * statistics.median(x["tokens_per_s"] for x in bare) / peak, 4
-                ),
-                "peak_rss_mib": [
-                    round(statistics.median(x["peak_rss_mib"] for x in side))
-                    for side in (bare, recipe)
-                ],
-                "step1_loss_diff": abs(recipe[0]["loss"][0] - bare[0]["loss"][0]),
-            }
-        )
-    return rows
 
 
 def bench(args) -> dict:
@@ -250,7 +250,7 @@ def bench(args) -> dict:
             fpt = flops_per_token(model, args.data)
             for ranks in args.ranks:
                 if args.bare:
-                    pairs = plan_pairs(ranks, args.stages)
+                    pairs = plan_pairs(ranks, args.stages, model)
                     group = [spec for pair in pairs for spec in pair]
                     runs = measure(args, model, ranks, group, pairs, scratch)
                     rows += against_bare(model, ranks, runs, pairs, fpt, peak)
@@ -261,76 +261,6 @@ def bench(args) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"peak_flops": peak, "rows": rows}
-
-
-def ab_flags(args) -> str:
-    flags = " --bare-zero shipped" if args.bare and args.bare_zero == "shipped" else ""
-    flags += "" if args.stages is None else " --stages " + ",".join(map(str, args.stages))
-    for label, stage, sets in args.arm:
-        flags += f' --arm "{label}={stage}:{";".join(sets)}"'
-    return flags
-
-
-def report(args, out: dict) -> str:
-    load = " ".join(open("/proc/loadavg").read().split()[:3])
-    cmd = (
-        f"`.venv/bin/python bench/bench_train.py{' --bare' if args.bare else ''} "
-        f"--models {','.join(args.models)} --ranks {','.join(map(str, args.ranks))} "
-        f"--repeats {args.repeats} --steps {args.steps} --small-steps {args.small_steps} "
-        f"--skip {args.skip}{ab_flags(args)}`; fp32, torch AdamW, micro-batch {MICRO} x "
-        f"accumulation {ACCUM} x seq 256 per rank"
-    )
-    if args.bare:
-        return report_bare(args, out, cmd, load)
-    lines = [
-        "### Training throughput: recipe vs a plain PyTorch loop (`bench/bench_train.py`)",
-        "",
-        f"{cmd}; median of {args.repeats} alternating repeats "
-        f"(min-max); MFU against the measured fp32 matmul peak of "
-        f"{out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the end {load}.",
-        "",
-        "| model | ranks | run | tokens/s (min-max) | vs reference | MFU | peak RSS MiB "
-        "| step-1 loss diff |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in out["rows"]:
-        lines.append(
-            f"| {r['model']} | {r['ranks']} | {r['run']} | {r['tokens_per_s']:,} "
-            f"({r['min']:,}-{r['max']:,}) | {r['ratio']:.2f}x | {r['mfu']:.0%} | "
-            f"{r['peak_rss_mib']:,} | {r['step1_loss_diff']:.1e} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def report_bare(args, out: dict, cmd: str, load: str) -> str:
-    zero = (
-        "the ds_config's whole `zero_optimization` section"
-        if args.bare_zero == "shipped"
-        else "DeepSpeed's defaults for the rest of `zero_optimization`"
-    )
-    lines = [
-        "### Training throughput: recipe vs a bare DeepSpeed engine (`bench_train.py --bare`)",
-        "",
-        f"{cmd}; the bare engine gets the ds_config's batch, clip, optimizer and ZeRO stage and "
-        f"{zero}; tokens/s: median of {args.repeats} rounds (min-max); recipe / bare: the median "
-        f"over rounds of the ratio within a round (min-max); MFU of the bare engine against the "
-        f"measured fp32 matmul peak of {out['peak_flops'] / 1e9:.0f} GFLOP/s; load average at the "
-        f"end {load}.",
-        "",
-        "| model | ranks | ZeRO | bare engine tokens/s | recipe tokens/s | recipe / bare "
-        "| bare MFU | peak RSS MiB bare / recipe | step-1 loss diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in out["rows"]:
-        b, c, q = r["bare"], r["recipe"], r["ratio"]
-        lines.append(
-            f"| {r['model']} | {r['ranks']} | {r['stage']} "
-            f"| {b['median']:,.0f} ({b['min']:,.0f}-{b['max']:,.0f}) "
-            f"| {c['median']:,.0f} ({c['min']:,.0f}-{c['max']:,.0f}) "
-            f"| {q['median']:.3f}x ({q['min']:.3f}-{q['max']:.3f}) | {r['bare_mfu']:.0%} "
-            f"| {r['peak_rss_mib'][0]:,} / {r['peak_rss_mib'][1]:,} | {r['step1_loss_diff']:.1e} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def parse_stages(text: str | None) -> list[int] | None:
@@ -345,10 +275,34 @@ def parse_stages(text: str | None) -> list[int] | None:
     return [int(x) for x in given]
 
 
-def main() -> None:
+def check_models(args) -> None:
+    """SystemExit for a model this comparison cannot run: an unknown one, or a sparse one
+    outside ``--bare`` (the plain loop has no expert layer) or at ZeRO-3 (refused for it)."""
+    for model in args.models:
+        if model not in MODELS:
+            raise SystemExit(f"bench_train: --models {model}: choose from {', '.join(MODELS)}")
+        spec = MODELS[model]
+        if spec.dense_twin and not args.bare:
+            raise SystemExit(
+                f"bench_train: --models {model} is sparse: it runs only under --bare (the recipe "
+                "against a bare DeepSpeed AutoEP engine); the plain PyTorch loop has no expert "
+                "layer"
+            )
+        refused = sorted(set(args.stages or ()) - set(spec.stages))
+        if refused:
+            raise SystemExit(
+                f"bench_train: --stages {','.join(map(str, refused))} with --models {model}: it "
+                f"trains at ZeRO {', '.join(map(str, spec.stages))} (Anneal refuses ZeRO-3 for "
+                "a sparse model: anneal/launch/experts.py)"
+            )
+
+
+def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
+    """The command line (``argv``: sys.argv's by default); ``bench_name`` names the closing
+    JSON line (``bench_moe.py`` passes "moe")."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
-    p.add_argument("--models", help="tiny,small (--bare: tiny)")
+    p.add_argument("--models", help="tiny,small (--bare: tiny); tiny-moe (sparse) with --bare only")
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--repeats", type=int, help="rounds: 3 (--bare: 2)")
     p.add_argument("--steps", type=int, help="steps per run, tiny model: 24 (--bare: 8)")
@@ -372,17 +326,27 @@ def main() -> None:
         help="--bare: the bare engine's zero_optimization besides the stage: DeepSpeed's "
         "defaults, or the ds_config's whole section",
     )
-    args = p.parse_args()
+    p.add_argument(
+        "--loss",
+        choices=("chunked", "plain"),
+        help="the recipe's train.loss (default: the recipe's own, chunked); plain computes the "
+        "loss over the full logits, as the reference loops do",
+    )
+    args = p.parse_args(argv)
+    models_given = args.models
     for key, value in (BARE_DEFAULTS if args.bare else DEFAULTS).items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.arm = [parse_arm(a) for a in args.arm]
     if args.bare and args.arm:
         raise SystemExit("bench_train: --arm adds recipe runs beside the reference, not --bare")
     args.stages = parse_stages(args.stages)
-    if args.smoke:
-        args.models, args.ranks, args.repeats, args.steps, args.skip = "tiny", "1,2", 1, 3, 1
-        args.stages = args.stages or ([3] if args.bare else None)
+    if args.smoke:  # the given models (tiny by default), a few steps, one stage
+        args.ranks, args.repeats, args.steps, args.skip = "1,2", 1, 3, 1
+        args.models = models_given or "tiny"
+        sparse = any(MODELS.get(m, MODELS["tiny"]).dense_twin for m in args.models.split(","))
+        args.stages = args.stages or ([2 if sparse else 3] if args.bare else None)
     args.models = args.models.split(",")
+    check_models(args)
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.data = str(ensure_data(args.data))
     out = bench(args)
@@ -390,7 +354,7 @@ def main() -> None:
         bad = [r for r in out["rows"] if r["step1_loss_diff"] > 1e-4]
         if bad:
             raise SystemExit(f"bench_train: step-1 losses differ between the sides: {bad}")
-    print(json.dumps({"bench": "train", "machine": machine_line(), **out}))
+    print(json.dumps({"bench": bench_name, "machine": machine_line(), **out}))
     if args.report:
         Path(args.report).write_text(report(args, out))
 

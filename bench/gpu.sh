@@ -2,11 +2,11 @@
 # The GPU benchmark (docs/benchmarks.md, "GPU"): first the tests marked gpu (every row resolved on
 # this GPU, three steps of the 125m recipe in bf16), then 1b and 125m on one GPU, bf16, ZeRO-1 and
 # ZeRO-3, sequence 2048, act. checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory.
-# Optional rows (1b at 32K, chunked and plain loss; --only NAME,... runs them alone) use the time
-# left of 8 min.
+# Optional rows (MoE: tiny-moe and OLMoE's shape at 8 layers; 1b at 32K, chunked and plain loss;
+# --only NAME,... runs them alone) use the time left of 8 min.
 #
 #   bash bench/gpu.sh LOGDIR [bench_gpu.py options]        the benchmark, logs into LOGDIR
-#   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, fp32)
+#   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, tiny-moe)
 #   bash bench/gpu.sh --fetch-wheels [DIR]                 here, with PyPI: wheels for a GPU
 #                                                           machine that lacks DeepSpeed
 #

@@ -32,12 +32,21 @@ RUNNING: list[subprocess.Popen] = []
 
 
 def flops_per_token(model_doc: dict) -> float:
-    """``6N + 12*L*H*Q*T`` for the ``model`` section of a run's config.json."""
+    """``6N + 12*L*H*Q*T`` for the ``model`` section of a run's config.json (N: a sparse
+    model's active parameters)."""
     from anneal.model import flops_per_token as count
     from anneal.model import preset_from_dict
 
     preset = preset_from_dict(model_doc, source="config.json", prefix="model.")
     return count(preset, seq_len=model_doc["seq_len"])
+
+
+def active_params(model_doc: dict) -> int:
+    """The parameters a token runs through (all of a dense model's)."""
+    from anneal.model import active_params as count
+    from anneal.model import preset_from_dict
+
+    return count(preset_from_dict(model_doc, source="config.json", prefix="model."))
 
 
 def memory_estimate_gib(doc: dict) -> float:
@@ -228,6 +237,7 @@ def _config_figures(doc: dict) -> dict:
         accum=ds["gradient_accumulation_steps"],
         micro=ds["train_micro_batch_size_per_gpu"],
         params=doc["model"]["params"],
+        active_params=active_params(doc["model"]),
         flops_per_token=flops_per_token(doc["model"]),
         mem_estimate_gib=round(memory_estimate_gib(doc), 2),
     )

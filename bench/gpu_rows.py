@@ -42,6 +42,17 @@ class Row:
     loss: str = "chunked"
     """train.loss: chunked (Anneal's default) | plain (the full logits). A plain row is named
     after its chunked twin plus ``-plainloss``; ``gpu_table.reading`` compares the two."""
+    recipe: str = ""
+    """A file in recipes/; empty: pretrain_{preset}.py (a sparse preset's is pretrain_moe_*)."""
+    extra: tuple = ()
+    """More ``--set`` overrides of the row's shape (e.g. fewer layers than the preset's)."""
+    gpu: str = "h100"
+    """The smallest GPU (``anneal.hardware.GPUS``) the row is sized for by Anneal's memory
+    estimate: on a GPU with less memory ``bench_gpu`` skips it, saying so."""
+
+    @property
+    def recipe_path(self) -> Path:
+        return REPO / "recipes" / (self.recipe or f"pretrain_{self.preset}.py")
 
     def sets(self, *, cpu: bool) -> list[str]:
         sets = [
@@ -58,12 +69,12 @@ class Row:
         ]
         if self.optimizer == "torch-fused":
             sets.append("ds.optimizer.params.fused=true")
-        return sets
+        return sets + list(self.extra)
 
     def command(self, python: str, *, data: Path, out: Path, cpu: bool, inject=()) -> list[str]:
         cmd = [
             python,
-            str(REPO / "recipes" / f"pretrain_{self.preset}.py"),
+            str(self.recipe_path),
             "--data",
             str(data),
             "--out",
@@ -112,7 +123,60 @@ def gpu_rows() -> list[Row]:
                         timeout_s=timeout,
                     )
                 )
-    return rows + _long_context_rows() + _extra_rows()
+    return rows + moe_rows() + _long_context_rows() + _extra_rows()
+
+
+def moe_rows() -> list[Row]:
+    """The optional sparse rows, first among the optional ones: tiny-moe, and OLMoE-1B-7B's
+    shape at half its depth, on one GPU through AutoEP at ``autoep_size`` 1 (every expert on the
+    GPU; resolution turns on AutoEP's grouped GEMMs on a GPU in bf16), bf16, ZeRO-2, torch's
+    AdamW. MFU counts active parameters (``anneal.model.flops_per_token``).
+
+    OLMoE whole (6.75B parameters at the stdlib vocabulary of 8192) needs 177 GiB by Anneal's
+    estimate at ZeRO-2 on one GPU (100.5 GiB of weights, gradients and AdamW state, and at the
+    optimizer step a 25 GiB fp32 gradient partition and 50 GiB of torch AdamW temporaries): it
+    fits no single GPU, at any micro-batch or context. 8 of its 16 layers (3.39B parameters,
+    0.57B active) need 89.4 GiB: an H200 (141 GB) with room to spare for what the estimate does
+    not count of AutoEP's token routing; not an H100 (80 GB). Activations are small beside that
+    (micro-batch 4 x 2048 without checkpointing: 3.3 GiB by the estimate), so checkpointing
+    stays off. Each layer keeps OLMoE's width, heads, 64 experts of width 1024 and top-8, so a
+    token's work per layer is OLMoE's own."""
+    return [
+        Row(
+            name="tiny-moe-z2-nockpt",
+            preset="tiny-moe",
+            recipe="pretrain_moe_tiny.py",
+            zero=2,
+            ckpt=False,
+            optimizer="torch-foreach",
+            micro=16,
+            global_tokens=2**17,
+            seq_len=2048,
+            warmup=3,
+            measure=5,
+            est_s=45,
+            timeout_s=120,
+            optional=True,
+        ),
+        Row(
+            name="olmoe-8l-z2-nockpt",
+            preset="olmoe-1b-7b",
+            recipe="pretrain_moe_1b_7b.py",
+            extra=("model.num_hidden_layers=8",),
+            zero=2,
+            ckpt=False,
+            optimizer="torch-foreach",
+            micro=4,
+            global_tokens=2**15,
+            seq_len=2048,
+            warmup=2,
+            measure=4,
+            est_s=150,  # building and initialising 3.4B parameters on the host, then ~1-3 s a step
+            timeout_s=330,
+            optional=True,
+            gpu="h200",
+        ),
+    ]
 
 
 def _long_context_rows() -> list[Row]:
@@ -174,7 +238,8 @@ def _extra_rows() -> list[Row]:
 
 
 def cpu_rows() -> list[Row]:
-    """The CPU smoke: the GPU rows' shape on the tiny preset in fp32 (ds_configs/cpu.json)."""
+    """The CPU smoke: the GPU rows' shape on the tiny preset in fp32 (ds_configs/cpu.json), and
+    the sparse rows' on tiny-moe (ds_configs/cpu_zero2.json)."""
     common = dict(
         preset="tiny",
         micro=2,
@@ -192,4 +257,17 @@ def cpu_rows() -> list[Row]:
         Row(name="tiny-z1-nockpt", zero=1, ckpt=False, **common),
         Row(name="tiny-z1-ckpt", zero=1, ckpt=True, **common),
         Row(name="tiny-z3-nockpt", zero=3, ckpt=False, **common),
+        # the sparse rows' path: AutoEP (the plain expert loop on CPU), ZeRO-2
+        Row(
+            name="tiny-moe-z2-nockpt",
+            zero=2,
+            ckpt=False,
+            optional=True,
+            **{
+                **common,
+                "preset": "tiny-moe",
+                "recipe": "pretrain_moe_tiny.py",
+                "ds_config": "cpu_zero2.json",
+            },
+        ),
     ]

@@ -70,11 +70,22 @@ def reading(results: list[dict], *, cpu: bool) -> str:
             f"{100 * LLM_FOUNDRY_1B_MFU:.1f}% for 1B on H100)."
         )
     parts += loss_pairs(ok)
+    parts += sparse_rows(ok)
     if failed:
         parts.append(f"Rows that did not finish: {', '.join(failed)} (reasons in the table).")
     if not ok:
         parts.append("No row was measured.")
     return " ".join(parts)
+
+
+def sparse_rows(ok: list[dict]) -> list[str]:
+    """What a measured sparse row's MFU counts: its active parameters, not its total."""
+    return [
+        f"{r['name']}: MoE through AutoEP; its MFU counts the {r['active_params'] / 1e9:.2f}B "
+        f"parameters a token runs through, of {r['params'] / 1e9:.2f}B."
+        for r in ok
+        if r.get("active_params") and r.get("params") and r["active_params"] < r["params"]
+    ]
 
 
 def loss_pairs(ok: list[dict]) -> list[str]:
@@ -110,7 +121,8 @@ def header(info: dict, results: list[dict], *, cpu: bool) -> str:
     text = (
         f"Device: {info.get('device', '?')}; {versions}. Sequence {', '.join(map(str, seqs))}; "
         f"SDPA attention (flash kernel: {info.get('sdpa_flash', 'n/a')}). MFU = (6N + "
-        f"12*L*H*Q*T) x tokens/s / peak, peak {_fmt(peak and peak / 1e12, ',.4g')} TFLOP/s"
+        f"12*L*H*Q*T) x tokens/s / peak (N: a sparse model's active parameters), peak "
+        f"{_fmt(peak and peak / 1e12, ',.4g')} TFLOP/s"
         f"{' (measured fp32 matmul rate of this CPU)' if cpu else ' (dense bf16)'}; tokens/s is "
         f"the median of the measured steps after the warmup steps; peak memory is torch's peak "
         f"allocated."

@@ -10,11 +10,15 @@ Anneal and DeepSpeed cost together.
 DeepSpeed. ``deepspeed.initialize`` with the recipe's batch, ``gradient_clipping``,
 ``optimizer`` block (DeepSpeed's AdamW as the ds_config names it) and ZeRO stage, then forward,
 ``engine.backward``, ``engine.step`` in a loop: no Trainer, observers, guard, metrics, heartbeat
-or per-step collective. The rest of ``zero_optimization`` is DeepSpeed's defaults
-(``--shipped-zero``: the ds_config's whole section), so that a gap the shipped settings make can
-be told from one the loop makes. The model is built whole and partitioned by
-``deepspeed.initialize``, as a bare script would; the batches are drawn before the loop, so the
-timed loop holds nothing but the engine.
+or per-step collective. A sparse preset's engine gets the ds_config's ``expert_parallel``
+section as resolution filled it (AutoEP, under Anneal's transformers 5.24 repair of
+``deepspeed.initialize``: ``anneal.train.experts.autoep_registry_fix``) and the recipe's
+objective, the language-model loss plus the router's weighted aux and z losses
+(``moe_objective``); the plain loop refuses a sparse preset. The rest of ``zero_optimization``
+is DeepSpeed's defaults (``--shipped-zero``: the ds_config's whole section), so that a gap the
+shipped settings make can be told from one the loop makes. The model is built whole and
+partitioned by ``deepspeed.initialize``, as a bare script would; the batches are drawn before
+the loop, so the timed loop holds nothing but the engine.
 
 Common to both: the model and its init (``anneal.model``), the same batches in the same order
 (the windows of Anneal's ``TokenStream``), micro-batch and accumulation, two AdamW groups (decay
@@ -127,6 +131,11 @@ def plain_loop(cfg, plan, *, steps: int, rank: int, world: int) -> dict:
 
     from anneal import model as modellib
 
+    if plan.preset.moe is not None:
+        raise SystemExit(
+            f"reference.py: the plain loop has no expert layer for the sparse preset "
+            f"{plan.preset.name}: use --engine deepspeed (AutoEP), as bench_train.py --bare does"
+        )
     if world > 1:
         dist.init_process_group("gloo")
     ds = plan.ds_config
@@ -179,7 +188,26 @@ def bare_config(ds: dict, *, shipped_zero: bool) -> dict:
         "optimizer": ds["optimizer"],
         "zero_optimization": dict(zero) if shipped_zero else {"stage": zero.get("stage", 0)},
         "steps_per_print": 10**9,
+        # a sparse model's AutoEP section as resolution filled it (degree, preset, expert loop)
+        **({"expert_parallel": ds["expert_parallel"]} if "expert_parallel" in ds else {}),
     }
+
+
+def moe_objective(output, lm_loss, moe):
+    """The objective of a micro-batch as the recipe's step computes it
+    (``anneal.train.experts.RouterStats.objective``): the language-model loss, plus for a sparse
+    model ``aux_loss_coef`` x the model's load-balancing loss and ``z_loss_coef`` x the router
+    z-loss (the mean over layers of the mean squared log-sum-exp of the router logits). The
+    recipe also records the router's entropy and counts for its train row; that is its loop's
+    work, not the model's, and stays out of the bare loop."""
+    import torch
+
+    if moe is None:
+        return lm_loss
+    z = torch.stack(
+        [torch.logsumexp(g.float(), dim=-1).square().mean() for g in output.router_logits]
+    ).mean()
+    return lm_loss + moe.aux_loss_coef * output.aux_loss + moe.z_loss_coef * z
 
 
 def bare_loop(cfg, plan, *, steps: int, rank: int, world: int, shipped_zero: bool) -> dict:
@@ -190,6 +218,7 @@ def bare_loop(cfg, plan, *, steps: int, rank: int, world: int, shipped_zero: boo
     import torch.nn.functional as F
 
     from anneal import model as modellib
+    from anneal.train import experts
 
     # No JIT build of DeepSpeed's CPU shared-memory op (anneal.dist says why: a process killed
     # in the build leaves a lock that hangs every later one); training's collectives are gloo's.
@@ -204,22 +233,26 @@ def bare_loop(cfg, plan, *, steps: int, rank: int, world: int, shipped_zero: boo
     batches = [[stream.next_batch() for _ in range(plan.grad_accum)] for _ in range(steps)]
     stream.close()
     model = build_model(plan, cfg.train.seed)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=modellib.param_groups(
-            model, weight_decay=ds["optimizer"]["params"]["weight_decay"]
-        ),
-        config=bare_config(ds, shipped_zero=shipped_zero),
-        lr_scheduler=lambda opt: warmup_cosine(opt, ds["scheduler"]["params"]),
-    )
+    moe = plan.preset.moe
+    # AutoEP against transformers 5.24 needs the recipe's repair for the call (its docstring)
+    with experts.autoep_registry_fix() if moe else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=modellib.param_groups(
+                model, weight_decay=ds["optimizer"]["params"]["weight_decay"]
+            ),
+            config=bare_config(ds, shipped_zero=shipped_zero),
+            lr_scheduler=lambda opt: warmup_cosine(opt, ds["scheduler"]["params"]),
+        )
     rec = {"loss": [], "grad_norm": [], "lr": [], "time": []}
     for micro_batches in batches:
         rec["lr"].append(engine.get_lr()[0])
         step_loss = torch.zeros(())
         for x, y in micro_batches:
-            logits = engine(input_ids=x).logits
+            output = engine(input_ids=x)
+            logits = output.logits
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-            engine.backward(loss)
+            engine.backward(moe_objective(output, loss, moe))
             engine.step()
             step_loss += loss.detach() / plan.grad_accum
         rec["loss"].append(step_loss)

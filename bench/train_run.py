@@ -20,6 +20,7 @@ from anneal.dist import free_port  # noqa: E402
 from anneal.hardware import process_memory_bytes  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
+MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
 
 
 class PeakRss:
@@ -45,26 +46,37 @@ class PeakRss:
 
 
 def command(
-    kind: str, ranks: int, stage: int | None, *, data, steps, out: Path, sets, flags=()
+    kind: str,
+    ranks: int,
+    stage: int | None,
+    *,
+    data,
+    steps,
+    out: Path,
+    sets,
+    flags=(),
+    recipe: str = RECIPE,
+    ds_config: str = "cpu.json",
 ) -> list:
     """The run's command line. ``kind``: "plain" (the PyTorch reference, torchrun on several
-    ranks), "bare" (the bare DeepSpeed engine, with the reference's ``flags``) or "recipe"."""
+    ranks), "bare" (the bare DeepSpeed engine, with the reference's ``flags``) or "recipe";
+    ``recipe`` (the reference loops read its defaults) with the fp32 ``ds_config``."""
     py = sys.executable
-    common = ["--data", data, "--max-steps", str(steps), "--ds-config", "cpu.json"]
+    common = ["--data", data, "--max-steps", str(steps), "--ds-config", ds_config]
     common += [f"--set={s}" for s in sets]
     common += [] if stage is None else [f"--set=ds.zero_optimization.stage={stage}"]
     rows = ["--rows", str(out / "steps.jsonl")]
     if kind == "plain":
         torchrun = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
         launch = [py] if ranks == 1 else [*torchrun, "--master_port", str(free_port())]
-        return launch + ["bench/reference.py", RECIPE, *common, *rows]
+        return launch + ["bench/reference.py", recipe, *common, *rows]
     launch = [str(Path(py).parent / "deepspeed"), "--num_gpus", str(ranks)]
     launch = [py] if ranks == 1 else [*launch, "--master_port", str(free_port())]
     if kind == "bare":  # the reference takes no --local_rank
         launch = launch if ranks == 1 else [*launch, "--no_local_rank"]
         engine = ["--engine", "deepspeed", *flags]
-        return launch + ["bench/reference.py", RECIPE, *common, *rows, *engine]
-    return launch + [RECIPE, *common, "--out", str(out / "run"), "--resume", "none"]
+        return launch + ["bench/reference.py", recipe, *common, *rows, *engine]
+    return launch + [recipe, *common, "--out", str(out / "run"), "--resume", "none"]
 
 
 def step_rows(kind: str, out: Path) -> list[dict]:
@@ -75,12 +87,19 @@ def step_rows(kind: str, out: Path) -> list[dict]:
     return read_metrics(out / "run", "train")
 
 
-def run_one(spec, *, data, steps, skip, sets, tokens_per_step, scratch: Path, flags=()) -> dict:
+def run_one(
+    spec, *, data, steps, skip, sets, tokens_per_step, scratch: Path, flags=(), model=None
+) -> dict:
+    """Run ``spec`` (name, kind, ranks, ZeRO stage[, extra --set overrides]) of ``model``
+    (its recipe and ds_config: ``bench_train.MODELS``; None: the tiny recipe on cpu.json)."""
     name, kind, ranks, stage, *extra = spec
     out = Path(tempfile.mkdtemp(dir=scratch))
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     sets = [*sets, *(extra[0] if extra else ())]
-    cmd = command(kind, ranks, stage, data=data, steps=steps, out=out, sets=sets, flags=flags)
+    where = {} if model is None else {"recipe": model.recipe, "ds_config": model.ds_config}
+    cmd = command(
+        kind, ranks, stage, data=data, steps=steps, out=out, sets=sets, flags=flags, **where
+    )
     log = out / "log.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)

@@ -24,12 +24,13 @@ import pytest
 from anneal.cli.recipe import config_from_args, load_recipe
 from anneal.hardware import GPUS
 from anneal.launch.resolve import resolve_launch
-from anneal.model import llama_config
+from anneal.model import hf_model_config
 from anneal.planning.memory import Workload, ZeroSetup, estimate
 from tests.conftest import ROOT, env, run_process
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+import bench_gpu  # noqa: E402
 import gpu_measure  # noqa: E402
 import gpu_rows  # noqa: E402
 import gpu_table  # noqa: E402
@@ -78,7 +79,8 @@ def test_h100_and_h200_peaks_are_the_dense_bf16_989():
 
 def _row_config(row: gpu_rows.Row, data: Path, out: Path) -> tuple:
     """(run config, overrides) of the row's command, as its recipe reads it on a CUDA rank."""
-    path = ROOT / "recipes" / f"pretrain_{row.preset}.py"
+    path = row.recipe_path
+    assert path.is_file(), path
     argv = row.command(sys.executable, data=data, out=out, cpu=False)
     assert argv[:2] == [sys.executable, str(path)]
     return config_from_args(argv[2:], prog=str(path), on_cpu=False, **load_recipe(path))
@@ -92,8 +94,18 @@ def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
     assert plan.cfg.ds_config == f"zero{row.zero}_bf16.json"
     assert ds["zero_optimization"]["stage"] == row.zero
     assert ds["bf16"]["enabled"] is True and plan.seq_len == row.seq_len
+    assert plan.cfg.model.preset == row.preset
     # The model's context is the row's: nothing in the preset caps it below 32K.
-    assert llama_config(plan.preset).max_position_embeddings == row.seq_len
+    assert hf_model_config(plan.preset).max_position_embeddings == row.seq_len
+    if plan.preset.is_moe:  # AutoEP, every expert on the one GPU, its grouped GEMMs in bf16
+        assert ds["expert_parallel"] == {
+            "enabled": True,
+            "autoep_size": 1,
+            "preset_model": "qwen3_moe",
+            "use_grouped_mm": True,
+        }
+    else:
+        assert "expert_parallel" not in ds
     assert plan.cfg.model.activation_checkpointing is row.ckpt
     assert plan.cfg.train.loss == row.loss
     assert plan.micro_batch == row.micro
@@ -121,10 +133,15 @@ def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
 @pytest.mark.parametrize("row", gpu_rows.gpu_rows(), ids=lambda r: r.name)
 def test_every_gpu_row_resolves_on_one_gpu(row, stdlib_data, tmp_path):
     """What the recipe does with the row's command on one CUDA rank, up to the engine, resolved
-    here for a CUDA device with fast bf16; it fits an 80 GB H100 (the H200 has 141 GB)."""
+    here for a CUDA device with fast bf16; it fits the GPU it is sized for: an 80 GB H100, the
+    OLMoE-shaped row a 141 GB H200 (and that row is sized for it because it does not fit the
+    H100, so that bench_gpu skips it there instead of running it out of memory)."""
     cfg, overrides = _row_config(row, stdlib_data, tmp_path / "run")
     plan = resolve_launch(cfg, overrides, world_size=1, device_type="cuda", fast_bf16=True)
-    _check_row_launch(row, plan, capacity=GPUS["h100"].memory_bytes)
+    _check_row_launch(row, plan, capacity=GPUS[row.gpu].memory_bytes)
+    if row.gpu != "h100":
+        with pytest.raises(AssertionError, match="GiB of"):
+            _check_row_launch(row, plan, capacity=GPUS["h100"].memory_bytes)
 
 
 @pytest.mark.gpu
@@ -137,9 +154,12 @@ def test_every_gpu_row_resolves_on_this_gpu(row, stdlib_data, tmp_path):
 
     from anneal.train import resolve_run
 
+    memory = torch.cuda.get_device_properties(0).total_memory
+    if bench_gpu.too_small(row, memory / 2**30):
+        pytest.skip(f"{row.name} is sized for an {GPUS[row.gpu].name}; bench_gpu skips it here")
     cfg, overrides = _row_config(row, stdlib_data, tmp_path / "run")
     plan = resolve_run(cfg, overrides)
-    _check_row_launch(row, plan, capacity=torch.cuda.get_device_properties(0).total_memory)
+    _check_row_launch(row, plan, capacity=memory)
 
 
 @pytest.mark.gpu
@@ -202,6 +222,36 @@ def test_gpu_rows_put_the_1b_figures_first_and_cover_the_matrix():
     for r in plain:
         twin = by_name[r.name.removesuffix("-plainloss")]
         assert dataclasses.replace(twin, name=r.name, loss="plain", optional=True) == r
+
+
+def test_the_moe_rows_come_first_among_the_optional_rows():
+    """The sparse rows (tiny-moe, and OLMoE's shape at 8 of its 16 layers) are optional, come
+    right after the required rows (the first optional rows to get the time left), train through
+    the sparse recipes at ZeRO-2 with torch's AdamW, and the OLMoE row, sized for an H200, is
+    skipped on an 80 GB GPU (the probe's memory) but not on a 141 GB one."""
+    rows = gpu_rows.gpu_rows()
+    first_optional = next(i for i, r in enumerate(rows) if r.optional)
+    moe = rows[first_optional : first_optional + 2]
+    assert [r.name for r in moe] == ["tiny-moe-z2-nockpt", "olmoe-8l-z2-nockpt"]
+    assert [r.recipe_path.name for r in moe] == ["pretrain_moe_tiny.py", "pretrain_moe_1b_7b.py"]
+    assert all(r.zero == 2 and r.optimizer == "torch-foreach" and r.optional for r in moe)
+    assert not any(r.preset in ("tiny-moe", "olmoe-1b-7b") for r in rows[first_optional + 2 :])
+    assert "--set" in (cmd := moe[1].command("py", data=Path("d"), out=Path("o"), cpu=False))
+    assert "model.num_hidden_layers=8" in cmd
+    tiny, olmoe = moe
+    assert not bench_gpu.too_small(tiny, 79.1) and not bench_gpu.too_small(olmoe, 139.8)
+    assert bench_gpu.too_small(olmoe, 79.1) and not bench_gpu.too_small(olmoe, None)
+
+
+def test_flops_of_the_olmoe_row_count_active_parameters_by_hand():
+    """MFU of a sparse row counts what a token runs through: 8 of 64 experts, and the router."""
+    # olmoe at 8 layers, vocab 8192: q k v o, 8 active experts' SwiGLUs (width 1024), the
+    # router (64 x 2048), 2 norms and Qwen3's q and k norms (head dim 128)
+    per_layer = 4 * 2048 * 2048 + 8 * 3 * 2048 * 1024 + 2048 * 64 + 2 * 2048 + 2 * 128
+    assert per_layer == 67_244_288
+    n = 8 * per_layer + 2048 + 8192 * 2048  # + final norm + LM head
+    doc = _model_doc("olmoe-1b-7b") | {"num_hidden_layers": 8}
+    assert gpu_measure.flops_per_token(doc) == 6 * n + 12 * 8 * 16 * 128 * 2048 == 3_731_054_592
 
 
 def _result(row: gpu_rows.Row, *, tokens_per_s: float, peak: float, mfu: float) -> dict:
@@ -332,13 +382,14 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
         ("tiny-z1-nockpt", "ok"),
         ("tiny-z1-ckpt", "exited"),
         ("tiny-z3-nockpt", "ok"),  # the failure cost its row only
+        ("tiny-moe-z2-nockpt", "ok"),  # the sparse rows' path: AutoEP, ZeRO-2
     ]
     failed = results[1]
     assert failed["exit_code"] == 2
     assert "--set model.bogus=1: model has no key 'bogus'" in failed["reason"]
 
     rows_log = (logdir / "rows.log").read_text()
-    for r in (results[0], results[2]):
+    for r in (results[0], results[2], results[3]):
         # The figures are the median of the run's own logged steps after the warmup.
         steps = _metrics_in_rows_log(rows_log, r["name"])
         # The driver polls every 0.2 s, so a row whose steps are faster than that may log one
@@ -347,7 +398,8 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
         assert r["steps_done"] == len(steps)
         measured = [s["tokens_per_s"] for s in steps[1:3]]
         assert r["tokens_per_s"] == pytest.approx(statistics.median(measured), abs=0.1)
-        assert r["flops_per_token"] == gpu_measure.flops_per_token(_model_doc("tiny", seq_len=64))
+        preset = r["preset"]  # tiny-moe's FLOPs count its active parameters
+        assert r["flops_per_token"] == gpu_measure.flops_per_token(_model_doc(preset, seq_len=64))
         # mfu is rounded to 4 decimals: at a CPU's MFU of 0.02 that is more than 1e-3 of it
         assert r["mfu"] == pytest.approx(
             r["flops_per_token"] * r["tokens_per_s"] / r["peak_flops"], rel=1e-3, abs=5e-5
@@ -368,8 +420,9 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
         "| tiny-z1-nockpt",
         "| tiny-z1-ckpt",
         "| tiny-z3-nockpt",
+        "| tiny-moe-z2-nockpt",
     ]
-    assert lines[0].endswith(" | ok |") and lines[2].endswith(" | ok |")
+    assert all(lines[i].endswith(" | ok |") for i in (0, 2, 3))
     assert "exited: exit 2: error" in lines[1] and "model has no key 'bogus'" in lines[1]
     assert f"{results[0]['tokens_per_s']:,.0f}" in lines[0]
     console = (logdir / "gpu_bench.log").read_text()
@@ -383,7 +436,7 @@ def test_cpu_smoke_runs_the_gpu_script_end_to_end_past_a_failing_row(tmp_path):
     )
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["bench"] == "gpu" and doc["cpu_smoke"] is True
-    assert [r["status"] for r in doc["rows"]] == ["ok", "exited", "ok"]
+    assert [r["status"] for r in doc["rows"]] == ["ok", "exited", "ok", "ok"]
     info = json.loads((logdir / "env.txt").read_text().split("\n\n")[0])
     assert info["cuda_available"] is False and info["deepspeed"].startswith("0.")
     fragment = report.read_text()
@@ -413,7 +466,7 @@ def test_past_the_deadline_no_row_starts_and_the_table_still_prints(tmp_path, st
     results = [
         json.loads(ln) for ln in (tmp_path / "logs" / "results.jsonl").read_text().splitlines()
     ]
-    assert [r["status"] for r in results] == ["skipped"] * 3
+    assert [r["status"] for r in results] == ["skipped"] * len(gpu_rows.cpu_rows())
     assert all(r["reason"].startswith("out of time") for r in results)
     assert "| tiny-z3-nockpt | tiny | 3 | off |" in out.stdout
     assert "No row was measured." in out.stdout

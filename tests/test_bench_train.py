@@ -219,3 +219,138 @@ def test_the_report_names_the_command_that_reruns_it():
     assert "--models tiny --ranks 2 --repeats 4" in text
     assert '--stages 2 --arm "overlap=2:a.b=true;c=1"`' in text
     assert "| tiny | 2 | recipe ZeRO-2 overlap | 1,000 (900-1,100) | 0.90x |" in text
+
+
+# --- the sparse model (bench_moe.py = bench_train.py --bare --models tiny-moe) ----------------
+
+MOE_RECIPE = "recipes/pretrain_moe_tiny.py"
+MOE_SETS = [
+    *SETS,
+    "model.num_experts=4",
+    "model.expert_intermediate_size=32",
+    # large router-loss weights, so that a loop that left either loss out would show it
+    "model.moe_aux_loss_coef=1.0",
+    "model.moe_z_loss_coef=0.1",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tiny_data, tmp_path_factory):
+    """The tiny-moe recipe at ZeRO-2 and, in one other process, the bare AutoEP engine at ZeRO-2
+    with the recipe's router-loss weights and then with both weights 0; one rank each, side by
+    side, one thread each.
+
+    About 6 s on 2 idle cores (measured), more on a loaded machine, as each process imports
+    torch, DeepSpeed and transformers and builds its AutoEP engines before two micro steps; the
+    bare engine without the router losses is what shows that the equality below can fail."""
+    scratch = tmp_path_factory.mktemp("bench-moe")
+    dirs = {name: scratch / name for name in ("recipe", "bare", "bare_lm_only")}
+    for d in dirs.values():
+        d.mkdir()
+    common = dict(
+        data=str(tiny_data), steps=STEPS + 1, recipe=MOE_RECIPE, ds_config="cpu_zero2.json"
+    )
+    recipe = train_run.command("recipe", 1, 2, out=dirs["recipe"], sets=MOE_SETS, **common)
+    lm_only = [*MOE_SETS, "model.moe_aux_loss_coef=0", "model.moe_z_loss_coef=0"]
+    refs = [
+        train_run.command("bare", 1, 2, out=dirs[name], sets=s, **common)[2:]
+        for name, s in (("bare", MOE_SETS), ("bare_lm_only", lm_only))
+    ]
+    cmds = [recipe, [sys.executable, "-c", BOTH_REFERENCES, json.dumps(refs)]]
+    e = {**env(), "OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        jobs = [pool.submit(run_process, c, timeout_s=600, cwd=ROOT, env=e) for c in cmds]
+        for job in jobs:
+            done = job.result()
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    kinds = {"recipe": "recipe"}
+    return {name: train_run.step_rows(kinds.get(name, "bare"), d) for name, d in dirs.items()}
+
+
+@pytest.mark.slow  # two real processes, multi-process DeepSpeed: make test-all
+def test_the_bare_autoep_engine_computes_what_the_sparse_recipe_computes(moe_runs):
+    """The bare AutoEP engine of bench_moe.py
+    against the tiny-moe recipe at ZeRO-2: the same first loss, grad norm (of the objective with
+    the aux and z losses) and LRs, and the same update (step 2); without the router losses the
+    bare engine's norm is another, so the equal norms say that it does the recipe's work."""
+    bare, rec, lm_only = moe_runs["bare"], moe_runs["recipe"], moe_runs["bare_lm_only"]
+    assert [len(r) for r in moe_runs.values()] == [STEPS] * 3
+    assert bare[0]["loss"] == pytest.approx(rec[0]["loss"], rel=1e-6)
+    assert bare[0]["grad_norm"] == pytest.approx(rec[0]["grad_norm"], rel=1e-4)
+    assert [r["lr"] for r in bare] == pytest.approx([r["lr"] for r in rec], rel=1e-12)
+    assert bare[1]["loss"] == pytest.approx(rec[1]["loss"], abs=1e-4)
+    assert lm_only[0]["loss"] == pytest.approx(rec[0]["loss"], rel=1e-6)  # same model, batch
+    assert abs(lm_only[0]["grad_norm"] / rec[0]["grad_norm"] - 1) > 1e-3
+
+
+def test_a_sparse_model_runs_in_triples_at_its_stages_with_its_dense_twin(tmp_path):
+    """``--models tiny-moe``: per stage (1 and 2 by default) the bare engine and the recipe at
+    expert-parallel degree = ranks, then the tiny dense preset in the same recipe and stage; the
+    triple reverses whole every other round, and the commands take the sparse recipe and its
+    ZeRO-2 CPU config."""
+    triples = bench_train.plan_pairs(2, None, "tiny-moe")
+    assert [[x[0] for x in t] for t in triples] == [
+        [f"bare ZeRO-{s}", f"recipe ZeRO-{s}", f"dense tiny recipe ZeRO-{s}"] for s in (1, 2)
+    ]
+    ep = ("ds.expert_parallel.autoep_size=2",)
+    assert [x[4] for x in triples[0]] == [ep, ep, ("model.preset=tiny",)]
+    orders = [[x[0] for x in bench_train.round_order([], triples, r)] for r in range(2)]
+    assert orders[0][:3] == ["bare ZeRO-1", "recipe ZeRO-1", "dense tiny recipe ZeRO-1"]
+    assert orders[1][:3] == ["bare ZeRO-2", "recipe ZeRO-2", "dense tiny recipe ZeRO-2"]
+    assert orders[1][3:] == ["dense tiny recipe ZeRO-1", "recipe ZeRO-1", "bare ZeRO-1"]
+    model = bench_train.MODELS["tiny-moe"]
+    cmd = train_run.command(
+        "bare",
+        2,
+        2,
+        data="d",
+        steps=3,
+        out=tmp_path,
+        sets=list(ep),
+        recipe=model.recipe,
+        ds_config=model.ds_config,
+    )
+    assert "recipes/pretrain_moe_tiny.py" in cmd and "cpu_zero2.json" in cmd
+    assert "--set=ds.expert_parallel.autoep_size=2" in cmd
+    # a dense model keeps its pairs, and its spec no extra overrides
+    assert [len(p) for p in bench_train.plan_pairs(1, [3])] == [2]
+
+
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        (dict(bare=False, stages=None), "runs only under --bare"),
+        (dict(bare=True, stages=[3]), "Anneal refuses ZeRO-3"),
+        (dict(bare=True, stages=None, models=["huge"]), "choose from tiny, small, tiny-moe"),
+    ],
+)
+def test_a_sparse_model_is_refused_where_it_cannot_run(given, says):
+    """Outside --bare (the plain loop has no expert layer), at ZeRO-3, or a model not listed:
+    one line saying why, before any process starts."""
+    args = _args(**{"models": ["tiny-moe"], **given})
+    with pytest.raises(SystemExit, match=says):
+        bench_train.check_models(args)
+
+
+def test_the_sparse_report_reads_each_round_against_the_dense_twin():
+    """The rows of a sparse model add its dense twin's tokens/s and the sparse step time over the
+    dense one's, per round (equal tokens per step: the inverse ratio of their rates)."""
+
+    def run(tps):
+        return {"tokens_per_s": tps, "peak_rss_mib": 1000, "loss": [5.0]}
+
+    triples = bench_train.plan_pairs(1, [2], "tiny-moe")
+    runs = {
+        "bare ZeRO-2": [run(100), run(110)],
+        "recipe ZeRO-2": [run(99), run(100)],
+        "dense tiny recipe ZeRO-2": [run(198), run(300)],
+    }
+    [row] = bench_train.against_bare("tiny-moe", 1, runs, triples, fpt=1e6, peak=1e9)
+    assert row["stage"] == 2
+    assert row["step_over_dense"] == {"median": pytest.approx(2.5), "min": 2.0, "max": 3.0}
+    assert row["dense"]["median"] == 249
+    args = _args(bare=True, models=["tiny-moe"], ranks=[1], stages=[2], repeats=2, loss="plain")
+    text = bench_train.report(args, {"peak_flops": 1e9, "rows": [row]})
+    assert "--models tiny-moe --ranks 1 --repeats 2" in text and "--loss plain --stages 2`" in text
+    assert "| dense twin tokens/s | sparse / dense step |" in text
+    assert text.rstrip().endswith("| 249 (198-300) | 2.50x (2.00-3.00) |")
