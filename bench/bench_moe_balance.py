@@ -33,7 +33,7 @@ from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
 from anneal.observe.metrics import read_metrics  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 COEFS = (0.01, 0.0)
 
 
