@@ -20,10 +20,10 @@ if TYPE_CHECKING:  # torch is imported where it is used: presets and counts are 
     from torch import nn
 
 
-def llama_config(preset: ModelPreset):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _decoder_kwargs(preset: ModelPreset) -> dict:
+    """What every preset's transformers config takes alike: the shape, RoPE, init, untied
+    embeddings, no KV cache and no special token ids."""
+    return dict(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -41,6 +41,12 @@ def llama_config(preset: ModelPreset):
     )
 
 
+def llama_config(preset: ModelPreset):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_decoder_kwargs(preset))
+
+
 def qwen3_moe_config(preset: ModelPreset):
     """The Qwen3-MoE config of a sparse preset: every layer sparse, no shared expert, the
     router's logits returned (its load-balancing loss and the balance metrics need them)."""
@@ -48,9 +54,8 @@ def qwen3_moe_config(preset: ModelPreset):
 
     moe = preset.moe
     return Qwen3MoeConfig(
-        vocab_size=preset.vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
+        **_decoder_kwargs(preset),
+        head_dim=preset.head_dim,
         moe_intermediate_size=moe.expert_intermediate_size,
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
@@ -59,18 +64,6 @@ def qwen3_moe_config(preset: ModelPreset):
         output_router_logits=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        head_dim=preset.head_dim,
-        max_position_embeddings=preset.seq_len,
-        rope_theta=preset.rope_theta,
-        initializer_range=preset.initializer_range,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
     )
 
 
