@@ -37,6 +37,7 @@ TAKES_DATA = {
     "bench_checkpoint.py",
     "bench_demo.py",
     "bench_eval.py",
+    "bench_moe.py",
     "bench_moe_balance.py",
     "bench_moe_dense.py",
     "bench_train.py",
