@@ -13,7 +13,8 @@ recipe. On N ranks the sparse runs are expert-parallel N (``autoep_size`` N); th
 data-parallel N. The order within a triple reverses every other round, and the triples rotate.
 
     .venv/bin/python bench/bench_moe.py [--ranks 1,2] [--repeats 2] [--steps 8] [--report F]
-    .venv/bin/python bench/bench_moe.py --smoke     (CI: 3 steps at ZeRO-2, no figures kept)
+    .venv/bin/python bench/bench_moe.py --smoke     (CI: 3 steps at ZeRO-2 on 2 ranks, no
+                                                     figures kept)
 
 Every option of bench_train.py applies (``--stages 2``, ``--bare-zero shipped``, ...).
 """
@@ -30,6 +31,8 @@ import bench_train  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if "--smoke" in args and "--ranks" not in args:
+        args = [*args, "--ranks", "2"]  # expert parallel; bench_train's own smoke runs 1 rank
     bench_train.main(["--bare", "--models", "tiny-moe", *args], bench_name="moe")
 
 

@@ -39,8 +39,11 @@ from anneal.observe.metrics import read_metrics  # noqa: E402
 RECIPES = {"dense": "recipes/pretrain_tiny.py", "sparse": "recipes/pretrain_moe_tiny.py"}
 
 
-def command(kind: str, *, out: Path, data: Path, steps: int, seed: int, every: int) -> list[str]:
-    """The demo's command for ``kind`` (its recipe), validated every ``every`` steps."""
+def command(
+    kind: str, *, out: Path, data: Path, steps: int, seed: int, every: int, windows: int
+) -> list[str]:
+    """The demo's command for ``kind`` (its recipe), validated every ``every`` steps on
+    ``windows`` sequences of the val split."""
     return [
         str(Path(sys.executable).parent / "deepspeed"),
         *("--num_gpus", "2", "--master_port", str(free_port()), RECIPES[kind]),
@@ -48,18 +51,20 @@ def command(kind: str, *, out: Path, data: Path, steps: int, seed: int, every: i
         *("--ds-config", "cpu_zero2.json", "--eval-every", str(every), "--save-every", "0"),
         *("--seed", str(seed)),
         *("--set", f"ds.train_micro_batch_size_per_gpu={MICRO_BATCH}"),
-        *("--set", f"train.eval_samples={EVAL_WINDOWS}"),
+        *("--set", f"train.eval_samples={windows}"),
         *("--set", f"optim.schedule={SCHEDULE}"),
         *("--set", f"optim.global_batch_tokens={BATCH_TOKENS}"),
         *("--set", f"optim.lr={PEAK_LR}"),
     ]
 
 
-def run(kind: str, *, work: Path, data: Path, steps: int, seed: int, every: int) -> dict:
+def run(
+    kind: str, *, work: Path, data: Path, steps: int, seed: int, every: int, windows: int
+) -> dict:
     out = work / f"{kind}-seed{seed}"
     t0 = time.perf_counter()
     subprocess.run(
-        command(kind, out=out, data=data, steps=steps, seed=seed, every=every),
+        command(kind, out=out, data=data, steps=steps, seed=seed, every=every, windows=windows),
         cwd=ROOT,
         check=True,
         stdout=subprocess.DEVNULL,
@@ -84,15 +89,26 @@ def main() -> None:
     p.add_argument("--every", type=int, default=40, help="validate every N steps")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--report", help="write the runs and the gap here, as markdown")
-    p.add_argument("--smoke", action="store_true", help="4 steps, one seed, nothing kept")
+    p.add_argument(
+        "--smoke", action="store_true", help="4 steps, one seed, one short validation, nothing kept"
+    )
     args = p.parse_args()
     steps, seeds, every = args.steps, [int(s) for s in args.seeds.split(",")], args.every
+    windows = EVAL_WINDOWS
     if args.smoke:
-        steps, seeds, every = 4, [0], 2
+        steps, seeds, every, windows = 4, [0], 4, 16
     data = ensure_data(args.data)
     with tempfile.TemporaryDirectory(prefix="bench-moe-dense-") as tmp:
         runs = [
-            run(kind, work=Path(tmp), data=data, steps=steps, seed=seed, every=every)
+            run(
+                kind,
+                work=Path(tmp),
+                data=data,
+                steps=steps,
+                seed=seed,
+                every=every,
+                windows=windows,
+            )
             for seed in seeds
             for kind in RECIPES
         ]
