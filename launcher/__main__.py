@@ -272,6 +272,8 @@ def cmd_run(ns, recipe_args: list[str]) -> int:
 
         env.update(accelerator_env(env))
     print(preflight.forecast.describe(launch.forecast))
+    for note in preflight.resume_notes(launch):
+        print(note)
     if note := dsenv.describe_left_out(left_out):
         print(note)
     command = [deepspeed_program(), *args]
@@ -333,6 +335,8 @@ def cmd_submit(ns, recipe_args: list[str]) -> int:
             ns, out=out, device=device, grace=grace
         )
     print(preflight.forecast.describe(launch.forecast))
+    for note in preflight.resume_notes(launch):
+        print(note)
     if grace_note:
         print(grace_note)
     if note := dsenv.describe_left_out(

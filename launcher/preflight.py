@@ -224,3 +224,10 @@ def preflight(
         checkpoint_bytes=ckpt,
         forecast=fc,
     )
+
+
+def resume_notes(pre: Preflight) -> list[str]:
+    """The launch's line about a resume at another layout, and the conversion it will do
+    (``anneal.launch.parallel.describe_resume_change``): the pre-flight says it before the job
+    starts, as the ranks do when they load."""
+    return [n for n in pre.launch.notes if n.startswith("resume: ")]

@@ -72,7 +72,7 @@ SHARD_WEIGHTS_S = {
     "test_bench_smoke.py": 472,
     "test_resume.py": 235,
     "test_export.py": 150,
-    "test_world_size.py": 135,
+    "test_world_size.py": 250,  # 6 resumes (2 going back), 3 references, 2 refusals
     "test_cluster.py": 210,
     "test_crash_recovery.py": 93,
     "test_tensor_parallel.py": 100,
@@ -101,6 +101,7 @@ SHARD_WEIGHTS_S = {
     "test_eval_cmd.py": 70,  # a run and its export, then three 2-rank scorings
     "test_eval_lm.py": 45,
     "test_data_scale_slurm.py": 30,
+    "test_moe_parallel.py": 110,  # six 2-rank launches, two at a time (93 s here, 2026-12-03)
 }
 DEFAULT_WEIGHT_S = 60
 # Files whose slow tests share something outside the session go to one shard together: all

@@ -177,14 +177,17 @@ def test_expert_settings_on_a_dense_model_are_refused(tiny_data, tmp_path):
         assert "tiny-moe" in message and "dense" in message
 
 
-def test_resume_at_another_expert_parallel_degree_is_refused(tmp_path):
-    """A checkpoint saved at EP=2 resumed at EP=1: refused with the reason and what works."""
+def test_resume_at_another_expert_parallel_degree_passes_the_layout_check(tmp_path):
+    """A checkpoint saved at EP=2 resumed at EP=1 is not refused before launch: it goes through
+    DeepSpeed's universal checkpoint (tests/test_moe_parallel.py runs it); another
+    sequence-parallel degree still is."""
     from anneal.launch import parallel
 
     here = parallel.Layout(2, 1, 1, 1)
-    with pytest.raises(UserError, match="ds.expert_parallel.autoep_size=2"):
-        parallel.check_resume_layout(tmp_path, {"expert_parallel_size": 2, "world_size": 2}, here)
+    parallel.check_resume_layout(tmp_path, {"expert_parallel_size": 2, "world_size": 2}, here)
     parallel.check_resume_layout(tmp_path, {"expert_parallel_size": 1, "world_size": 2}, here)
+    with pytest.raises(UserError, match="ds.sequence_parallel_size=2"):
+        parallel.check_resume_layout(tmp_path, {"sequence_parallel_size": 2}, here)
 
 
 def test_the_registry_repair_is_needed_and_undone():

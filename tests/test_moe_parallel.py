@@ -6,7 +6,8 @@ which 2 per token, width 64, context 32): EP=2 on 2 ranks logs per-step language
 aux losses and grad norms over 10 steps within 1e-5 relative of EP=1 on 2 ranks with the same
 global batch, at ZeRO-1 and at ZeRO-2, and the same per-expert token counts at every step (the
 router saw the same tokens and chose the same experts); a checkpoint of the EP=2 run resumed at
-EP=2 continues bitwise, its manifest recording the degree and listing every expert file."""
+EP=2 continues bitwise, its manifest recording the degree and listing every expert file, and
+resumed at EP=1 (through DeepSpeed's universal checkpoint) within 1e-5."""
 
 from __future__ import annotations
 
@@ -49,11 +50,14 @@ def runs(tiny_data, tmp_path_factory):
     launches["resumed"] = dict(
         args=_args(tiny_data, tmp / "resumed", ep=2, stage=2) + ["--resume", str(tag)]
     )
+    launches["resumed_ep1"] = dict(
+        args=_args(tiny_data, tmp / "resumed_ep1", ep=1, stage=2) + ["--resume", str(tag)]
+    )
     one_thread = {"OMP_NUM_THREADS": "1"}
     with ThreadPoolExecutor(2) as pool:
         started = {}
         for name, launch in launches.items():
-            if name == "resumed":
+            if name.startswith("resumed"):
                 started["ep2_z2"].result()  # its checkpoint first
             started[name] = pool.submit(
                 run_recipe, **launch, ranks=2, recipe=str(MOE), extra_env=one_thread
@@ -120,3 +124,35 @@ def test_resume_at_the_same_expert_parallel_degree_is_exact(runs):
     for step in resumed:
         for key in ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens"):
             assert resumed[step][key] == full[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_resume_at_another_expert_parallel_degree_goes_through_the_universal_checkpoint(runs):
+    """Slow (shares ``runs``): the EP=2 run's step-5 checkpoint resumed at EP=1 on the same 2
+    ranks is converted once to DeepSpeed's universal format under the resuming run's own
+    ``checkpoints/.universal/`` (AutoEP's expert states consolidated by DeepSpeed's converter)
+    and loaded from there: steps 6-10 match the EP=2 run that went on within 1e-5 relative
+    (losses, router losses, grad norms) with the same token counts per expert, and the learning
+    rate and tokens exactly."""
+    tmp, done = runs
+    tag = tmp / "ep2_z2" / "checkpoints" / "step00000005"
+    assert f"resumed from {tag} at step 5" in done["resumed_ep1"].stdout
+    assert "at expert-parallel degree 2, this job has 2 at degree 1" in done["resumed_ep1"].stderr
+    cache = tmp / "resumed_ep1" / "checkpoints" / ".universal"
+    assert f"loading its universal form {cache}/step00000005-" in done["resumed_ep1"].stderr
+    assert (
+        not (tag / "zero").exists() and [p for p in cache.iterdir() if p.is_dir()] == []
+    )  # gone at the next save
+    full, resumed = _train(tmp / "ep2_z2"), _train(tmp / "resumed_ep1")
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+        for key in ("lr", "tokens"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    counts_full, counts_resumed = _counts(tmp / "ep2_z2"), _counts(tmp / "resumed_ep1")
+    assert {s: counts_full[s] for s in resumed} == {s: counts_resumed[s] for s in resumed}
+    manifest = json.loads(
+        (tmp / "resumed_ep1" / "checkpoints" / "step00000010" / "manifest.json").read_text()
+    )
+    assert manifest["expert_parallel_size"] == 1 and manifest["zero_stage"] == 2

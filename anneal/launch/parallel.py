@@ -169,21 +169,12 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
     """A checkpoint resumes only at the tensor-parallel degree it was saved at, and with
     tensor parallelism only on as many ranks: each rank's files hold its own slices of the
     sharded matrices, and DeepSpeed's checkpoint loading (its universal-checkpoint conversion
-    included) does not re-slice AutoTP weights for another degree."""
+    included) does not re-slice AutoTP weights for another degree. Likewise only at the
+    sequence-parallel degree it was saved at. Another expert-parallel degree resumes through
+    DeepSpeed's universal checkpoint (``anneal.resilience.checkpoint.load``)."""
     saved_tp = manifest.get("tensor_parallel_size", 1)
     saved_ranks = manifest.get("world_size")
     saved_sp = manifest.get("sequence_parallel_size", 1)
-    saved_ep = manifest.get("expert_parallel_size", 1)
-    if isinstance(saved_ep, int) and saved_ep != here.expert_parallel:
-        raise UserError(
-            f"--resume {tag_dir}: saved with expert-parallel degree {saved_ep} (its manifest) "
-            f"and this launch has {here.expert_parallel}. Each rank's checkpoint files hold the "
-            f"optimizer state of its own share of the experts, and Anneal does not yet reshape "
-            f"it for another degree (DeepSpeed's universal checkpoint can; Anneal's conversion "
-            f"does not cover experts yet). Resume with --set "
-            f"ds.expert_parallel.autoep_size={saved_ep}, or export the model and start a new "
-            f"run from it with --init-from (a fresh optimizer)."
-        )
     if isinstance(saved_sp, int) and saved_sp != here.sequence_parallel:
         raise UserError(
             f"--resume {tag_dir}: saved with sequence-parallel degree {saved_sp} (its manifest) "
@@ -211,3 +202,84 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
             f"checkpoint, which Anneal uses for other world sizes, does not re-slice AutoTP "
             f"weights): resume with {saved_ranks} ranks."
         )
+
+
+def saved_zero_stage(manifest: dict) -> int | None:
+    """The ZeRO stage a checkpoint was saved at: its manifest's ``zero_stage``, or for a
+    manifest from before that field, read off its file names (ZeRO-3 writes each rank's model
+    states as ``zero_pp_rank_R_mp_rank_00_model_states.pt``, ZeRO-1/2 one
+    ``mp_rank_00_model_states.pt`` beside each rank's ``..._optim_states.pt``, no ZeRO only the
+    former): 3, 2 (for 1 or 2, whose files are the same), 0, or None when it cannot tell."""
+    stage = manifest.get("zero_stage")
+    if stage is not None:
+        return stage
+    names = [Path(n).name for n in manifest.get("files", {})]
+    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return 3
+    if any(n.endswith("_optim_states.pt") for n in names):
+        return 2
+    if any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return 0
+    return None
+
+
+def check_resume_stage(tag_dir: Path, manifest: dict, *, stage: int, world_size: int) -> None:
+    """The ZeRO stage and world size a checkpoint can resume at: another number of ranks at
+    ZeRO-1, 2 or 3 (through DeepSpeed's universal checkpoint, ``anneal.resilience.universal``);
+    ZeRO-1 and 2 for each other (their checkpoints are the same files). Refused: another number
+    of ranks without ZeRO (DeepSpeed's converter reads ZeRO's optimizer shards, and there are
+    none), and a change between ZeRO-1/2 and ZeRO-3 (DeepSpeed 0.19.8's universal load fails on
+    it, either way)."""
+    saved = saved_zero_stage(manifest)
+    saved_ranks = manifest.get("world_size")
+    if saved is None:
+        return
+    family = {0: "no ZeRO", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}
+    if family[saved] != family[stage]:
+        shown = "ZeRO-1 or 2" if saved in (1, 2) else f"ZeRO stage {saved}"
+        raise UserError(
+            f"--resume {tag_dir}: saved at {shown} (its manifest) and this launch uses "
+            f"ZeRO stage {stage}. Anneal resumes a checkpoint within its stage family (ZeRO-1 "
+            f"and 2 for each other, ZeRO-3 for itself, on any number of ranks). A move between "
+            f"ZeRO-1/2 and ZeRO-3 is not carried by DeepSpeed 0.19.8's universal load (tried: "
+            f"its loader stops at an assertion in state_dict_factory.check_ckpt_list, because "
+            f"the universal copy keeps the saved stage's model-state file names; "
+            f'docs/resilience.md, "Resuming at another layout"). Resume with --set '
+            f"ds.zero_optimization.stage={saved}, or export the model and start a new run from "
+            f"it with --init-from (a fresh optimizer)."
+        )
+    if stage == 0 and isinstance(saved_ranks, int) and saved_ranks != world_size:
+        raise UserError(
+            f"--resume {tag_dir}: saved by {saved_ranks} ranks without ZeRO, and this launch "
+            f"has {world_size}. Another number of ranks goes through DeepSpeed's universal "
+            f"checkpoint, whose converter reads ZeRO's optimizer shards, and a run without ZeRO "
+            f"has none: resume with {saved_ranks} ranks."
+        )
+
+
+def describe_resume_change(
+    tag_dir: Path, manifest: dict, here: Layout, *, stage: int
+) -> str | None:
+    """One line for a resume whose checkpoint was saved at another layout than this launch's,
+    which ``anneal.resilience.checkpoint.load`` loads through DeepSpeed's universal checkpoint
+    (another number of ranks, another expert-parallel degree); None when nothing changes."""
+    saved_ranks = manifest.get("world_size", here.world_size)
+    saved_ep = manifest.get("expert_parallel_size", 1)
+    if saved_ranks == here.world_size and saved_ep == here.expert_parallel:
+        return None
+    saved_stage = saved_zero_stage(manifest)
+
+    def layout(ranks, ep, zero):
+        where = f"{ranks} rank{'s' if ranks != 1 else ''}"
+        where += f", ZeRO-{zero}" if zero else ""
+        return where + (
+            f", expert-parallel {ep}" if ep != 1 or saved_ep != here.expert_parallel else ""
+        )
+
+    return (
+        f"resume: {tag_dir.name} was saved on {layout(saved_ranks, saved_ep, saved_stage)}; "
+        f"this launch is {layout(here.world_size, here.expert_parallel, stage)}: it is converted "
+        f"once to DeepSpeed's universal checkpoint under this run's checkpoints/.universal/ and "
+        f"loaded from there (the global batch, the data position, the schedule and the "
+        f"optimizer's state carry over)"
+    )

@@ -236,7 +236,8 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
 
 def _check_resume_target(launch: Launch) -> None:
     """The checkpoint ``launch`` resumes from belongs to this data, this tokenizer and this
-    model's shape and layout (``check_checkpoint_fits``)."""
+    model's shape and layout (``check_checkpoint_fits``); a layout it resumes at through a
+    conversion is one line in the launch's notes."""
     from anneal.data.prepared import check_matches_run
 
     data_dir, tag_dir = Path(launch.cfg.data.path), launch.resume_from
@@ -244,13 +245,14 @@ def _check_resume_target(launch: Launch) -> None:
     checkpoint.check_checkpoint_tokenizer(
         tag_dir, data_dir=data_dir, tokenizer_sha256=launch.meta.get("tokenizer_sha256")
     )
+    stage = launch.ds_config.get("zero_optimization", {}).get("stage", 0)
     check_checkpoint_fits(
-        tag_dir,
-        launch.preset,
-        world_size=launch.world_size,
-        zero_stage=launch.ds_config.get("zero_optimization", {}).get("stage", 0),
-        layout=launch.layout,
+        tag_dir, launch.preset, world_size=launch.world_size, zero_stage=stage, layout=launch.layout
     )
+    manifest = checkpoint.read_manifest(tag_dir) or {}
+    change = parallel.describe_resume_change(tag_dir, manifest, launch.layout, stage=stage)
+    if change:
+        launch.notes.append(change)
 
 
 def _check_validation_data(launch: Launch) -> None:
@@ -355,9 +357,10 @@ def check_checkpoint_fits(
     layout: parallel.Layout,
 ) -> None:
     """The checkpoint to resume must hold weights of this run's shape (from its manifest, or
-    the config.json of the run that wrote it), at the tensor-parallel degree it was saved at,
-    and, below ZeRO-3 or with tensor parallelism, from as many ranks: all are refused here,
-    before anything is written, rather than inside DeepSpeed's load."""
+    the config.json of the run that wrote it), at a layout it can be resumed at (the
+    tensor-parallel degree it was saved at; its ZeRO stage family; without ZeRO or with tensor
+    parallelism, as many ranks): all are refused here, before anything is written, rather than
+    inside DeepSpeed's load."""
     manifest = checkpoint.read_manifest(tag_dir) or {}
     saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
     if not isinstance(saved, dict):
@@ -379,10 +382,4 @@ def check_checkpoint_fits(
                 f"start a new run in a new --out."
             )
     parallel.check_resume_layout(tag_dir, manifest, layout)
-    saved_ranks = manifest.get("world_size")
-    if isinstance(saved_ranks, int) and saved_ranks != world_size and zero_stage != 3:
-        raise UserError(
-            f"--resume {tag_dir}: saved by {saved_ranks} ranks and this launch has "
-            f"{world_size}. Resuming on another number of ranks is supported for ZeRO-3 (this "
-            f"run uses ZeRO stage {zero_stage}): resume with {saved_ranks} ranks."
-        )
+    parallel.check_resume_stage(tag_dir, manifest, stage=zero_stage, world_size=world_size)

@@ -61,6 +61,7 @@ from anneal.resilience.resume import (
     verified_resume,
 )
 from anneal.resilience.universal import load_universal
+from anneal.resilience.universal import prune as prune_universal
 
 __all__ = [
     "HASH",
@@ -133,8 +134,10 @@ def save(
     """Collective: every rank calls it. Returns the tag directory.
 
     Keeps the newest ``keep_last`` intact checkpoints plus, as permanent milestones, those whose
-    step is a multiple of ``keep_every`` (0: none). ``model``: the model's shape, recorded in
-    the manifest so that a resume with another shape is refused before anything loads.
+    step is a multiple of ``keep_every`` (0: none), and removes the universal conversions of
+    older checkpoints (``anneal.resilience.universal.prune``). ``model``: the model's shape,
+    recorded in the manifest so that a resume with another shape is refused before anything
+    loads.
     """
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
@@ -155,6 +158,7 @@ def save(
         write_atomic(ckpt_dir / LATEST, tag, durable=True)
         for old in to_prune(intact_checkpoints(ckpt_dir), keep_last, keep_every):
             shutil.rmtree(old, ignore_errors=True)
+        prune_universal(ckpt_dir, saved_step=step)
     barrier()
     return tag_dir
 
@@ -182,22 +186,23 @@ def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
     ]
 
 
-def load(engine, tag_dir: Path, *, ckpt_dir: Path) -> dict:
+def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
     state (step, tokens, data position, guard state).
 
     Every file is read by torch's weights-only loader (``anneal.resilience.safeload``): each is
     checked first, on every rank, so that a refusal stops every rank before anything loads;
     DeepSpeed then reads them through that loader too. A ZeRO-3 checkpoint written by another
-    number of ranks is converted once to DeepSpeed's universal format, under ``ckpt_dir`` (the
-    checkpoints directory of the run that resumes, never the source's), and loaded from
-    there."""
+    number of ranks, or at another expert-parallel degree than ``expert_parallel``, is converted
+    once to DeepSpeed's universal format, under ``ckpt_dir`` (the checkpoints directory of the
+    run that resumes, never the source's), and loaded from there."""
     check(tag_dir)
     manifest = read_manifest(tag_dir)
     saved_ranks = manifest.get("world_size", world_size())
+    saved_ep = manifest.get("expert_parallel_size", 1)
     safeload.install(engine)
     with safeload.loading():
-        if saved_ranks == world_size():
+        if saved_ranks == world_size() and saved_ep == expert_parallel:
             path, client = engine.load_checkpoint(
                 str(tag_dir.parent),
                 tag=tag_dir.name,
@@ -205,7 +210,9 @@ def load(engine, tag_dir: Path, *, ckpt_dir: Path) -> dict:
                 load_lr_scheduler_states=True,
             )
         else:
-            path, client = load_universal(engine, tag_dir, saved_ranks, ckpt_dir=ckpt_dir)
+            path, client = load_universal(
+                engine, tag_dir, saved_ranks, ckpt_dir=ckpt_dir, saved_ep=saved_ep
+            )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
     rngs = client["rng"]

@@ -101,6 +101,7 @@ def write_manifest(
         "tensor_parallel_size": tp,
         "sequence_parallel_size": client_state.get("sequence_parallel_size", 1),
         "expert_parallel_size": client_state.get("expert_parallel_size", 1),
+        "zero_stage": client_state.get("zero_stage"),
         "files": dict(sorted(files.items())),
     }
     if model is not None:
@@ -143,6 +144,8 @@ def _well_formed(doc) -> bool:
     for key in ("tensor_parallel_size", "sequence_parallel_size", "expert_parallel_size"):
         if key in doc and not count(doc[key], 1):
             return False
+    if doc.get("zero_stage") not in (None, 0, 1, 2, 3) or isinstance(doc.get("zero_stage"), bool):
+        return False
     if not isinstance(doc.get("tokenizer_sha256") or "", str):
         return False
     entries = [e if isinstance(e, dict) else {"size": e} for e in doc["files"].values()]

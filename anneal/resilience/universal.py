@@ -36,25 +36,20 @@ CACHE = ".universal"
 """Under the resuming run's ``checkpoints/``: one conversion per source checkpoint."""
 
 
-def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path):
+def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path, saved_ep: int = 1):
     """Collective. ``engine.load_checkpoint``'s (path, client state) for a checkpoint saved by
-    ``saved_ranks`` ranks, through its universal form under ``ckpt_dir`` (the resuming run's
-    checkpoints directory); refused below ZeRO-3. Called within ``safeload.loading()``."""
-    stage = engine.zero_optimization_stage()
-    if stage != 3:
-        raise UserError(
-            f"{tag_dir} was saved by {saved_ranks} ranks and this job has {world_size()}. "
-            f"Resuming on another number of ranks is supported for ZeRO-3 (this run uses ZeRO "
-            f"stage {stage}): resume with {saved_ranks} ranks.",
-            every_rank=True,
-        )
+    ``saved_ranks`` ranks at expert-parallel degree ``saved_ep``, through its universal form
+    under ``ckpt_dir`` (the resuming run's checkpoints directory). Called within
+    ``safeload.loading()``."""
     universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     log.warning(
-        "%s was saved by %d ranks, this job has %d: loading its universal form %s",
+        "%s was saved by %d ranks%s, this job has %d%s: loading its universal form %s",
         tag_dir,
         saved_ranks,
+        f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
         world_size(),
+        f" at degree {_expert_parallel(engine)}" if saved_ep != _expert_parallel(engine) else "",
         universal,
     )
     engine._config.load_universal_checkpoint = True  # for this one load
@@ -71,6 +66,12 @@ def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path):
     return loaded
 
 
+def _expert_parallel(engine) -> int:
+    """The engine's AutoEP degree (1 without experts)."""
+    config = getattr(engine._config, "expert_parallel_config", None)
+    return int(getattr(config, "autoep_size", 1) or 1) if config is not None else 1
+
+
 def source_hash(tag_dir: Path) -> str:
     """sha256 of the source checkpoint's manifest: it names every file's hash."""
     return hashlib.sha256((Path(tag_dir) / MANIFEST).read_bytes()).hexdigest()
@@ -82,7 +83,10 @@ def to_universal(tag_dir: Path, ckpt_dir: Path) -> Path:
     rank then checks each of its files with the weights-only loader."""
     src = source_hash(tag_dir)
     out = Path(ckpt_dir) / CACHE / f"{tag_dir.name}-{src[:16]}"
-    if is_main_process() and not _reusable(out, src):
+    reusable = _reusable(out, src)
+    if not reusable:
+        check_space(tag_dir, Path(ckpt_dir))
+    if is_main_process() and not reusable:
         if out.exists() or out.is_symlink():
             log.warning("%s does not verify against its manifest: converting again", out)
             _remove(out)
@@ -97,6 +101,51 @@ def to_universal(tag_dir: Path, ckpt_dir: Path) -> Path:
     return out
 
 
+def prune(ckpt_dir: Path, *, saved_step: int) -> list[Path]:
+    """Rank 0, after a save at ``saved_step``: the conversions under ``ckpt_dir/.universal/``
+    of checkpoints older than it, removed (and returned). The run has loaded them already and
+    saved natively since, so a resume takes the newer checkpoint; one that falls back past it
+    converts again. Only finished conversions (a verified manifest Anneal wrote) are
+    touched, nothing else under the folder."""
+    removed = []
+    cache = Path(ckpt_dir) / CACHE
+    if cache.is_symlink() or not cache.is_dir():
+        return removed
+    for out in sorted(cache.iterdir()):
+        if out.name.startswith(".") or out.is_symlink() or not out.is_dir():
+            continue
+        manifest = read_manifest(out)
+        if manifest is None or "source_manifest_sha256" not in manifest:
+            continue
+        if manifest["step"] < saved_step:
+            shutil.rmtree(out)
+            removed.append(out)
+            log.info("removed %s: this run has saved step %d since", out, saved_step)
+    return removed
+
+
+def check_space(tag_dir: Path, ckpt_dir: Path) -> None:
+    """Every rank, before the conversion: the free space where it is written covers twice the
+    checkpoint's size (the universal copy holds the same fp32 weights and Adam moments, one file
+    per parameter, beside a temporary folder of the ZeRO fragments DeepSpeed's converter
+    extracts first). Refused with the figures otherwise, before anything is written."""
+    size = sum(p.stat().st_size for p in Path(tag_dir).rglob("*") if p.is_file())
+    where = ckpt_dir
+    while not where.exists() and where != where.parent:  # a new run's folders come later
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < 2 * size:
+        raise UserError(
+            f"resuming {tag_dir} at another layout converts it to DeepSpeed's universal "
+            f"checkpoint under {ckpt_dir / CACHE}, which needs about {2 * size / 2**30:.2f} GiB "
+            f"(twice the checkpoint's {size / 2**30:.2f} GiB) and {where} has "
+            f"{free / 2**30:.2f} GiB free. Free space there (old conversions under "
+            f"{ckpt_dir / CACHE} can go once no run resumes from them), or resume at the "
+            f"layout the checkpoint was saved at.",
+            every_rank=True,
+        )
+
+
 def _remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -108,6 +157,10 @@ def _convert(tag_dir: Path, out: Path) -> None:
     """DeepSpeed's converter in a child process whose every ``torch.load`` is weights-only."""
     cmd = [sys.executable, "-m", __name__, "--input_folder", str(tag_dir)]
     cmd += ["--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    # ZeRO-1/2: the converter wants the client's universal-checkpoint info (Megatron writes it;
+    # a Hugging Face model through DeepSpeed's engine has none), which for a model without
+    # pipeline or Megatron-style tensor slices is its version alone.
+    cmd += ["--inject_missing_state"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=safeload.forced_env())
     if done.returncode == 2 and "error: " in done.stderr:
         raise UserError(done.stderr.strip().splitlines()[-1].removeprefix("error: "))

@@ -70,7 +70,12 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     client = None
     if resume_from is not None:
         t0 = time.perf_counter()
-        client = checkpoint.load(engine, resume_from, ckpt_dir=rundir.checkpoints_dir(launch.out))
+        client = checkpoint.load(
+            engine,
+            resume_from,
+            ckpt_dir=rundir.checkpoints_dir(launch.out),
+            expert_parallel=launch.layout.expert_parallel,
+        )
         resumed.update(checkpoint=str(resume_from), load_s=round(time.perf_counter() - t0, 3))
     run_dir = RunDir.for_launch(launch)
     try:
@@ -148,6 +153,7 @@ class Trainer:
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
             "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
             "expert_parallel_size": self.launch.layout.expert_parallel,  # and this
+            "zero_stage": self.engine.zero_optimization_stage(),  # and this
         }
 
     def load_state_dict(self, client: dict) -> None:

@@ -1,0 +1,110 @@
+"""Which layouts a checkpoint resumes at, decided from its manifest before anything loads
+(``anneal.launch.parallel.check_resume_stage``): another number of ranks within a ZeRO stage
+family (ZeRO-1/2, ZeRO-3), ZeRO-1 and 2 for each other; refused, each with the setting that
+works: a move between ZeRO-1/2 and ZeRO-3 either way, and another number of ranks without
+ZeRO. The resumes that are carried run end to end in tests/test_world_size.py."""
+
+import json
+
+import pytest
+
+from anneal.errors import UserError
+from anneal.launch import parallel
+from anneal.resilience.manifest import read_manifest
+
+ZERO3 = ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+ZERO12 = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+NONE = ["mp_rank_00_model_states.pt"]
+
+
+def manifest(files, **fields):
+    return {"step": 4, "world_size": 2, "files": {f: {"size": 1} for f in files}, **fields}
+
+
+@pytest.mark.parametrize(
+    "doc,stage",
+    [
+        (manifest(ZERO12, zero_stage=1), 1),
+        (manifest(ZERO3, zero_stage=3), 3),
+        (manifest(ZERO3), 3),  # a manifest from before the field: the file names tell
+        (manifest(ZERO12), 2),
+        (manifest(NONE), 0),
+        (manifest([]), None),
+    ],
+)
+def test_the_saved_stage(doc, stage):
+    assert parallel.saved_zero_stage(doc) == stage
+
+
+@pytest.mark.parametrize(
+    "saved,stage,ranks",
+    [(1, 1, 1), (2, 2, 1), (1, 2, 2), (2, 1, 1), (3, 3, 1), (3, 3, 4), (0, 0, 2), (None, 3, 1)],
+)
+def test_what_resumes(tmp_path, saved, stage, ranks):
+    files = {0: NONE, 1: ZERO12, 2: ZERO12, 3: ZERO3}.get(saved, [])
+    doc = manifest(files, **({} if saved is None else {"zero_stage": saved}))
+    parallel.check_resume_stage(tmp_path, doc, stage=stage, world_size=ranks)
+
+
+@pytest.mark.parametrize(
+    "saved,stage,ranks,match",
+    [
+        (2, 3, 2, "saved at ZeRO-1 or 2 .* stage 3.*stage=2"),
+        (1, 3, 1, "stage=1"),
+        (3, 2, 2, "saved at ZeRO stage 3 .* stage 2.*stage=3"),
+        (3, 1, 1, "stage=3"),
+        (0, 0, 1, "saved by 2 ranks without ZeRO.*resume with 2 ranks"),
+        (0, 2, 2, "stage=0"),
+    ],
+)
+def test_what_is_refused_and_what_works_instead(tmp_path, saved, stage, ranks, match):
+    files = {0: NONE, 1: ZERO12, 2: ZERO12, 3: ZERO3}[saved]
+    with pytest.raises(UserError, match=match):
+        parallel.check_resume_stage(
+            tmp_path, manifest(files, zero_stage=saved), stage=stage, world_size=ranks
+        )
+
+
+@pytest.mark.parametrize(
+    "value,ok", [(2, True), (0, True), (None, True), (4, False), (True, False)]
+)
+def test_a_manifest_with_a_stage_that_is_not_one_is_not_a_manifest(tmp_path, value, ok):
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(ZERO12, zero_stage=value)))
+    assert (read_manifest(tmp_path) is not None) == ok
+
+
+def test_a_changed_layout_is_one_line_and_an_unchanged_one_none(tmp_path):
+    tag = tmp_path / "step00000004"
+    doc = manifest(ZERO12, zero_stage=2, expert_parallel_size=2)
+    line = parallel.describe_resume_change(tag, doc, parallel.Layout(2, 1, 1, 1), stage=2)
+    assert line.startswith("resume: step00000004 was saved on 2 ranks, ZeRO-2, expert-parallel 2;")
+    assert "this launch is 2 ranks, ZeRO-2, expert-parallel 1" in line
+    assert "universal checkpoint" in line and "\n" not in line
+    doc = manifest(ZERO3, zero_stage=3)
+    line = parallel.describe_resume_change(tag, doc, parallel.Layout(1, 1), stage=3)
+    assert "saved on 2 ranks, ZeRO-3; this launch is 1 rank, ZeRO-3:" in line
+    assert parallel.describe_resume_change(tag, doc, parallel.Layout(2, 1), stage=3) is None
+
+
+def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Twice the checkpoint's size must be free where the conversion goes; otherwise the
+    figures, on every rank, and nothing written."""
+    import shutil
+    from collections import namedtuple
+
+    from anneal.resilience import universal
+
+    tag = tmp_path / "run" / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 3000)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 5999))
+    with pytest.raises(UserError, match=r"twice the checkpoint's 0.00 GiB.*Free space") as e:
+        universal.check_space(tag, tag.parent)
+    assert e.value.every_rank
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 6000))
+    universal.check_space(tag, tag.parent)
+    universal.check_space(tag, tmp_path / "new" / "checkpoints")  # a new run's, not there yet
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["run", "checkpoints", "step00000004", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    )
