@@ -72,6 +72,10 @@ class Launch:
         )
 
     @property
+    def zero_stage(self) -> int:
+        return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+    @property
     def micro_batch(self) -> int:
         return self.ds_config["train_micro_batch_size_per_gpu"]
 
@@ -132,7 +136,7 @@ class Launch:
             f"model {self.cfg.model.preset}: {n_params:,} parameters "
             f"({human_count(n_params)}{sparse}), vocab {self.preset.vocab_size}, seq "
             f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
-            f"{ds.get('zero_optimization', {}).get('stage', 0)}, "
+            f"{self.zero_stage}, "
             f"{'bf16' if self.bf16 else 'fp32'}",
             f"resolved ({self.cfg.ds_config}, then the recipe's defaults, then --set):",
         ]
@@ -245,7 +249,7 @@ def _check_resume_target(launch: Launch) -> None:
     checkpoint.check_checkpoint_tokenizer(
         tag_dir, data_dir=data_dir, tokenizer_sha256=launch.meta.get("tokenizer_sha256")
     )
-    stage = launch.ds_config.get("zero_optimization", {}).get("stage", 0)
+    stage = launch.zero_stage
     check_checkpoint_fits(
         tag_dir, launch.preset, world_size=launch.world_size, zero_stage=stage, layout=launch.layout
     )

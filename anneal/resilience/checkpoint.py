@@ -211,7 +211,11 @@ def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> 
             )
         else:
             path, client = load_universal(
-                engine, tag_dir, saved_ranks, ckpt_dir=ckpt_dir, saved_ep=saved_ep
+                engine,
+                tag_dir,
+                ckpt_dir=ckpt_dir,
+                saved=(saved_ranks, saved_ep),
+                here=(world_size(), expert_parallel),
             )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")

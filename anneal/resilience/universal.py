@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from anneal.dist import barrier, is_main_process, world_size
+from anneal.dist import barrier, is_main_process
 from anneal.errors import UserError
 from anneal.files import write_atomic
 from anneal.resilience import safeload
@@ -36,20 +36,23 @@ CACHE = ".universal"
 """Under the resuming run's ``checkpoints/``: one conversion per source checkpoint."""
 
 
-def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path, saved_ep: int = 1):
+def load_universal(
+    engine, tag_dir: Path, *, ckpt_dir: Path, saved: tuple[int, int], here: tuple[int, int]
+):
     """Collective. ``engine.load_checkpoint``'s (path, client state) for a checkpoint saved by
-    ``saved_ranks`` ranks at expert-parallel degree ``saved_ep``, through its universal form
-    under ``ckpt_dir`` (the resuming run's checkpoints directory). Called within
+    ``saved`` = (ranks, expert-parallel degree) into this job's ``here``, through its universal
+    form under ``ckpt_dir`` (the resuming run's checkpoints directory). Called within
     ``safeload.loading()``."""
     universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    (saved_ranks, saved_ep), (ranks, ep) = saved, here
     log.warning(
         "%s was saved by %d ranks%s, this job has %d%s: loading its universal form %s",
         tag_dir,
         saved_ranks,
         f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
-        world_size(),
-        f" at degree {_expert_parallel(engine)}" if saved_ep != _expert_parallel(engine) else "",
+        ranks,
+        f" at degree {ep}" if saved_ep != ep else "",
         universal,
     )
     engine._config.load_universal_checkpoint = True  # for this one load
@@ -64,12 +67,6 @@ def load_universal(engine, tag_dir: Path, saved_ranks: int, *, ckpt_dir: Path, s
         engine._config.load_universal_checkpoint = False
     repair_universal_load(engine, hyper)
     return loaded
-
-
-def _expert_parallel(engine) -> int:
-    """The engine's AutoEP degree (1 without experts)."""
-    config = getattr(engine._config, "expert_parallel_config", None)
-    return int(getattr(config, "autoep_size", 1) or 1) if config is not None else 1
 
 
 def source_hash(tag_dir: Path) -> str:

@@ -153,7 +153,7 @@ class Trainer:
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
             "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
             "expert_parallel_size": self.launch.layout.expert_parallel,  # and this
-            "zero_stage": self.launch.ds_config.get("zero_optimization", {}).get("stage", 0),
+            "zero_stage": self.launch.zero_stage,  # and this
         }
 
     def load_state_dict(self, client: dict) -> None:
