@@ -1,5 +1,6 @@
-"""``anneal export``, ``plot``, ``report``, ``compare``, ``generate``: a run, after (or while)
-it trains (anneal/hf/, anneal/observe/; docs/observability.md, docs/evaluation.md).
+"""``anneal export``, ``plot``, ``report``, ``compare``, ``generate``, ``checkpoint``: a run,
+after (or while) it trains (anneal/hf/, anneal/observe/, anneal/resilience/;
+docs/observability.md, docs/evaluation.md, docs/resilience.md).
 """
 
 from __future__ import annotations
@@ -95,14 +96,55 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prune_universal(args: argparse.Namespace) -> int:
+    from anneal.resilience import universal
+
+    found = universal.prune_run(Path(args.run), everything=args.all, dry_run=args.dry_run)
+    if not found:
+        print(f"{args.run}: no universal conversions under checkpoints/{universal.CACHE}/")
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for f in found:
+        print(f"{verb if f['removed'] else 'kept'} {f['path']} ({_mib(f['bytes'])}): {f['why']}")
+    freed = sum(f["bytes"] for f in found if f["removed"])
+    print(f"{'would free' if args.dry_run else 'freed'} {_mib(freed)}")
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
 def add_commands(sub) -> None:
-    """``export``, ``plot``, ``report``, ``compare`` and ``generate``, on the top-level
-    subparsers ``sub``."""
+    """``export``, ``plot``, ``report``, ``compare``, ``generate`` and ``checkpoint``, on the
+    top-level subparsers ``sub``."""
     _add_export(sub)
     _add_plot(sub)
     _add_report(sub)
     _add_compare(sub)
     _add_generate(sub)
+    _add_checkpoint(sub)
+
+
+def _add_checkpoint(sub) -> None:
+    ckpt = sub.add_parser("checkpoint", help="manage a run's checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    prune = ckpt_sub.add_parser(
+        "prune-universal",
+        help="remove the universal conversions a run no longer needs",
+        description="A resume at another layout converts the checkpoint once to DeepSpeed's "
+        "universal format under RUN/checkpoints/.universal/. Each save removes the conversions "
+        "of older checkpoints; this removes them on demand: those older than the run's newest "
+        "checkpoint, those whose checkpoint is gone, leftovers of a conversion that died, or "
+        "with --all every one. Never one a running job is converting or loading. See "
+        "docs/resilience.md.",
+    )
+    prune.add_argument("run", metavar="RUN", type=path, help="run directory (the recipe's --out)")
+    prune.add_argument(
+        "--all", action="store_true", help="every conversion (a later resume makes it again)"
+    )
+    prune.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    prune.set_defaults(func=_prune_universal)
 
 
 def _add_export(sub) -> None:

@@ -13,13 +13,16 @@ a child process with every load forced into torch's weights-only loader
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import pickle
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,6 +46,11 @@ def load_universal(
     ``saved`` = (ranks, expert-parallel degree) into this job's ``here``, through its universal
     form under ``ckpt_dir`` (the resuming run's checkpoints directory). Called within
     ``safeload.loading()``."""
+    with reading(ckpt_dir):
+        return _load_universal(engine, tag_dir, ckpt_dir=ckpt_dir, saved=saved, here=here)
+
+
+def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
     universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     (saved_ranks, saved_ep), (ranks, ep) = saved, here
@@ -121,6 +129,91 @@ def prune(ckpt_dir: Path, *, saved_step: int) -> list[Path]:
     return removed
 
 
+@contextmanager
+def reading(ckpt_dir: Path):
+    """Every rank, while it converts and loads: a shared lock on ``ckpt_dir/.universal`` (made
+    if missing), which ``prune_run`` takes exclusively, so that it never removes a conversion
+    a job is writing or reading. An flock: the kernel drops it when the process ends, however
+    it ends."""
+    cache = Path(ckpt_dir) / CACHE
+    cache.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def prune_run(run_dir: Path, *, everything: bool = False, dry_run: bool = False) -> list[dict]:
+    """``anneal checkpoint prune-universal RUN``: the universal conversions under
+    ``RUN/checkpoints/.universal/`` that no resume needs, removed (unless ``dry_run``), each as
+    ``{"path", "bytes", "removed", "why"}``, the kept ones too (``removed`` False). Not needed:
+    a conversion of a checkpoint older than the run's newest intact one (``--resume auto``
+    takes that), a conversion whose source is gone, and a temporary folder a conversion that
+    died left behind; with ``everything``, every conversion (a resume at another layout makes
+    it again). Only what Anneal made there is touched: a folder with a conversion manifest, or
+    a hidden ``.<name>.tmp``. Refused while a job holds the folder (``reading``)."""
+    from anneal import rundir
+    from anneal.resilience.resume import intact_checkpoints
+
+    ckpt_dir = rundir.checkpoints_dir(run_dir)
+    cache = ckpt_dir / CACHE
+    if not rundir.config_path(run_dir).is_file():
+        raise UserError(
+            f"{run_dir}: not a run directory (no {rundir.CONFIG}). Give the --out directory of "
+            f"a run; its universal conversions are under checkpoints/{CACHE}/."
+        )
+    if cache.is_symlink() or not cache.is_dir():
+        return []
+    intact = intact_checkpoints(ckpt_dir)
+    newest = read_manifest(intact[-1])["step"] if intact else None
+    fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"{cache}: a job is converting or loading a checkpoint there now (it holds the "
+                f"folder's lock), so nothing is removed. Run this again once that job has "
+                f"started training; its next save removes the conversions it no longer needs "
+                f"by itself."
+            ) from None
+        found = [_verdict(out, newest, everything) for out in sorted(cache.iterdir())]
+        found = [f for f in found if f is not None]
+        for f in found:
+            if f["removed"] and not dry_run:
+                _remove(Path(f["path"]))
+    finally:
+        os.close(fd)
+    return found
+
+
+def _verdict(out: Path, newest: int | None, everything: bool) -> dict | None:
+    """What ``prune_run`` does with one entry of the cache: None for one Anneal did not make."""
+    if out.is_symlink() or not out.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink())
+    entry = {"path": str(out), "bytes": size}
+    if out.name.startswith("."):
+        if not out.name.endswith(".tmp"):
+            return None
+        return {**entry, "removed": True, "why": "left by a conversion that did not finish"}
+    manifest = read_manifest(out)
+    if manifest is None or "source_manifest_sha256" not in manifest:
+        return None
+    source = Path(manifest.get("source", ""))  # absolute since 2026-12-04
+    if everything:
+        why = "--all: a resume at another layout converts its checkpoint again"
+    elif newest is not None and manifest["step"] < newest:
+        why = f"step {manifest['step']}, older than this run's newest checkpoint (step {newest})"
+    elif source.is_absolute() and not (source / MANIFEST).is_file():
+        why = f"its checkpoint {source} is gone"
+    else:
+        return {**entry, "removed": False, "why": "a resume at another layout reuses it"}
+    return {**entry, "removed": True, "why": why}
+
+
 def check_space(tag_dir: Path, ckpt_dir: Path) -> None:
     """Every rank, before the conversion: the free space where it is written covers twice the
     checkpoint's size (the universal copy holds the same fp32 weights and Adam moments, one file
@@ -172,7 +265,7 @@ def _write_manifest(out: Path, *, source: Path, source_sha256: str) -> None:
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
     manifest = {
         "step": read_manifest(source)["step"],
-        "source": str(source),
+        "source": str(Path(source).resolve()),
         "source_manifest_sha256": source_sha256,
         "files": {
             str(p.relative_to(out)): {"size": p.stat().st_size, HASH: file_hash(p)} for p in files
