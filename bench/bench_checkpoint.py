@@ -13,6 +13,10 @@ alternating order:
 - after both are fsync'd their pages are dropped from the page cache (``posix_fadvise``
   DONTNEED), then, in alternating order: anneal load (``verified_resume`` + ``load``, timed
   apart) and a plain sequential read of the plain file in 32 MiB chunks.
+- a resume at another layout's extra work: the checkpoint converted to DeepSpeed's universal
+  format (``universal.to_universal``, cold cache; its size against the checkpoint's) and
+  loaded from the conversion (``universal.load_universal``, cold cache, its verification
+  included), against the native load.
 Every save starts after ``os.sync()``, so no dirty page of another is flushed on its clock.
 
 Part 2 (separate processes, the recipe as a user runs it): a cold ``python recipes/...`` that
@@ -47,6 +51,8 @@ from checkpoint_io import io_part  # noqa: E402
 from checkpoint_startup import startup_part  # noqa: E402
 from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
 
+from anneal.resilience.universal import PEAK_FACTOR  # noqa: E402
+
 
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -63,6 +69,9 @@ def summary(io: dict, st: dict | None) -> dict:
         "save_vs_write_durable": statistics.median(
             w / s for s, w in zip(io["save_durable_s"], io["write_durable_s"], strict=True)
         ),
+        "universal_gb": round(statistics.median(io["universal_bytes"]) / 1e9, 3),
+        "universal_vs_checkpoint_size": statistics.median(io["universal_bytes"]) / io["bytes"],
+        "universal_peak_vs_checkpoint_size": max(io["universal_peak_bytes"]) / io["bytes"],
         "load_vs_read": statistics.median(
             rd / (v + ld)
             for v, ld, rd in zip(io["verify_s"], io["load_s"], io["read_s"], strict=True)
@@ -118,6 +127,22 @@ def markdown(args, res: dict, io: dict, st: dict | None) -> str:
         f"Durable save rate / durable plain write rate (per pair, median): "
         f"{res['save_vs_write_durable']:.0%} (goal: at least 50%). Load rate / plain read rate: "
         f"{res['load_vs_read']:.0%}.",
+        "",
+        "A resume at another layout (another number of ranks or degree) converts once and loads "
+        "from the conversion (docs/resilience.md):",
+        "",
+        "| what | seconds | GB/s of the checkpoint |",
+        "|---|---|---|",
+        f"| conversion to the universal format (`universal.to_universal`, cold cache) | "
+        f"{fmt(io['convert_s'])} | {fmt(io['convert_s'], '', gb)} |",
+        f"| load from the conversion (`universal.load_universal`, its verification included) "
+        f"| {fmt(io['universal_load_s'])} | {fmt(io['universal_load_s'], '', gb)} |",
+        "",
+        f"The conversion holds {res['universal_gb']:.2f} GB: "
+        f"{res['universal_vs_checkpoint_size']:.2f}x the checkpoint's {gb:.2f} GB; while it "
+        f"was made, with DeepSpeed's temporary fragments beside it, at most "
+        f"{res['universal_peak_vs_checkpoint_size']:.2f}x (sampled every 50 ms; a resume "
+        f"asks for {PEAK_FACTOR}x free, `anneal.resilience.universal.check_space`).",
     ]
     if st is not None:
         lines += startup_lines(args, res, st)

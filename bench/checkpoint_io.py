@@ -1,7 +1,10 @@
 """Part 1 of the checkpoint benchmark, in this process: a real engine's checkpoint saved and
 loaded (``anneal.resilience.checkpoint``) against a plain sequential write and read of the same
 number of bytes on the same disk, in alternating order, each save after ``os.sync()`` and each
-read from a cold page cache (``posix_fadvise`` DONTNEED).
+read from a cold page cache (``posix_fadvise`` DONTNEED). Then, as a resume at another layout
+does it: the checkpoint converted to DeepSpeed's universal format
+(``anneal.resilience.universal.to_universal``, from a cold cache) and loaded from there, against
+the native load just timed.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +25,17 @@ from anneal.files import fsync_path  # noqa: E402
 CHUNK = 32 << 20
 SEQ_LEN = 64
 """The sequence length of both parts (part 2's recipe runs take it through --set)."""
-TIMES = ("save_s", "save_durable_s", "write_s", "write_durable_s", "verify_s", "load_s", "read_s")
+TIMES = (
+    "save_s",
+    "save_durable_s",
+    "write_s",
+    "write_durable_s",
+    "verify_s",
+    "load_s",
+    "read_s",
+    "convert_s",
+    "universal_load_s",
+)
 """What each repeat times, in seconds."""
 
 
@@ -43,6 +57,16 @@ def drop_cache(path: Path) -> None:
 
 def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def watch_size(path: Path, peak: list[int], stop: threading.Event) -> None:
+    """``peak[0]``: the largest size of the tree at ``path`` seen every 50 ms until ``stop``
+    (the converter's temporary fragments come and go within its run)."""
+    while not stop.wait(0.05):
+        try:
+            peak[0] = max(peak[0], tree_bytes(path))
+        except FileNotFoundError:  # a file removed between the listing and its stat
+            pass
 
 
 def plain_write(path: Path, n_bytes: int) -> tuple[float, float]:
@@ -110,14 +134,19 @@ def io_part(args, work: Path) -> dict:
     n_bytes = 0
     for i in range(args.repeats):
         n_bytes = one_repeat(engine, work, i, r, n_bytes)
-    return {"bytes": n_bytes, "build_s": build_s, **r}
+    return {
+        "bytes": n_bytes,
+        "build_s": build_s,
+        **{k: r.pop(k) for k in ("universal_bytes", "universal_peak_bytes")},
+        **r,
+    }
 
 
 def one_repeat(engine, work: Path, i: int, r: dict, n_bytes: int) -> int:
     """Repeat ``i``: save and plain write, then load and plain read, each pair in alternating
     order; the times appended to ``r``. The plain write takes ``n_bytes``, the checkpoint's size
     (repeat 0's when it goes first); returns this repeat's checkpoint size."""
-    from anneal.resilience import checkpoint
+    from anneal.resilience import checkpoint, safeload, universal
 
     ckpt, plain = work / f"ckpt{i}", work / f"plain{i}.bin"
     ckpt.mkdir()
@@ -163,6 +192,28 @@ def one_repeat(engine, work: Path, i: int, r: dict, n_bytes: int) -> int:
     else:
         r["read_s"].append(plain_read(plain))
         load(tag_dir)
+    # A resume at another layout: convert (rank 0 runs DeepSpeed's ds_to_universal as a child
+    # process; here the one rank), then load from the conversion, which is verified first.
+    drop_cache(ckpt)
+    uc = work / f"uc{i}"
+    peak, stop = [0], threading.Event()
+    watcher = threading.Thread(target=watch_size, args=(uc, peak, stop))
+    watcher.start()
+    t0 = time.perf_counter()
+    try:
+        out = universal.to_universal(tag_dir, uc)
+    finally:
+        r["convert_s"].append(time.perf_counter() - t0)
+        stop.set()
+        watcher.join()
+    r.setdefault("universal_bytes", []).append(tree_bytes(out))
+    r.setdefault("universal_peak_bytes", []).append(peak[0])
+    drop_cache(out)
+    t0 = time.perf_counter()
+    with safeload.loading():
+        universal.load_universal(engine, tag_dir, ckpt_dir=uc, saved=(1, 1), here=(1, 1))
+    r["universal_load_s"].append(time.perf_counter() - t0)
+    shutil.rmtree(uc)
     shutil.rmtree(ckpt)
     plain.unlink()
     return n_bytes

@@ -157,19 +157,51 @@ def test_resume_on_another_number_of_ranks(
         assert rows[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
 
 
-@pytest.mark.parametrize("saved,stage", [(2, 3), (3, 2)])
-def test_a_move_between_zero_2_and_3_is_refused_and_changes_nothing(
-    stdlib_data, tmp_path_factory, saved, stage
-):
+def test_resume_at_zero_3_then_back_at_zero_2(stdlib_data, tmp_path, tmp_path_factory):
+    """ZeRO-2 on 2 ranks to step N, ZeRO-3 on 2 ranks to 2N, ZeRO-2 again to 3N: each move
+    through the universal checkpoint, which ``universal.either_stage`` makes loadable at both
+    stages (bench/zero_stage_universal_repro.py shows DeepSpeed 0.19.8 failing without it).
+    The losses and grad norms of steps N+1..3N match the ZeRO-2 run that never stopped, and so
+    does the AdamW state at step 3N, after both moves. Three 2-rank launches, about 60 s."""
+    ref_dir = reference(stdlib_data, tmp_path_factory, 2)
+    ref = {r["step"]: r for r in read_metrics(ref_dir, "train")}
+    cache = tmp_path / "checkpoints" / ".universal"
+    for stage, stop in ((2, N), (3, 2 * N), (2, 3 * N)):
+        args = _args(stdlib_data, tmp_path, 2, stage, "--set", f"train.stop_at_step={stop}")
+        done = run_recipe([*args, "--resume", "auto"], ranks=2, timeout_s=400)
+        if stop == N:
+            continue
+        saved = 5 - stage
+        assert (
+            f"resume: step{stop - N:08d} was saved on 2 ranks, ZeRO-{saved}; this launch is 2 "
+            f"ranks, ZeRO-{stage}: it is converted once" in done.stderr
+        )
+        assert f"loading its universal form {cache}/step{stop - N:08d}-" in done.stderr
+        assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done.stderr
+    rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}
+    for step in range(N + 1, 3 * N + 1):
+        assert rows[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        assert rows[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
+        assert rows[step]["lr"] == pytest.approx(ref[step]["lr"], rel=1e-9), step
+    want = adam_state(ref_dir, 3 * N)
+    for g in want:
+        g["step"] = [2.0 * N]  # assert_same_adam_state's count, for step 3N's state
+    got = adam_state(tmp_path, 3 * N)
+    for g in got:
+        g["step"] = [s - N for s in g["step"]]
+    assert_same_adam_state(got, want)
+
+
+def test_a_move_to_no_zero_is_refused_and_changes_nothing(stdlib_data, tmp_path_factory):
     """Before any process group or engine exists: the stage the checkpoint was saved at (its
     manifest's ``zero_stage``), the one that works, and not one file of the run changed."""
-    run = reference(stdlib_data, tmp_path_factory, saved)
+    run = reference(stdlib_data, tmp_path_factory, 2)
     manifest = json.loads((run / "checkpoints" / f"step{2 * N:08d}" / "manifest.json").read_text())
-    assert manifest["zero_stage"] == saved
+    assert manifest["zero_stage"] == 2
     before = tree(run)
-    args = _args(stdlib_data, run, 1, stage, "--resume", "auto", "--max-steps", str(4 * N))
+    args = _args(stdlib_data, run, 1, 0, "--resume", "auto", "--max-steps", str(4 * N))
     done = run_recipe(args, ranks=1, check=False)
     assert done.returncode != 0
-    assert f"ds.zero_optimization.stage={saved}" in done.stderr + done.stdout
+    assert "ds.zero_optimization.stage=2" in done.stderr + done.stdout
     assert "--init-from" in done.stderr + done.stdout
     assert tree(run) == before

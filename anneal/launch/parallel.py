@@ -24,6 +24,7 @@ from pathlib import Path
 
 from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
 from anneal.errors import UserError
+from anneal.resilience.manifest import saved_zero_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,49 +205,25 @@ def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
         )
 
 
-def saved_zero_stage(manifest: dict) -> int | None:
-    """The ZeRO stage a checkpoint was saved at: its manifest's ``zero_stage``, or for a
-    manifest from before that field, read off its file names (ZeRO-3 writes each rank's model
-    states as ``zero_pp_rank_R_mp_rank_00_model_states.pt``, ZeRO-1/2 one
-    ``mp_rank_00_model_states.pt`` beside each rank's ``..._optim_states.pt``, no ZeRO only the
-    former): 3, 2 (for 1 or 2, whose files are the same), 0, or None when it cannot tell."""
-    stage = manifest.get("zero_stage")
-    if stage is not None:
-        return stage
-    names = [Path(n).name for n in manifest.get("files", {})]
-    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
-        return 3
-    if any(n.endswith("_optim_states.pt") for n in names):
-        return 2
-    if any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names):
-        return 0
-    return None
-
-
 def check_resume_stage(tag_dir: Path, manifest: dict, *, stage: int, world_size: int) -> None:
-    """The ZeRO stage and world size a checkpoint can resume at: another number of ranks at
-    ZeRO-1, 2 or 3 (through DeepSpeed's universal checkpoint, ``anneal.resilience.universal``);
-    ZeRO-1 and 2 for each other (their checkpoints are the same files). Refused: another number
-    of ranks without ZeRO (DeepSpeed's converter reads ZeRO's optimizer shards, and there are
-    none), and a change between ZeRO-1/2 and ZeRO-3 (DeepSpeed 0.19.8's universal load fails on
-    it, either way)."""
+    """The ZeRO stage and world size a checkpoint can resume at: any of ZeRO-1, 2 and 3 on any
+    number of ranks, whichever of them saved it (another number of ranks, or a move between
+    ZeRO-1/2 and ZeRO-3, through DeepSpeed's universal checkpoint, made loadable at either
+    stage by ``anneal.resilience.universal.either_stage``; ZeRO-1 and 2 write the same files).
+    Refused: a move to or from no ZeRO (stage 0), and another number of ranks without ZeRO:
+    DeepSpeed's converter reads ZeRO's optimizer shards, and a run without ZeRO has none."""
     saved = saved_zero_stage(manifest)
     saved_ranks = manifest.get("world_size")
     if saved is None:
         return
-    family = {0: "no ZeRO", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}
-    if family[saved] != family[stage]:
-        shown = "ZeRO-1 or 2" if saved in (1, 2) else f"ZeRO stage {saved}"
+    if (saved == 0) != (stage == 0):
         raise UserError(
-            f"--resume {tag_dir}: saved at {shown} (its manifest) and this launch uses "
-            f"ZeRO stage {stage}. Anneal resumes a checkpoint within its stage family (ZeRO-1 "
-            f"and 2 for each other, ZeRO-3 for itself, on any number of ranks). A move between "
-            f"ZeRO-1/2 and ZeRO-3 is not carried by DeepSpeed 0.19.8's universal load (tried: "
-            f"its loader stops at an assertion in state_dict_factory.check_ckpt_list, because "
-            f"the universal copy keeps the saved stage's model-state file names; "
-            f'docs/resilience.md, "Resuming at another layout"). Resume with --set '
-            f"ds.zero_optimization.stage={saved}, or export the model and start a new run from "
-            f"it with --init-from (a fresh optimizer)."
+            f"--resume {tag_dir}: saved at ZeRO stage {saved} (its manifest) and this launch "
+            f"uses ZeRO stage {stage}. A move to or from ZeRO stage 0 is not carried: a resume "
+            f"at another ZeRO stage goes through DeepSpeed's universal checkpoint, whose "
+            f"converter reads ZeRO's optimizer shards, and a run without ZeRO writes none. "
+            f"Resume with --set ds.zero_optimization.stage={saved}, or export the model and "
+            f"start a new run from it with --init-from (a fresh optimizer)."
         )
     if stage == 0 and isinstance(saved_ranks, int) and saved_ranks != world_size:
         raise UserError(
@@ -262,12 +239,14 @@ def describe_resume_change(
 ) -> str | None:
     """One line for a resume whose checkpoint was saved at another layout than this launch's,
     which ``anneal.resilience.checkpoint.load`` loads through DeepSpeed's universal checkpoint
-    (another number of ranks, another expert-parallel degree); None when nothing changes."""
+    (another number of ranks, another expert-parallel degree, ZeRO-1/2 for ZeRO-3 or the other
+    way); None when nothing changes."""
     saved_ranks = manifest.get("world_size", here.world_size)
     saved_ep = manifest.get("expert_parallel_size", 1)
-    if saved_ranks == here.world_size and saved_ep == here.expert_parallel:
-        return None
     saved_stage = saved_zero_stage(manifest)
+    other_stage = saved_stage is not None and (saved_stage == 3) != (stage == 3)
+    if saved_ranks == here.world_size and saved_ep == here.expert_parallel and not other_stage:
+        return None
 
     def layout(ranks, ep, zero):
         where = f"{ranks} rank{'s' if ranks != 1 else ''}"

@@ -50,6 +50,7 @@ from anneal.resilience.manifest import (
     file_hash,
     is_intact,
     read_manifest,
+    saved_zero_stage,
     verify,
     write_manifest,
 )
@@ -186,23 +187,33 @@ def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
     ]
 
 
-def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> dict:
+def load(
+    engine,
+    tag_dir: Path,
+    *,
+    ckpt_dir: Path,
+    expert_parallel: int = 1,
+    zero_stage: int | None = None,
+) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
     state (step, tokens, data position, guard state).
 
     Every file is read by torch's weights-only loader (``anneal.resilience.safeload``): each is
     checked first, on every rank, so that a refusal stops every rank before anything loads;
-    DeepSpeed then reads them through that loader too. A ZeRO-3 checkpoint written by another
-    number of ranks, or at another expert-parallel degree than ``expert_parallel``, is converted
-    once to DeepSpeed's universal format, under ``ckpt_dir`` (the checkpoints directory of the
-    run that resumes, never the source's), and loaded from there."""
+    DeepSpeed then reads them through that loader too. A checkpoint written by another number
+    of ranks, at another expert-parallel degree than ``expert_parallel``, or at ZeRO-1/2 for a
+    job at ZeRO-3 (``zero_stage``) or the other way, is converted once to DeepSpeed's universal
+    format, under ``ckpt_dir`` (the checkpoints directory of the run that resumes, never the
+    source's), and loaded from there."""
     check(tag_dir)
     manifest = read_manifest(tag_dir)
     saved_ranks = manifest.get("world_size", world_size())
     saved_ep = manifest.get("expert_parallel_size", 1)
+    saved_stage = saved_zero_stage(manifest)
+    other_stage = None not in (zero_stage, saved_stage) and (saved_stage == 3) != (zero_stage == 3)
     safeload.install(engine)
     with safeload.loading():
-        if saved_ranks == world_size() and saved_ep == expert_parallel:
+        if saved_ranks == world_size() and saved_ep == expert_parallel and not other_stage:
             path, client = engine.load_checkpoint(
                 str(tag_dir.parent),
                 tag=tag_dir.name,

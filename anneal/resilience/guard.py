@@ -222,11 +222,20 @@ class Guard:
     # -- rewind ------------------------------------------------------------------------------
 
     def load_before_spike(
-        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int
+        self,
+        engine,
+        ckpt_dir: Path,
+        *,
+        spike_step: int,
+        spike_end: int,
+        samples_per_step: int,
+        layout: tuple[int, int | None] = (1, None),
     ) -> tuple[dict, Path]:
         """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
         the skip of the samples from its position to ``spike_end`` plus the margin, and the
-        lower LR. Returns its client state, for the caller to restore from as from any
+        lower LR. ``layout``: the job's (expert-parallel degree, ZeRO stage), for
+        ``checkpoint.load``: that checkpoint may be the one this job resumed from, saved at
+        another layout. Returns its client state, for the caller to restore from as from any
         checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
         where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if saved_step(p) < spike_step]
@@ -238,7 +247,10 @@ class Guard:
                 f"off for the first steps (guard.min_history).",
                 every_rank=True,
             )
-        client = checkpoint.load(engine, tag_dir, ckpt_dir=ckpt_dir)
+        ep, stage = layout
+        client = checkpoint.load(
+            engine, tag_dir, ckpt_dir=ckpt_dir, expert_parallel=ep, zero_stage=stage
+        )
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step
         self.skipped.append((start, end))

@@ -131,6 +131,25 @@ def saved_step(tag_dir: Path) -> int:
     return read_manifest(tag_dir)["step"]
 
 
+def saved_zero_stage(manifest: dict) -> int | None:
+    """The ZeRO stage a checkpoint was saved at: its manifest's ``zero_stage``, or for a
+    manifest from before that field, read off its file names (ZeRO-3 writes each rank's model
+    states as ``zero_pp_rank_R_mp_rank_00_model_states.pt``, ZeRO-1/2 one
+    ``mp_rank_00_model_states.pt`` beside each rank's ``..._optim_states.pt``, no ZeRO only the
+    former): 3, 2 (for 1 or 2, whose files are the same), 0, or None when it cannot tell."""
+    stage = manifest.get("zero_stage")
+    if stage is not None:
+        return stage
+    names = [Path(n).name for n in manifest.get("files", {})]
+    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return 3
+    if any(n.endswith("_optim_states.pt") for n in names):
+        return 2
+    if any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return 0
+    return None
+
+
 def _well_formed(doc) -> bool:
     def count(v, low: int = 0) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= low

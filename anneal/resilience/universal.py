@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 CACHE = ".universal"
 """Under the resuming run's ``checkpoints/``: one conversion per source checkpoint."""
+FORMAT = 2
+"""A conversion's format (its manifest's ``format``): 2 since ``either_stage``; an older one is
+made again, not reused."""
+PEAK_FACTOR = 3.5
+"""The free space a conversion needs, in checkpoint sizes (``check_space``)."""
 
 
 def load_universal(
@@ -63,6 +68,7 @@ def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
         f" at degree {ep}" if saved_ep != ep else "",
         universal,
     )
+    clip = getattr(engine.optimizer, "clip_grad", None)  # ZeRO-1/2's load sets the saved one
     engine._config.load_universal_checkpoint = True  # for this one load
     try:
         loaded = engine.load_checkpoint(
@@ -73,6 +79,8 @@ def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
         )
     finally:
         engine._config.load_universal_checkpoint = False
+    if clip is not None:
+        engine.optimizer.clip_grad = clip
     repair_universal_load(engine, hyper)
     return loaded
 
@@ -215,23 +223,26 @@ def _verdict(out: Path, newest: int | None, everything: bool) -> dict | None:
 
 
 def check_space(tag_dir: Path, ckpt_dir: Path) -> None:
-    """Every rank, before the conversion: the free space where it is written covers twice the
-    checkpoint's size (the universal copy holds the same fp32 weights and Adam moments, one file
-    per parameter, beside a temporary folder of the ZeRO fragments DeepSpeed's converter
-    extracts first). Refused with the figures otherwise, before anything is written."""
+    """Every rank, before the conversion: the free space where it is written covers
+    ``PEAK_FACTOR`` times the checkpoint's size. The finished conversion of a ZeRO-3 checkpoint
+    held 2.00x its size (each parameter's fp32 weights and Adam moments in files of their own,
+    and a copy of rank 0's optimizer states file), and while DeepSpeed's converter ran, with the
+    ZeRO fragments it extracts first beside it, 2.94x (tiny) and 3.00x (125m) at the most
+    (bench/bench_checkpoint.py, docs/benchmarks.md). Refused with the figures otherwise, before
+    anything is written."""
     size = sum(p.stat().st_size for p in Path(tag_dir).rglob("*") if p.is_file())
     where = ckpt_dir
     while not where.exists() and where != where.parent:  # a new run's folders come later
         where = where.parent
     free = shutil.disk_usage(where).free
-    if free < 2 * size:
+    if free < PEAK_FACTOR * size:
         raise UserError(
             f"resuming {tag_dir} at another layout converts it to DeepSpeed's universal "
-            f"checkpoint under {ckpt_dir / CACHE}, which needs about {2 * size / 2**30:.2f} GiB "
-            f"(twice the checkpoint's {size / 2**30:.2f} GiB) and {where} has "
-            f"{free / 2**30:.2f} GiB free. Free space there (old conversions under "
-            f"{ckpt_dir / CACHE} can go once no run resumes from them), or resume at the "
-            f"layout the checkpoint was saved at.",
+            f"checkpoint under {ckpt_dir / CACHE}, which needs about "
+            f"{PEAK_FACTOR * size / 2**30:.2f} GiB while it is made ({PEAK_FACTOR} times the "
+            f"checkpoint's {size / 2**30:.2f} GiB) and {where} has {free / 2**30:.2f} GiB free. "
+            f"Free space there (`anneal checkpoint prune-universal RUN` removes the conversions "
+            f"a run no longer needs), or resume at the layout the checkpoint was saved at.",
             every_rank=True,
         )
 
@@ -264,6 +275,7 @@ def _convert(tag_dir: Path, out: Path) -> None:
 def _write_manifest(out: Path, *, source: Path, source_sha256: str) -> None:
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
     manifest = {
+        "format": FORMAT,
         "step": read_manifest(source)["step"],
         "source": str(Path(source).resolve()),
         "source_manifest_sha256": source_sha256,
@@ -280,6 +292,8 @@ def _reusable(out: Path, src: str) -> bool:
         return False
     manifest = read_manifest(out)
     if manifest is None or manifest.get("source_manifest_sha256") != src:
+        return False
+    if manifest.get("format") != FORMAT:  # made before either_stage: made again
         return False
     return not damaged_files(out)
 
@@ -302,6 +316,71 @@ def repair_universal_load(engine, hyper: list[dict]) -> None:
     )
 
 
+MODEL_STATES = {"mp_rank_": "zero_pp_rank_0_mp_rank_"}
+"""The model-states file names of ZeRO-1/2 and ZeRO-3's universal load (``mp_rank_XX_...`` and
+``zero_pp_rank_0_mp_rank_XX_model_states.pt``)."""
+
+
+def either_stage(out: Path) -> None:
+    """Make a universal folder made by DeepSpeed 0.19.8's converter loadable at ZeRO-1/2 and at
+    ZeRO-3 alike, whichever stage saved it. The two loaders differ in four things, all added
+    here (nothing the saving stage's loader reads is changed):
+
+    - the model-states file: ZeRO-1/2 looks for ``mp_rank_XX_model_states.pt``, ZeRO-3 for
+      ``zero_pp_rank_0_mp_rank_XX_model_states.pt``; each gets the other's name (a hard link);
+    - ``zero/optimizer_state.pt``: ZeRO-1/2 wants ``ds_version`` and ``clip_grad``, ZeRO-3 the
+      Adam step and the param groups under ``optimizer_state_dict``. A ZeRO-3 source's copy of
+      rank 0's whole flat optimizer state there (its weights and moments, which neither loader
+      reads: they come from each parameter's folder) is dropped, a third of the conversion;
+    - each parameter's ``fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: ZeRO-1/2 reads a dict
+      (``{"param": tensor, "cat_dim": 0}``), ZeRO-3 a dict or a bare tensor;
+    - each parameter's ``step.pt``: ZeRO-1/2 reads the Adam step there, ZeRO-3 from the
+      optimizer state.
+
+    ``bench/zero_stage_universal_repro.py`` shows DeepSpeed's loader failing without this."""
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM
+
+    for path in sorted(out.glob("*model_states.pt")):
+        for z12, z3 in MODEL_STATES.items():
+            if path.name.startswith(z3):
+                twin = out / path.name.replace(z3, z12, 1)
+            elif path.name.startswith(z12):
+                twin = out / path.name.replace(z12, z3, 1)
+            else:
+                continue
+            if not twin.exists():
+                try:
+                    os.link(path, twin)
+                except OSError:  # a filesystem without hard links
+                    shutil.copyfile(path, twin)
+    zero = out / "zero"
+    optim = torch.load(zero / "optimizer_state.pt")
+    folders = sorted(p for p in zero.iterdir() if p.is_dir())
+    steps = [torch.load(f / "step.pt") for f in folders if (f / "step.pt").is_file()]
+    if steps:
+        step = steps[0]
+    else:
+        step = next(iter(optim["optimizer_state_dict"]["state"].values()))["step"]
+    for folder in folders:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = folder / f"{key}.pt"
+            if path.is_file():
+                value = torch.load(path)
+                if torch.is_tensor(value):
+                    torch.save({PARAM: value, CAT_DIM: 0}, path)
+        if not (folder / "step.pt").is_file():
+            torch.save(step, folder / "step.pt")
+    model = torch.load(next(iter(sorted(out.glob("*model_states.pt")))))
+    optim.pop("fp32_flat_groups", None)
+    optim.setdefault("ds_version", model["ds_version"])
+    optim.setdefault("clip_grad", float(model["ds_config"].get("gradient_clipping", 0.0)))
+    inner = optim.setdefault("optimizer_state_dict", {"param_groups": optim["param_groups"]})
+    inner["state"] = {
+        k: {"step": v["step"]} for k, v in inner.get("state", {0: {"step": step}}).items()
+    }
+    torch.save(optim, zero / "optimizer_state.pt")
+
+
 def _main() -> int:
     """The converter's child: DeepSpeed's ``ds_to_universal`` with every load weights-only."""
     import os
@@ -315,6 +394,7 @@ def _main() -> int:
     args = ds_to_universal.parse_arguments()
     try:
         ds_to_universal.main(args)
+        either_stage(Path(args.output_folder))
     except pickle.UnpicklingError as e:
         print(
             f"error: {args.input_folder}: torch's weights-only loader refuses one of its files "
