@@ -3,7 +3,8 @@
 the second host makes `python -m launcher run` exit non-zero), and a two-node Slurm (Debian's
 slurm-wlm and munge) where `python -m launcher submit` runs a job to completion, and a job sent
 the preemption signal checkpoints, is requeued and resumes with the same losses as the
-uninterrupted job, every sample consumed once.
+uninterrupted job, every sample consumed once; a job preempted on 2 nodes and resubmitted on 1
+resumes through DeepSpeed's universal checkpoint, which the resubmission's pre-flight announces.
 
 The Debian packages are installed when absent (as root); a test skips, naming the component,
 only where one cannot be had. Daemons run under a temporary directory on free ports and are
@@ -22,12 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from anneal.errors import UserError
-from tests.conftest import BIN, ROOT, SMALL, env, read_metrics, run_process
+from tests.conftest import BIN, ROOT, SMALL, env, read_metrics, run_process, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -344,7 +346,37 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         shutil.rmtree(state, ignore_errors=True)
 
 
-def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) -> str:
+def recipe_flags(run: Path, data: Path, *, max_steps: int, shape: list[str]) -> list[str]:
+    """The recipe's flags of the Slurm drills (and of a local reference run beside them)."""
+    return [
+        "--out",
+        str(run),
+        "--data",
+        str(data),
+        "--max-steps",
+        str(max_steps),
+        "--eval-every",
+        "1000",
+        "--save-every",
+        "1000",
+        *shape,
+    ]
+
+
+def submit_printed(
+    slurm: Slurm,
+    run: Path,
+    data: Path,
+    *,
+    max_steps: int,
+    port: int,
+    nodes: int = 2,
+    shape: list[str] = SMALL,
+    extra: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> str:
+    """What ``python -m launcher submit`` printed (its pre-flight, then sbatch's answer); the
+    job inherits ``extra_env`` (sbatch passes the environment on)."""
     cmd = [
         sys.executable,
         "-m",
@@ -352,7 +384,7 @@ def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) ->
         "submit",
         "recipes/pretrain_tiny.py",
         "--nodes",
-        "2",
+        str(nodes),
         "--gpus-per-node",
         "1",
         "--partition",
@@ -366,21 +398,21 @@ def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) ->
         "--master-port",
         str(port),
         "--",
-        "--out",
-        str(run),
-        "--data",
-        str(data),
-        "--max-steps",
-        str(max_steps),
-        "--eval-every",
-        "1000",
-        "--save-every",
-        "1000",
-        *SMALL,
+        *recipe_flags(run, data, max_steps=max_steps, shape=shape),
+        *extra,
     ]
-    done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
+    e = {**slurm.env, **(extra_env or {})}
+    done = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout.split("Submitted batch job")[1].split()[0]
+    return done.stdout
+
+
+def job_id(printed: str) -> str:
+    return printed.split("Submitted batch job")[1].split()[0]
+
+
+def submit(slurm: Slurm, run: Path, data: Path, *, max_steps: int, port: int) -> str:
+    return job_id(submit_printed(slurm, run, data, max_steps=max_steps, port=port))
 
 
 def wait_for(predicate, *, timeout_s: float, what: str, on_timeout=lambda: ""):
@@ -398,45 +430,54 @@ def logs(run: Path) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in files)
 
 
+def trained(run: Path) -> int:
+    """Steps in the run's metrics so far (0 before the file is there)."""
+    try:
+        return len(read_metrics(run, "train"))
+    except (OSError, ValueError, UserError):
+        return 0
+
+
+def preempt_after_first_step(slurm: Slurm, run: Path, job: str) -> None:
+    """Once ``job`` has trained a step: the preemption signal, then wait until the job has
+    checkpointed, requeued itself and is pending again."""
+
+    def started() -> bool:
+        state = slurm.job(job).get("JobState")
+        assert state not in ("FAILED", "CANCELLED", "COMPLETED"), f"job {job}: {state}" + logs(run)
+        return trained(run) >= 1
+
+    wait_for(
+        started,
+        timeout_s=240,
+        what=f"the first step of job {job}",
+        on_timeout=lambda: (
+            logs(run)
+            + slurm("scontrol", "show", "job", job, check=False)
+            + (slurm.state / "slurmctld.log").read_text()[-2000:]
+        ),
+    )
+    slurm("scancel", "--signal=USR1", "--batch", job)
+    wait_for(
+        lambda: slurm.job(job).get("Restarts") == "1",
+        timeout_s=120,
+        what="the requeue",
+        on_timeout=lambda: logs(run),
+    )
+    wait_for(
+        lambda: slurm.job(job).get("JobState") == "PENDING",
+        timeout_s=60,
+        what="the requeued job pending",
+    )
+
+
 def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_data, tmp_path):
     steps = 30
     ref, pre = tmp_path / "uninterrupted", tmp_path / "preempted"
     ref_job = submit(slurm, ref, stdlib_data, max_steps=steps, port=free_ports(1))
     pre_job = submit(slurm, pre, stdlib_data, max_steps=steps, port=free_ports(1))
 
-    def trained(run: Path) -> int:
-        try:
-            return len(read_metrics(run, "train"))
-        except (OSError, ValueError, UserError):
-            return 0
-
-    def started(run: Path, job: str) -> bool:
-        state = slurm.job(job).get("JobState")
-        assert state not in ("FAILED", "CANCELLED", "COMPLETED"), f"job {job}: {state}" + logs(run)
-        return trained(run) >= 1
-
-    wait_for(
-        lambda: started(pre, pre_job),
-        timeout_s=240,
-        what="the first step of the second job",
-        on_timeout=lambda: (
-            logs(pre)
-            + slurm("scontrol", "show", "job", pre_job, check=False)
-            + (slurm.state / "slurmctld.log").read_text()[-2000:]
-        ),
-    )
-    slurm("scancel", "--signal=USR1", "--batch", pre_job)
-    wait_for(
-        lambda: slurm.job(pre_job).get("Restarts") == "1",
-        timeout_s=120,
-        what="the requeue",
-        on_timeout=lambda: logs(pre),
-    )
-    wait_for(
-        lambda: slurm.job(pre_job).get("JobState") == "PENDING",
-        timeout_s=60,
-        what="the requeued job pending",
-    )
+    preempt_after_first_step(slurm, pre, pre_job)
     # Skip the requeue's 120 s BeginTime, a little after it: slurmd refuses a job credential
     # made in the same second as the old one's revocation ("Job credential revoked").
     time.sleep(2)
@@ -485,3 +526,87 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
         f"preemption checkpoint: {preempt[0]['checkpoint_bytes']:,} bytes saved in "
         f"{preempt[0]['save_s']} s"
     )
+
+
+# SMALL with the global batch set instead of the accumulation: 16 samples a step on any number
+# of ranks (micro-batch 4: accumulation 2 on 2 ranks, 4 on 1), as a run resumed on fewer ranks
+# keeps it.
+PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
+FIXED_BATCH = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for x in pair]
+FIXED_BATCH += ["--set", "ds.train_batch_size=16"]
+
+
+def test_a_job_preempted_on_2_nodes_resumes_on_1_node(slurm, tiny_data, tmp_path):
+    """A node lost (issue 31): a 2-node job is preempted (it checkpoints and requeues itself),
+    the requeued job is cancelled and the run resubmitted on 1 node with the same flags and
+    ``--resume auto``. The resubmission's pre-flight says the checkpoint was saved on 2 ranks
+    and is converted once to DeepSpeed's universal checkpoint; the 1-node job loads that
+    universal form and trains the remaining steps with the losses of the uninterrupted run at
+    the original layout (a local 2-rank run beside the jobs), within 1e-5 relative, every step
+    once. The first job's steps take half a second each (``slow_rank``, which only sleeps):
+    unslowed, its 30 steps took 1.5 s, about as long as the signal took to come. Over 10 s:
+    three launches of DeepSpeed and a conversion (43 and 63 s here, other tests running)."""
+    steps = 30
+    # The schedule runs to step 31 and every launch stops after 30, which spares it the
+    # end-of-run report process.
+    shape = [*FIXED_BATCH, "--set", f"train.stop_at_step={steps}"]
+    ref, run = tmp_path / "uninterrupted", tmp_path / "run"
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(
+            run_recipe,
+            recipe_flags(ref, tiny_data, max_steps=steps + 1, shape=shape),
+            ranks=2,
+            timeout_s=300,
+        )
+        first = job_id(
+            submit_printed(
+                slurm,
+                run,
+                tiny_data,
+                max_steps=steps + 1,
+                port=free_ports(1),
+                shape=shape,
+                extra_env={"ANNEAL_FAULTS": "slow_rank@s=0.5"},  # the signal comes mid-run
+            )
+        )
+        preempt_after_first_step(slurm, run, first)
+        slurm("scancel", first)  # it would wait for 2 nodes: resubmit on the one left
+        printed = submit_printed(
+            slurm,
+            run,
+            tiny_data,
+            max_steps=steps + 1,
+            port=free_ports(1),
+            nodes=1,
+            shape=shape,
+            extra=("--resume", "auto"),
+        )
+        second = job_id(printed)
+        wait_for(
+            lambda: slurm.job(second).get("JobState") in ("COMPLETED", "FAILED"),
+            timeout_s=300,
+            what=f"the end of job {second}",
+            on_timeout=lambda: logs(run),
+        )
+        info = slurm.job(second)
+        assert info["JobState"] == "COMPLETED", logs(run)
+        assert info["NumNodes"] == "1" and info["Restarts"] == "0"
+        reference.result()
+
+    [preempt] = [e for e in read_metrics(run, "event") if e["event"] == "preempt"]
+    k = preempt["step"]
+    assert 1 <= k < steps
+    assert (
+        f"resume: step{k:08d} was saved on 2 ranks, ZeRO-3; this launch is 1 rank, ZeRO-3: it "
+        f"is converted once to DeepSpeed's universal checkpoint" in printed
+    )
+    cache = run / "checkpoints" / ".universal"
+    node_log = (run / "logs" / "node0.log").read_text()
+    assert f"loading its universal form {cache}/step{k:08d}-" in node_log
+    [resume] = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resume["step"] == k and resume["position"] == k * 16
+    rows, ref_rows = read_metrics(run, "train"), read_metrics(ref, "train")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row, want in zip(rows, ref_rows, strict=True):
+        assert row["loss"] == pytest.approx(want["loss"], rel=1e-5), row["step"]
+        assert row["tokens"] == want["tokens"]

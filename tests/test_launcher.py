@@ -1,9 +1,10 @@
 """The launcher: one command line for every subcommand (launcher options anywhere, recipe flags
 after ``--``, a dry run starts nothing), the exact deepspeed argument list, ``.deepspeed_env``
-and the rendered sbatch (golden files), hostfiles and Slurm node lists (against ``scontrol show
-hostnames`` where Slurm is installed), every bad input of issues 7 and 8 as one paragraph with
-exit 2 and nothing written, and two "nodes" on this machine (hostfiles/loopback, --no-ssh, one
-launcher per node) that train, checkpoint and resume through DeepSpeed's real runner."""
+and the rendered sbatch (golden files), the pre-flight's line for a resume on another number
+of ranks, hostfiles and Slurm node lists (against ``scontrol show hostnames`` where Slurm is
+installed), every bad input of issues 7 and 8 as one paragraph with exit 2 and nothing
+written, and two "nodes" on this machine (hostfiles/loopback, --no-ssh, one launcher per node)
+that train, checkpoint and resume through DeepSpeed's real runner."""
 
 import os
 import re
@@ -20,7 +21,7 @@ from anneal.errors import UserError
 from launcher import dsenv, hostfile, slurm, venv
 from launcher.__main__ import deepspeed_args, split_argv
 from launcher.__main__ import main as launcher_main
-from tests.conftest import ROOT, SMALL, env, free_port, kill_tree, read_metrics
+from tests.conftest import ROOT, SMALL, env, free_port, kill_tree, read_metrics, tree
 
 HOSTFILES = sorted((ROOT / "hostfiles").iterdir())
 GOLDEN = Path(__file__).parent / "golden"
@@ -260,6 +261,40 @@ def test_dry_run_prints_the_exact_command(tiny_data, tmp_path, capsys, monkeypat
     assert "NCCL_DEBUG=INFO" in printed and "hf_secret" not in printed
     assert "forecast:" in printed and "per GPU" in printed
     assert not out.exists()
+
+
+def test_pre_flight_says_a_resume_on_fewer_ranks_converts_the_checkpoint(
+    two_rank_run, tiny_data, capsys
+):
+    """``run`` and ``submit`` (dry runs) continuing the session's 2-rank ZeRO-3 run on 1 rank
+    print the layout change and the conversion before anything starts, one line; at the layout
+    the checkpoint was saved at they print none. Nothing in the run directory changes (other
+    tests read it)."""
+    out = two_rank_run["out"]
+    before = tree(out)
+    flags = ["--", "--out", str(out), "--data", str(tiny_data), "--max-steps", "3"]
+    flags += ["--eval-every", "0", "--save-every", "1", *SMALL, "--resume", "auto"]
+    line = (
+        "resume: step00000002 was saved on 2 ranks, ZeRO-3; this launch is 1 rank, ZeRO-3: it "
+        "is converted once to DeepSpeed's universal checkpoint under this run's "
+        "checkpoints/.universal/ and loaded from there"
+    )
+    submit = ["submit", "recipes/pretrain_tiny.py", "--gpus-per-node", "1", "--partition", "p"]
+    submit += ["--time", "01:00:00", "--device", "cpu", "--dry-run"]
+    run = ["run", "recipes/pretrain_tiny.py", "--device", "cpu", "--dry-run"]
+    for argv, changed in (
+        ([*run, "--num-gpus", "1", *flags], True),
+        ([*submit, "--nodes", "1", *flags], True),
+        ([*submit, "--nodes", "2", *flags], False),
+    ):
+        code = launcher_main(argv)
+        printed, err = capsys.readouterr()
+        assert code == 0, err
+        notes = [n for n in printed.splitlines() if n.startswith("resume: ")]
+        assert len(notes) == changed, printed
+        if changed:
+            assert notes[0].startswith(line), printed
+    assert tree(out) == before
 
 
 @pytest.mark.parametrize(
