@@ -337,7 +337,13 @@ def either_stage(out: Path) -> None:
     - each parameter's ``step.pt``: ZeRO-1/2 reads the Adam step there, ZeRO-3 from the
       optimizer state.
 
-    ``bench/zero_stage_universal_repro.py`` shows DeepSpeed's loader failing without this."""
+    ``bench/zero_stage_universal_repro.py`` shows DeepSpeed's loader failing without this.
+    Every file is read by torch's weights-only loader."""
+    with torch.serialization.safe_globals(safeload.safe_globals()):
+        _either_stage(out)
+
+
+def _either_stage(out: Path) -> None:
     from deepspeed.checkpoint.constants import CAT_DIM, PARAM
 
     for path in sorted(out.glob("*model_states.pt")):
@@ -354,9 +360,9 @@ def either_stage(out: Path) -> None:
                 except OSError:  # a filesystem without hard links
                     shutil.copyfile(path, twin)
     zero = out / "zero"
-    optim = torch.load(zero / "optimizer_state.pt")
+    optim = _load(zero / "optimizer_state.pt")
     folders = sorted(p for p in zero.iterdir() if p.is_dir())
-    steps = [torch.load(f / "step.pt") for f in folders if (f / "step.pt").is_file()]
+    steps = [_load(f / "step.pt") for f in folders if (f / "step.pt").is_file()]
     if steps:
         step = steps[0]
     else:
@@ -365,12 +371,12 @@ def either_stage(out: Path) -> None:
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = folder / f"{key}.pt"
             if path.is_file():
-                value = torch.load(path)
+                value = _load(path)
                 if torch.is_tensor(value):
                     torch.save({PARAM: value, CAT_DIM: 0}, path)
         if not (folder / "step.pt").is_file():
             torch.save(step, folder / "step.pt")
-    model = torch.load(next(iter(sorted(out.glob("*model_states.pt")))))
+    model = _load(next(iter(sorted(out.glob("*model_states.pt")))))
     optim.pop("fp32_flat_groups", None)
     optim.setdefault("ds_version", model["ds_version"])
     optim.setdefault("clip_grad", float(model["ds_config"].get("gradient_clipping", 0.0)))
@@ -379,6 +385,10 @@ def either_stage(out: Path) -> None:
         k: {"step": v["step"]} for k, v in inner.get("state", {0: {"step": step}}).items()
     }
     torch.save(optim, zero / "optimizer_state.pt")
+
+
+def _load(path: Path):
+    return torch.load(path, weights_only=True)
 
 
 def _main() -> int:
