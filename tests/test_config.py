@@ -93,3 +93,32 @@ def test_config_differences_ignore_resume_keys():
         "launch": {"world_size": 4},
     }
     assert config_differences(a, b) == ["run.train.max_steps: 10 -> 20"]
+
+
+def test_the_split_of_the_same_global_batch_over_other_ranks_is_the_same_run():
+    """A job resubmitted on fewer nodes accumulates more micro-batches into the same global
+    batch: not a different run. Another global batch is."""
+
+    def doc(ranks, batch=16, micro=4):
+        accum = batch // (micro * ranks)
+        return {
+            "ds_config": {
+                "train_batch_size": batch,
+                "train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": accum,
+            },
+            "resolved_from": {
+                "gradient_accumulation_steps": f"{accum} (auto: {batch} / (micro {micro} x "
+                f"{ranks} ranks))"
+            },
+            "launch": {"world_size": ranks},
+        }
+
+    assert config_differences(doc(2), doc(1)) == []
+    assert config_differences(doc(2), doc(1, micro=2)) == []
+    assert config_differences(doc(2), doc(2, batch=32)) == [
+        "ds_config.gradient_accumulation_steps: 2 -> 4",
+        "ds_config.train_batch_size: 16 -> 32",
+        "resolved_from.gradient_accumulation_steps: '2 (auto: 16 / (micro 4 x 2 ranks))' -> "
+        "'4 (auto: 32 / (micro 4 x 2 ranks))'",
+    ]

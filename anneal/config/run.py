@@ -265,13 +265,29 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+_LAYOUT_KEYS = {
+    "ds_config.gradient_accumulation_steps",
+    "ds_config.train_micro_batch_size_per_gpu",
+    "resolved_from.gradient_accumulation_steps",
+    "resolved_from.train_micro_batch_size_per_gpu",
+    "resolved_from.train_batch_size",
+}
+"""How the global batch splits over the ranks: they change with the number of ranks (a job
+resubmitted on fewer nodes) and, while ``ds_config.train_batch_size`` holds, the run does not."""
+
+
 def config_differences(old: dict, new: dict) -> list[str]:
-    """Keys whose values differ between two resolved ``config.json`` documents."""
+    """Keys whose values differ between two resolved ``config.json`` documents. The split of
+    the global batch into micro-batches and accumulation steps counts only with another global
+    batch: a run resumed on another number of ranks keeps its global batch."""
     a, b = _flatten(old), _flatten(new)
+    same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
     diffs = []
     for key in sorted(set(a) | set(b)):
         short = key.removeprefix("run.")
         if short in _RESUMABLE_KEYS or key.startswith("launch.") or short.startswith("guard."):
+            continue
+        if same_batch and key in _LAYOUT_KEYS:
             continue
         if a.get(key, "<unset>") != b.get(key, "<unset>"):
             diffs.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
