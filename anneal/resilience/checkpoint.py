@@ -186,7 +186,9 @@ def to_prune(intact: list[Path], keep_last: int, keep_every: int) -> list[Path]:
     ]
 
 
-def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> dict:
+def load(
+    engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1, tensor_parallel: int = 1
+) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
     state (step, tokens, data position, guard state).
 
@@ -200,9 +202,10 @@ def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> 
     manifest = read_manifest(tag_dir)
     saved_ranks = manifest.get("world_size", world_size())
     saved_ep = manifest.get("expert_parallel_size", 1)
+    saved_tp = manifest.get("tensor_parallel_size", 1)
     safeload.install(engine)
     with safeload.loading():
-        if saved_ranks == world_size() and saved_ep == expert_parallel:
+        if (saved_ranks, saved_ep, saved_tp) == (world_size(), expert_parallel, tensor_parallel):
             path, client = engine.load_checkpoint(
                 str(tag_dir.parent),
                 tag=tag_dir.name,
@@ -214,8 +217,8 @@ def load(engine, tag_dir: Path, *, ckpt_dir: Path, expert_parallel: int = 1) -> 
                 engine,
                 tag_dir,
                 ckpt_dir=ckpt_dir,
-                saved=(saved_ranks, saved_ep),
-                here=(world_size(), expert_parallel),
+                saved=(saved_ranks, saved_ep, saved_tp),
+                here=(world_size(), expert_parallel, tensor_parallel),
             )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")

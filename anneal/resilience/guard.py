@@ -222,13 +222,23 @@ class Guard:
     # -- rewind ------------------------------------------------------------------------------
 
     def load_before_spike(
-        self, engine, ckpt_dir: Path, *, spike_step: int, spike_end: int, samples_per_step: int
+        self,
+        engine,
+        ckpt_dir: Path,
+        *,
+        spike_step: int,
+        spike_end: int,
+        samples_per_step: int,
+        expert_parallel: int = 1,
+        tensor_parallel: int = 1,
     ) -> tuple[dict, Path]:
         """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
         the skip of the samples from its position to ``spike_end`` plus the margin, and the
         lower LR. Returns its client state, for the caller to restore from as from any
         checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
-        where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three."""
+        where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three.
+        ``expert_parallel``, ``tensor_parallel``: this job's degrees, for ``checkpoint.load``
+        (the checkpoint may be the one this run resumed from, saved at another layout)."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if saved_step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
@@ -238,7 +248,13 @@ class Guard:
                 f"off for the first steps (guard.min_history).",
                 every_rank=True,
             )
-        client = checkpoint.load(engine, tag_dir, ckpt_dir=ckpt_dir)
+        client = checkpoint.load(
+            engine,
+            tag_dir,
+            ckpt_dir=ckpt_dir,
+            expert_parallel=expert_parallel,
+            tensor_parallel=tensor_parallel,
+        )
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step
         self.skipped.append((start, end))
