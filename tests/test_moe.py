@@ -179,15 +179,16 @@ def test_expert_settings_on_a_dense_model_are_refused(tiny_data, tmp_path):
 
 def test_resume_at_another_expert_parallel_degree_passes_the_layout_check(tmp_path):
     """A checkpoint saved at EP=2 resumed at EP=1 is not refused before launch: it goes through
-    DeepSpeed's universal checkpoint (tests/test_moe_parallel.py runs it); another
-    sequence-parallel degree still is."""
+    DeepSpeed's universal checkpoint (tests/test_moe_parallel.py runs it); one saved with
+    sequence parallelism, which that conversion does not carry, is."""
     from anneal.launch import parallel
 
     here = parallel.Layout(2, 1, 1, 1)
-    parallel.check_resume_layout(tmp_path, {"expert_parallel_size": 2, "world_size": 2}, here)
-    parallel.check_resume_layout(tmp_path, {"expert_parallel_size": 1, "world_size": 2}, here)
-    with pytest.raises(UserError, match="ds.sequence_parallel_size=2"):
-        parallel.check_resume_layout(tmp_path, {"sequence_parallel_size": 2}, here)
+    for saved in ({"expert_parallel_size": 2, "world_size": 2}, {"world_size": 2}):
+        parallel.check_resume_layout(tmp_path, saved, here, stage=2)
+    with pytest.raises(UserError, match="Resume on 2 ranks"):
+        saved = {"sequence_parallel_size": 2, "expert_parallel_size": 2, "world_size": 2}
+        parallel.check_resume_layout(tmp_path, saved, here, stage=2)
 
 
 def test_the_registry_repair_is_needed_and_undone():

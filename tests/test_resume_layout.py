@@ -1,8 +1,12 @@
 """Which layouts a checkpoint resumes at, decided from its manifest before anything loads
-(``anneal.launch.parallel.check_resume_stage``): ZeRO-1, 2 and 3 on any number of ranks,
-whichever of them saved it; refused, each with the setting that works: a move to or from ZeRO
-stage 0, and another number of ranks without ZeRO. The resumes that are carried run end to end
-in tests/test_world_size.py."""
+(``anneal.launch.parallel.check_resume_stage`` and ``check_resume_layout``): ZeRO-1, 2 and 3
+on any number of ranks, whichever of them saved it, another sequence-parallel degree on as many
+ranks, another tensor-parallel degree (or TP on another number of ranks) at ZeRO-1/2; refused,
+each with the setting that works: a move to or from ZeRO stage 0, another number of ranks
+without ZeRO, a change that needs DeepSpeed's universal checkpoint with sequence parallelism on
+either side, and a tensor-parallel change with ZeRO-3 on either side or without ZeRO. The
+resumes that are carried run end to end in tests/test_world_size.py,
+tests/test_sequence_parallel.py and tests/test_tensor_parallel.py."""
 
 import json
 
@@ -98,6 +102,110 @@ def test_a_changed_layout_is_one_line_and_an_unchanged_one_none(tmp_path):
     assert "saved on 2 ranks, ZeRO-3; this launch is 2 ranks, ZeRO-2:" in line
     doc = manifest(ZERO12, zero_stage=1)
     assert parallel.describe_resume_change(tag, doc, parallel.Layout(2, 1), stage=2) is None
+
+
+@pytest.mark.parametrize(
+    "saved,here,stage,says",
+    [
+        (  # another SP degree on as many ranks: the replicas change, the files load as saved
+            dict(sequence_parallel_size=2),
+            parallel.Layout(2, 1, 1),
+            2,
+            "saved on 2 ranks, ZeRO-2, sequence-parallel 2, data-parallel 1; this launch is "
+            "2 ranks, ZeRO-2, sequence-parallel 1, data-parallel 2: its files load as saved",
+        ),
+        (
+            dict(),
+            parallel.Layout(2, 1, 2),
+            3,
+            "saved on 2 ranks, ZeRO-3, sequence-parallel 1, data-parallel 2; this launch is "
+            "2 ranks, ZeRO-3, sequence-parallel 2, data-parallel 1: its files load as saved",
+        ),
+        (
+            dict(tensor_parallel_size=2),
+            parallel.Layout(2, 1),
+            2,
+            "saved on 2 ranks, ZeRO-2, tensor-parallel 2, data-parallel 1; this launch is "
+            "2 ranks, ZeRO-2, tensor-parallel 1, data-parallel 2: it is converted once",
+        ),
+        (
+            dict(tensor_parallel_size=2, world_size=4),
+            parallel.Layout(4, 1),
+            2,
+            "saved on 4 ranks, ZeRO-2, tensor-parallel 2, data-parallel 2; this launch is "
+            "4 ranks, ZeRO-2, tensor-parallel 1, data-parallel 4: it is converted once",
+        ),
+        (  # TP=2 on 2 ranks to TP=2 on 4: the replicas change with the ranks alone
+            dict(tensor_parallel_size=2),
+            parallel.Layout(4, 2),
+            2,
+            "saved on 2 ranks, ZeRO-2, tensor-parallel 2; this launch is 4 ranks, ZeRO-2, "
+            "tensor-parallel 2: it is converted once",
+        ),
+    ],
+)
+def test_what_resumes_at_another_parallel_degree(tmp_path, saved, here, stage, says):
+    files = ZERO3 if stage == 3 else ZERO12
+    doc = manifest(files, zero_stage=stage, **saved)
+    parallel.check_resume_layout(tmp_path, doc, here, stage=stage)
+    parallel.check_resume_stage(tmp_path, doc, stage=stage, world_size=here.world_size)
+    line = parallel.describe_resume_change(tmp_path / "step00000004", doc, here, stage=stage)
+    assert says in line and "\n" not in line
+
+
+@pytest.mark.parametrize(
+    "saved,here,stage,match",
+    [
+        (  # SP on either side of a universal conversion
+            dict(sequence_parallel_size=2),
+            parallel.Layout(1, 1),
+            2,
+            "tp_degree=2.*Resume on 2 ranks.*--init-from",
+        ),
+        (dict(), parallel.Layout(4, 1, 2), 3, "get_tensor_model_parallel_world_size.*2 ranks"),
+        (
+            dict(sequence_parallel_size=2, expert_parallel_size=2),
+            parallel.Layout(2, 1, 2),
+            2,
+            "Resume on 2 ranks",
+        ),
+        (  # TP at ZeRO-3, either way
+            dict(tensor_parallel_size=2),
+            parallel.Layout(2, 1),
+            3,
+            "at ZeRO-3.*map describes 0.*autotp_size=2 on 2 ranks.*--init-from",
+        ),
+        (dict(), parallel.Layout(2, 2), 3, "exceeds dimension size.*autotp_size=1 on 2 ranks"),
+        (dict(tensor_parallel_size=2), parallel.Layout(4, 2), 3, "autotp_size=2 on 2 ranks"),
+        (dict(tensor_parallel_size=2), parallel.Layout(2, 1), 0, "without ZeRO.*autotp_size=2"),
+    ],
+)
+def test_what_is_refused_at_another_parallel_degree(tmp_path, saved, here, stage, match):
+    doc = manifest(ZERO3 if stage == 3 else ZERO12, zero_stage=stage, **saved)
+    with pytest.raises(UserError, match=match) as caught:
+        parallel.check_resume_layout(tmp_path, doc, here, stage=stage)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "saved,here,stage,match",
+    [
+        (dict(sequence_parallel_size=2), parallel.Layout(2, 1, 2), 3, "tp_degree=2"),
+        (dict(tensor_parallel_size=2), parallel.Layout(2, 2), 3, "ZeRO-3 on one side"),
+        (dict(tensor_parallel_size=2, zero_stage=3), parallel.Layout(2, 2), 2, "map describes"),
+    ],
+)
+def test_a_move_between_zero_2_and_3_is_refused_where_the_layout_is(
+    tmp_path, saved, here, stage, match
+):
+    """A move between ZeRO-1/2 and ZeRO-3 goes through the universal checkpoint, on as many
+    ranks too: so it is refused where that conversion is (SP on either side, TP with ZeRO-3 on
+    either side)."""
+    saved = {"zero_stage": 5 - stage, **saved}
+    doc = manifest(ZERO3 if saved["zero_stage"] == 3 else ZERO12, **saved)
+    parallel.check_resume_stage(tmp_path, doc, stage=stage, world_size=here.world_size)
+    with pytest.raises(UserError, match=match):
+        parallel.check_resume_layout(tmp_path, doc, here, stage=stage)
 
 
 def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):

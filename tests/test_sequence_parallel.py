@@ -45,6 +45,7 @@ from tests.conftest import (
     run_recipes,
     sets,
 )
+from tests.zero_state import assert_same_optimizer_state
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -123,7 +124,52 @@ def test_resume_at_the_same_topology_is_exact(runs, tiny_data, tmp_path):
         for key in ("loss", "grad_norm", "lr", "tokens"):
             assert resumed[step][key] == full[step][key], (step, key)
     args = _args(tiny_data, tmp_path / "r", sp=1, stage=3, extra=["--resume", str(tag)])
-    assert "sequence-parallel degree 2" in _refused(args, world_size=2)
+    assert "Resume on 2 ranks" in _refused(args, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def round_trip(runs, tiny_data):
+    """The ZeRO-2 SP=2 run's step-5 checkpoint resumed at SP=1 on the same 2 ranks (2 replicas
+    of micro-batch 2, accumulation 1: the same 4 samples a step) up to step 7, and that run's
+    step-7 checkpoint resumed at SP=2 (accumulation 2) up to step 10: two launches, one after
+    the other."""
+    tmp, _ = runs
+    out, tag = tmp / "round_trip", tmp / "z2" / "checkpoints" / "step00000005"
+    there = _args(tiny_data, out, sp=1, stage=2, accum=1, extra=["--resume", str(tag)])
+    there += _sets("train.stop_at_step=7")
+    back = _args(tiny_data, out, sp=2, stage=2, extra=["--resume", "auto"])
+    return out, [run_recipes([dict(args=a, ranks=2)])[0] for a in (there, back)]
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_on_as_many_ranks(runs, round_trip):
+    """Slow (two 2-rank launches, about 25 s, after ``runs``): SP=2 -> 1 at step 5 and 1 -> 2
+    at step 7, each loading the files as saved (ZeRO partitions over both ranks at either
+    degree; no universal conversion). Steps 6-10 match the ZeRO-2 SP=2 run that never changed
+    (losses and grad norms within 1e-5 relative, the LR and the tokens exactly), the data
+    position carries over, and the optimizer state at step 10 (each rank's AdamW moments,
+    master weights, steps and hyperparameters) is that run's."""
+    tmp, _ = runs
+    out, (there, back) = round_trip
+    full, resumed = _train(tmp / "z2"), _train(out)
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
+        assert resumed[step]["tokens"] == full[step]["tokens"]
+    events = [e for e in read_metrics(out, "event") if e["event"] == "resume"]
+    assert [(e["step"], e["position"]) for e in events] == [(5, 20), (7, 28)]
+    for done, (a, b) in [(there, (2, 1)), (back, (1, 2))]:
+        assert (
+            f"ZeRO-2, sequence-parallel {a}, data-parallel {3 - a}; this launch is 2 ranks, "
+            f"ZeRO-2, sequence-parallel {b}, data-parallel {3 - b}: its files load as saved"
+        ) in done.stderr
+        assert "loading its universal form" not in done.stderr
+    assert not (out / "checkpoints" / ".universal").exists()
+    assert_same_optimizer_state(
+        out / "checkpoints" / "step00000010", tmp / "z2" / "checkpoints" / "step00000010"
+    )
 
 
 # -- fast: resolution and pre-flight -------------------------------------------------------------
@@ -206,13 +252,17 @@ def _fake_checkpoint(out, *, world_size: int, sp: int):
     return tag
 
 
-def test_resume_at_another_degree_is_refused(tiny_data, tmp_path):
-    """Saved at SP=1 on 2 ranks, resumed at SP=2 (the real checkpoint's SP=2 -> 1 is in the
-    slow resume test): refused before anything is written."""
+def test_resume_at_another_degree_on_other_ranks_is_refused(tiny_data, tmp_path):
+    """Saved at SP=1 on 2 ranks: resumed at SP=2 on those 2 ranks it resolves, with the
+    change in one line (the slow round trip above runs it); on 4 ranks, which goes through
+    DeepSpeed's universal checkpoint, it is refused before anything is written."""
     out = tmp_path / "run"
     tag = _fake_checkpoint(out, world_size=2, sp=1)
     args = _args(tiny_data, out, sp=2, stage=3) + ["--resume", "auto"]
-    assert "saved with sequence-parallel degree 1" in _refused(args, world_size=2)
+    notes = "\n".join(_resolve(args, world_size=2).notes)
+    assert "sequence-parallel 1, data-parallel 2; this launch is 2 ranks" in notes
+    message = _refused(args, world_size=4)
+    assert "Resume on 2 ranks" in message and "--init-from" in message
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "manifest.json", tag.name]
 
 

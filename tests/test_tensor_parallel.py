@@ -41,6 +41,7 @@ from tests.conftest import (
     run_recipe,
     sets,
 )
+from tests.zero_state import assert_same_optimizer_state
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -144,14 +145,72 @@ def test_resume_at_the_same_topology_is_exact(runs):
 
 
 @pytest.mark.slow
-def test_resume_at_another_degree_is_refused(runs, tiny_data, tmp_path):
-    """Slow (shares ``runs``): the real TP=2 checkpoint, resumed at TP=1 on 2 ranks and at
-    TP=2 on 4 ranks, is refused in resolution with the reason."""
+def test_resume_of_a_zero_3_checkpoint_at_another_layout_is_refused(runs, tiny_data, tmp_path):
+    """Slow (shares ``runs``): the real TP=2 ZeRO-3 checkpoint, resumed at TP=1 on 2 ranks and
+    at TP=2 on 4 ranks, is refused in resolution with the reason and what works."""
     tmp, _ = runs
     tag = tmp / "tp2" / "checkpoints" / "step00000005"
-    for tp, world, why in [(1, 2, "tensor-parallel degree 2"), (2, 4, "saved by 2 ranks")]:
-        args = _args(tiny_data, tmp_path / f"r{tp}{world}", tp=tp, accum=2, stage=2)
-        assert why in _refused([*args, "--resume", str(tag)], world_size=world)
+    for tp, world in [(1, 2), (2, 4)]:
+        args = _args(tiny_data, tmp_path / f"r{tp}{world}", tp=tp, accum=2, stage=3)
+        message = _refused([*args, "--resume", str(tag)], world_size=world)
+        assert "at ZeRO-3" in message and "autotp_size=2 on 2 ranks" in message
+
+
+@pytest.fixture(scope="module")
+def round_trip(tiny_data, tmp_path_factory):
+    """A TP=2 run at ZeRO-2 on 2 ranks (the reference, saved at steps 5 and 10); its step-5
+    checkpoint resumed at TP=1 on the same 2 ranks (2 replicas, accumulation 1: the same 4
+    samples a step) up to step 7, and that run's step-7 checkpoint resumed at TP=2 up to step
+    10: three 2-rank launches, one after the other."""
+    tmp = tmp_path_factory.mktemp("tp_round_trip")
+    ref, out = tmp / "ref", tmp / "round_trip"
+    tag = ref / "checkpoints" / "step00000005"
+    there = _args(tiny_data, out, tp=1, accum=1, stage=2, extra=["--resume", str(tag)])
+    there += _sets("train.stop_at_step=7")
+    launches = [
+        _args(tiny_data, ref, tp=2, accum=2, stage=2),
+        there,
+        _args(tiny_data, out, tp=2, accum=2, stage=2, extra=["--resume", "auto"]),
+    ]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    return tmp, [run_recipe(a, ranks=2, extra_env=one_thread) for a in launches][1:]
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_through_the_universal_checkpoint(round_trip):
+    """Slow (three 2-rank launches and two conversions, about 80 s here): TP=2 -> 1 at step
+    5 and 1 -> 2 at step 7, at ZeRO-2, each through DeepSpeed's universal checkpoint (its
+    converter merges AutoTP's slices by the map the engine saved; its loader cuts them for
+    the new degree). Steps 6-10 match the TP=2 run that never changed (losses and grad norms
+    within 1e-5 relative, the LR and the tokens exactly), the data position carries over, and
+    the optimizer state at step 10 (each rank's AdamW moments, master weights, steps and
+    hyperparameters) is that run's."""
+    tmp, (there, back) = round_trip
+    out = tmp / "round_trip"
+    full, resumed = _train(tmp / "ref"), _train(out)
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
+        assert resumed[step]["tokens"] == full[step]["tokens"]
+    events = [e for e in read_metrics(out, "event") if e["event"] == "resume"]
+    assert [(e["step"], e["position"]) for e in events] == [(5, 20), (7, 28)]
+    cache = out / "checkpoints" / ".universal"
+    for done, (a, b), step in [(there, (2, 1), 5), (back, (1, 2), 7)]:
+        assert (
+            f"ZeRO-2, tensor-parallel {a}, data-parallel {3 - a}; this launch is 2 ranks, "
+            f"ZeRO-2, tensor-parallel {b}, data-parallel {3 - b}: it is converted once"
+        ) in done.stderr
+        assert (
+            f"was saved by 2 ranks at tensor-parallel degree {a}, this job has 2 at "
+            f"tensor-parallel degree {b}: loading its universal form {cache}/step{step:08d}-"
+        ) in done.stderr
+        assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done.stderr
+    assert [p for p in cache.iterdir() if p.is_dir()] == []  # each removed by the next save
+    assert_same_optimizer_state(
+        out / "checkpoints" / "step00000010", tmp / "ref" / "checkpoints" / "step00000010"
+    )
 
 
 @pytest.mark.slow
@@ -290,21 +349,29 @@ def _fake_checkpoint(out, *, world_size: int, tp: int):
     return tag
 
 
-@pytest.mark.parametrize(
-    "saved,now,match",
-    [
-        ((2, 2), (2, 1), "saved with tensor-parallel degree 2"),
-        ((2, 1), (2, 2), "saved with tensor-parallel degree 1"),
-        ((4, 2), (2, 2), "saved by 4 ranks with tensor parallelism 2"),
-    ],
-)
-def test_resume_at_another_layout_is_refused(saved, now, match, tiny_data, tmp_path):
-    """(world, tp) saved -> (world, tp) now; ZeRO-3 would take another world size without TP,
-    never with it (DeepSpeed's universal checkpoint does not re-slice AutoTP weights)."""
+LAYOUT_CHANGES = [((2, 2), (2, 1)), ((2, 1), (2, 2)), ((4, 2), (2, 2)), ((4, 2), (4, 1))]
+
+
+@pytest.mark.parametrize("saved,now", LAYOUT_CHANGES)
+def test_another_layout_resumes_at_zero_2_and_is_refused_at_zero_3(saved, now, tiny_data, tmp_path):
+    """(world, tp) saved -> (world, tp) now. At ZeRO-2 the launch resolves and says the change
+    in one line (the checkpoint goes through DeepSpeed's universal checkpoint; the slow round
+    trip above runs TP=2 -> 1 -> 2); at ZeRO-3, where DeepSpeed 0.19.8's converter and loader
+    fail, and without ZeRO on as many ranks, it is refused with what works, before anything
+    is written."""
     out = tmp_path / "run"
     tag = _fake_checkpoint(out, world_size=saved[0], tp=saved[1])
-    args = _args(tiny_data, out, tp=now[1], accum=1, stage=2) + ["--resume", "auto"]
-    assert match in _refused(args, world_size=now[0])
+
+    def args(stage):
+        return _args(tiny_data, out, tp=now[1], accum=1, stage=stage) + ["--resume", "auto"]
+
+    notes = "\n".join(_resolve(args(2), world_size=now[0]).notes)
+    assert f"was saved on {saved[0]} ranks, tensor-parallel {saved[1]}" in notes
+    assert "converted once to DeepSpeed's universal checkpoint" in notes
+    message = _refused(args(3), world_size=now[0])
+    assert "at ZeRO-3" in message and f"autotp_size={saved[1]} on {saved[0]} ranks" in message
+    if saved[0] == now[0]:
+        assert "without ZeRO" in _refused(args(0), world_size=now[0])
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "manifest.json", tag.name]
 
 

@@ -166,42 +166,93 @@ def _sliding_window(preset) -> int | None:
     return window
 
 
-def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout) -> None:
-    """A checkpoint resumes only at the tensor-parallel degree it was saved at, and with
-    tensor parallelism only on as many ranks: each rank's files hold its own slices of the
-    sharded matrices, and DeepSpeed's checkpoint loading (its universal-checkpoint conversion
-    included) does not re-slice AutoTP weights for another degree. Likewise only at the
-    sequence-parallel degree it was saved at. Another expert-parallel degree resumes through
-    DeepSpeed's universal checkpoint (``anneal.resilience.checkpoint.load``)."""
-    saved_tp = manifest.get("tensor_parallel_size", 1)
-    saved_ranks = manifest.get("world_size")
-    saved_sp = manifest.get("sequence_parallel_size", 1)
-    if isinstance(saved_sp, int) and saved_sp != here.sequence_parallel:
-        raise UserError(
-            f"--resume {tag_dir}: saved with sequence-parallel degree {saved_sp} (its manifest) "
-            f"and this launch has {here.sequence_parallel}. Anneal resumes only at the degree a "
-            f"checkpoint was saved at: its weights would load (they are whole on every rank), "
-            f"but the data-parallel replicas, and with them the batch arithmetic, would change, "
-            f"and such a resume is not tested. Resume with --set "
-            f"ds.sequence_parallel_size={saved_sp}, or start a new run in a new --out."
-        )
-    if not isinstance(saved_tp, int) or isinstance(saved_tp, bool):
+def saved_layout(manifest: dict, here: Layout) -> Layout:
+    """The layout a checkpoint was saved at, from its manifest (a field it lacks: ``here``'s
+    world size, else degree 1, as before the manifests recorded them)."""
+    return Layout(
+        manifest.get("world_size", here.world_size),
+        manifest.get("tensor_parallel_size", 1),
+        manifest.get("sequence_parallel_size", 1),
+        manifest.get("expert_parallel_size", 1),
+    )
+
+
+def converts(saved: Layout, here: Layout) -> bool:
+    """Whether a resume from ``saved`` at ``here`` goes through DeepSpeed's universal
+    checkpoint (``anneal.resilience.checkpoint.load`` decides alike): another number of ranks,
+    expert-parallel or tensor-parallel degree. Another sequence-parallel degree alone loads
+    the files as saved: the weights are whole on every rank, and ZeRO partitions them over
+    all ranks (DeepSpeed's sequence-data-parallel group) at any degree, so every rank's
+    shard is the same."""
+    return (saved.world_size, saved.expert_parallel, saved.tensor_parallel) != (
+        here.world_size,
+        here.expert_parallel,
+        here.tensor_parallel,
+    )
+
+
+def moves_stage(saved_stage: int | None, stage: int) -> bool:
+    """Whether a resume at ZeRO ``stage`` of a checkpoint saved at ``saved_stage`` moves
+    between ZeRO-1/2 and ZeRO-3 (``anneal.resilience.checkpoint.load`` converts it then)."""
+    return saved_stage is not None and (saved_stage == 3) != (stage == 3)
+
+
+def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout, *, stage: int) -> None:
+    """What a checkpoint resumes at besides its own layout (``stage``: this launch's ZeRO
+    stage; ``check_resume_stage`` keeps it in the saved stage's family). Carried: another
+    sequence-parallel degree on as many ranks (its files load as saved: ``converts``);
+    another tensor-parallel degree, or tensor parallelism on another number of ranks, at
+    ZeRO-1/2, through DeepSpeed's universal checkpoint, whose converter merges AutoTP's slices
+    by the map the engine saves with them and whose loader cuts them again. Refused, where
+    DeepSpeed 0.19.8 fails (docs/resilience.md, "Resuming at another layout"): a conversion
+    to or from a sequence-parallel layout, and one with tensor parallelism at ZeRO-3 or
+    without ZeRO."""
+    saved = saved_layout(manifest, here)
+    saved_stage = saved_zero_stage(manifest)
+    if not converts(saved, here) and not moves_stage(saved_stage, stage):
         return
-    if saved_tp != here.tensor_parallel:
+    what = (
+        f"--resume {tag_dir}: saved on {saved.describe()} (its manifest), and this launch is "
+        f"{here.describe()}"
+    )
+    if 1 < saved.sequence_parallel or 1 < here.sequence_parallel:
         raise UserError(
-            f"--resume {tag_dir}: saved with tensor-parallel degree {saved_tp} (its manifest) "
-            f"and this launch has {here.tensor_parallel}. Each rank's checkpoint files hold its "
-            f"own slices of the sharded weights, and DeepSpeed does not re-slice AutoTP weights "
-            f"on load. Resume with --set ds.tensor_parallel.autotp_size={saved_tp} on "
-            f"{saved_ranks or 'as many'} ranks, or start a new run in a new --out."
+            f"{what}. That change goes through DeepSpeed's universal checkpoint, which "
+            f"DeepSpeed 0.19.8 does not carry with Ulysses sequence parallelism on either side "
+            f"(tried, bench/repro/ulysses_universal.py: its converter stops on a checkpoint "
+            f'saved at SP=2 with "Checkpoint model-state file count 1 does not match '
+            f'pp_degree=1 * tp_degree=2", the engine having recorded the sequence-parallel '
+            f"degree as the tensor-parallel one; its universal load into an engine at SP=2 "
+            f"stops on \"module 'parallel_state_sp' has no attribute "
+            f"'get_tensor_model_parallel_world_size'\"). Resume on {saved.world_size} ranks, "
+            f"at any sequence-parallel degree that divides them (the files load as saved), "
+            f"or export the model and start a new run from it with --init-from (a fresh "
+            f"optimizer)."
         )
-    if here.tensor_parallel > 1 and isinstance(saved_ranks, int) and saved_ranks != here.world_size:
+    if saved.tensor_parallel == here.tensor_parallel == 1:
+        return
+    if 3 in (stage, saved_stage):
         raise UserError(
-            f"--resume {tag_dir}: saved by {saved_ranks} ranks with tensor parallelism "
-            f"{saved_tp}, and this launch has {here.world_size} ranks. A tensor-parallel "
-            f"checkpoint resumes only on the topology that saved it (DeepSpeed's universal "
-            f"checkpoint, which Anneal uses for other world sizes, does not re-slice AutoTP "
-            f"weights): resume with {saved_ranks} ranks."
+            f"{what}, at ZeRO-3 on one side. Another tensor-parallel degree, tensor "
+            f"parallelism on another number of ranks, or a move between ZeRO-1/2 and ZeRO-3 "
+            f"with it, goes through DeepSpeed's universal checkpoint, which "
+            f"DeepSpeed 0.19.8 carries at ZeRO-1/2 but not at ZeRO-3 (tried, bench/repro/"
+            f"autotp_zero3_universal.py: from TP=2 its converter stops in merge_tp_slices on "
+            f'"Rank 0 supplied a shard of 64 elements, but the map describes 0", the AutoTP '
+            f"map saved at ZeRO-3 giving the weights it does not slice, norms and embeddings, "
+            f"the empty shape of ZeRO-3's partitioned placeholder; from TP=1 to 2 its ZeRO-3 "
+            f'universal load stops on "start (77568) + length (4096) exceeds dimension size '
+            f'(78976)", not cutting the weights for AutoTP). Resume with --set '
+            f"ds.tensor_parallel.autotp_size={saved.tensor_parallel} on {saved.world_size} "
+            f"ranks, or export the model and start a new run from it with --init-from (a "
+            f"fresh optimizer)."
+        )
+    if stage == 0 and saved.world_size == here.world_size:
+        raise UserError(
+            f"{what}, without ZeRO. Another tensor-parallel degree goes through DeepSpeed's "
+            f"universal checkpoint, whose converter reads ZeRO's optimizer shards, and a run "
+            f"without ZeRO has none: resume with --set ds.tensor_parallel.autotp_size="
+            f"{saved.tensor_parallel}."
         )
 
 
@@ -237,28 +288,46 @@ def check_resume_stage(tag_dir: Path, manifest: dict, *, stage: int, world_size:
 def describe_resume_change(
     tag_dir: Path, manifest: dict, here: Layout, *, stage: int
 ) -> str | None:
-    """One line for a resume whose checkpoint was saved at another layout than this launch's,
-    which ``anneal.resilience.checkpoint.load`` loads through DeepSpeed's universal checkpoint
-    (another number of ranks, another expert-parallel degree, ZeRO-1/2 for ZeRO-3 or the other
-    way); None when nothing changes."""
-    saved_ranks = manifest.get("world_size", here.world_size)
-    saved_ep = manifest.get("expert_parallel_size", 1)
+    """One line for a resume whose checkpoint was saved at another layout than this launch's:
+    the two layouts (the data-parallel replicas too, where a tensor- or sequence-parallel
+    degree changes them) and how it loads: through DeepSpeed's universal checkpoint
+    (``converts``, or a move between ZeRO-1/2 and ZeRO-3), or as saved (another
+    sequence-parallel degree alone); None when nothing changes."""
+    saved = saved_layout(manifest, here)
     saved_stage = saved_zero_stage(manifest)
-    other_stage = saved_stage is not None and (saved_stage == 3) != (stage == 3)
-    if saved_ranks == here.world_size and saved_ep == here.expert_parallel and not other_stage:
+    other_stage = moves_stage(saved_stage, stage)
+    if saved == here and not other_stage:
         return None
+    replicas = (saved.tensor_parallel, saved.sequence_parallel) != (
+        here.tensor_parallel,
+        here.sequence_parallel,
+    )
 
-    def layout(ranks, ep, zero):
-        where = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    def degrees(at: Layout) -> tuple[int, int, int]:
+        return at.tensor_parallel, at.sequence_parallel, at.expert_parallel
+
+    names = ("tensor-parallel", "sequence-parallel", "expert-parallel")
+    shown = [a != 1 or b != 1 for a, b in zip(degrees(saved), degrees(here), strict=True)]
+
+    def layout(at: Layout, zero) -> str:
+        where = f"{at.world_size} rank{'s' if at.world_size != 1 else ''}"
         where += f", ZeRO-{zero}" if zero else ""
-        return where + (
-            f", expert-parallel {ep}" if ep != 1 or saved_ep != here.expert_parallel else ""
-        )
+        for name, degree, show in zip(names, degrees(at), shown, strict=True):
+            where += f", {name} {degree}" if show else ""
+        return where + (f", data-parallel {at.data_parallel}" if replicas else "")
 
+    if converts(saved, here) or other_stage:
+        how = (
+            "it is converted once to DeepSpeed's universal checkpoint under this run's "
+            "checkpoints/.universal/ and loaded from there"
+        )
+    else:
+        how = (
+            f"its files load as saved, ZeRO partitioning over all {here.world_size} ranks at "
+            f"any sequence-parallel degree"
+        )
     return (
-        f"resume: {tag_dir.name} was saved on {layout(saved_ranks, saved_ep, saved_stage)}; "
-        f"this launch is {layout(here.world_size, here.expert_parallel, stage)}: it is converted "
-        f"once to DeepSpeed's universal checkpoint under this run's checkpoints/.universal/ and "
-        f"loaded from there (the global batch, the data position, the schedule and the "
-        f"optimizer's state carry over)"
+        f"resume: {tag_dir.name} was saved on {layout(saved, saved_stage)}; this launch is "
+        f"{layout(here, stage)}: {how} (the global batch, the data position, the schedule "
+        f"and the optimizer's state carry over)"
     )

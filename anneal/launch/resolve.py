@@ -385,5 +385,5 @@ def check_checkpoint_fits(
                 f"model.hidden_size=... as {source} says; vocab_size comes from --data), or "
                 f"start a new run in a new --out."
             )
-    parallel.check_resume_layout(tag_dir, manifest, layout)
+    parallel.check_resume_layout(tag_dir, manifest, layout, stage=zero_stage)
     parallel.check_resume_stage(tag_dir, manifest, stage=zero_stage, world_size=world_size)

@@ -193,6 +193,7 @@ def load(
     *,
     ckpt_dir: Path,
     expert_parallel: int = 1,
+    tensor_parallel: int = 1,
     zero_stage: int | None = None,
 ) -> dict:
     """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the client
@@ -201,7 +202,8 @@ def load(
     Every file is read by torch's weights-only loader (``anneal.resilience.safeload``): each is
     checked first, on every rank, so that a refusal stops every rank before anything loads;
     DeepSpeed then reads them through that loader too. A checkpoint written by another number
-    of ranks, at another expert-parallel degree than ``expert_parallel``, or at ZeRO-1/2 for a
+    of ranks, at another expert-parallel or tensor-parallel degree than ``expert_parallel`` and
+    ``tensor_parallel``, or at ZeRO-1/2 for a
     job at ZeRO-3 (``zero_stage``) or the other way, is converted once to DeepSpeed's universal
     format, under ``ckpt_dir`` (the checkpoints directory of the run that resumes, never the
     source's), and loaded from there."""
@@ -209,11 +211,13 @@ def load(
     manifest = read_manifest(tag_dir)
     saved_ranks = manifest.get("world_size", world_size())
     saved_ep = manifest.get("expert_parallel_size", 1)
+    saved_tp = manifest.get("tensor_parallel_size", 1)
     saved_stage = saved_zero_stage(manifest)
     other_stage = None not in (zero_stage, saved_stage) and (saved_stage == 3) != (zero_stage == 3)
+    same = (saved_ranks, saved_ep, saved_tp) == (world_size(), expert_parallel, tensor_parallel)
     safeload.install(engine)
     with safeload.loading():
-        if saved_ranks == world_size() and saved_ep == expert_parallel and not other_stage:
+        if same and not other_stage:
             path, client = engine.load_checkpoint(
                 str(tag_dir.parent),
                 tag=tag_dir.name,
@@ -225,8 +229,8 @@ def load(
                 engine,
                 tag_dir,
                 ckpt_dir=ckpt_dir,
-                saved=(saved_ranks, saved_ep),
-                here=(world_size(), expert_parallel),
+                saved=(saved_ranks, saved_ep, saved_tp),
+                here=(world_size(), expert_parallel, tensor_parallel),
             )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")

@@ -229,15 +229,18 @@ class Guard:
         spike_step: int,
         spike_end: int,
         samples_per_step: int,
-        layout: tuple[int, int | None] = (1, None),
+        expert_parallel: int = 1,
+        tensor_parallel: int = 1,
+        zero_stage: int | None = None,
     ) -> tuple[dict, Path]:
         """Collective. Reload the newest intact checkpoint older than ``spike_step``, and record
         the skip of the samples from its position to ``spike_end`` plus the margin, and the
-        lower LR. ``layout``: the job's (expert-parallel degree, ZeRO stage), for
-        ``checkpoint.load``: that checkpoint may be the one this job resumed from, saved at
-        another layout. Returns its client state, for the caller to restore from as from any
+        lower LR. Returns its client state, for the caller to restore from as from any
         checkpoint (``anneal.train.Trainer.load_state_dict``, which calls ``restore``), and
-        where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three."""
+        where it was; then ``rewound`` logs it. The Trainer's ``rewind`` calls the three.
+        ``expert_parallel``, ``tensor_parallel``, ``zero_stage``: this job's, for
+        ``checkpoint.load`` (the checkpoint may be the one this run resumed from, saved at
+        another layout)."""
         older = [p for p in checkpoint.intact_checkpoints(ckpt_dir) if saved_step(p) < spike_step]
         tag_dir = checkpoint.verified_resume(older[-1], fallback=True) if older else None
         if tag_dir is None:
@@ -247,9 +250,13 @@ class Guard:
                 f"off for the first steps (guard.min_history).",
                 every_rank=True,
             )
-        ep, stage = layout
         client = checkpoint.load(
-            engine, tag_dir, ckpt_dir=ckpt_dir, expert_parallel=ep, zero_stage=stage
+            engine,
+            tag_dir,
+            ckpt_dir=ckpt_dir,
+            expert_parallel=expert_parallel,
+            tensor_parallel=tensor_parallel,
+            zero_stage=zero_stage,
         )
         start = client["data"]["position"]
         end = spike_end + self.cfg.skip_margin_steps * samples_per_step

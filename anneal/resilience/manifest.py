@@ -97,7 +97,7 @@ def write_manifest(
         "tokens": client_state.get("tokens"),
         "tokenizer_sha256": client_state.get("data", {}).get("tokenizer_sha256"),
         "world_size": world_size(),
-        # a checkpoint resumes only at this degree (anneal.launch.parallel.check_resume_layout)
+        # the layout it was saved at (anneal.launch.parallel.check_resume_layout)
         "tensor_parallel_size": tp,
         "sequence_parallel_size": client_state.get("sequence_parallel_size", 1),
         "expert_parallel_size": client_state.get("expert_parallel_size", 1),

@@ -45,12 +45,17 @@ PEAK_FACTOR = 3.5
 
 
 def load_universal(
-    engine, tag_dir: Path, *, ckpt_dir: Path, saved: tuple[int, int], here: tuple[int, int]
+    engine,
+    tag_dir: Path,
+    *,
+    ckpt_dir: Path,
+    saved: tuple[int, int, int],
+    here: tuple[int, int, int],
 ):
     """Collective. ``engine.load_checkpoint``'s (path, client state) for a checkpoint saved by
-    ``saved`` = (ranks, expert-parallel degree) into this job's ``here``, through its universal
-    form under ``ckpt_dir`` (the resuming run's checkpoints directory). Called within
-    ``safeload.loading()``."""
+    ``saved`` = (ranks, expert-parallel degree, tensor-parallel degree) into this job's
+    ``here``, through its universal form under ``ckpt_dir`` (the resuming run's checkpoints
+    directory). Called within ``safeload.loading()``."""
     with reading(ckpt_dir):
         return _load_universal(engine, tag_dir, ckpt_dir=ckpt_dir, saved=saved, here=here)
 
@@ -58,14 +63,18 @@ def load_universal(
 def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
     universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    (saved_ranks, saved_ep), (ranks, ep) = saved, here
+    (saved_ranks, saved_ep, saved_tp), (ranks, ep, tp) = saved, here
+
+    tp_there = f" at tensor-parallel degree {saved_tp}" if saved_tp != tp else ""
     log.warning(
-        "%s was saved by %d ranks%s, this job has %d%s: loading its universal form %s",
+        "%s was saved by %d ranks%s%s, this job has %d%s%s: loading its universal form %s",
         tag_dir,
         saved_ranks,
         f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
+        tp_there,
         ranks,
         f" at degree {ep}" if saved_ep != ep else "",
+        f" at tensor-parallel degree {tp}" if saved_tp != tp else "",
         universal,
     )
     clip = getattr(engine.optimizer, "clip_grad", None)  # ZeRO-1/2's load sets the saved one
@@ -337,7 +346,7 @@ def either_stage(out: Path) -> None:
     - each parameter's ``step.pt``: ZeRO-1/2 reads the Adam step there, ZeRO-3 from the
       optimizer state.
 
-    ``bench/zero_stage_universal_repro.py`` shows DeepSpeed's loader failing without this.
+    ``bench/repro/zero_stage_universal.py`` shows DeepSpeed's loader failing without this.
     Every file is read by torch's weights-only loader."""
     with torch.serialization.safe_globals(safeload.safe_globals()):
         _either_stage(out)

@@ -75,6 +75,7 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
             resume_from,
             ckpt_dir=rundir.checkpoints_dir(launch.out),
             expert_parallel=launch.layout.expert_parallel,
+            tensor_parallel=launch.layout.tensor_parallel,
             zero_stage=launch.zero_stage,
         )
         resumed.update(checkpoint=str(resume_from), load_s=round(time.perf_counter() - t0, 3))
@@ -288,7 +289,9 @@ class Trainer:
             spike_step=spike_step,
             spike_end=spike_end,
             samples_per_step=self.samples_per_step,
-            layout=(self.launch.layout.expert_parallel, self.launch.zero_stage),
+            expert_parallel=self.launch.layout.expert_parallel,
+            tensor_parallel=self.launch.layout.tensor_parallel,
+            zero_stage=self.launch.zero_stage,
         )
         self.load_state_dict(client)
         self.guard.rewound(spike_step, client, tag_dir, self.observers)

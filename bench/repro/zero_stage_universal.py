@@ -13,7 +13,7 @@ sound. Anneal refuses such a resume before anything starts
 (``anneal.launch.parallel.check_resume_stage``; docs/resilience.md, "Resuming at another
 layout").
 
-    python bench/zero_stage_universal_repro.py [--from 2 --to 3] [--same | --repaired]
+    python bench/repro/zero_stage_universal.py [--from 2 --to 3] [--same | --repaired]
                                                            (one process, CPU, gloo; about 20 s)
 
 ``--repaired`` adds what the other stage's loader looks for first
@@ -99,7 +99,7 @@ def run(args, loaded: int, work: Path) -> int:
     print(f"universal folder: {sorted(os.listdir(work / 'universal' / 'step1'))}")
 
     if args.repaired:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         from anneal.resilience.universal import either_stage
 
         either_stage(work / "universal" / "step1")
