@@ -62,9 +62,10 @@ def _args(data, out, *, tp: int, accum: int, stage: int, extra=(), save_every=5)
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """The TP=1 reference, TP=2 on 2 ranks, TP=2 x DP=2 on 4 ranks (each 4 samples per step;
-    saved at step 10 only and exported then, ``train.export_every_save``), and the TP=2 run
-    resumed from its step-5 checkpoint in a new directory; two launches at a time, each
-    process on one thread (the resume starts as soon as TP=2 has finished)."""
+    exported at each save, ``train.export_every_save``), the TP=2 run resumed from its step-5
+    checkpoint in a new directory, and the TP=2 x DP=2 run's step 5 resumed at DP=4 on 4
+    ranks; two launches at a time, each process on one thread (a resume starts as soon as the
+    run it resumes has finished)."""
     from concurrent.futures import ThreadPoolExecutor
 
     tmp = tmp_path_factory.mktemp("tp")
@@ -84,8 +85,13 @@ def runs(tiny_data, tmp_path_factory):
                 accum=1,
                 stage=2,
                 extra=_sets("train.export_every_save=true"),
-                save_every=STEPS,
             ),
+            ranks=4,
+        ),
+        "dp4": dict(  # TP=2 x DP=2 -> DP=4 at step 5, through the universal checkpoint
+            args=_args(tiny_data, tmp / "dp4", tp=1, accum=1, stage=2)
+            + _sets("ds.train_micro_batch_size_per_gpu=1")  # 4 replicas x 1: 4 a step
+            + ["--resume", str(tmp / "tp2dp2" / "checkpoints" / "step00000005")],
             ranks=4,
         ),
     }
@@ -93,8 +99,8 @@ def runs(tiny_data, tmp_path_factory):
     with ThreadPoolExecutor(2) as pool:
         started = {}
         for name, launch in launches.items():
-            if name == "resumed":
-                started["tp2"].result()  # its checkpoint first
+            if name in ("resumed", "dp4"):  # the checkpoint it resumes first
+                started["tp2" if name == "resumed" else "tp2dp2"].result()
             started[name] = pool.submit(run_recipe, **launch, extra_env=one_thread)
         return tmp, {name: future.result() for name, future in started.items()}
 
@@ -142,6 +148,28 @@ def test_resume_at_the_same_topology_is_exact(runs):
     for step in resumed:
         for key in ("loss", "grad_norm", "lr", "tokens"):
             assert resumed[step][key] == full[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_resumes_at_dp4(runs):
+    """Slow (shares ``runs``: one 4-rank launch and its conversion). The TP=2 x DP=2 run's
+    step-5 checkpoint, resumed on the same 4 ranks at TP=1 (4 data-parallel replicas,
+    micro-batch 1: the same 4 samples a step) through DeepSpeed's universal checkpoint:
+    steps 6-10 match the run that never changed (which matches the TP=1 reference within 1e-5,
+    above), losses and grad norms within 1e-5 relative, LR and tokens exactly."""
+    tmp, done = runs
+    full, resumed = _train(tmp / "tp2dp2"), _train(tmp / "dp4")
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
+        assert resumed[step]["tokens"] == full[step]["tokens"]
+    assert (
+        "saved on 4 ranks, ZeRO-2, tensor-parallel 2, data-parallel 2; this launch is 4 ranks, "
+        "ZeRO-2, tensor-parallel 1, data-parallel 4: it is converted once"
+    ) in done["dp4"].stderr
+    assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done["dp4"].stderr
 
 
 @pytest.mark.slow
