@@ -211,7 +211,7 @@ def one_repeat(engine, work: Path, i: int, r: dict, n_bytes: int) -> int:
     drop_cache(out)
     t0 = time.perf_counter()
     with safeload.loading():
-        universal.load_universal(engine, tag_dir, ckpt_dir=uc, saved=(1, 1), here=(1, 1))
+        universal.load_universal(engine, tag_dir, ckpt_dir=uc, saved=(1, 1, 1), here=(1, 1, 1))
     r["universal_load_s"].append(time.perf_counter() - t0)
     shutil.rmtree(uc)
     shutil.rmtree(ckpt)
