@@ -3,15 +3,17 @@ checkpoint written by 2 ranks resumes on 1 and one written by 1 resumes on 2, wi
 auto``, through DeepSpeed's universal checkpoint (converted once under the resuming run's
 ``checkpoints/.universal/``, never in the tag directory, and removed by the run's next save).
 The losses and grad norms after the resume match a run that never changed its world size
-(within 1e-5 relative: only the order of the reductions differs); at ZeRO-1/2 so does the
-AdamW state (master weights, moments, step, each group's hyperparameters: the state the resume
-loaded, stepped as often as the reference's); the data position is kept, and the no-decay param
-group still has weight decay 0 after the load (DeepSpeed 0.19.8's ZeRO-3 universal load copies
-the first group's hyperparameters into every group, and shares one Adam step counter between
+(within 1e-5 relative: only the order of the reductions differs); at ZeRO-1/2, and at ZeRO-3
+where the resume runs on one rank as the reference does, so does the AdamW state (master
+weights, moments, step, each group's hyperparameters: the state the resume loaded, stepped as
+often as the reference's); the data position is kept, and the no-decay param group still has
+weight decay 0 after the load (DeepSpeed 0.19.8's ZeRO-3 universal load copies the first
+group's hyperparameters into every group, and shares one Adam step counter between
 sub-groups, which would show in the losses). A 2 -> 1 resume then goes back to 2 ranks from
 its own save (converted again: DeepSpeed #7546) and matches again. About 45 s a case here, each
-two or three launches and their conversions. A move between ZeRO-2 and ZeRO-3 is refused
-before anything starts and leaves the run's files as they were."""
+two or three launches and their conversions. ZeRO-2 -> ZeRO-3 -> ZeRO-2 on 2 ranks matches
+the same way; a move to no ZeRO is refused before anything starts and leaves the run's files
+as they were."""
 
 import json
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import SMALL, read_metrics, run_recipe, tree
+from tests.zero_state import assert_same_zero3_state
 
 pytestmark = pytest.mark.slow
 N = 4
@@ -142,6 +145,9 @@ def test_resume_on_another_number_of_ranks(
         assert rows[step]["tokens"] == ref[step]["tokens"]
     if stage < 3:  # the optimizer at step 2N: what the resume loaded, stepped N times
         assert_same_adam_state(adam_state(tmp_path, 2 * N), adam_state(ref_dir, 2 * N))
+    elif after == 1:  # on one rank, as the reference: the same files
+        tag = f"step{2 * N:08d}"
+        assert_same_zero3_state(tmp_path / "checkpoints" / tag, ref_dir / "checkpoints" / tag)
     if before < after:
         return
     # Back to the first layout from the step-2N checkpoint, saved after a universal load

@@ -1,5 +1,5 @@
-"""The optimizer state of two ZeRO-1/2 checkpoints saved at the same layout, compared file by
-file: a run that changed its layout and came back against the run that never did."""
+"""The optimizer state of two ZeRO checkpoints saved at the same layout, compared file by file:
+a run that changed its layout and came back against the run that never did."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def optimizer_files(tag: Path) -> dict[str, dict]:
-    """Each ``*_optim_states.pt`` of a ZeRO-1/2 checkpoint: its optimizer state dict."""
+    """Each ``*_optim_states.pt`` of a ZeRO checkpoint: its optimizer state dict."""
     return {
         p.name: torch.load(p, weights_only=False)["optimizer_state_dict"]
         for p in sorted(Path(tag).glob("*_optim_states.pt"))
@@ -50,4 +50,28 @@ def assert_same_optimizer_state(got_tag: Path, want_tag: Path) -> None:
             g["single_partition_of_fp32_groups"], w["single_partition_of_fp32_groups"], strict=True
         )
         for i, (a, b) in enumerate(masters):
+            assert_close(a, b, (name, i, "master"))
+
+
+def assert_same_zero3_state(got_tag: Path, want_tag: Path) -> None:
+    """``assert_same_optimizer_state`` for two ZeRO-3 checkpoints saved at the same layout:
+    in each rank's file, every param group's hyperparameters exactly, and per sub-group its
+    Adam step exactly, its fp32 partition and moments by ``assert_close``."""
+    got, want = optimizer_files(got_tag), optimizer_files(want_tag)
+    assert sorted(got) == sorted(want) and want
+    for name, w in want.items():
+        g = got[name]
+        gb, wb = g["optimizer_state_dict"], w["optimizer_state_dict"]
+        for gg, wg in zip(gb["param_groups"], wb["param_groups"], strict=True):
+            assert {k: v for k, v in gg.items() if k != "params"} == {
+                k: v for k, v in wg.items() if k != "params"
+            }
+        assert sorted(gb["state"]) == sorted(wb["state"]) and wb["state"]
+        for i, ws in wb["state"].items():
+            gs = gb["state"][i]
+            assert float(gs["step"]) == float(ws["step"]), (name, i)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_close(gs[key], ws[key], (name, i, key))
+        flats = zip(g["fp32_flat_groups"], w["fp32_flat_groups"], strict=True)
+        for i, (a, b) in enumerate(flats):
             assert_close(a, b, (name, i, "master"))
