@@ -165,7 +165,7 @@ def test_resume_on_another_number_of_ranks(
 
 def test_resume_at_zero_3_then_back_at_zero_2(stdlib_data, tmp_path, tmp_path_factory):
     """ZeRO-2 on 2 ranks to step N, ZeRO-3 on 2 ranks to 2N, ZeRO-2 again to 3N: each move
-    through the universal checkpoint, which ``universal.either_stage`` makes loadable at both
+    through the universal checkpoint, which ``universal_stages.either_stage`` makes loadable at both
     stages (bench/repro/zero_stage_universal.py shows DeepSpeed 0.19.8 failing without it).
     The losses and grad norms of steps N+1..3N match the ZeRO-2 run that never stopped, and so
     does the AdamW state at step 3N, after both moves. Three 2-rank launches, about 60 s."""

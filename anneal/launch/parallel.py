@@ -260,7 +260,8 @@ def check_resume_stage(tag_dir: Path, manifest: dict, *, stage: int, world_size:
     """The ZeRO stage and world size a checkpoint can resume at: any of ZeRO-1, 2 and 3 on any
     number of ranks, whichever of them saved it (another number of ranks, or a move between
     ZeRO-1/2 and ZeRO-3, through DeepSpeed's universal checkpoint, made loadable at either
-    stage by ``anneal.resilience.universal.either_stage``; ZeRO-1 and 2 write the same files).
+    stage by ``anneal.resilience.universal_stages.either_stage``; ZeRO-1 and 2 write the same
+    files).
     Refused: a move to or from no ZeRO (stage 0), and another number of ranks without ZeRO:
     DeepSpeed's converter reads ZeRO's optimizer shards, and a run without ZeRO has none."""
     saved = saved_zero_stage(manifest)

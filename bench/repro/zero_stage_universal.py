@@ -17,8 +17,8 @@ layout").
                                                            (one process, CPU, gloo; about 20 s)
 
 ``--repaired`` adds what the other stage's loader looks for first
-(``anneal.resilience.universal.either_stage``); the load then succeeds, with the weights, Adam
-moments and step of the engine that saved.
+(``anneal.resilience.universal_stages.either_stage``); the load then succeeds, with the
+weights, Adam moments and step of the engine that saved.
 
 Seen with DeepSpeed 0.19.8, torch 2.13.0 (CPU).
 """
@@ -62,7 +62,7 @@ def main() -> int:
         "--repaired",
         action="store_true",
         help="first make the folder loadable at both stages, as Anneal does "
-        "(anneal.resilience.universal.either_stage), and compare the loaded state",
+        "(anneal.resilience.universal_stages.either_stage), and compare the loaded state",
     )
     args = p.parse_args()
     loaded = args.saved if args.same else args.loaded
@@ -100,7 +100,7 @@ def run(args, loaded: int, work: Path) -> int:
 
     if args.repaired:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from anneal.resilience.universal import either_stage
+        from anneal.resilience.universal_stages import either_stage
 
         either_stage(work / "universal" / "step1")
     loader = engine(loaded, universal=True)
