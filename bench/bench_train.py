@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     p.add_argument("--models", help="tiny,small (--bare: tiny); tiny-moe (sparse) with --bare only")
-    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--ranks", help="rank counts, e.g. 1,2 (default; --smoke too)")
     p.add_argument("--repeats", type=int, help="rounds: 3 (--bare: 2)")
     p.add_argument("--steps", type=int, help="steps per run, tiny model: 24 (--bare: 8)")
     p.add_argument("--small-steps", type=int, default=10, help="steps per run, small model")
@@ -341,13 +341,13 @@ def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
         raise SystemExit("bench_train: --arm adds recipe runs beside the reference, not --bare")
     args.stages = parse_stages(args.stages)
     if args.smoke:  # the given models (tiny by default), a few steps, one stage
-        args.ranks, args.repeats, args.steps, args.skip = "1,2", 1, 3, 1
+        args.repeats, args.steps, args.skip = 1, 3, 1
         args.models = models_given or "tiny"
         sparse = any(MODELS.get(m, MODELS["tiny"]).dense_twin for m in args.models.split(","))
         args.stages = args.stages or ([2 if sparse else 3] if args.bare else None)
     args.models = args.models.split(",")
     check_models(args)
-    args.ranks = [int(r) for r in args.ranks.split(",")]
+    args.ranks = [int(r) for r in (args.ranks or "1,2").split(",")]
     args.data = str(ensure_data(args.data))
     out = bench(args)
     if args.smoke:

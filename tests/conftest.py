@@ -64,46 +64,48 @@ def pytest_collection_modifyitems(config, items):
 # keep them 1.8 busy. Shard 1 takes every fast test (and the shared runs) and the slow files
 # that read the shared runs; the other slow files go, heaviest first, to the shard with the
 # least so far, by these weights: seconds of each file's slow tests with two sessions running
-# (2026-12-02), the fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S. The
-# tests marked ``alone`` (peak memory measured against the estimate: another session's load
-# moved a TP=2 rank's peak from 790 to 492 MiB) run after the shards, in a session of their own.
+# (`make test-all` with --durations=0, 2026-12-04), the fast tests together as one; a file not
+# listed weighs DEFAULT_WEIGHT_S. The tests marked ``alone`` (peak memory measured against the
+# estimate: another session's load moved a TP=2 rank's peak from 790 to 492 MiB) run after the
+# shards, in a session of their own.
 SHARD_WEIGHTS_S = {
-    "<fast>": 300,
-    "test_bench_smoke.py": 570,  # 567 s in its shard of `make test-all` (2026-12-04)
-    "test_resume.py": 235,
-    "test_export.py": 150,
-    "test_world_size.py": 290,  # 6 resumes (2 going back), 3 references, ZeRO-2 -> 3 -> 2
-    "test_cluster.py": 250,  # with the 2 -> 1 node drill (35-63 s)
-    "test_crash_recovery.py": 93,
-    "test_tensor_parallel.py": 150,  # resumes TP=2 -> 1 -> 2, DP=4
-    "test_scaling_sweep.py": 98,
-    "test_wsd.py": 97,
-    "test_recipes.py": 76,
-    "test_sequence_parallel.py": 105,
-    "test_cooldown.py": 84,
-    "test_loss.py": 80,
-    "test_bad_input.py": 78,
-    "test_init_from.py": 77,
-    "test_launcher.py": 67,
-    "test_data_learning.py": 66,
-    "test_bench_gpu.py": 78,
-    "test_validation_sources.py": 61,
-    "test_scaling.py": 63,
-    "test_export_every_save.py": 50,
-    "test_guard.py": 33,
-    "test_rank_death.py": 29,
-    "test_bench_train.py": 22,
-    "test_stale_state.py": 20,
-    "test_docs_commands.py": 90,  # 43 s alone (2026-12-03); most blocks are dry runs
-    # issue 29 and 32's files (2026-12-03, measured alone or under another session's load)
-    "test_eval_loop.py": 110,  # four 2-rank launches, 60-82 s
-    "test_eval_watch.py": 80,  # two Slurm drills, about 30 s each
-    "test_eval_cmd.py": 70,  # a run and its export, then three 2-rank scorings
-    "test_eval_lm.py": 45,
-    "test_data_scale_slurm.py": 30,
-    "test_moe_parallel.py": 110,  # six 2-rank launches, two at a time (93 s here, 2026-12-03)
+    "<fast>": 220,  # the fast tests, shard 1's wall time less its slow tests
+    "test_bench_smoke.py": 470,  # 603 s before bench_moe{,_balance} smoke were cut
+    "test_cluster.py": 205,
+    "test_world_size.py": 160,  # 208 s before the 1 -> 2 cases went into the 2 -> 1 -> 2 ones
+    "test_tensor_parallel.py": 135,
+    "test_resume.py": 130,
+    "test_export.py": 96,
+    "test_eval_loop.py": 90,
+    "test_docs_commands.py": 85,
+    "test_eval_cmd.py": 76,
+    "test_sequence_parallel.py": 76,
+    "test_moe_parallel.py": 74,
+    "test_eval_watch.py": 68,
+    "test_crash_recovery.py": 63,
+    "test_bench_gpu.py": 59,
+    "test_moe_hf.py": 43,
+    "test_recipes.py": 42,
+    "test_launcher.py": 40,
+    "test_scaling_sweep.py": 38,
+    "test_eval_lm.py": 35,
+    "test_data_learning.py": 34,
+    "test_wsd.py": 32,
+    "test_bad_input.py": 31,
+    "test_init_from.py": 29,
+    "test_guard.py": 28,
+    "test_scaling.py": 25,
+    "test_validation_sources.py": 25,
+    "test_cooldown.py": 22,
+    "test_data_scale_slurm.py": 22,
+    "test_bench_train.py": 19,
+    "test_loss.py": 19,
+    "test_rank_death.py": 16,
+    "test_export_every_save.py": 16,
+    "test_stale_state.py": 9,
+    "test_eval_tasks.py": 7,
 }
-DEFAULT_WEIGHT_S = 60
+DEFAULT_WEIGHT_S = 30
 # Files whose slow tests share something outside the session go to one shard together: all
 # drive the local cluster (Slurm's two nodes; pdsh and ssh to this host).
 SHARD_TOGETHER = [

@@ -10,10 +10,11 @@ often as the reference's); the data position is kept, and the no-decay param gro
 weight decay 0 after the load (DeepSpeed 0.19.8's ZeRO-3 universal load copies the first
 group's hyperparameters into every group, and shares one Adam step counter between
 sub-groups, which would show in the losses). A 2 -> 1 resume then goes back to 2 ranks from
-its own save (converted again: DeepSpeed #7546) and matches again. About 45 s a case here, each
-two or three launches and their conversions. ZeRO-2 -> ZeRO-3 -> ZeRO-2 on 2 ranks matches
-the same way; a move to no ZeRO is refused before anything starts and leaves the run's files
-as they were."""
+its own save (converted again: DeepSpeed #7546) and matches again, the AdamW state too: that
+leg is each stage's 1 -> 2 case (ZeRO-3 also has one of its own, from a save no universal load
+came before). About 45 s a case here, each two or three launches and their conversions.
+ZeRO-2 -> ZeRO-3 -> ZeRO-2 on 2 ranks matches the same way; a move to no ZeRO is refused
+before anything starts and leaves the run's files as they were."""
 
 import json
 
@@ -108,9 +109,21 @@ def assert_same_adam_state(got, want):
         assert (g["master"][:n] - w["master"][:n]).abs().max() <= 2 * N * 2 * w["hyper"]["lr"]
 
 
+def assert_same_adam_state_at_3n(run_dir, ref_dir):
+    """``assert_same_adam_state`` at step 3N, of a run whose state was loaded at step N and
+    stepped 2N times since (its Adam step counted from there)."""
+    want = adam_state(ref_dir, 3 * N)
+    for g in want:
+        g["step"] = [2.0 * N]
+    got = adam_state(run_dir, 3 * N)
+    for g in got:
+        g["step"] = [s - N for s in g["step"]]
+    assert_same_adam_state(got, want)
+
+
 @pytest.mark.parametrize(
-    "stage,before,after", [(3, 2, 1), (3, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 1), (1, 1, 2)]
-)  # 2 -> 1 goes on back to 2 ranks: a second conversion of a save made after a universal load
+    "stage,before,after", [(3, 2, 1), (2, 2, 1), (1, 2, 1), (3, 1, 2)]
+)  # 2 -> 1 goes on back to 2 ranks (1 -> 2 from a save made after a universal load: #7546)
 def test_resume_on_another_number_of_ranks(
     stdlib_data, tmp_path, tmp_path_factory, stage, before, after
 ):
@@ -157,10 +170,16 @@ def test_resume_on_another_number_of_ranks(
         _args(stdlib_data, tmp_path, before, stage, "--resume", "auto"), ranks=before, timeout_s=400
     )
     assert f"loading its universal form {cache}/step{2 * N:08d}-" in back.stderr
+    assert (
+        f"resume: step{2 * N:08d} was saved on 1 rank, ZeRO-{stage}; this launch is 2 ranks, "
+        f"ZeRO-{stage}: it is converted once" in back.stderr
+    )
     rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}
     for step in range(2 * N + 1, 3 * N + 1):
         assert rows[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
         assert rows[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
+    if stage < 3:  # and the optimizer after the 1 -> 2 resume, stepped N times
+        assert_same_adam_state_at_3n(tmp_path, ref_dir)
 
 
 def test_resume_at_zero_3_then_back_at_zero_2(stdlib_data, tmp_path, tmp_path_factory):
@@ -189,13 +208,7 @@ def test_resume_at_zero_3_then_back_at_zero_2(stdlib_data, tmp_path, tmp_path_fa
         assert rows[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
         assert rows[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
         assert rows[step]["lr"] == pytest.approx(ref[step]["lr"], rel=1e-9), step
-    want = adam_state(ref_dir, 3 * N)
-    for g in want:
-        g["step"] = [2.0 * N]  # assert_same_adam_state's count, for step 3N's state
-    got = adam_state(tmp_path, 3 * N)
-    for g in got:
-        g["step"] = [s - N for s in g["step"]]
-    assert_same_adam_state(got, want)
+    assert_same_adam_state_at_3n(tmp_path, ref_dir)
 
 
 def test_a_move_to_no_zero_is_refused_and_changes_nothing(stdlib_data, tmp_path_factory):
