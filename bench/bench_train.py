@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     p.add_argument("--models", help="tiny,small (--bare: tiny); tiny-moe (sparse) with --bare only")
-    p.add_argument("--ranks", help="rank counts, e.g. 1,2 (default; --smoke too)")
+    p.add_argument("--ranks", help="rank counts, e.g. 1,2 (default; --smoke: 2)")
     p.add_argument("--repeats", type=int, help="rounds: 3 (--bare: 2)")
     p.add_argument("--steps", type=int, help="steps per run, tiny model: 24 (--bare: 8)")
     p.add_argument("--small-steps", type=int, default=10, help="steps per run, small model")
@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None, *, bench_name: str = "train") -> None:
         args.stages = args.stages or ([2 if sparse else 3] if args.bare else None)
     args.models = args.models.split(",")
     check_models(args)
-    args.ranks = [int(r) for r in (args.ranks or "1,2").split(",")]
+    # --smoke: 2 ranks (DDP and the recipe's data parallelism) for CI's time; test_bench_train
+    # runs the 1-rank arms against each other
+    args.ranks = [int(r) for r in (args.ranks or ("2" if args.smoke else "1,2")).split(",")]
     args.data = str(ensure_data(args.data))
     out = bench(args)
     if args.smoke:

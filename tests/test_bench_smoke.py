@@ -48,7 +48,8 @@ def test_every_script_that_reads_the_corpus_is_handed_it():
 
 @pytest.mark.slow
 def test_every_benchmark_runs_in_smoke_mode(tmp_path):
-    """About 5 minutes on 2 cores (302 s here), two scripts at a time: every script of bench/
+    """About 8 minutes in `make test-all` (480 s there before this session's cuts of the
+    bench_train and bench_sp smoke modes), two scripts at a time: every script of bench/
     trains or measures for real, a few steps each, except bench_gpu.py, whose smoke mode is
     ``gpu.sh --cpu-smoke`` (36 s alone): tests/test_bench_gpu.py runs that end to end, with a row
     made to fail, and its ``--smoke`` past the deadline."""
@@ -80,10 +81,5 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
         if line.startswith("{") and '"bench": "train"' in line
     )
     sides = {(r["ranks"], r["run"]) for r in train["rows"]}
-    assert sides == {
-        (1, "plain loop"),
-        (1, "recipe ZeRO-3"),
-        (2, "torch DDP (gloo)"),
-        (2, "recipe ZeRO-3"),
-    }
+    assert sides == {(2, "torch DDP (gloo)"), (2, "recipe ZeRO-3")}  # smoke: 2 ranks
     assert all(r["tokens_per_s"] > 0 and r["step1_loss_diff"] < 1e-4 for r in train["rows"])
