@@ -41,7 +41,7 @@ from tests.conftest import (
     run_recipe,
     sets,
 )
-from tests.zero_state import assert_same_optimizer_state
+from tests.zero_state import adam_state, assert_same_adam_state, assert_same_optimizer_state
 
 TINY = ROOT / "recipes" / "pretrain_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -156,7 +156,8 @@ def test_tp2_x_dp2_resumes_at_dp4(runs):
     step-5 checkpoint, resumed on the same 4 ranks at TP=1 (4 data-parallel replicas,
     micro-batch 1: the same 4 samples a step) through DeepSpeed's universal checkpoint:
     steps 6-10 match the run that never changed (which matches the TP=1 reference within 1e-5,
-    above), losses and grad norms within 1e-5 relative, LR and tokens exactly."""
+    above), losses and grad norms within 1e-5 relative, LR and tokens exactly; the AdamW state at
+    step 10 is the reference's."""
     tmp, done = runs
     full, resumed = _train(tmp / "tp2dp2"), _train(tmp / "dp4")
     assert sorted(resumed) == list(range(6, STEPS + 1))
@@ -170,6 +171,11 @@ def test_tp2_x_dp2_resumes_at_dp4(runs):
         "ZeRO-2, tensor-parallel 1, data-parallel 4: it is converted once"
     ) in done["dp4"].stderr
     assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done["dp4"].stderr
+    # The AdamW state at step 10, the 4 ranks' partitions joined, against the TP=1 reference's
+    # on one rank (equal to the TP=2 x DP=2 run's within 1e-5, above): 10 steps apart in
+    # reduction order, 4 of them on another layout.
+    got, want = adam_state(tmp / "dp4", STEPS), adam_state(tmp / "ref", STEPS)
+    assert_same_adam_state(got, want, step=float(STEPS), moved=STEPS)
 
 
 @pytest.mark.slow
