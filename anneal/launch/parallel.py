@@ -24,7 +24,7 @@ from pathlib import Path
 
 from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
 from anneal.errors import UserError
-from anneal.resilience.manifest import saved_zero_stage
+from anneal.resilience.manifest import moves_stage, saved_zero_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +189,6 @@ def converts(saved: Layout, here: Layout) -> bool:
         here.expert_parallel,
         here.tensor_parallel,
     )
-
-
-def moves_stage(saved_stage: int | None, stage: int) -> bool:
-    """Whether a resume at ZeRO ``stage`` of a checkpoint saved at ``saved_stage`` moves
-    between ZeRO-1/2 and ZeRO-3 (``anneal.resilience.checkpoint.load`` converts it then)."""
-    return saved_stage is not None and (saved_stage == 3) != (stage == 3)
 
 
 def check_resume_layout(tag_dir: Path, manifest: dict, here: Layout, *, stage: int) -> None:

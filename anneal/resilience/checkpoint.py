@@ -49,6 +49,7 @@ from anneal.resilience.manifest import (
     damaged_files,
     file_hash,
     is_intact,
+    moves_stage,
     read_manifest,
     saved_zero_stage,
     verify,
@@ -212,12 +213,10 @@ def load(
     saved_ranks = manifest.get("world_size", world_size())
     saved_ep = manifest.get("expert_parallel_size", 1)
     saved_tp = manifest.get("tensor_parallel_size", 1)
-    saved_stage = saved_zero_stage(manifest)
-    other_stage = None not in (zero_stage, saved_stage) and (saved_stage == 3) != (zero_stage == 3)
     same = (saved_ranks, saved_ep, saved_tp) == (world_size(), expert_parallel, tensor_parallel)
     safeload.install(engine)
     with safeload.loading():
-        if same and not other_stage:
+        if same and not moves_stage(saved_zero_stage(manifest), zero_stage):
             path, client = engine.load_checkpoint(
                 str(tag_dir.parent),
                 tag=tag_dir.name,

@@ -150,6 +150,14 @@ def saved_zero_stage(manifest: dict) -> int | None:
     return None
 
 
+def moves_stage(saved_stage: int | None, stage: int | None) -> bool:
+    """Whether a resume at ZeRO ``stage`` of a checkpoint saved at ``saved_stage`` moves between
+    ZeRO-1/2 and ZeRO-3, which goes through DeepSpeed's universal checkpoint
+    (``anneal.resilience.checkpoint.load`` converts; ``anneal.launch.parallel`` says so and
+    refuses where that conversion fails); False when either stage is unknown."""
+    return None not in (saved_stage, stage) and (saved_stage == 3) != (stage == 3)
+
+
 def _well_formed(doc) -> bool:
     def count(v, low: int = 0) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= low
