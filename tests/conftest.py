@@ -533,6 +533,18 @@ def sets(*items: str) -> list[str]:
     return [x for item in items for x in ("--set", item)]
 
 
+def assert_resumed_steps_match(resumed: dict, full: dict, steps) -> None:
+    """The train rows (by step) of a resumed run against the run that never stopped: exactly
+    ``steps``, each with the loss and grad norm within 1e-5 relative (the reductions ran in
+    another order), the LR within 1e-9 and the tokens equal."""
+    assert sorted(resumed) == list(steps)
+    for step in resumed:
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
+        assert resumed[step]["tokens"] == full[step]["tokens"]
+
+
 def parallel_args(
     data, out, *, layout: str, accum: int, stage: int, extra=(), save_every: int = 5
 ) -> list[str]:

@@ -34,6 +34,7 @@ from launcher.__main__ import main as launcher_main
 from tests.conftest import (
     PARALLEL_STEPS,
     ROOT,
+    assert_resumed_steps_match,
     parallel_args,
     read_metrics,
     refused_tiny,
@@ -160,12 +161,7 @@ def test_tp2_x_dp2_resumes_at_dp4(runs):
     step 10 is the reference's."""
     tmp, done = runs
     full, resumed = _train(tmp / "tp2dp2"), _train(tmp / "dp4")
-    assert sorted(resumed) == list(range(6, STEPS + 1))
-    for step in resumed:
-        for key in ("loss", "grad_norm"):
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
-        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
-        assert resumed[step]["tokens"] == full[step]["tokens"]
+    assert_resumed_steps_match(resumed, full, range(6, STEPS + 1))
     assert (
         "saved on 4 ranks, ZeRO-2, tensor-parallel 2, data-parallel 2; this launch is 4 ranks, "
         "ZeRO-2, tensor-parallel 1, data-parallel 4: it is converted once"
@@ -222,12 +218,7 @@ def test_resume_at_another_degree_through_the_universal_checkpoint(round_trip):
     tmp, (there, back) = round_trip
     out = tmp / "round_trip"
     full, resumed = _train(tmp / "ref"), _train(out)
-    assert sorted(resumed) == list(range(6, STEPS + 1))
-    for step in resumed:
-        for key in ("loss", "grad_norm"):
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
-        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-9), step
-        assert resumed[step]["tokens"] == full[step]["tokens"]
+    assert_resumed_steps_match(resumed, full, range(6, STEPS + 1))
     events = [e for e in read_metrics(out, "event") if e["event"] == "resume"]
     assert [(e["step"], e["position"]) for e in events] == [(5, 20), (7, 28)]
     cache = out / "checkpoints" / ".universal"
