@@ -10,7 +10,9 @@ specs.
 End to end (real runs, 1 rank, ZeRO-3 fp32 on CPU): a NaN loss leaves the weights unchanged
 (ZeRO skips the step; checked against a fingerprint of the parameters), is logged, and training
 goes on; a bad sample makes a spike that rewinds to the previous checkpoint and skips exactly the
-samples from that checkpoint to the spike plus the margin, after which the loss is sane; with
+samples from that checkpoint to the spike plus the margin, after which the loss is sane, and
+resumed on 2 ranks from a later checkpoint in a directory of its own, the guard's record (loss
+history, incidents, skips, LR scale) and the steps after are the uninterrupted run's; with
 ZeRO stage 0 (no overflow check) a NaN update is applied and the guard rewinds instead; repeated
 spikes stop the run after guard.max_rewinds with a message naming steps and samples; a 2-step
 run whose loss is NaN from the first step exits 2 with the never-finite paragraph.
@@ -21,6 +23,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from anneal.config.run import GuardConfig
 from anneal.errors import UserError
@@ -160,8 +163,8 @@ def test_fault_specs():
             faults.parse(bad)
 
 
-def _run(data, out, spec, *extra, check=True):
-    args = [
+def _args(data, out, *extra):
+    return [
         "--out",
         str(out),
         "--data",
@@ -179,6 +182,10 @@ def _run(data, out, spec, *extra, check=True):
         "guard.min_history=3",
         *extra,
     ]
+
+
+def _run(data, out, spec, *extra, check=True):
+    args = _args(data, out, *extra)
     return run_recipe(args, timeout_s=400, check=check, extra_env={"ANNEAL_FAULTS": spec})
 
 
@@ -186,28 +193,68 @@ def _events(run_dir, name):
     return [e for e in read_metrics(run_dir, "event") if e["event"] == name]
 
 
+def _guard_record(tag_dir) -> dict:
+    """The guard's record in a checkpoint's client state (rank 0's model states)."""
+    [states] = sorted(tag_dir.glob("zero_pp_rank_0_*model_states.pt"))
+    return torch.load(states, weights_only=False)["guard"]
+
+
 @pytest.mark.slow
 def test_nan_is_skipped_and_a_bad_sample_is_rewound_and_skipped(stdlib_data, tmp_path):
+    """Then the run's step-8 checkpoint (after the rewind) resumed on 2 ranks in a directory of
+    its own, so that the guard's record can only come from the checkpoint, through DeepSpeed's
+    universal checkpoint: the record at step 10 (loss history, incidents, skipped samples, LR
+    scale) is the uninterrupted run's, and so are steps 9-10 (the data position past the skip,
+    the halved LR, the losses within 1e-5). About 20 s more for the 2-rank leg."""
     # 8 samples per step on 1 rank: step 3 reads samples [16, 24), step 7 reads [48, 56)
-    done = _run(stdlib_data, tmp_path, "nan_loss@step=3,spike@sample=50")
+    run = tmp_path / "run"
+    done = _run(stdlib_data, run, "nan_loss@step=3,spike@sample=50", "--set", "guard.lr_scale=0.5")
     assert "fault: nan_loss at step 3: weights unchanged on rank 0" in done.stderr
-    spikes = _events(tmp_path, "spike")
+    spikes = _events(run, "spike")
     assert [(s["step"], s["reason"], s["action"]) for s in spikes] == [
         (3, "nonfinite", "skipped"),
         (7, "loss", "rewind"),
     ]
     assert spikes[0]["update_applied"] is False and spikes[0]["samples"] == [16, 24]
-    [rewind] = _events(tmp_path, "rewind")
+    [rewind] = _events(run, "rewind")
     assert rewind["to_step"] == 6 and rewind["checkpoint"].endswith("step00000006")
-    skips = [(s["step"], s["samples"]) for s in _events(tmp_path, "skip")]
+    skips = [(s["step"], s["samples"]) for s in _events(run, "skip")]
     assert skips == [(3, [16, 24]), (7, [48, 64])]  # checkpoint position -> spike + 1 step
     assert "guard: rewound to step00000006 (step 6); skipping samples [48, 64)" in done.stdout
-    rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}  # the last row of each step
+    rows = {r["step"]: r for r in read_metrics(run, "train")}  # the last row of each step
     assert sorted(rows) == list(range(1, 11))
     assert all(math.isfinite(rows[s]["loss"]) for s in range(4, 11))
     assert rows[10]["loss"] < rows[2]["loss"] < 10
-    guard_log = json.loads((tmp_path / "guard.json").read_text())
+    guard_log = json.loads((run / "guard.json").read_text())
     assert guard_log["skipped"] == [[48, 64]]
+    assert guard_log["lr_scale"] == 0.5
+    # Resumed on 2 ranks (4 samples a rank, no accumulation: 8 a step as before) elsewhere.
+    tag = run / "checkpoints" / "step00000008"
+    resumed = run_recipe(
+        [
+            *_args(stdlib_data, tmp_path / "moved"),
+            *("--set", "ds.gradient_accumulation_steps=1", "--resume", str(tag)),
+        ],
+        ranks=2,
+        timeout_s=400,
+    )
+    assert "step00000008 was saved on 1 rank, ZeRO-3; this launch is 2 ranks" in resumed.stderr
+    after = {r["step"]: r for r in read_metrics(tmp_path / "moved", "train")}
+    assert sorted(after) == [9, 10]
+    for step in (9, 10):
+        for key in ("loss", "grad_norm"):
+            assert after[step][key] == pytest.approx(rows[step][key], rel=1e-5), (step, key)
+        assert after[step]["lr"] == pytest.approx(rows[step]["lr"], rel=1e-9)
+        assert after[step]["tokens"] == rows[step]["tokens"]
+    got = _guard_record(tmp_path / "moved" / "checkpoints" / "step00000010")
+    want = _guard_record(run / "checkpoints" / "step00000010")
+    assert got["skipped"] == want["skipped"] == [(48, 64)]
+    assert got["lr_scale"] == want["lr_scale"] == 0.5
+    assert got["incidents"] == want["incidents"] and len(want["incidents"]) == 2
+    assert [s for s, _ in got["history"]] == [s for s, _ in want["history"]]
+    assert [x for _, x in got["history"]] == pytest.approx(
+        [x for _, x in want["history"]], rel=1e-5
+    )
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ aux losses and grad norms over 10 steps within 1e-5 relative of EP=1 on 2 ranks 
 global batch, at ZeRO-1 and at ZeRO-2, and the same per-expert token counts at every step (the
 router saw the same tokens and chose the same experts); a checkpoint of the EP=2 run resumed at
 EP=2 continues bitwise, its manifest recording the degree and listing every expert file, and
-resumed at EP=1 (through DeepSpeed's universal checkpoint) within 1e-5."""
+resumed at EP=1 (through DeepSpeed's universal checkpoint) within 1e-5, with the AdamW state of
+the EP=1 run at step 10."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import PARALLEL_STEPS, ROOT, parallel_args, read_metrics, run_recipe, sets
+from tests.zero_state import adam_state, assert_same_adam_state
 
 MOE = ROOT / "recipes" / "pretrain_moe_tiny.py"
 STEPS = PARALLEL_STEPS
@@ -133,7 +135,10 @@ def test_resume_at_another_expert_parallel_degree_goes_through_the_universal_che
     ``checkpoints/.universal/`` (AutoEP's expert states consolidated by DeepSpeed's converter)
     and loaded from there: steps 6-10 match the EP=2 run that went on within 1e-5 relative
     (losses, router losses, grad norms) with the same token counts per expert, and the learning
-    rate and tokens exactly."""
+    rate and tokens exactly. Its AdamW state at step 10 (each group's hyperparameters and Adam
+    step, master weights and moments, the experts' group included) is that of the EP=1 run that
+    never stopped, whose files have the same layout: the EP=2 state loaded at step 5, stepped 5
+    times (a reset or misplaced moment, or a step counted from 0, would show)."""
     tmp, done = runs
     tag = tmp / "ep2_z2" / "checkpoints" / "step00000005"
     assert f"resumed from {tag} at step 5" in done["resumed_ep1"].stdout
@@ -156,3 +161,6 @@ def test_resume_at_another_expert_parallel_degree_goes_through_the_universal_che
         (tmp / "resumed_ep1" / "checkpoints" / "step00000010" / "manifest.json").read_text()
     )
     assert manifest["expert_parallel_size"] == 1 and manifest["zero_stage"] == 2
+    got, want = adam_state(tmp / "resumed_ep1", STEPS), adam_state(tmp / "ep1_z2", STEPS)
+    assert [g["hyper"]["name"] for g in want] == ["decay", "no_decay", "ep_size_1"]
+    assert_same_adam_state(got, want, step=float(STEPS), moved=STEPS)
