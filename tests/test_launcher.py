@@ -267,7 +267,8 @@ def test_pre_flight_says_a_resume_on_fewer_ranks_converts_the_checkpoint(
     two_rank_run, tiny_data, capsys
 ):
     """``run`` and ``submit`` (dry runs) continuing the session's 2-rank ZeRO-3 run on 1 rank
-    print the layout change and the conversion before anything starts, one line; at the layout
+    print the layout change, the conversion and the batch arithmetic for the new layout before
+    anything starts, one line; at the layout
     the checkpoint was saved at they print none. Nothing in the run directory changes (other
     tests read it)."""
     out = two_rank_run["out"]
@@ -282,10 +283,23 @@ def test_pre_flight_says_a_resume_on_fewer_ranks_converts_the_checkpoint(
     submit = ["submit", "recipes/pretrain_tiny.py", "--gpus-per-node", "1", "--partition", "p"]
     submit += ["--time", "01:00:00", "--device", "cpu", "--dry-run"]
     run = ["run", "recipes/pretrain_tiny.py", "--device", "cpu", "--dry-run"]
-    for argv, changed in (
-        ([*run, "--num-gpus", "1", *flags], True),
-        ([*submit, "--nodes", "1", *flags], True),
-        ([*submit, "--nodes", "2", *flags], False),
+    # The batch arithmetic for 1 rank: SMALL pins 2 accumulation steps, which halves the saved
+    # global batch of 16 (micro-batch 4 x 2 steps x 2 ranks); 4 steps keep it.
+    halved = (
+        "; the global batch CHANGES from 16 to 8 samples (4 a micro-batch x 2 accumulation "
+        "steps x 1 data-parallel rank), as this launch's batch settings say; --set "
+        "ds.gradient_accumulation_steps=4 keeps 16"
+    )
+    kept = (
+        "; the global batch stays 16 samples, here 4 a micro-batch x 4 accumulation steps x 1 "
+        "data-parallel rank"
+    )
+    accum4 = ["--set", "ds.gradient_accumulation_steps=4"]
+    for argv, changed, batch in (
+        ([*run, "--num-gpus", "1", *flags], True, halved),
+        ([*run, "--num-gpus", "1", *flags, *accum4], True, kept),
+        ([*submit, "--nodes", "1", *flags], True, halved),
+        ([*submit, "--nodes", "2", *flags], False, None),
     ):
         code = launcher_main(argv)
         printed, err = capsys.readouterr()
@@ -294,6 +308,7 @@ def test_pre_flight_says_a_resume_on_fewer_ranks_converts_the_checkpoint(
         assert len(notes) == changed, printed
         if changed:
             assert notes[0].startswith(line), printed
+            assert notes[0].endswith(batch), printed
     assert tree(out) == before
 
 

@@ -230,3 +230,48 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path,
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         ["run", "checkpoints", "step00000004", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     )
+
+
+@pytest.mark.parametrize(
+    "accum,ranks,saved,says",
+    [
+        (
+            4,
+            1,
+            16,
+            "the global batch stays 16 samples, here 4 a micro-batch x 4 accumulation "
+            "steps x 1 data-parallel rank",
+        ),
+        (
+            1,
+            4,
+            16,
+            "the global batch stays 16 samples, here 4 a micro-batch x 1 accumulation "
+            "step x 4 data-parallel ranks",
+        ),
+        (
+            2,
+            1,
+            16,
+            "the global batch CHANGES from 16 to 8 samples (4 a micro-batch x 2 "
+            "accumulation steps x 1 data-parallel rank), as this launch's batch settings say; "
+            "--set ds.gradient_accumulation_steps=4 keeps 16",
+        ),
+        (
+            1,
+            4,
+            24,
+            "CHANGES from 24 to 16 samples (4 a micro-batch x 1 accumulation step x 4 "
+            "data-parallel ranks), as this launch's batch settings say; 24 is no multiple of "
+            "micro-batch 4 x 4 ranks",
+        ),
+        (2, 1, None, "the global batch stays 8 samples"),  # no saved record: nothing to compare
+        (2, 1, "16", "the global batch stays 8 samples"),  # not a number: not trusted
+    ],
+)
+def test_the_batch_arithmetic_at_the_new_layout(accum, ranks, saved, says):
+    """The line a resume at another layout ends with: the global batch re-derived for this
+    launch's ranks, kept or changed against the saved run's, and the setting that keeps it."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum}
+    ds["train_batch_size"] = 4 * accum * ranks
+    assert says in parallel.describe_batch(ds, parallel.Layout(ranks, 1), saved_batch=saved)

@@ -326,3 +326,28 @@ def describe_resume_change(
         f"{layout(here, stage)}: {how} (the global batch, the data position, the schedule "
         f"and the optimizer's state carry over)"
     )
+
+
+def describe_batch(ds: dict, here: Layout, *, saved_batch) -> str:
+    """The global batch of a resume at another layout, re-derived for ``here``'s ranks (``ds``:
+    the launch's resolved ds_config): kept, or changed from the saved run's ``saved_batch``
+    by a micro-batch or accumulation setting of this launch, with the setting that keeps it."""
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    batch, dp = ds["train_batch_size"], here.data_parallel
+    split = (
+        f"{micro} a micro-batch x {accum} accumulation step{'s' if accum != 1 else ''} x {dp} "
+        f"data-parallel rank{'s' if dp != 1 else ''}"
+    )
+    if not isinstance(saved_batch, int) or isinstance(saved_batch, bool) or saved_batch < 1:
+        saved_batch = batch  # a run from before config.json, or one not Anneal's: unknown
+    if saved_batch == batch:
+        return f"the global batch stays {batch} samples, here {split}"
+    keep = (
+        f"--set ds.gradient_accumulation_steps={saved_batch // (micro * dp)} keeps {saved_batch}"
+        if saved_batch % (micro * dp) == 0
+        else f"{saved_batch} is no multiple of micro-batch {micro} x {dp} ranks"
+    )
+    return (
+        f"the global batch CHANGES from {saved_batch} to {batch} samples ({split}), as this "
+        f"launch's batch settings say; {keep}"
+    )

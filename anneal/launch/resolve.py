@@ -256,7 +256,11 @@ def _check_resume_target(launch: Launch) -> None:
     manifest = checkpoint.read_manifest(tag_dir) or {}
     change = parallel.describe_resume_change(tag_dir, manifest, launch.layout, stage=stage)
     if change:
-        launch.notes.append(change)
+        saved = rundir.record_or_empty(rundir.of_checkpoint(tag_dir)).ds_config
+        batch = parallel.describe_batch(
+            launch.ds_config, launch.layout, saved_batch=saved.get("train_batch_size")
+        )
+        launch.notes.append(f"{change}; {batch}")
 
 
 def _check_validation_data(launch: Launch) -> None:
