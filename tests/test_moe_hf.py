@@ -9,8 +9,9 @@ plain ``from_pretrained``:
   file the check of every load accepts) gives back the very weights it was built from, every tensor
   equal (the router renamed from AutoEP's ``router.gate``, each expert's gate and up rows fused
   back in transformers' order: a swap of the two would change the logits, checked too);
-- an engine trained two steps at ZeRO-2 gives the logits the engine computes, within float
-  noise of two implementations of the same experts;
+- an engine trained two steps at ZeRO-2, or at ZeRO-3 (AutoEP's experts in the rank's
+  partitions, no expert file), gives the logits the engine computes, within float noise of two
+  implementations of the same experts;
 - a pickle planted in an expert file (the manifest rehashed to match) is refused by the export
   and by the check every resume makes, and never runs; an expert file that holds no expert is
   refused.
@@ -63,21 +64,18 @@ def runs(world_of_one, tiny_data, preset, tmp_path_factory) -> dict:
     for name, stage in (("fresh", 1), ("fresh0", 0)):
         fresh = moe_engine.bare_engine(moe_engine.hf_model(preset), stage=stage)
         moe_engine.save_as_run(fresh, preset, root / name, tiny_data, "step00000000")
-    trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=2)
-    assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
-    moe_engine.train_steps(trained, 2)
     batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        logits = trained.module(input_ids=batch).logits.float()
-    moe_engine.save_as_run(trained, preset, root / "trained", tiny_data, "step00000002")
-    return {
-        "fresh": root / "fresh",
-        "fresh0": root / "fresh0",
-        "weights": weights,
-        "trained": root / "trained",
-        "batch": batch,
-        "logits": logits,
-    }
+    found = {"fresh": root / "fresh", "fresh0": root / "fresh0", "weights": weights}
+    for name, stage in (("trained", 2), ("trained3", 3)):
+        trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=stage)
+        assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
+        moe_engine.train_steps(trained, 2)
+        with torch.no_grad():
+            found[f"{name}_logits"] = trained.module(input_ids=batch).logits.float()
+        moe_engine.save_as_run(trained, preset, root / name, tiny_data, "step00000002")
+        found[name] = root / name
+        trained.destroy()
+    return {**found, "batch": batch, "logits": found["trained_logits"]}
 
 
 def from_pretrained(out: Path):
@@ -111,15 +109,19 @@ def test_a_fresh_engine_exports_the_weights_it_was_built_from(runs, tmp_path, ru
         assert (model(input_ids=batch).logits - before).abs().max() > 1e-3
 
 
-def test_a_trained_engine_exports_its_logits(runs, tmp_path):
-    """Two ZeRO-2 steps, then export (verified) and from_pretrained: the engine's logits, up
-    to float noise (measured: equal); the bf16 export verifies too."""
-    report = export(runs["trained"], out=tmp_path / "hf", dtype="fp32")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trained_engine_exports_its_logits(runs, tmp_path, stage):
+    """Two ZeRO-2 steps, or ZeRO-3 ones (AutoEP's experts then in the rank's partitions, no
+    expert file), then export (verified) and from_pretrained: the engine's logits, up to float
+    noise (measured: equal); the bf16 export verifies too."""
+    name = "trained" if stage == 2 else "trained3"
+    report = export(runs[name], out=tmp_path / "hf", dtype="fp32")
     logits = from_pretrained(tmp_path / "hf")(input_ids=runs["batch"]).logits
-    scale = runs["logits"].abs().max().item()
-    assert (logits - runs["logits"]).abs().max().item() <= 1e-5 * max(1.0, scale)
-    assert report["step"] == 2 and report["zero_stage"] == 2
-    bf16 = export(runs["trained"], out=tmp_path / "bf16", dtype="bf16")["verify"]
+    want = runs[f"{name}_logits"]
+    assert (logits - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert report["step"] == 2 and report["zero_stage"] == stage
+    assert any("_expert_" in p.name for p in runs[name].rglob("*.pt")) == (stage == 2)
+    bf16 = export(runs[name], out=tmp_path / "bf16", dtype="bf16")["verify"]
     assert bf16["max_abs_logit_diff"] <= bf16["tolerance"] < bf16["dtype_rounding_diff"]
 
 
