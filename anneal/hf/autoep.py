@@ -25,6 +25,8 @@ independent mapping, checked against transformers' own.
 
 The experts are the expert files' values: the module's weights, fp32 in an fp32 run; in a bf16
 run bf16, which are exactly the fp32 master weights rounded (what a bf16 export writes anyway).
+At ZeRO-3 AutoEP writes no expert files: ``anneal.hf.autoep_zero3`` reads the experts' fp32
+master weights from the ranks' partitions, and the router stays with the other weights.
 """
 
 from __future__ import annotations
