@@ -11,7 +11,9 @@ plain ``from_pretrained``:
   back in transformers' order: a swap of the two would change the logits, checked too);
 - an engine trained two steps at ZeRO-2, or at ZeRO-3 (AutoEP's experts in the rank's
   partitions, no expert file), gives the logits the engine computes, within float noise of two
-  implementations of the same experts;
+  implementations of the same experts; the map of where ZeRO-3 keeps each expert, on the
+  layout of 4 ranks at EP=2 (experts partitioned over 2 ranks each), reads each expert from
+  its ranks in partition order and refuses a partition or an expert that no rank holds;
 - a pickle planted in an expert file (the manifest rehashed to match) is refused by the export
   and by the check every resume makes, and never runs; an expert file that holds no expert is
   refused.
@@ -125,6 +127,63 @@ def test_a_trained_engine_exports_its_logits(runs, tmp_path, stage):
     assert any("_expert_" in p.name for p in runs[name].rglob("*.pt")) == (stage == 2)
     bf16 = export(runs[name], out=tmp_path / "bf16", dtype="bf16")["verify"]
     assert bf16["max_abs_logit_diff"] <= bf16["tolerance"] < bf16["dtype_rounding_diff"]
+
+
+def _zero3_metadata(ranks: int, ep: int, shapes: dict) -> tuple:
+    """(param_shapes, each rank's ds_autoep_layers, each rank's ds_zero_partition_groups) of
+    one sparse layer of 4 experts at ZeRO-3, as DeepSpeed 0.19.8's AutoEP wrote them on 4 ranks
+    at EP=2 (measured: expert-parallel groups [0, 1] and [2, 3], experts partitioned over [0, 2]
+    and [1, 3]); a dense group first, partitioned over all ranks."""
+    prefix = "model.layers.0.mlp.experts"
+    groups, layers = [], []
+    for r in range(ranks):
+        edp = ranks // ep
+        ep_rank, edp_rank = r % ep, r // ep
+        layer = {
+            "moe_layer_id": 0,
+            "module_path": "model.layers.0.mlp",
+            "num_experts": 4,
+            "expert_key_prefix": prefix,
+            "global_expert_start": ep_rank * (4 // ep),
+            "expert_data_parallel_rank": edp_rank,
+            "expert_data_parallel_world_size": edp,
+        }
+        layers.append([layer])
+        groups.append(
+            [
+                {"partition_count": ranks, "partition_rank": r},
+                {"partition_count": edp, "partition_rank": edp_rank},
+            ]
+        )
+    param_shapes = [{"model.norm.weight": (8,)}, {f"{prefix}.{w}": s for w, s in shapes.items()}]
+    return param_shapes, layers, groups
+
+
+def test_the_zero3_expert_map_of_four_ranks_at_ep2():
+    """``autoep_zero3.expert_slices`` on the layout of 4 ranks at EP=2: experts 0-1 of each
+    weight are ranks 0 and 2's slices of ``ceil(n / 2)`` elements (in partition order), experts
+    2-3 ranks 1 and 3's, each weight's slices following the one before in the rank's flat
+    group; a rank whose partition is missing, or an expert no rank holds, is refused."""
+    from anneal.hf.autoep_zero3 import Slice, expert_slices
+    from anneal.hf.zero import _Layout
+
+    shapes = {"w1": (2, 3, 5), "w2": (2, 5, 3), "w3": (2, 3, 5)}  # 30 elements: 15 a rank
+    weights = expert_slices(*_zero3_metadata(4, 2, shapes))
+    got = {(w.weight, w.first): w.slices for w in weights}
+    assert got[("w1", 0)] == (Slice(0, 1, 0, 15), Slice(2, 1, 0, 15))
+    assert got[("w2", 2)] == (Slice(1, 1, 15, 15), Slice(3, 1, 15, 15))
+    assert got[("w3", 0)] == (Slice(0, 1, 30, 15), Slice(2, 1, 30, 15))
+    assert len(weights) == 3 * 2 and all(w.shape == shapes[w.weight] for w in weights)
+    shapes_, layers, groups = _zero3_metadata(4, 2, shapes)
+    layers[2][0]["expert_data_parallel_rank"] = 0  # two ranks claim the same partition
+    groups[2][1]["partition_rank"] = 0
+    with pytest.raises(_Layout, match="lacks a partition"):
+        expert_slices(shapes_, layers, groups)
+    shapes_, layers, groups = _zero3_metadata(2, 1, shapes)
+    for layer in layers:
+        layer[0]["num_experts"] = 6  # two experts held by no rank
+    with pytest.raises(_Layout, match="holds experts"):
+        expert_slices(shapes_, layers, groups)
 
 
 def test_the_two_sets_of_expert_names_are_inverse(runs, tmp_path):
