@@ -78,7 +78,7 @@ def test_without_zero_ep1_holds_ep_times_one_ranks_experts(ep):
 
 
 @pytest.mark.parametrize(
-    ("stage", "unpartitioned", "partitioned"), [(1, 4, 12), (2, 2, 14), (0, 16, 0)]
+    ("stage", "unpartitioned", "partitioned"), [(1, 4, 12), (2, 2, 14), (3, 0, 16), (0, 16, 0)]
 )
 @pytest.mark.parametrize(("n", "ep"), [(8, 1), (8, 8), (64, 8), (64, 64)])
 def test_expert_states_are_divided_by_ep_and_partitioned_over_n(
@@ -86,7 +86,7 @@ def test_expert_states_are_divided_by_ep_and_partitioned_over_n(
 ):
     """Closed form (memory_ep's docstring): a GPU's expert states are ``u P_e / EP + p P_e /
     n`` bytes: what ZeRO leaves whole divided by EP, what it partitions over the n / EP ranks
-    holding the same experts. ZeRO-1: 4 + 12; ZeRO-2: 2 + 14; ZeRO-0: 16 + 0."""
+    holding the same experts. ZeRO-1: 4 + 12; ZeRO-2: 2 + 14; ZeRO-3: 0 + 16; ZeRO-0: 16 + 0."""
     preset, zero = get_preset("qwen3-30b-a3b"), memory.ZeroSetup(stage=stage)
     pe = memory_ep.expert_params(preset)
     want = unpartitioned * pe / ep + partitioned * pe / n
@@ -116,8 +116,7 @@ def test_ep_shrinks_a_sparse_models_states_and_leaves_a_dense_one_unchanged():
         ("olmoe-1b-7b", ["--ep", "0"], "--ep 0: the expert-parallel degree must be at least 1"),
         ("olmoe-1b-7b", ["--ep", "2", "--tp", "2"], "with --tp 2: Anneal runs a sparse model"),
         ("olmoe-1b-7b", ["--sp", "2"], "with --sp 2: Anneal runs a sparse model"),
-        ("olmoe-1b-7b", ["--ds-config", "zero3_bf16.json"], "with ZeRO stage 3"),
-        ("olmoe-1b-7b", ["--ds-config", "zero3_offload_bf16.json"], "with ZeRO stage 3"),
+        ("olmoe-1b-7b", ["--ds-config", "zero3_offload_bf16.json"], "with ZeRO offload"),
     ],
 )
 def test_refused_expert_layouts_are_one_clear_error(capsys, model, argv, message):
@@ -128,6 +127,19 @@ def test_refused_expert_layouts_are_one_clear_error(capsys, model, argv, message
     assert message in err and err.count("\n") == 1
     if "divide" in message or "GPUs" in message:
         assert "Choose an --ep that divides both: 1, 2, 4, 8." in err
+
+
+@pytest.mark.parametrize("ep", [1, 8])
+def test_zero3_gathers_one_layers_experts_whole(ep):
+    """OLMoE's shape at ZeRO-3 on 8 GPUs (no longer refused): the weights ZeRO-3 gathers for a
+    forward are one layer's experts on a GPU, AutoEP's w1, w2 and w3 of 64 / EP experts
+    (3 x 64 / EP x 2048 x 1024), when larger than the embedding (50,304 x 2048), plus the
+    prefetch bucket; the states do not depend on EP (16 P / n)."""
+    preset, zero = get_preset("olmoe-1b-7b"), zero_from("zero3_bf16.json")
+    est = memory.estimate(preset, zero, work(8, ep=ep))
+    module = max(3 * (64 // ep) * 2048 * 1024, 50_304 * 2048)
+    assert est.buffers["gathered weights"] == 2 * (module + zero.prefetch_bucket_size)
+    assert est.model_states == memory.estimate(preset, zero, work(8, ep=8 // ep)).model_states
 
 
 def test_offload_is_refused_for_a_sparse_model():

@@ -147,11 +147,28 @@ def _dense_ds(data, out) -> dict:
             "with tensor_parallel.autotp_size 2",
         ),
         (["ds.sequence_parallel_size=2"], 2, "with sequence_parallel_size 2"),
-        (["ds.zero_optimization.stage=3"], 2, "a sparse model with ZeRO stage 3"),
+        (
+            ["ds.zero_optimization.stage=3", "ds.sequence_parallel_size=2"],
+            2,
+            "with sequence_parallel_size 2",
+        ),
         (
             ['ds.zero_optimization.offload_optimizer={"device": "cpu"}'],
             2,
             "a sparse model with ZeRO offload",
+        ),
+        (
+            [
+                "ds.zero_optimization.stage=3",
+                'ds.zero_optimization.offload_param={"device": "cpu"}',
+            ],
+            2,
+            "a sparse model with ZeRO offload",
+        ),
+        (
+            ["ds.zero_optimization.stage=3", "ds.expert_parallel.expert_tensor_parallel_size=2"],
+            2,
+            "expert_tensor_parallel_size",
         ),
         (["ds.expert_parallel.load_balance_coeff=0.001"], 2, "rejects aux-loss-free balancing"),
         (["ds.expert_parallel.preset_model=mixtral"], 2, "Anneal's sparse models are Qwen3-MoE"),
@@ -165,6 +182,22 @@ def test_each_bad_expert_layout_is_one_clear_error(tiny_data, tmp_path, extra, w
     message = _refused(tiny_data, tmp_path / "run", *sets(*extra), world_size=world)
     assert match in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_sparse_launch_resolves_at_zero3(tiny_data, tmp_path, ep):
+    """ZeRO-3 goes with AutoEP at any degree (without tensor or sequence parallelism, expert
+    tensor parallelism or offload): the launch resolves, its ds_config at stage 3 with the
+    expert section filled in (tests/test_moe_parallel.py trains it)."""
+    launch = _resolve(
+        tiny_data,
+        tmp_path / "run",
+        *sets("ds.zero_optimization.stage=3", f"ds.expert_parallel.autoep_size={ep}"),
+        world_size=2,
+    )
+    assert launch.ds_config["zero_optimization"]["stage"] == 3
+    assert launch.ds_config["expert_parallel"]["autoep_size"] == ep
+    assert launch.layout.expert_parallel == ep and launch.layout.data_parallel == 2
 
 
 def test_expert_settings_on_a_dense_model_are_refused(tiny_data, tmp_path):

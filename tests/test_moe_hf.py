@@ -9,15 +9,19 @@ plain ``from_pretrained``:
   file the check of every load accepts) gives back the very weights it was built from, every tensor
   equal (the router renamed from AutoEP's ``router.gate``, each expert's gate and up rows fused
   back in transformers' order: a swap of the two would change the logits, checked too);
-- an engine trained two steps at ZeRO-2 gives the logits the engine computes, within float
-  noise of two implementations of the same experts;
+- an engine trained two steps at ZeRO-2, or at ZeRO-3 (AutoEP's experts in the rank's
+  partitions, no expert file), gives the logits the engine computes, within float noise of two
+  implementations of the same experts; the map of where ZeRO-3 keeps each expert, on the
+  layout of 4 ranks at EP=2 (experts partitioned over 2 ranks each), reads each expert from
+  its ranks in partition order and refuses a partition or an expert that no rank holds;
 - a pickle planted in an expert file (the manifest rehashed to match) is refused by the export
   and by the check every resume makes, and never runs; an expert file that holds no expert is
   refused.
 
 In: ``--init-from`` a Qwen3-MoE directory that ``save_pretrained`` wrote: the run's model is
 sparse (its ``moe`` shape read from config.json, active parameters below the total), and its
-validation loss before any update equals plain transformers' on the same windows within 1e-5;
+validation loss before any update (at ZeRO-1 and at ZeRO-3) equals plain transformers' on the
+same windows within 1e-5;
 other Mixture-of-Experts architectures (Mixtral, OLMoE, Qwen2-MoE) and a Qwen3-MoE with dense
 layers are refused with one paragraph naming what works.
 
@@ -45,7 +49,8 @@ from tests.moe_engine import SEQ, VOCAB
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 STAGE1 = ("--set", "ds.zero_optimization.stage=1")
-"""recipes/continue_pretraining.py's CPU default is ZeRO-3, which sparse models refuse."""
+"""ZeRO-1 instead of recipes/continue_pretraining.py's CPU default, ZeRO-3, which only the
+step-0 test runs as well (the expert files of ZeRO-1 are the exporter's other reader)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +68,18 @@ def runs(world_of_one, tiny_data, preset, tmp_path_factory) -> dict:
     for name, stage in (("fresh", 1), ("fresh0", 0)):
         fresh = moe_engine.bare_engine(moe_engine.hf_model(preset), stage=stage)
         moe_engine.save_as_run(fresh, preset, root / name, tiny_data, "step00000000")
-    trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=2)
-    assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
-    moe_engine.train_steps(trained, 2)
     batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        logits = trained.module(input_ids=batch).logits.float()
-    moe_engine.save_as_run(trained, preset, root / "trained", tiny_data, "step00000002")
-    return {
-        "fresh": root / "fresh",
-        "fresh0": root / "fresh0",
-        "weights": weights,
-        "trained": root / "trained",
-        "batch": batch,
-        "logits": logits,
-    }
+    found = {"fresh": root / "fresh", "fresh0": root / "fresh0", "weights": weights}
+    for name, stage in (("trained", 2), ("trained3", 3)):
+        trained = moe_engine.bare_engine(moe_engine.hf_model(preset, seed=1), stage=stage)
+        assert type(trained.module.model.layers[1].mlp).__name__ == "AutoEPMoELayer"
+        moe_engine.train_steps(trained, 2)
+        with torch.no_grad():
+            found[f"{name}_logits"] = trained.module(input_ids=batch).logits.float()
+        moe_engine.save_as_run(trained, preset, root / name, tiny_data, "step00000002")
+        found[name] = root / name
+        trained.destroy()
+    return {**found, "batch": batch, "logits": found["trained_logits"]}
 
 
 def from_pretrained(out: Path):
@@ -111,16 +113,77 @@ def test_a_fresh_engine_exports_the_weights_it_was_built_from(runs, tmp_path, ru
         assert (model(input_ids=batch).logits - before).abs().max() > 1e-3
 
 
-def test_a_trained_engine_exports_its_logits(runs, tmp_path):
-    """Two ZeRO-2 steps, then export (verified) and from_pretrained: the engine's logits, up
-    to float noise (measured: equal); the bf16 export verifies too."""
-    report = export(runs["trained"], out=tmp_path / "hf", dtype="fp32")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trained_engine_exports_its_logits(runs, tmp_path, stage):
+    """Two ZeRO-2 steps, or ZeRO-3 ones (AutoEP's experts then in the rank's partitions, no
+    expert file), then export (verified) and from_pretrained: the engine's logits, up to float
+    noise (measured: equal); the bf16 export verifies too."""
+    name = "trained" if stage == 2 else "trained3"
+    report = export(runs[name], out=tmp_path / "hf", dtype="fp32")
     logits = from_pretrained(tmp_path / "hf")(input_ids=runs["batch"]).logits
-    scale = runs["logits"].abs().max().item()
-    assert (logits - runs["logits"]).abs().max().item() <= 1e-5 * max(1.0, scale)
-    assert report["step"] == 2 and report["zero_stage"] == 2
-    bf16 = export(runs["trained"], out=tmp_path / "bf16", dtype="bf16")["verify"]
+    want = runs[f"{name}_logits"]
+    assert (logits - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert report["step"] == 2 and report["zero_stage"] == stage
+    assert any("_expert_" in p.name for p in runs[name].rglob("*.pt")) == (stage == 2)
+    bf16 = export(runs[name], out=tmp_path / "bf16", dtype="bf16")["verify"]
     assert bf16["max_abs_logit_diff"] <= bf16["tolerance"] < bf16["dtype_rounding_diff"]
+
+
+def _zero3_metadata(ranks: int, ep: int, shapes: dict) -> tuple:
+    """(param_shapes, each rank's ds_autoep_layers, each rank's ds_zero_partition_groups) of
+    one sparse layer of 4 experts at ZeRO-3, as DeepSpeed 0.19.8's AutoEP wrote them on 4 ranks
+    at EP=2 (measured: expert-parallel groups [0, 1] and [2, 3], experts partitioned over [0, 2]
+    and [1, 3]); a dense group first, partitioned over all ranks."""
+    prefix = "model.layers.0.mlp.experts"
+    groups, layers = [], []
+    for r in range(ranks):
+        edp = ranks // ep
+        ep_rank, edp_rank = r % ep, r // ep
+        layer = {
+            "moe_layer_id": 0,
+            "module_path": "model.layers.0.mlp",
+            "num_experts": 4,
+            "expert_key_prefix": prefix,
+            "global_expert_start": ep_rank * (4 // ep),
+            "expert_data_parallel_rank": edp_rank,
+            "expert_data_parallel_world_size": edp,
+        }
+        layers.append([layer])
+        groups.append(
+            [
+                {"partition_count": ranks, "partition_rank": r},
+                {"partition_count": edp, "partition_rank": edp_rank},
+            ]
+        )
+    param_shapes = [{"model.norm.weight": (8,)}, {f"{prefix}.{w}": s for w, s in shapes.items()}]
+    return param_shapes, layers, groups
+
+
+def test_the_zero3_expert_map_of_four_ranks_at_ep2():
+    """``autoep_zero3.expert_slices`` on the layout of 4 ranks at EP=2: experts 0-1 of each
+    weight are ranks 0 and 2's slices of ``ceil(n / 2)`` elements (in partition order), experts
+    2-3 ranks 1 and 3's, each weight's slices following the one before in the rank's flat
+    group; a rank whose partition is missing, or an expert no rank holds, is refused."""
+    from anneal.hf.autoep_zero3 import Slice, expert_slices
+    from anneal.hf.zero import _Layout
+
+    shapes = {"w1": (2, 3, 5), "w2": (2, 5, 3), "w3": (2, 3, 5)}  # 30 elements: 15 a rank
+    weights = expert_slices(*_zero3_metadata(4, 2, shapes))
+    got = {(w.weight, w.first): w.slices for w in weights}
+    assert got[("w1", 0)] == (Slice(0, 1, 0, 15), Slice(2, 1, 0, 15))
+    assert got[("w2", 2)] == (Slice(1, 1, 15, 15), Slice(3, 1, 15, 15))
+    assert got[("w3", 0)] == (Slice(0, 1, 30, 15), Slice(2, 1, 30, 15))
+    assert len(weights) == 3 * 2 and all(w.shape == shapes[w.weight] for w in weights)
+    shapes_, layers, groups = _zero3_metadata(4, 2, shapes)
+    layers[2][0]["expert_data_parallel_rank"] = 0  # two ranks claim the same partition
+    groups[2][1]["partition_rank"] = 0
+    with pytest.raises(_Layout, match="lacks a partition"):
+        expert_slices(shapes_, layers, groups)
+    shapes_, layers, groups = _zero3_metadata(2, 1, shapes)
+    for layer in layers:
+        layer[0]["num_experts"] = 6  # two experts held by no rank
+    with pytest.raises(_Layout, match="holds experts"):
+        expert_slices(shapes_, layers, groups)
 
 
 def test_the_two_sets_of_expert_names_are_inverse(runs, tmp_path):
@@ -222,17 +285,21 @@ def moe_data(moe_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize("stage", [1, 3])
 def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
-    world_of_one, moe_dir, moe_data, tmp_path
+    world_of_one, moe_dir, moe_data, tmp_path, stage
 ):
     """The run's model is the directory's sparse one, and Anneal's validation loss before any
-    update (the engine as training builds it, ZeRO-1) equals plain transformers' within 1e-5."""
+    update (the engine as training builds it, at ZeRO-1 and at ZeRO-3, where the weights are
+    copied in under zero.Init before AutoEP takes the experts) equals plain transformers'
+    within 1e-5."""
     from anneal.model import active_params, count_params
     from anneal.train import build_engine, evaluate, resolve_run
     from anneal.train.trainer import Data
     from tests.test_init_from import config, transformers_loss
 
-    cfg, overrides = config(moe_dir, moe_data, tmp_path / "run", *STAGE1)
+    zero = ("--set", f"ds.zero_optimization.stage={stage}")
+    cfg, overrides = config(moe_dir, moe_data, tmp_path / "run", *zero)
     launch = resolve_run(cfg, overrides)
     assert launch.preset.moe.num_experts == 4 and launch.preset.moe.top_k == 2
     assert launch.preset.head_dim == 32

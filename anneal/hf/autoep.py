@@ -25,6 +25,8 @@ independent mapping, checked against transformers' own.
 
 The experts are the expert files' values: the module's weights, fp32 in an fp32 run; in a bf16
 run bf16, which are exactly the fp32 master weights rounded (what a bf16 export writes anyway).
+At ZeRO-3 AutoEP writes no expert files: ``anneal.hf.autoep_zero3`` reads the experts' fp32
+master weights from the ranks' partitions, and the router stays with the other weights.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from pathlib import Path
 import torch
 
 from anneal.errors import UserError
+from anneal.hf import autoep_zero3
+from anneal.hf.autoep_zero3 import ZERO3_FORMAT
 from anneal.hf.expert_names import per_expert
 from anneal.hf.reader import LazyTensor, _Archive
 from anneal.hf.zero import (
@@ -52,18 +56,23 @@ _PER_EXPERT_FILES = "per_expert_files"
 
 def _layers(tag_dir: Path, model_state) -> list[dict]:
     """The ``ds_autoep_layers`` of the model states: [] for a dense model; UserError for a
-    layout the export does not read (ZeRO-3's partitioned experts)."""
+    layout the export does not read (neither per-expert files nor ZeRO-3's partitions)."""
     layers = model_state.get("ds_autoep_layers") if isinstance(model_state, dict) else None
     if not layers:
         return []
     formats = {str(layer.get("checkpoint_format")) for layer in layers}
-    if formats != {_PER_EXPERT_FILES}:
+    if formats not in ({_PER_EXPERT_FILES}, {ZERO3_FORMAT}):
         raise UserError(
-            f"{tag_dir}: its experts are saved as {', '.join(sorted(formats))} (a ZeRO-3 run "
-            f"of AutoEP), which anneal export does not read yet; it reads the per-expert files "
-            f"of ZeRO-0/1/2 runs. Train the sparse model at ZeRO-1 or 2 to export it."
+            f"{tag_dir}: its experts are saved as {', '.join(sorted(formats))}, which anneal "
+            f"export does not read; it reads DeepSpeed 0.19.8 AutoEP's per-expert files "
+            f"(ZeRO-0/1/2) and its {ZERO3_FORMAT} partitions (ZeRO-3), as Anneal's sparse "
+            f"training writes them. Export a checkpoint of an Anneal run (--tag)."
         )
     return layers
+
+
+def _zero3(layers: list[dict]) -> bool:
+    return layers[0].get("checkpoint_format") == ZERO3_FORMAT
 
 
 def expert_file(tag_dir: Path, layer: dict, expert: int, mp_rank: int = 0) -> Path:
@@ -148,7 +157,9 @@ def with_experts(ckpt: ZeroCheckpoint) -> ZeroCheckpoint:
         if not layers:
             return ckpt
         sources = _renamed(ckpt.sources, layers)
-        for layer in layers:
+        if _zero3(layers):
+            sources += autoep_zero3.expert_sources(ckpt)
+        for layer in [] if _zero3(layers) else layers:
             sources += _expert_sources(ckpt.tag_dir, layer, ckpt.archives)
     except UserError as e:
         if str(e).startswith(str(ckpt.tag_dir)):
@@ -174,8 +185,9 @@ def reference_to_hf(tag_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, tor
     model_files, _ = checkpoint_files(tag_dir)
     model_state = _load_weights_only(model_files[0])
     module = model_state.get("module") or {}
-    sd = dict(sd)
-    for layer in _layers(tag_dir, model_state):
+    sd, layers = dict(sd), _layers(tag_dir, model_state)
+    grouped = autoep_zero3.reference_experts(tag_dir) if layers and _zero3(layers) else {}
+    for layer in layers:
         prefix = layer["module_path"]
         router, alias, hf = _router_names(prefix)
         if alias in module and not torch.equal(module[alias], module[router]):
@@ -184,6 +196,11 @@ def reference_to_hf(tag_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, tor
         sd[hf] = sd.pop(router)
         for w in ("w1", "w2", "w3"):
             sd.pop(f"{prefix}.experts.{w}", None)
+        if grouped:  # ZeRO-3: [E, I, H] gate and up, [E, H, I] down
+            w1, w2, w3 = (grouped[f"{prefix}.experts.{w}"] for w in ("w1", "w2", "w3"))
+            sd[f"{prefix}.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
+            sd[f"{prefix}.experts.down_proj"] = w2
+            continue
         gate_up, down = [], []
         for e in range(int(layer["num_experts"])):
             f = _load_weights_only(expert_file(tag_dir, layer, e))

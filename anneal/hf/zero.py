@@ -1,11 +1,12 @@
 """The ZeRO layouts: where each parameter's fp32 values lie in a DeepSpeed checkpoint.
 
-ZeRO-3: a parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat group, in
-order. ZeRO-1/2: the rank partitions of each param group concatenated hold the parameters in
-order, each followed by its alignment padding. No ZeRO (stage 0): the module's own weights.
-``open_checkpoint`` indexes these lazily (``anneal.hf.reader``); ``reference_state_dict`` builds
-the same weights independently, as DeepSpeed's ``zero_to_fp32`` does, through
-``torch.load(weights_only=True)``, for the export's verification.
+ZeRO-3: a parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat group of its
+sub-group, in order (AutoEP's experts, partitioned over the ranks that hold them, are
+``anneal.hf.autoep_zero3``'s). ZeRO-1/2: the rank partitions of each param group concatenated
+hold the parameters in order, each followed by its alignment padding. No ZeRO (stage 0): the
+module's own weights. ``open_checkpoint`` indexes these lazily (``anneal.hf.reader``);
+``reference_state_dict`` builds the same weights independently, as DeepSpeed's ``zero_to_fp32``
+does, through ``torch.load(weights_only=True)``, for the export's verification.
 """
 
 from __future__ import annotations
@@ -215,18 +216,39 @@ def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
     return stage, world, _with_buffers_and_aliases(sources, model_state)
 
 
+def _zero3_counts(optim: dict, groups: int, world: int) -> list[int]:
+    """Each ZeRO-3 sub-group's partition count (``ds_zero_partition_groups``; all ``world``
+    ranks where a checkpoint does not record them)."""
+    parts = optim.get("ds_zero_partition_groups")
+    if parts is None:
+        return [world] * groups
+    if len(parts) != groups:
+        raise _Layout(f"{len(parts)} partition groups for {groups} parameter groups")
+    return [int(p["partition_count"]) for p in parts]
+
+
 def _zero3_sources(shapes: list[dict], optims: list[dict], world: int) -> list[TensorSource]:
-    """A parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat groups."""
+    """A parameter of ``n`` elements takes ``ceil(n / world)`` of every rank's flat group of
+    its sub-group (one a param group, in order). AutoEP's experts, partitioned over fewer
+    ranks, are read by ``anneal.hf.autoep_zero3``."""
     flats = [list(o["fp32_flat_groups"]) for o in optims]
-    sources, offset = [], 0
-    for group in shapes:
+    if len(flats[0]) != len(shapes):
+        raise _Layout(f"{len(flats[0])} flat groups for {len(shapes)} parameter groups")
+    sources = []
+    counts = _zero3_counts(optims[0], len(shapes), world)
+    for g, (group, count) in enumerate(zip(shapes, counts, strict=True)):
+        if _expert_group(group):
+            continue
+        if count != world:
+            raise _Layout(f"parameter group {g} is partitioned over {count} of {world} ranks")
+        offset = 0
         for name, shape in group.items():
             part = math.ceil(math.prod(shape) / world)
-            pieces = [p for r in range(world) for p in _slices(flats[r], offset, part)]
-            sources.append(TensorSource(name, tuple(shape), flats[0][0].dtype, tuple(pieces)))
+            pieces = [p for r in range(world) for p in _slices([flats[r][g]], offset, part)]
+            sources.append(TensorSource(name, tuple(shape), flats[0][g].dtype, tuple(pieces)))
             offset += part
-    if offset != sum(t.numel() for t in flats[0]):
-        raise _Layout(f"its parameters take {offset} of {sum(t.numel() for t in flats[0])}")
+        if offset != flats[0][g].numel():
+            raise _Layout(f"its parameters take {offset} of {flats[0][g].numel()} in group {g}")
     return sources
 
 
@@ -310,13 +332,16 @@ def reference_state_dict(
     shapes = [shapes] if isinstance(shapes, dict) else shapes
     world = len(optims)
     if zero_stage == 3:
-        flat = [torch.cat([g.flatten() for g in o["fp32_flat_groups"]]) for o in optims]
-        offset = 0
-        for name, shape in ((n, s) for group in shapes for n, s in group.items()):
-            n, part = math.prod(shape), math.ceil(math.prod(shape) / world)
-            rows = torch.cat([f[offset : offset + part] for f in flat])
-            sd[name] = rows[:n].view(tuple(shape)).float()
-            offset += part
+        for g, group in enumerate(shapes):
+            if _expert_group(group):  # AutoEP's, over fewer ranks (anneal.hf.autoep_zero3)
+                continue
+            flat = [o["fp32_flat_groups"][g].flatten() for o in optims]
+            offset = 0
+            for name, shape in group.items():
+                n, part = math.prod(shape), math.ceil(math.prod(shape) / world)
+                rows = torch.cat([f[offset : offset + part] for f in flat])
+                sd[name] = rows[:n].view(tuple(shape)).float()
+                offset += part
     else:
         paddings = optims[0].get("param_alignment_paddings")
         for g, group in enumerate(shapes):

@@ -11,12 +11,20 @@ rank and every rank still reads its own samples: the data-parallel size stays th
 and so does the batch arithmetic. ZeRO then shards each expert's optimizer state over the
 world / N ranks that hold a copy of that expert.
 
+Every ZeRO stage trains a sparse model. At ZeRO-3 AutoEP partitions each expert's weights, like
+its optimizer state, over the world / N ranks that hold that expert, and saves them inside each
+rank's ``zero_pp_rank_*`` files (its ``"zero3_partitioned"`` checkpoint format; ZeRO-0/1/2 write
+one file per expert), which the manifest lists and hashes like any other file and
+``anneal.hf.autoep`` exports.
+
 Refused here, each with its reason, before any process starts: expert parallelism on a dense
 model, a degree that does not divide the experts or the data-parallel ranks, and the
 combinations that DeepSpeed 0.19.8's AutoEP refuses or that Anneal has not run: with tensor or
-sequence parallelism, with ZeRO-3, with offload, and another AutoEP preset than Qwen3-MoE's.
-Aux-loss-free balancing (``load_balance_coeff``) is refused by the schema
-(``anneal.config.ds_schema``).
+sequence parallelism (AutoEP refuses both under ZeRO-3), with offload, and another AutoEP preset
+than Qwen3-MoE's. Aux-loss-free balancing (``load_balance_coeff``) and expert tensor parallelism
+(``expert_tensor_parallel_size``, which AutoEP refuses under ZeRO-3) are refused by the schema
+(``anneal.config.ds_schema``); the other ZeRO-3 features AutoEP refuses (MiCS, hpZeRO,
+quantized gradients) are no keys of it.
 """
 
 from __future__ import annotations
@@ -83,7 +91,6 @@ def check_expert_layout(ds: dict, preset: ModelPreset, *, world_size: int, sourc
     ep, experts = expert_parallel_size(ds), preset.moe.num_experts
     tp, sp = autotp_size(ds), sequence_parallel_size(ds)
     zero = ds.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
     fix = f"Set ds.expert_parallel.autoep_size (now {ep}, from {source} or --set)"
     why = None
     if experts % ep:
@@ -107,14 +114,6 @@ def check_expert_layout(ds: dict, preset: ModelPreset, *, world_size: int, sourc
             f"parallelism under ZeRO-3; Anneal has run neither with experts and does not offer "
             f"them. Scale a sparse model with expert and data parallelism: drop {what.split()[0]} "
             f"and use --set ds.expert_parallel.autoep_size=N."
-        )
-    elif stage == 3:
-        why = (
-            "a sparse model with ZeRO stage 3: DeepSpeed 0.19.8's AutoEP under ZeRO-3 partitions "
-            "the experts in its own checkpoint format, which Anneal's exporter and integrity "
-            "checks do not read yet. Use --set ds.zero_optimization.stage=2 (or 1): experts "
-            "are then sharded by expert parallelism, their optimizer state by ZeRO over the "
-            "ranks holding each expert."
         )
     elif "offload_optimizer" in zero or "offload_param" in zero:
         why = (

@@ -41,14 +41,13 @@ from anneal.planning.memory_activations import (  # noqa: F401 (memory.saved_ten
     logits_bytes,
     saved_tensors,
 )
-from anneal.planning.memory_tp import largest_layer_params
 
 DEFAULT_DS_CONFIG = "zero3_bf16.json"
 """The ds_config ``anneal estimate`` assumes when neither ``--ds-config`` nor a run's
 config.json names one: ZeRO-3, the stage that lets the largest models fit."""
 DEFAULT_SPARSE_DS_CONFIG = "zero2_bf16.json"
-"""The one it assumes for a sparse model: ZeRO-2, the highest stage Anneal trains experts at
-(``memory_ep.check``)."""
+"""The one it assumes for a sparse model: ZeRO-2, the config the sparse recipes ship (ZeRO-3
+runs too: ``--ds-config zero3_bf16.json``)."""
 
 DEFAULT_NODES = 1
 DEFAULT_GPUS_PER_NODE = 8
@@ -261,7 +260,8 @@ def estimate(
         copies = 2 if zero.overlap_comm else 1
         buffers["reduce bucket"] = copies * min(zero.reduce_bucket_size, p) * value_bytes
     if zero.stage == 3:
-        live = largest_layer_params(preset, work.tp) + min(zero.prefetch_bucket_size, p)
+        live = memory_ep.largest_module_params(preset, tp=work.tp, ep=work.ep)
+        live += min(zero.prefetch_bucket_size, p)
         buffers["gathered weights"] = live * value_bytes
     if preset.is_moe:
         routed = memory_ep.routed_buffer_bytes(preset, local, value_bytes=value_bytes)

@@ -24,10 +24,12 @@ With ``memory``'s ZeRO formulas per family, a GPU's expert states take (mixed pr
 
 EP divides what ZeRO leaves whole (at stage 1 the weights and gradients, at stage 2 the
 weights): the partitioned part, ``x (P_e / EP) / (n / EP) = x P_e / n``, does not depend on EP,
-and at stage 3 nothing of the states would (ZeRO-3 would gain from EP only a smaller gathered
-module: one layer's experts). Anneal refuses a sparse model with ZeRO-3, offload, tensor or
-sequence parallelism before launch (``anneal/launch/experts.py``), and so does this estimate
-(``check``), with the same reasons.
+and at stage 3 nothing of the states does. ZeRO-3 gains from EP a smaller gathered module: the
+largest module it gathers whole for a forward is often one layer's experts (AutoEP's grouped
+``w1``, ``w2`` and ``w3``, ``3 (E / EP) h I`` parameters: ``largest_module_params``), not the
+embedding. Anneal refuses a sparse model with offload, tensor or sequence parallelism before
+launch (``anneal/launch/experts.py``), and so does this estimate (``check``), with the same
+reasons.
 
 Under imbalance the rank whose experts the router favours computes more rows than the balanced
 ``k s b`` this estimate counts (``memory_activations``); Megatron-Core's MoE README warns of
@@ -55,6 +57,17 @@ def params_per_gpu(preset: ModelPreset, *, tp: int, ep: int) -> tuple[int, int]:
     (``memory_tp.params_per_gpu``), and ``P_e / EP``."""
     experts = expert_params(preset)
     return memory_tp.params_per_gpu(preset, tp) - experts, experts // ep
+
+
+def largest_module_params(preset: ModelPreset, *, tp: int, ep: int) -> int:
+    """Parameters of the largest module ZeRO-3 gathers whole: ``memory_tp``'s (the embedding,
+    LM head or an MLP projection), or for a sparse model one layer's experts on one GPU,
+    AutoEP's grouped ``w1``, ``w2`` and ``w3`` of ``E / EP`` experts, if larger."""
+    largest = memory_tp.largest_layer_params(preset, tp)
+    if preset.moe is None:
+        return largest
+    experts = 3 * (preset.moe.num_experts // ep) * preset.hidden_size
+    return max(largest, experts * preset.moe.expert_intermediate_size)
 
 
 def routed_buffer_bytes(preset: ModelPreset, work, *, value_bytes: int) -> int:
@@ -112,12 +125,6 @@ def check(preset: ModelPreset, zero, work) -> None:
             f"(DeepSpeed 0.19.8's AutoEP folds into AutoTP only for some layouts and refuses "
             f"Ulysses under ZeRO-3, and Anneal has run neither with experts). Drop "
             f"{flag.split()[0]}"
-        )
-    elif zero.stage == 3:
-        why = (
-            "with ZeRO stage 3: Anneal trains a sparse model at ZeRO-1 or 2 (AutoEP's ZeRO-3 "
-            "checkpoints are not read by its exporter and checks yet). Give --ds-config "
-            "zero2_bf16.json (or zero1_bf16.json)"
         )
     elif zero.offload_optimizer or zero.offload_param:
         why = (
