@@ -25,9 +25,10 @@ same windows within 1e-5;
 other Mixture-of-Experts architectures (Mixtral, OLMoE, Qwen2-MoE) and a Qwen3-MoE with dense
 layers are refused with one paragraph naming what works.
 
-About 10 s on 2 cores: two in-process engines, five exports with their verification. Slow:
-two 2-rank launches of the tiny-moe recipe at EP=2 (ZeRO-1 and 2), about 25 s each, exported
-and checked against the live engine's validation loss.
+About 10 s on 2 cores: two in-process engines, five exports with their verification. The
+recipe's expert-parallel runs (EP=2 at ZeRO-1 and 2, EP=1 and 2 at ZeRO-3) are exported and
+checked against the live engine's validation loss in tests/test_moe_parallel.py, beside the
+launches that compare them.
 """
 
 from __future__ import annotations
@@ -369,62 +370,6 @@ def test_a_qwen3_moe_with_dense_layers_is_refused(tmp_path):
 
 
 # --- a real run: 2 ranks, EP=2, through Anneal's loop and manifest -----------------------------
-
-
-@pytest.fixture(scope="module")
-def ep2_runs(tiny_data, tmp_path_factory) -> dict[int, Path]:
-    """The tiny-moe recipe on 2 ranks at EP=2 (each rank 2 of the 4 experts of each layer),
-    at ZeRO-1 and at ZeRO-2: 10 steps, validated and saved at the last; one launch at a time,
-    one thread per process."""
-    from tests.conftest import ROOT, parallel_args, run_recipes, sets
-
-    tmp = tmp_path_factory.mktemp("moe_ep2")
-    experts = sets("model.num_experts=4", "model.expert_intermediate_size=32")
-    layout = "ds.expert_parallel.autoep_size=2"
-    launches = [
-        dict(
-            args=parallel_args(
-                tiny_data, tmp / f"z{stage}", layout=layout, accum=1, stage=stage,
-                extra=experts, save_every=10,
-            ),
-            ranks=2,
-            recipe=str(ROOT / "recipes" / "pretrain_moe_tiny.py"),
-        )
-        for stage in (1, 2)
-    ]  # fmt: skip
-    run_recipes(launches, parallel=1)
-    return {stage: tmp / f"z{stage}" for stage in (1, 2)}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
-def test_an_expert_parallel_run_exports_its_validation_loss(ep2_runs, tiny_data, stage, tmp_path):
-    """Slow (two 2-rank launches, about 25 s each here): the manifest lists and hashes every
-    expert file and the checks of a resume accept them; ``anneal export --dtype fp32`` (its
-    verification on) then plain transformers gives the live engine's last validation loss on
-    the same windows within 1e-5 (measured 4e-8), the experts of both ranks included."""
-    from anneal import rundir
-    from anneal.cli import main as cli_main
-    from anneal.data.stream import PackedSplit
-    from anneal.resilience import checkpoint
-
-    run = ep2_runs[stage]
-    tag_dir = checkpoint.intact_checkpoints(rundir.checkpoints_dir(run))[-1]
-    manifest = checkpoint.read_manifest(tag_dir)
-    experts = {f: e for f, e in manifest["files"].items() if "_expert_" in f}
-    assert len(experts) == 2 * 4 and all(e["size"] and e[checkpoint.HASH] for e in experts.values())
-    assert manifest["expert_parallel_size"] == 2 and not checkpoint.damaged_files(tag_dir)
-    safeload.check_checkpoint(tag_dir)
-    assert cli_main(["export", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
-    model = from_pretrained(tmp_path / "hf")
-    val = PackedSplit(tiny_data, "val", seq_len=32)
-    windows = [val.window(t * val.n_windows // 8) for t in range(8)]
-    ids = torch.stack([torch.as_tensor(w.astype("int64")) for w in windows])
-    with torch.no_grad():
-        logits = model(input_ids=ids[:, :-1]).logits
-    ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item()
-    live = rundir.read_metrics(run, "val")[-1]
-    assert live["step"] == 10 and ours == pytest.approx(live["val_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
