@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-
-import torch.distributed as dist
+import sys
 
 # DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op ("deepspeed_shm_comm") in
 # every process that initializes distributed, taking torch's extension lock file for the build
@@ -50,7 +49,7 @@ def shutdown() -> None:
     and tearing them down during the interpreter's own shutdown aborts the process now and then
     ("terminate called without an active exception", exit -6 after a run that succeeded: seen in
     CI). Not for a rank that may be inside a collective: destroying waits for it to end."""
-    if dist.is_available() and dist.is_initialized():
+    if _group() is not None:
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups
@@ -76,12 +75,26 @@ def world_of_one_env() -> dict[str, str]:
     )
 
 
+def _group():
+    """``torch.distributed`` where this process has a process group, else None. A process that
+    never imported torch has none, and does not import it here: the helpers below serve torch-free
+    processes too (the end-of-run plots and report read manifests through them), where importing
+    torch would add about a second to each."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    group = _group()
+    return group.get_rank() if group is not None else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    group = _group()
+    return group.get_world_size() if group is not None else 1
 
 
 def all_gather(obj) -> list:
@@ -89,14 +102,16 @@ def all_gather(obj) -> list:
     if world_size() == 1:
         return [obj]
     out: list = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    _group().all_gather_object(out, obj)
     return out
 
 
 def barrier() -> None:
-    """``dist.barrier()`` when there is a process group (a one-process run has none)."""
-    if dist.is_initialized():
-        dist.barrier()
+    """``torch.distributed.barrier()`` when there is a process group (a one-process run has
+    none)."""
+    group = _group()
+    if group is not None:
+        group.barrier()
 
 
 def is_main_process() -> bool:

@@ -403,3 +403,29 @@ def test_documents_from_elsewhere_never_break_the_plot_or_the_report(tmp_path, c
     rc, out, err = cli(capsys, "plot", run)
     assert rc == 0 and f"wrote {run / 'plots' / 'downstream.png'}" in out, err
     assert_sensible_png(run / "plots" / "downstream.png")
+
+
+def test_the_end_of_run_process_imports_no_torch(tmp_path):
+    """The plots and report at the end of a run are drawn by ``python -m anneal.observe.report``
+    in a process of its own (``anneal.observe.progress.finish_run``), which every run that
+    reaches its last step waits for: it draws the charts and the report, and imports neither
+    torch nor DeepSpeed (importing torch for the manifests' rank helpers, ``anneal.dist``, made
+    it 2.7 s instead of 1.1 s here)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import env
+
+    run = scored_run(tmp_path / "run")
+    code = (
+        "import sys\nfrom anneal.observe import report\n"
+        f"rc = report.main([{str(run)!r}, '--end-of-run'])\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
+        "print('rc', rc, 'heavy', heavy)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rc 0 heavy []" in done.stdout, done.stdout + done.stderr
+    assert (run / "report.txt").is_file() and (run / "plots" / "loss.png").is_file()
