@@ -89,7 +89,7 @@ def test_parameter_counts_match_the_real_model_and_deepspeeds_largest_layer():
             model = build_model(preset)
         assert count_params(preset) == sum(p.numel() for p in model.parameters())
         # (meta tensors share data_ptr 0, so only DeepSpeed's largest-layer count is usable)
-        assert memory.largest_layer_params(preset) == model_to_params(model)[1]
+        assert memory_tp.largest_layer_params(preset) == model_to_params(model)[1]
 
 
 @pytest.mark.parametrize("nodes", [1, 8])
@@ -114,7 +114,7 @@ def test_zero3_against_deepspeeds_printed_estimate(capsys):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 
     preset = get_preset("7b")
-    big = memory.largest_layer_params(preset)
+    big = memory_tp.largest_layer_params(preset)
     estimate_zero3_model_states_mem_needs_all_cold(
         total_params=P7B, largest_layer_params=big, num_gpus_per_node=8, num_nodes=8
     )
@@ -146,7 +146,7 @@ def test_zero3_offload_host_memory_matches_deepspeed(nodes):
     preset = get_preset("7b")
     ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
         total_params=P7B,
-        largest_layer_params=memory.largest_layer_params(preset),
+        largest_layer_params=memory_tp.largest_layer_params(preset),
         num_gpus_per_node=8,
         num_nodes=nodes,
         cpu_offload=True,
@@ -158,7 +158,7 @@ def test_zero3_offload_host_memory_matches_deepspeed(nodes):
     assert est.host_bytes * 8 == pytest.approx(ds_cpu, abs=16)
     # On the GPU DeepSpeed counts the 16-bit weights (2P/n) and one gathered layer (4L);
     # we also keep the 16-bit gradient partition there until it is copied out.
-    assert est.params == pytest.approx(ds_gpu - 4 * memory.largest_layer_params(preset), abs=2)
+    assert est.params == pytest.approx(ds_gpu - 4 * memory_tp.largest_layer_params(preset), abs=2)
 
 
 def test_activation_accounting_reproduces_korthikanti_and_counts_llama():
