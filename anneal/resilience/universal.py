@@ -66,18 +66,25 @@ def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     (saved_ranks, saved_ep, saved_tp), (ranks, ep, tp) = saved, here
 
-    tp_there = f" at tensor-parallel degree {saved_tp}" if saved_tp != tp else ""
-    log.warning(
-        "%s was saved by %d ranks%s%s, this job has %d%s%s: loading its universal form %s",
-        tag_dir,
-        saved_ranks,
-        f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
-        tp_there,
-        ranks,
-        f" at degree {ep}" if saved_ep != ep else "",
-        f" at tensor-parallel degree {tp}" if saved_tp != tp else "",
-        universal,
-    )
+    if saved == here:  # the ZeRO stage alone moves (checkpoint.load converts for that too)
+        log.warning(
+            "%s was saved at ZeRO-1/2 and this job runs ZeRO-3, or the other way (their files "
+            "differ): loading its universal form %s",
+            tag_dir,
+            universal,
+        )
+    else:
+        log.warning(
+            "%s was saved by %d ranks%s%s, this job has %d%s%s: loading its universal form %s",
+            tag_dir,
+            saved_ranks,
+            f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
+            f" at tensor-parallel degree {saved_tp}" if saved_tp != tp else "",
+            ranks,
+            f" at degree {ep}" if saved_ep != ep else "",
+            f" at tensor-parallel degree {tp}" if saved_tp != tp else "",
+            universal,
+        )
     clip = getattr(engine.optimizer, "clip_grad", None)  # ZeRO-1/2's load sets the saved one
     engine._config.load_universal_checkpoint = True  # for this one load
     try:
