@@ -32,6 +32,7 @@ from anneal.hf.reader import _Archive
 from anneal.hf.zero import (
     TensorSource,
     ZeroCheckpoint,
+    _cut,
     _expert_group,
     _Layout,
     _load_weights_only,
@@ -135,19 +136,6 @@ def _check_cover(weights: list[GroupedWeight], layers: list[dict]) -> None:
                 raise _Layout(f"{layer['module_path']}'s {weight} holds experts {held[:8]}")
 
 
-def _cut(pieces: list[_Piece], start: int, count: int) -> tuple[_Piece, ...]:
-    """Elements ``[start, start + count)`` of the concatenation of ``pieces``."""
-    cut, base = [], 0
-    for p in pieces:
-        lo, hi = max(start, base), min(start + count, base + p.count)
-        if lo < hi:
-            cut.append(_Piece(p.tensor, p.start + lo - base, hi - lo))
-        base += p.count
-    if sum(p.count for p in cut) != count:
-        raise _Layout("its flat groups are shorter than its expert shapes")
-    return tuple(cut)
-
-
 def _rank_metadata(tag_dir: Path, optims: list[dict]):
     """(param_shapes, each rank's ds_autoep_layers, each rank's ds_zero_partition_groups),
     the model states read as lazy indexes, closed again."""
@@ -178,7 +166,8 @@ def expert_sources(ckpt: ZeroCheckpoint) -> list[TensorSource]:
         rows, dtype = math.prod(w.shape[1:]), flats[0][w.slices[0].group].dtype
         for j in range(w.shape[0]):
             name = per_expert(w.layer["expert_key_prefix"], w.first + j, _NAMES[w.weight])
-            sources.append(TensorSource(name, w.shape[1:], dtype, _cut(pieces, j * rows, rows)))
+            cut = tuple(_cut(pieces, j * rows, rows, what="expert"))
+            sources.append(TensorSource(name, w.shape[1:], dtype, cut))
     return sources
 
 

@@ -54,18 +54,22 @@ class TensorSource:
         return buf[: self.numel()].view(self.shape)
 
 
+def _cut(pieces: list[_Piece], start: int, count: int, what: str = "parameter") -> list[_Piece]:
+    """Elements ``[start, start + count)`` of the concatenation of ``pieces``, as pieces."""
+    cut, base = [], 0
+    for p in pieces:
+        lo, hi = max(start, base), min(start + count, base + p.count)
+        if lo < hi:
+            cut.append(_Piece(p.tensor, p.start + lo - base, hi - lo))
+        base += p.count
+    if sum(p.count for p in cut) != count:
+        raise _Layout(f"its flat groups are shorter than its {what} shapes")
+    return cut
+
+
 def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
     """Elements ``[start, start + count)`` of the concatenation of ``flat`` as pieces."""
-    pieces, base = [], 0
-    for t in flat:
-        n = t.numel()
-        lo, hi = max(start, base), min(start + count, base + n)
-        if lo < hi:
-            pieces.append(_Piece(t, lo - base, hi - lo))
-        base += n
-    if sum(p.count for p in pieces) != count:
-        raise _Layout("its flat groups are shorter than its parameter shapes")
-    return pieces
+    return _cut([_Piece(t, 0, t.numel()) for t in flat], start, count)
 
 
 EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
