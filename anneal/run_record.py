@@ -1,5 +1,5 @@
 """The typed reader of a run's ``config.json``: the document a launch writes
-(``anneal.launch.resolve.Launch.config_document``: ``run``, ``ds_config``, ``resolved_from``,
+(``anneal.resolution.resolve.Launch.config_document``: ``run``, ``ds_config``, ``resolved_from``,
 ``model``, ``launch`` and a cooldown branch's ``branch``), read once into a ``RunRecord`` whose
 accessors give each reader the part it needs: the plots and the report, the memory estimate,
 the scaling fit, the cooldown branches, the launch resolution and the export.
@@ -9,7 +9,7 @@ the scaling fit, the cooldown branches, the launch resolution and the export.
 JSON file that may be a run's and asks ``RunRecord.holds`` whether it is. Every accessor is
 lenient: a section or key that is missing or of another type reads as empty (None, ``{}``),
 so that a file edited by hand or written by an older Anneal never raises where a reader only
-draws a label; the strict checks of a launch are ``anneal.launch``'s. Imports only the ground
+draws a label; the strict checks of a launch are ``anneal.resolution``'s. Imports only the ground
 floor.
 """
 
@@ -111,7 +111,7 @@ class RunRecord:
 
     @property
     def branch(self) -> dict | None:
-        """A cooldown branch's start (``anneal.launch.cooldown.Branch.to_dict``), else None."""
+        """A cooldown branch's start (``anneal.resolution.cooldown.Branch.to_dict``), else None."""
         branch = self.doc.get("branch")
         return branch if isinstance(branch, dict) else None
 

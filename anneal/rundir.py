@@ -344,7 +344,7 @@ class RunDir:
 
     @classmethod
     def for_launch(cls, launch) -> RunDir:
-        """The writes of launch ``launch`` (an ``anneal.launch.resolve.Launch``)."""
+        """The writes of launch ``launch`` (an ``anneal.resolution.resolve.Launch``)."""
         return cls(launch.out, launch.config_document(), restart=launch.cfg.restart)
 
     def undo(self) -> None:

@@ -44,7 +44,7 @@ def build(data: Path, *, micro_batch: int):
     would hold no whole weight to save for HFLM)."""
     from anneal.cli.recipe import config_from_args, load_recipe
     from anneal.dist import init_distributed, world_of_one_env
-    from anneal.launch.resolve import resolve_launch
+    from anneal.resolution.resolve import resolve_launch
     from anneal.train.engine import build_engine
 
     os.environ.update(world_of_one_env())

@@ -90,9 +90,9 @@ gpu_tests() {  # $1: cpu|gpu. The tests marked gpu, in a pytest session of their
   fi
   local hide=()
   [[ $1 == cpu ]] && hide=(CUDA_VISIBLE_DEVICES=)
-  echo "gpu tests: pytest -m gpu tests/test_bench_gpu.py"
+  echo "gpu tests: pytest -m gpu tests/bench/test_bench_gpu.py"
   (cd "$repo" && env -u ANNEAL_TEST_SHARD ${hide[@]+"${hide[@]}"} timeout -k 10 300 "$py" -m pytest -q -m gpu \
-    -p no:cacheprovider --basetemp "$scratch/pytest" tests/test_bench_gpu.py)
+    -p no:cacheprovider --basetemp "$scratch/pytest" tests/bench/test_bench_gpu.py)
 }
 
 stack_ok() {  # what a recipe imports, without starting anything

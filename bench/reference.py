@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 def resolve(args, world: int):
     """The recipe's RunConfig and resolved launch for these flags, as the recipe resolves them."""
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.launch.resolve import resolve_launch
+    from anneal.resolution.resolve import resolve_launch
 
     recipe = load_recipe(args.recipe)
     defaults = {k: v for k, v in recipe.items() if k not in ("preset", "ds_config")}

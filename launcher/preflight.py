@@ -28,7 +28,7 @@ SSH_TIMEOUT_S = 10
 class Preflight:
     """What pre-flight resolved: the launch the ranks will make, and the forecast."""
 
-    launch: object  # anneal.launch.resolve.Launch
+    launch: object  # anneal.resolution.resolve.Launch
     world_size: int
     device_type: str
     checkpoint_bytes: int
@@ -91,10 +91,10 @@ def world_size(
 
 
 def resolve(cfg, overrides, *, world_size: int, device_type: str):
-    """``anneal.launch.resolve.resolve_launch``: the ranks' own resolution, for this world size,
+    """``anneal.resolution.resolve.resolve_launch``: the ranks' own resolution, for this world size,
     and their check of the in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
     from anneal.eval.in_loop import check_launch
-    from anneal.launch.resolve import resolve_launch
+    from anneal.resolution.resolve import resolve_launch
 
     launch = resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
     check_launch(launch)
@@ -228,6 +228,6 @@ def preflight(
 
 def resume_notes(pre: Preflight) -> list[str]:
     """The launch's line about a resume at another layout, and the conversion it will do
-    (``anneal.launch.parallel.describe_resume_change``): the pre-flight says it before the job
+    (``anneal.resolution.parallel.describe_resume_change``): the pre-flight says it before the job
     starts, as the ranks do when they load."""
     return [n for n in pre.launch.notes if n.startswith("resume: ")]

@@ -131,11 +131,11 @@ def _finished(run_dir: Path) -> bool:
 
 def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
     """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution
-    (``anneal.launch.resolve.resolve_launch``), for a long run in a directory that holds no run."""
+    (``anneal.resolution.resolve.resolve_launch``), for a long run in a directory that holds no run."""
     import torch
 
     from anneal.dist import world_size
-    from anneal.launch.resolve import resolve_launch
+    from anneal.resolution.resolve import resolve_launch
 
     probe = dataclasses.replace(
         cfg, out=str(probe_dir), train=dataclasses.replace(cfg.train, max_steps=10**9)

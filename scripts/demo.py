@@ -49,7 +49,7 @@ validation bits per byte. The recipe's 3e-3 was chosen for its batch of 64 seque
 
 SCHEDULE = "wsd"
 """Warmup-stable-decay with the 20% (1 - sqrt) cooldown to 0 (docs/training.md): a cooldown
-to 0 that ends the run is what lets a short run reach its lowest loss (tests/test_wsd.py: 2.8%
+to 0 that ends the run is what lets a short run reach its lowest loss (tests/train/test_wsd.py: 2.8%
 below cosine to 0.1 x peak at the same length)."""
 
 

@@ -96,7 +96,7 @@ SHARD_WEIGHTS_S = {
     "test_eval_lm.py": 31,
     "test_init_from.py": 29,
     "test_cooldown.py": 27,
-    "test_scaling.py": 26,
+    "test_planner.py": 26,
     "test_bench_train.py": 24,
     "test_data_scale_slurm.py": 21,
     "test_loss.py": 20,
@@ -240,7 +240,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def stdlib_prepared(tmp_path_factory) -> tuple[Path, str, str]:
     """The embedded corpus, prepared once per test session through the command line (``anneal
     data prepare --input stdlib``, in this process; about 7 s): (its directory, what the
-    command printed on stdout, on stderr). tests/test_data_prepare.py checks the command's
+    command printed on stdout, on stderr). tests/data/test_data_prepare.py checks the command's
     output and result on it; the other tests train on it (``stdlib_data``)."""
     import contextlib
     import io
@@ -321,7 +321,7 @@ def shared_runs(_shared_runs_started) -> dict:
     - ``noval``: 2 steps with train.eval_samples=0 on "noval_data".
     - ``grad_check``: tests/scripts/grad_check.py on 2 ranks through the deepspeed runner (one
       optimizer step against plain torch, ENGINE_REFERENCE_OVERRIDES), for
-      tests/test_engine_reference.py.
+      tests/train/test_engine_reference.py.
 
     Their users are the fixtures below."""
     tmp, launches, shm_before, runs = _shared_runs_started
@@ -385,7 +385,7 @@ def shared_launches(tiny_data: Path, tmp: Path) -> dict[str, dict]:
     return {"grad_check": grad_check, **launches}
 
 
-# tests/test_engine_reference.py's step: SMALL's model, micro-batch 2 x accumulation 2 on 2
+# tests/train/test_engine_reference.py's step: SMALL's model, micro-batch 2 x accumulation 2 on 2
 # ranks, a clip below the gradient norm and a large eps (so that the clip shows through AdamW),
 # and a weight decay large enough to tell decayed from undecayed weights.
 ENGINE_REFERENCE_OVERRIDES = [
@@ -414,7 +414,7 @@ def tiny_run(shared_runs) -> Path:
 @pytest.fixture(scope="session")
 def two_rank_run(shared_runs) -> dict:
     """The 2-rank ZeRO-3 run of ``shared_runs``: {"out", "lock", "shm_before"}.
-    tests/test_export.py exports it; tests/test_stale_state.py checks that it neither waited on
+    tests/hf/test_export.py exports it; tests/train/test_stale_state.py checks that it neither waited on
     the stale lock nor left files in /dev/shm (nor did any shared run, nor any test before it:
     the listing before was taken before them all)."""
     out = shared_runs["two_ranks"][0]
@@ -429,9 +429,9 @@ def shm_files() -> set[str]:
 @pytest.fixture(scope="session")
 def same_seed_runs(shared_runs) -> dict:
     """{name: (run directory, its finished process)} for the four same-seed runs of
-    ``shared_runs``: fp32, bf16, ac, auto. tests/test_precision.py and
-    tests/test_activation_checkpointing.py compare them; tests/test_schedule.py and
-    tests/test_observe.py read the fp32 one."""
+    ``shared_runs``: fp32, bf16, ac, auto. tests/train/test_precision.py and
+    tests/train/test_activation_checkpointing.py compare them; tests/config/test_schedule.py and
+    tests/observe/test_observe.py read the fp32 one."""
     return {name: shared_runs[name] for name in ("fp32", "bf16", "ac", "auto")}
 
 
@@ -512,7 +512,7 @@ SMALL = [
 ]
 
 
-# The parallel layouts' tests (tests/test_tensor_parallel.py, tests/test_sequence_parallel.py):
+# The parallel layouts' tests (tests/train/test_tensor_parallel.py, tests/train/test_sequence_parallel.py):
 # SMALL's model at context 32, validated on 8 windows, micro-batch 2, PARALLEL_STEPS steps.
 PARALLEL_STEPS = 10
 PARALLEL_SHAPE = [
@@ -589,7 +589,7 @@ def world_of_one():
 def resolve_tiny(args: list[str], *, world_size: int):
     """The launch the tiny recipe resolves from ``args`` on ``world_size`` CPU ranks."""
     from anneal.cli.recipe import config_from_args, load_recipe
-    from anneal.launch.resolve import resolve_launch
+    from anneal.resolution.resolve import resolve_launch
 
     tiny = ROOT / "recipes" / "pretrain_tiny.py"
     cfg, overrides = config_from_args(args, prog=str(tiny), on_cpu=True, **load_recipe(tiny))

@@ -1,5 +1,5 @@
 """The command blocks of a markdown page, and what a documented command's output must not show:
-the reader of tests/test_docs_commands.py, which runs every command block of README.md and
+the reader of tests/house/test_docs_commands.py, which runs every command block of README.md and
 docs/*.md.
 
 A block is a fenced block (``` or ~~~) whose info string is empty, ``bash``, ``sh``, ``shell``

@@ -1,5 +1,5 @@
 """A bare DeepSpeed AutoEP engine over a tiny Qwen3-MoE model, in this process, and its
-checkpoint saved as a run directory that ``anneal export`` reads (tests/test_moe_hf.py).
+checkpoint saved as a run directory that ``anneal export`` reads (tests/hf/test_moe_hf.py).
 
 Bare: ``deepspeed.initialize`` on a plain transformers model with an ``"expert_parallel"``
 section, as DeepSpeed's own AutoEP tests do, nothing of Anneal's training in between, so the

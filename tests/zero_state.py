@@ -20,7 +20,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
     """Elementwise within 1e-5 relative (plus 1e-5 of the largest), but for fewer than one
     element in ten thousand: the steps before and after the layout changed reduce in another
     order, and Adam magnifies that where the second moment is near 0
-    (tests/test_world_size.py). A load that went wrong (moments reset, slices misplaced)
+    (tests/resilience/test_world_size.py). A load that went wrong (moments reset, slices misplaced)
     misses in most elements."""
     assert got.shape == want.shape, what
     a, b = got.double(), want.double()

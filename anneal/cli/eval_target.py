@@ -158,7 +158,7 @@ def _checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> 
     checked as the export checks them (listed, weights-only loadable), its tokenizer."""
     from anneal.files import sha256_file
     from anneal.hf.source import preset_from_record, tokenizer_dir
-    from anneal.launch.ds import find_ds_config, load_ds_config
+    from anneal.resolution.ds import find_ds_config, load_ds_config
 
     record = rundir.read_record(run_dir, section="model")
     manifest = read_manifest(tag_dir)
@@ -242,7 +242,7 @@ def _hf_target(directory: Path, *, out, ds_config, data) -> Target:
     from anneal.config.run import ModelConfig
     from anneal.hf.export import read_marker
     from anneal.hf.load import pretrained_preset
-    from anneal.launch.ds import find_ds_config, load_ds_config
+    from anneal.resolution.ds import find_ds_config, load_ds_config
 
     if out is None:
         raise UserError(

@@ -19,7 +19,7 @@ from anneal.errors import UserError
 def add_options(p: argparse.ArgumentParser) -> None:
     """``--watch`` and its settings, on ``anneal eval``'s parser (torch is not imported to
     build it: the default poll is ``anneal.eval.watch.DEFAULT_POLL_S``, said here as written
-    there; tests/test_eval_watch.py holds them equal)."""
+    there; tests/eval/test_eval_watch.py holds them equal)."""
     p.add_argument(
         "--watch",
         action="store_true",

@@ -144,7 +144,7 @@ def target_engine(target, overrides: list[str]):
     """The scoring engine of ``target`` on this world, its weights read by the exporter's
     verified readers (a checkpoint) or ``anneal.hf.load_weights`` (a Hugging Face
     directory). Collective."""
-    from anneal.launch import ds as ds_config
+    from anneal.resolution import ds as ds_config
     from anneal.train.eval_engine import scoring_engine
 
     ds = target.ds_config

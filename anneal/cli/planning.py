@@ -2,7 +2,7 @@
 law fitted to finished runs, and the per-GPU memory of a run (anneal/planning/; docs/planning.md).
 
 Every default below is read from the library (a signature or a module constant), never typed
-again here; tests/test_cli.py checks that.
+again here; tests/cli/test_cli.py checks that.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _estimate(args: argparse.Namespace) -> int:
         sequence_parallel_size,
     )
     from anneal.hardware import get_gpu
-    from anneal.launch.ds import find_ds_config, load_ds_config
+    from anneal.resolution.ds import find_ds_config, load_ds_config
     from anneal.planning import memory, memory_io, memory_levers
 
     preset, record = memory_io.load_model(args.model)  # record: when --model is a run's

@@ -111,11 +111,11 @@ DS_SCHEMA: dict[str, Any] = {
         "output_file": str,
     },
     "comms_logger": {"enabled": bool, "verbose": bool, "prof_all": bool, "debug": bool},
-    # DeepSpeed's AutoTP training (anneal/launch/parallel.py); its other keys are not taken.
+    # DeepSpeed's AutoTP training (anneal/resolution/parallel.py); its other keys are not taken.
     "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
-    # DeepSpeed's Ulysses sequence parallelism (anneal/launch/parallel.py, train/sequence.py).
+    # DeepSpeed's Ulysses sequence parallelism (anneal/resolution/parallel.py, train/sequence.py).
     "sequence_parallel_size": int,
-    # DeepSpeed's AutoEP expert parallelism (anneal/launch/experts.py): filled in for a sparse
+    # DeepSpeed's AutoEP expert parallelism (anneal/resolution/experts.py): filled in for a sparse
     # model; its routing comes from the model's config, so only these keys are taken.
     "expert_parallel": {
         "enabled": bool,

@@ -2,7 +2,7 @@
 change between launches of one run.
 
 What a model size wants (preset, peak LR, warmup, global batch, run length) lives here, with
-the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.launch.ds``).
+the recipe's defaults; what a cluster wants lives in the DeepSpeed JSON (``anneal.resolution.ds``).
 ``--set section.key=value`` overrides go through these types and the range of every numeric key
 is checked (``anneal.config.run_checks``). User mistakes raise ``anneal.errors.UserError`` with
 one paragraph naming the flag or key and how to fix it.

@@ -77,7 +77,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply ``section.key=value`` strings through the dataclass types.
 
     Unknown sections or keys are errors with a suggestion; values are parsed to the field's
-    type. ``ds.*`` overrides are not handled here (``anneal.launch.ds.override_ds_config``).
+    type. ``ds.*`` overrides are not handled here (``anneal.resolution.ds.override_ds_config``).
     """
     sections = {name: getattr(cfg, name) for name in _SECTIONS}
     for item in overrides:

@@ -22,7 +22,7 @@ with the floor ``m = min_ratio`` (``scheduler.params.cos_min_ratio`` of the reso
 held after T_max. Under wsd the ratio at a step before T_s depends on T_max only through
 T_s, so a run resumed with a larger T_max goes on at the peak and decays from its new end.
 
-A cooldown branch (``anneal.launch.cooldown``) starts from step S of a wsd run, where the ratio
+A cooldown branch (``anneal.resolution.cooldown``) starts from step S of a wsd run, where the ratio
 was r, and decays over its own D = T_max - S steps with the same shapes::
 
     branch, t > S:  ratio = m + (r - m) * f(p),  p = min(1, (t - S) / D)

@@ -24,7 +24,7 @@ Requests that share ``context + continuation[:-1]`` share one forward row, as HF
 request's log-probability is read from the last positions of that row, which predict its
 continuation. HFLM 0.4.13 reads the first ones, which differs where a group's continuations
 differ in length (two rolling windows whose tokens agree); there EngineLM gives what HFLM gives
-with ``logits_cache=False`` (tests/test_eval_lm.py). Log-softmax is taken in fp32 whatever the
+with ``logits_cache=False`` (tests/eval/test_eval_lm.py). Log-softmax is taken in fp32 whatever the
 engine computes in (HFLM takes it in the model's dtype).
 """
 

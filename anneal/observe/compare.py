@@ -1,5 +1,5 @@
 """``anneal compare RUN...``: runs side by side, as the cooldown branches of one parent
-(``anneal.launch.cooldown``) are compared to choose the one to keep.
+(``anneal.resolution.cooldown``) are compared to choose the one to keep.
 
 Each run's final validation (``val_loss`` and ``val_bpb`` of its last validation row) and its
 latest downstream scores (each task's main metric with its stderr,

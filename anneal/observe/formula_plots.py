@@ -103,7 +103,7 @@ def schedule_phases(ax, schedule: Schedule, *, colors: dict, from_step: int = 0)
         spans.append((warm, end, "cos", 0.18, "cosine decay"))
     else:
         label = f"{schedule.decay_shape} decay ({schedule.decay_share:.0%} of the run)"
-        if schedule.cooldown_step:  # a cooldown branch (anneal.launch.cooldown)
+        if schedule.cooldown_step:  # a cooldown branch (anneal.resolution.cooldown)
             label = f"{schedule.decay_shape} cooldown from step {start}"
         spans += [(warm, start, "clip", 0.08, "stable (peak)"), (start, end, "cos", 0.18, label)]
     for a, b, colour, alpha, label in spans:
@@ -169,7 +169,7 @@ def _read_schedule_source(config: Path) -> tuple[Path, dict, RunRecord | None]:
 
     from anneal import rundir
     from anneal.errors import UserError
-    from anneal.launch.ds import find_ds_config
+    from anneal.resolution.ds import find_ds_config
 
     run_config = rundir.config_path(config) if Path(config).is_dir() else None
     path = run_config if run_config and run_config.is_file() else find_ds_config(str(config))
@@ -231,8 +231,8 @@ def plot_schedule_file(
         floor = given if kind == "cosine" and not _auto(given) else DEFAULT_FLOOR[kind]
     params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
     schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
-    if optim:  # a run's config.json: a cooldown branch's decay (anneal.launch.cooldown)
-        from anneal.launch.cooldown import with_branch
+    if optim:  # a run's config.json: a cooldown branch's decay (anneal.resolution.cooldown)
+        from anneal.resolution.cooldown import with_branch
 
         schedule = with_branch(schedule, record)
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")

@@ -125,7 +125,7 @@ def _parent_downstream(record: RunRecord) -> list:
 
 
 def _parent_rows(record: RunRecord) -> tuple[str, list[dict], list[dict]] | None:
-    """A cooldown branch's parent (``anneal.launch.cooldown``): its name, train and val rows,
+    """A cooldown branch's parent (``anneal.resolution.cooldown``): its name, train and val rows,
     drawn under the branch's; None when not a branch or its metrics cannot be read."""
     from anneal import rundir
     from anneal.errors import UserError
@@ -224,7 +224,7 @@ def _plot_lr(plt, c, train, events, record, path, name, parent=None) -> Path:
     since = resumes[-1] if resumes else 0
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import Schedule
-        from anneal.launch.cooldown import with_branch
+        from anneal.resolution.cooldown import with_branch
         from anneal.observe.formula_plots import planned_lr, schedule_phases
 
         schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, record.optim)

@@ -257,8 +257,8 @@ def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
     width = max(len(s.name) for s in signals)
     head = f"{rundir.REPORT_HEAD}{run_dir}" if run_dir else "health"
     lines = [head]
-    if run_dir is not None:  # a cooldown branch names its parent (anneal.launch.cooldown)
-        from anneal.launch.cooldown import lineage
+    if run_dir is not None:  # a cooldown branch names its parent (anneal.resolution.cooldown)
+        from anneal.resolution.cooldown import lineage
 
         lines += [f"  {line}" for line in lineage(Path(run_dir))]
     for s in signals:

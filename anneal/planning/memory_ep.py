@@ -28,7 +28,7 @@ and at stage 3 nothing of the states does. ZeRO-3 gains from EP a smaller gather
 largest module it gathers whole for a forward is often one layer's experts (AutoEP's grouped
 ``w1``, ``w2`` and ``w3``, ``3 (E / EP) h I`` parameters: ``largest_module_params``), not the
 embedding. Anneal refuses a sparse model with offload, tensor or sequence parallelism before
-launch (``anneal/launch/experts.py``), and so does this estimate (``check``), with the same
+launch (``anneal/resolution/experts.py``), and so does this estimate (``check``), with the same
 reasons.
 
 Under imbalance the rank whose experts the router favours computes more rows than the balanced
@@ -93,7 +93,7 @@ def fitting_degrees(preset: ModelPreset, n_gpus: int) -> list[int]:
 def check(preset: ModelPreset, zero, work) -> None:
     """One UserError where Anneal would refuse ``work.ep`` for ``preset`` with ``zero`` (a
     ``memory.ZeroSetup``) on ``work`` (a ``memory.Workload``) before launch
-    (``anneal/launch/experts.py``), with the flag to change."""
+    (``anneal/resolution/experts.py``), with the flag to change."""
     ep, n = work.ep, work.n_gpus
     if ep < 1:
         raise UserError(f"--ep {ep}: the expert-parallel degree must be at least 1.")

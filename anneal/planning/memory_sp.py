@@ -15,7 +15,7 @@ partitions ZeRO over the sequence-data-parallel group, all the ranks of the worl
 not over the world / s replicas. So the model states per GPU are plain ZeRO's over all n GPUs:
 SP costs nothing there, and at a fixed world it lowers the tokens per step by s (the global
 batch counts replicas, world / s). Not counted: the all-to-alls' transient copies of q, k, v
-and the attention output. Measured on CPU (tests/test_memory_parallel.py, fp32, hidden 768,
+and the attention output. Measured on CPU (tests/planning/test_memory_parallel.py, fp32, hidden 768,
 SP=2), a rank's peak RSS grew by 234 MiB from sequence 32 to 256 where this estimate grows by
 159, but by 108 MiB with glibc's mmap threshold fixed at 128 KiB (freed tensors then leave the
 resident set): the excess is freed memory glibc keeps, not tensors this estimate misses.
@@ -48,7 +48,7 @@ def check(
     preset: ModelPreset, *, stage: int, n_gpus: int, tp: int, sp: int, seq_len: int, eager: bool
 ) -> None:
     """One UserError where Anneal would refuse this Ulysses layout before launch
-    (anneal/launch/parallel.py), with the flag to change."""
+    (anneal/resolution/parallel.py), with the flag to change."""
     if sp < 1:
         raise UserError(f"--sp {sp}: the sequence-parallel degree must be at least 1.")
     if sp == 1:

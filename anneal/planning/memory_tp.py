@@ -1,6 +1,6 @@
 """Tensor parallelism in the memory estimate: what DeepSpeed's AutoTP shards and what it keeps.
 
-AutoTP (``"tensor_parallel": {"autotp_size": t}``, anneal/launch/parallel.py) shards a Llama
+AutoTP (``"tensor_parallel": {"autotp_size": t}``, anneal/resolution/parallel.py) shards a Llama
 model by its Hugging Face ``tp_plan``: q, k, v, gate and up column-wise, o and down row-wise,
 and the LM head column-wise with its output gathered. The embedding and the RMSNorm weights stay
 whole on every rank. So on each GPU, before ZeRO::

@@ -97,7 +97,7 @@ def write_manifest(
         "tokens": client_state.get("tokens"),
         "tokenizer_sha256": client_state.get("data", {}).get("tokenizer_sha256"),
         "world_size": world_size(),
-        # the layout it was saved at (anneal.launch.parallel.check_resume_layout)
+        # the layout it was saved at (anneal.resolution.parallel.check_resume_layout)
         "tensor_parallel_size": tp,
         "sequence_parallel_size": client_state.get("sequence_parallel_size", 1),
         "expert_parallel_size": client_state.get("expert_parallel_size", 1),
@@ -153,7 +153,7 @@ def saved_zero_stage(manifest: dict) -> int | None:
 def moves_stage(saved_stage: int | None, stage: int | None) -> bool:
     """Whether a resume at ZeRO ``stage`` of a checkpoint saved at ``saved_stage`` moves between
     ZeRO-1/2 and ZeRO-3, which goes through DeepSpeed's universal checkpoint
-    (``anneal.resilience.checkpoint.load`` converts; ``anneal.launch.parallel`` says so and
+    (``anneal.resilience.checkpoint.load`` converts; ``anneal.resolution.parallel`` says so and
     refuses where that conversion fails); False when either stage is unknown."""
     return None not in (saved_stage, stage) and (saved_stage == 3) != (stage == 3)
 

@@ -15,13 +15,13 @@ from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.eval import in_loop
-from anneal.launch.resolve import Launch, resolve_launch
+from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
 from anneal.train import experts, loss, sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
-    """Resolve this launch for the live world and device (see ``anneal.launch.resolve``), and
+    """Resolve this launch for the live world and device (see ``anneal.resolution.resolve``), and
     check its in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
     from deepspeed.accelerator import get_accelerator
 

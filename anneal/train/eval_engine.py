@@ -20,8 +20,8 @@ from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.dist import world_size
 from anneal.errors import UserError
 from anneal.eval.lm import unsupported_layout
-from anneal.launch import ds as ds_config
-from anneal.launch import parallel
+from anneal.resolution import ds as ds_config
+from anneal.resolution import parallel
 from anneal.model import ModelPreset
 from anneal.train.engine import build_scoring_engine
 
@@ -37,7 +37,7 @@ def scoring_ds_config(
     score on ``world`` ranks: no optimizer and no scheduler (their ``"auto"`` values go with
     them), a batch of one sample per data-parallel replica (DeepSpeed checks the product; the
     scorer feeds its own batches), bf16 only where the device has fast bf16; and its layout,
-    checked as a launch's (``anneal.launch.parallel.layout``). ZeRO-1 and -2 partition only
+    checked as a launch's (``anneal.resolution.parallel.layout``). ZeRO-1 and -2 partition only
     the optimizer's state and the gradients, neither of which scoring has (DeepSpeed refuses
     them without an optimizer): every rank holds the whole weights as at stage 0, which is
     what they score at. Sequence parallelism is refused (``anneal.eval.lm.unsupported_layout``

@@ -28,7 +28,7 @@ back-propagates its own mean (``loss_share``). (DeepSpeed's own recipe, a differ
 all-gather of the per-rank losses, back-propagates N x the share and so suits ZeRO-3 only; its
 ZeRO-2 test compares gradients at a tolerance wide enough to hide it.) ZeRO-3 without
 ``reduce_scatter`` mixes both reductions bucket by bucket, and is refused
-(``anneal.launch.parallel``). The tests compare the gradient norm of every step, as well as
+(``anneal.resolution.parallel``). The tests compare the gradient norm of every step, as well as
 the losses, with the run without sequence parallelism.
 """
 
@@ -39,7 +39,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from anneal.launch.resolve import Launch
+from anneal.resolution.resolve import Launch
 from anneal.model import hf_model_config
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
 from anneal.hardware import GiB, peak_memory_bytes
-from anneal.launch.resolve import Launch
+from anneal.resolution.resolve import Launch
 from anneal.model import MoeShape
 from anneal.resilience.preempt import Preemption
 from anneal.train import experts, loss, sequence

@@ -28,7 +28,7 @@ from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
 from anneal.eval.in_loop import InLoop
 from anneal.hardware import device_peak_flops
-from anneal.launch.resolve import Launch
+from anneal.resolution.resolve import Launch
 from anneal.model import count_params, flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.resilience import checkpoint, faults

@@ -10,7 +10,7 @@ keeps the saving stage's model-state file names (``mp_rank_00_model_states.pt`` 
 ``zero_pp_rank_0_mp_rank_00_model_states.pt`` for ZeRO-3), and the loading stage looks for its
 own. ``--same`` loads at the saving stage instead, which works: the universal folder itself is
 sound. Anneal refuses such a resume before anything starts
-(``anneal.launch.parallel.check_resume_stage``; docs/resilience.md, "Resuming at another
+(``anneal.resolution.parallel.check_resume_stage``; docs/resilience.md, "Resuming at another
 layout").
 
     python bench/repro/zero_stage_universal.py [--from 2 --to 3] [--same | --repaired]

@@ -1,4 +1,4 @@
-"""Launched by tests/test_engine_reference.py under `deepspeed --num_gpus 2`.
+"""Launched by tests/train/test_engine_reference.py under `deepspeed --num_gpus 2`.
 
 Takes one optimizer step through Anneal's real engine and step function (ZeRO-3, 2 ranks,
 gradient accumulation 2), and the same step in plain torch on rank 0 (no DeepSpeed): same

@@ -1,4 +1,4 @@
-"""Launched by tests/test_eval_watch.py as two processes of one gloo group: the watcher on two
+"""Launched by tests/eval/test_eval_watch.py as two processes of one gloo group: the watcher on two
 ranks. Each rank scores through a collective (an all-gather of the step, standing for the
 engine's forward calls), rank 0 writes the document, and each rank appends the steps it scored
 to OUT.<rank>. argv[3] "signal": rank 1 (only) sends itself SIGUSR1 while the first checkpoint is

@@ -1,0 +1,241 @@
+"""Preemption in one process: a signal sets a flag and nothing else, the stop saves once and
+exits 75, and a second signal (SIGUSR1 or SIGTERM) during the save neither interrupts nor
+repeats it. The real path across ranks, DeepSpeed's launcher, srun and a requeue is in
+tests/launcher/test_cluster.py. A rank's pid file names the process (pid, start time, job); stale ones
+(a rank killed with -9, a pid reused) are removed at the next start, and the batch script's trap,
+run by bash, signals only the live ranks of its own job."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from anneal.resilience import checkpoint
+from anneal.resilience.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption, start_time
+from anneal.train.observers import Observer
+from launcher import slurm
+
+
+class Events(Observer):
+    """The run's observers, as far as preemption tells them: its events, kept."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_event(self, step, event, **fields):
+        self.rows.append({"step": step, "event": event, **fields})
+
+
+def test_second_signal_during_the_save(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    p = Preemption(tmp_path)
+    pid_files = list((tmp_path / "preempt").glob("*.pid"))
+    assert [f.read_text().split()[0] for f in pid_files] == [str(os.getpid())]
+    assert not p.requested(torch.device("cpu"))
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert p.requested(torch.device("cpu"))
+    saves = []
+
+    def save():
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second and third signal mid-save
+        os.kill(os.getpid(), signal.SIGTERM)
+        tag = tmp_path / "checkpoints" / checkpoint.tag_for(7)
+        tag.mkdir(parents=True)
+        (tag / "shard.pt").write_bytes(b"x" * 1000)
+        manifest = {"tag": tag.name, "step": 7, "world_size": 1, "files": {"shard.pt": 1000}}
+        (tag / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+        saves.append(7)
+
+    events = Events()
+    with pytest.raises(Preempted) as info:
+        p.stop(step=7, ckpt_dir=tmp_path / "checkpoints", save=save, events=events)
+    assert info.value.code == PREEMPTED_EXIT_CODE == 75
+    assert saves == [7]
+    assert checkpoint.is_intact(tmp_path / "checkpoints" / "step00000007")
+    (row,) = events.rows
+    assert row["event"] == "preempt" and row["signal"] == "SIGUSR1"
+    assert row["checkpoint_bytes"] > 1000
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
+    assert not list((tmp_path / "preempt").glob("*.pid"))
+
+
+def test_no_save_when_the_step_was_just_saved(tmp_path):
+    p = Preemption(tmp_path)
+    tag = tmp_path / "checkpoints" / checkpoint.tag_for(3)
+    tag.mkdir(parents=True)
+    (tag / checkpoint.MANIFEST).write_text(json.dumps({"step": 3, "files": {}}))
+    with pytest.raises(Preempted):
+        p.stop(step=3, ckpt_dir=tmp_path / "checkpoints", save=pytest.fail, events=Events())
+
+
+def stat_start(pid: int) -> str:
+    """Field 22 of /proc/PID/stat (the process's start time), read here without Anneal's code."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()[19]
+
+
+def sleeper() -> subprocess.Popen:
+    """A process that SIGUSR1 kills (its default action) and that otherwise sleeps."""
+    return subprocess.Popen(["sleep", "60"])
+
+
+def dead_pid() -> tuple[int, str]:
+    """(pid, start time) of a process that was killed with -9, as a rank can be."""
+    proc = sleeper()
+    start = stat_start(proc.pid)
+    proc.kill()
+    proc.wait()
+    return proc.pid, start
+
+
+def test_the_pid_file_names_the_process_and_its_job(tmp_path, monkeypatch):
+    """A rank's pid file holds its pid, its start time as /proc/PID/stat gives it, and its Slurm
+    job id; ``-`` for the job outside Slurm."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    p = Preemption(tmp_path)
+    (f,) = (tmp_path / "preempt").glob("*.pid")
+    assert f.name == f"{socket.gethostname()}.{os.getpid()}.pid"
+    assert f.read_text() == f"{os.getpid()} {stat_start(os.getpid())} 4711\n"
+    assert start_time(os.getpid()) == int(stat_start(os.getpid()))
+    p.close()
+    monkeypatch.delenv("SLURM_JOB_ID")
+    p = Preemption(tmp_path)
+    assert f.read_text().split()[2] == "-"
+    p.close()
+    assert not f.exists()
+
+
+def test_a_rank_removes_stale_pid_files_of_its_host_at_start(tmp_path):
+    """Pid files that ranks killed with -9 left behind: at the next rank's start, this host's
+    files of a process that is gone, of a pid that is another process now (its start time
+    differs) and one that is no pid file are removed; a live process's file (another run's rank
+    on this host, say) and another host's stay."""
+    folder = tmp_path / "preempt"
+    folder.mkdir()
+    host = socket.gethostname()
+    live = sleeper()
+    try:
+        gone_pid, gone_start = dead_pid()
+        me = os.getpid()
+        files = {
+            "gone": (folder / f"{host}.{gone_pid}.pid", f"{gone_pid} {gone_start} 7\n"),
+            "reused": (folder / f"{host}.{me}.pid", f"{me} {int(stat_start(me)) + 1} 7\n"),
+            "junk": (folder / f"{host}.1.pid", "not a pid file\n"),
+            "live": (folder / f"{host}.{live.pid}.pid", f"{live.pid} {stat_start(live.pid)} 7\n"),
+            "other_host": (folder / f"other-{host}.{gone_pid}.pid", f"{gone_pid} {gone_start} 7\n"),
+        }
+        for path, text in files.values():
+            path.write_text(text)
+        p = Preemption(tmp_path)
+        assert not files["gone"][0].exists() and not files["junk"][0].exists()
+        assert files["reused"][0].read_text().split()[1] == stat_start(me)  # this rank's own now
+        assert files["live"][0].read_text() == files["live"][1]
+        assert files["other_host"][0].read_text() == files["other_host"][1]
+        p.close()
+        assert sorted(f.name for f in folder.iterdir()) == sorted(
+            files[k][0].name for k in ("live", "other_host")
+        )
+    finally:
+        live.kill()
+        live.wait()
+
+
+RANK = """import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGUSR1, lambda *a: Path(sys.argv[1]).write_text("got SIGUSR1"))
+Path(sys.argv[2]).touch()
+time.sleep(60)
+"""
+
+
+def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
+    """The rendered sbatch script, run by bash as job 41 (fake srun and scontrol; the fake
+    deepspeed sends the batch shell SIGUSR1, as Slurm's --signal does, and waits for the rank):
+    of this host's pid files, only the live rank of job 41 gets SIGUSR1; a process whose pid a
+    file names with another start time (a reused pid) and a live process of another job get
+    nothing. The trap removes the files of the reused pid, of a rank killed with -9 and one that
+    is no pid file (shell syntax in it never runs); the others, and another host's, stay."""
+    host, run_dir, bin_dir = socket.gethostname(), tmp_path / "run", tmp_path / "venv" / "bin"
+    folder = run_dir / "preempt"
+    for d in (folder, bin_dir, tmp_path / "slurm"):
+        d.mkdir(parents=True)
+    got, ready = tmp_path / "rank.got", tmp_path / "rank.ready"
+    fakes = {
+        bin_dir / "python": "#!/bin/sh\nexit 0\n",
+        bin_dir / "deepspeed": f"#!/bin/bash\nkill -USR1 $PPID\nfor i in $(seq 100); do "
+        f'[ -e "{got}" ] && exit 0; sleep 0.1; done\nexit 1\n',
+        tmp_path / "slurm" / "srun": '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\n'
+        'exec "$@"\n',
+        tmp_path / "slurm" / "scontrol": '#!/bin/sh\n[ "$2" = hostnames ] && echo node1\nexit 0\n',
+    }
+    for path, text in fakes.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(got), str(ready)])
+    reused, other_job = sleeper(), sleeper()
+    procs = [rank, reused, other_job]
+    try:
+        gone_pid, gone_start = dead_pid()
+        files = {
+            "rank": (host, rank.pid, f"{rank.pid} {stat_start(rank.pid)} 41"),
+            "reused": (host, reused.pid, f"{reused.pid} {int(stat_start(reused.pid)) - 1} 41"),
+            "other_job": (host, other_job.pid, f"{other_job.pid} {stat_start(other_job.pid)} 9"),
+            "gone": (host, gone_pid, f"{gone_pid} {gone_start} 41"),
+            "junk": (host, 1, "$(touch MARKER) 1 41"),
+            "other_host": (f"x{host}", reused.pid, f"{reused.pid} {stat_start(reused.pid)} 41"),
+        }
+        for h, pid, text in files.values():
+            (folder / f"{h}.{pid}.pid").write_text(text + "\n")
+        for _ in range(100):
+            if ready.exists():
+                break
+            time.sleep(0.1)
+        script = tmp_path / "submit.sbatch"
+        script.write_text(
+            slurm.render_sbatch(
+                job_name="t",
+                nodes=1,
+                gpus_per_node=1,
+                gpus=False,
+                partition="debug",
+                time="00:10:00",
+                account=None,
+                grace_s=120,
+                run_dir=run_dir,
+                workdir=tmp_path,
+                python=str(bin_dir / "python"),
+                recipe="recipes/pretrain_tiny.py",
+                recipe_args=["--out", str(run_dir)],
+            )
+        )
+        env = {
+            "PATH": f"{tmp_path / 'slurm'}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": "41",
+            "SLURM_JOB_NODELIST": "node1",
+            "SLURM_NODEID": "0",
+        }
+        done = subprocess.run(
+            ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert got.read_text() == "got SIGUSR1", out
+        assert reused.poll() is None and other_job.poll() is None, out  # not signalled
+        assert not list(tmp_path.rglob("MARKER"))
+        kept = sorted(p.name for p in folder.iterdir())
+        assert kept == sorted(
+            f"{h}.{pid}.pid"
+            for k, (h, pid, _) in files.items()
+            if k in ("rank", "other_job", "other_host")
+        ), out
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
