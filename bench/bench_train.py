@@ -200,8 +200,8 @@ def flops_per_token(model: str, data: str) -> float:
     from anneal.config.run import ModelConfig, RunConfig
     from anneal.config.run_checks import apply_overrides
     from anneal.data.prepared_dir import PreparedDir
-    from anneal.resolution.preset import model_preset
     from anneal.model import flops_per_token as fpt
+    from anneal.resolution.preset import model_preset
 
     meta = PreparedDir(data).meta()
     spec = MODELS[model]

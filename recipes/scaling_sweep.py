@@ -131,7 +131,8 @@ def _finished(run_dir: Path) -> bool:
 
 def _tokens_per_step(cfg: RunConfig, overrides: list[str], probe_dir: Path) -> int:
     """Tokens per optimizer step of ``cfg`` on this world, from the one batch resolution
-    (``anneal.resolution.resolve.resolve_launch``), for a long run in a directory that holds no run."""
+    (``anneal.resolution.resolve.resolve_launch``), for a long run in a directory that holds no
+    run."""
     import torch
 
     from anneal.dist import world_size

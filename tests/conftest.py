@@ -414,7 +414,8 @@ def tiny_run(shared_runs) -> Path:
 @pytest.fixture(scope="session")
 def two_rank_run(shared_runs) -> dict:
     """The 2-rank ZeRO-3 run of ``shared_runs``: {"out", "lock", "shm_before"}.
-    tests/hf/test_export.py exports it; tests/train/test_stale_state.py checks that it neither waited on
+    tests/hf/test_export.py exports it; tests/train/test_stale_state.py checks that it neither
+    waited on
     the stale lock nor left files in /dev/shm (nor did any shared run, nor any test before it:
     the listing before was taken before them all)."""
     out = shared_runs["two_ranks"][0]
@@ -512,7 +513,8 @@ SMALL = [
 ]
 
 
-# The parallel layouts' tests (tests/train/test_tensor_parallel.py, tests/train/test_sequence_parallel.py):
+# The parallel layouts' tests (tests/train/test_tensor_parallel.py,
+# tests/train/test_sequence_parallel.py):
 # SMALL's model at context 32, validated on 8 windows, micro-batch 2, PARALLEL_STEPS steps.
 PARALLEL_STEPS = 10
 PARALLEL_SHAPE = [

@@ -1,5 +1,6 @@
 """Planting pickles that would run code into a real checkpoint, for the tests that prove no
-load of Anneal's runs them (tests/resilience/test_checkpoint_trust.py, tests/resilience/test_hostile_run.py).
+load of Anneal's runs them (tests/resilience/test_checkpoint_trust.py,
+tests/resilience/test_hostile_run.py).
 
 The two kinds that walked round the opcode scan of issue 18 (issue 27):
 

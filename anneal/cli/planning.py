@@ -102,8 +102,8 @@ def _estimate(args: argparse.Namespace) -> int:
         sequence_parallel_size,
     )
     from anneal.hardware import get_gpu
-    from anneal.resolution.ds import find_ds_config, load_ds_config
     from anneal.planning import memory, memory_io, memory_levers
+    from anneal.resolution.ds import find_ds_config, load_ds_config
 
     preset, record = memory_io.load_model(args.model)  # record: when --model is a run's
     if args.vocab_size:

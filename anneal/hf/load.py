@@ -38,7 +38,8 @@ from anneal.model import ModelPreset, build_model, preset_from_dict
 log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe")
-"""``model_type`` values verified end to end (tests/hf/test_init_from.py, tests/hf/test_moe_hf.py)."""
+"""``model_type`` values verified end to end (tests/hf/test_init_from.py,
+tests/hf/test_moe_hf.py)."""
 SPARSE = ("qwen3_moe",)
 """The sparse ones: trained through DeepSpeed's AutoEP with its ``qwen3_moe`` preset, the one
 Anneal's sparse core configures (``anneal.model.qwen3_moe_config``)."""

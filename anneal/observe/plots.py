@@ -224,8 +224,8 @@ def _plot_lr(plt, c, train, events, record, path, name, parent=None) -> Path:
     since = resumes[-1] if resumes else 0
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import Schedule
-        from anneal.resolution.cooldown import with_branch
         from anneal.observe.formula_plots import planned_lr, schedule_phases
+        from anneal.resolution.cooldown import with_branch
 
         schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, record.optim)
         schedule = with_branch(schedule, record)

@@ -23,7 +23,8 @@ router's, and the one transformers' load-balancing loss takes of the captured lo
 the balanced case: with expert parallelism a rank computes the rows routed to its own experts,
 which is ``N`` on average and more on the rank whose experts the router favours (the run's
 ``moe_max_mean``). Index tensors (8 bytes a row) are left out. Against the tensors AutoEP's layer
-saves (tests/planning/test_memory_moe.py, fp32, EP=1, h 256, I 128, E 8, top-2, 1024 tokens) the count
+saves (tests/planning/test_memory_moe.py, fp32, EP=1, h 256, I 128, E 8, top-2, 1024 tokens) the
+count
 is 2.7% low: the index tensors and the alignment padding of each expert's rows.
 """
 

@@ -27,9 +27,9 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import sha256_file
-from anneal.resolution import ds as ds_config
 from anneal.resilience.manifest import MANIFEST, is_intact, read_manifest
 from anneal.resilience.resume import intact_checkpoints
+from anneal.resolution import ds as ds_config
 from anneal.run_record import RunRecord
 
 FLAG = "--cooldown-from"

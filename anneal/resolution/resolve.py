@@ -20,11 +20,11 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
+from anneal.model import ModelPreset, active_params, count_params, human_count
+from anneal.resilience import checkpoint
 from anneal.resolution import cooldown, experts, parallel
 from anneal.resolution import ds as ds_config
 from anneal.resolution.preset import model_preset
-from anneal.model import ModelPreset, active_params, count_params, human_count
-from anneal.resilience import checkpoint
 from anneal.run_record import RunRecord
 
 DEVICE_TYPES = ("cpu", "cuda")

@@ -15,8 +15,8 @@ from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.eval import in_loop
-from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
+from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
 
 

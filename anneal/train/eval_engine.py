@@ -20,9 +20,9 @@ from anneal.config.ds_schema import autotp_size, sequence_parallel_size
 from anneal.dist import world_size
 from anneal.errors import UserError
 from anneal.eval.lm import unsupported_layout
+from anneal.model import ModelPreset
 from anneal.resolution import ds as ds_config
 from anneal.resolution import parallel
-from anneal.model import ModelPreset
 from anneal.train.engine import build_scoring_engine
 
 log = logging.getLogger(__name__)

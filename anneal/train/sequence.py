@@ -39,8 +39,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from anneal.resolution.resolve import Launch
 from anneal.model import hf_model_config
+from anneal.resolution.resolve import Launch
 
 
 def register(launch: Launch):

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
 from anneal.hardware import GiB, peak_memory_bytes
-from anneal.resolution.resolve import Launch
 from anneal.model import MoeShape
 from anneal.resilience.preempt import Preemption
+from anneal.resolution.resolve import Launch
 from anneal.train import experts, loss, sequence
 from anneal.train.engine import data_replica
 

@@ -28,12 +28,12 @@ from anneal.dist import print0, rank, world_size
 from anneal.errors import UserError
 from anneal.eval.in_loop import InLoop
 from anneal.hardware import device_peak_flops
-from anneal.resolution.resolve import Launch
 from anneal.model import count_params, flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption
+from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
 from anneal.train.engine import build_engine, data_replica, resolve_run, setup_process

@@ -23,9 +23,9 @@ import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
 from anneal.hardware import GPUS
-from anneal.resolution.resolve import resolve_launch
 from anneal.model import hf_model_config
 from anneal.planning.memory import Workload, ZeroSetup, estimate
+from anneal.resolution.resolve import resolve_launch
 from tests.conftest import ROOT, env, run_process
 
 sys.path.insert(0, str(ROOT / "bench"))

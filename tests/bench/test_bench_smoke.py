@@ -51,7 +51,8 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     """About 8 minutes in `make test-all` (480 s there before this session's cuts of the
     bench_train and bench_sp smoke modes), two scripts at a time: every script of bench/
     trains or measures for real, a few steps each, except bench_gpu.py, whose smoke mode is
-    ``gpu.sh --cpu-smoke`` (36 s alone): tests/bench/test_bench_gpu.py runs that end to end, with a row
+    ``gpu.sh --cpu-smoke`` (36 s alone): tests/bench/test_bench_gpu.py runs that end to end, with a
+    row
     made to fail, and its ``--smoke`` past the deadline."""
     # A corpus that does not exist yet, as in a fresh clone before `make demo` (CI's case; a
     # developer's data/stdlib would hide it): run_all prepares it and hands it to each script.

@@ -41,7 +41,8 @@ def _tokenizer_step_in_this_process(monkeypatch):
     1-5 s a prepare on 2 cores, most of this file's time). What these tests check, the
     messages and counts of bad input, does not depend on where that step runs; the child
     itself, and an error coming back from it, are checked by the other prepare tests
-    (tests/data/test_data_prepare.py, tests/data/test_hostile_data.py). The interrupted prepares below
+    (tests/data/test_data_prepare.py, tests/data/test_hostile_data.py). The interrupted prepares
+    below
     are real ``anneal data prepare`` processes, children and all."""
     from anneal.data import make_tokenizer
 

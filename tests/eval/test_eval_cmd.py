@@ -282,8 +282,8 @@ def test_the_scoring_config_has_no_optimizer_and_one_sample_per_replica():
     and no scheduler (their "auto" values with them), a batch of 1 per data-parallel replica
     (2 of them), fp32 where the device has no fast bf16, and ZeRO-1 scored at stage 0 (DeepSpeed
     refuses stage 1 and 2 without an optimizer; neither partitions the weights)."""
-    from anneal.resolution.ds import find_ds_config, load_ds_config
     from anneal.model import PRESETS
+    from anneal.resolution.ds import find_ds_config, load_ds_config
     from anneal.train.eval_engine import scoring_ds_config
 
     ds = load_ds_config(find_ds_config("zero1_bf16.json"))

@@ -186,7 +186,8 @@ CASES = cases()
 
 
 def _law(params: float, tokens: float) -> float:
-    """A known scaling law (tests/planning/test_planner.py's TRUTH): the made-up runs' final losses."""
+    """A known scaling law (tests/planning/test_planner.py's TRUTH): the made-up runs' final
+    losses."""
     return 1.8 + 400.0 / params**0.34 + 1500.0 / tokens**0.37
 
 
@@ -515,7 +516,8 @@ def test_every_marker_in_the_docs_parses_and_every_rule_is_used():
 
 
 def listing() -> str:
-    """Every block of the pages as the test sees it (``python tests/house/test_docs_commands.py``)."""
+    """Every block of the pages as the test sees it (``python
+    tests/house/test_docs_commands.py``)."""
     lines = []
     for block in all_blocks():
         found = db.commands(block)

@@ -193,7 +193,8 @@ MAY_IMPORT = {
 }  # fmt: skip
 # Single modules that a part may import of a part below it that its row does not name.
 # Continued pretraining (--init-from) reads a Hugging Face checkpoint and checks the data's
-# tokenizer against it when the launch is resolved (resolution/: hf.load) and copies its tensors into
+# tokenizer against it when the launch is resolved (resolution/: hf.load) and copies its tensors
+# into
 # the model when the engine is built (train/: hf.load_weights). Neither imports the exporter:
 # the loop never does (test_the_hf_loader_imports_nothing_of_the_export).
 MAY_IMPORT_MODULES = {

@@ -1,5 +1,6 @@
 """``python -m launcher submit-prepare`` on a real two-node Slurm (Debian's slurm-wlm and munge,
-the fixture of tests/launcher/test_cluster.py): an array of 4 tasks over mixed inputs (a JSON Lines file
+the fixture of tests/launcher/test_cluster.py): an array of 4 tasks over mixed inputs (a JSON Lines
+file
 cut across tasks, a directory of small files, a Parquet file, a weighted blend); one task is
 killed while it packs, the merge is then cancelled by Slurm (its dependency can never be met),
 and submitting again runs only that task and the merge; the merged tree's sha256 is the one of
@@ -18,8 +19,8 @@ import pytest
 from anneal.data.prepared_dir import PreparedDir
 from tests import test_cluster
 from tests.conftest import ROOT
-from tests.launcher.test_cluster import Slurm, wait_for
 from tests.data.test_data_scale import paragraphs
+from tests.launcher.test_cluster import Slurm, wait_for
 
 pytestmark = pytest.mark.slow
 slurm = test_cluster.slurm  # the two-node cluster (a module-scoped fixture)

@@ -27,10 +27,10 @@ import torch
 
 from anneal import cli
 from anneal.errors import UserError
-from anneal.resolution.ds import find_ds_config, load_ds_config
 from anneal.model import build_model, count_params, get_preset
 from anneal.planning import forecast, memory, memory_io, memory_levers, memory_tp
 from anneal.planning.memory import GiB
+from anneal.resolution.ds import find_ds_config, load_ds_config
 from anneal.run_record import RunRecord
 from tests.conftest import kill_tree
 

@@ -23,7 +23,6 @@ import torch
 
 from anneal import cli, planning
 from anneal.errors import UserError
-from anneal.resolution.ds import find_ds_config, load_ds_config
 from anneal.model import (
     active_params,
     build_model,
@@ -34,6 +33,7 @@ from anneal.model import (
 )
 from anneal.planning import memory, memory_ep, memory_io, memory_levers
 from anneal.planning.memory import GiB
+from anneal.resolution.ds import find_ds_config, load_ds_config
 
 BF16 = 2 + 2 + 12  # bytes per parameter of mixed-precision Adam
 
@@ -302,8 +302,8 @@ def test_a_sparse_layers_saved_tensors_match_the_formula(world_of_one):
     which the estimate counts with the norm) left out: within 10% of memory_activations'
     ``N (2 h + 4 I) v`` plus the router's softmax (the load-balancing loss's is outside the
     layer). Measured 2026-12-03: 1.027 at h 256, I 128, E 8, top-2, 4 x 256 tokens."""
-    from anneal.resolution.experts import fill_expert_parallel
     from anneal.planning.memory_activations import moe_saved_tensors
+    from anneal.resolution.experts import fill_expert_parallel
     from anneal.train.engine import build_scoring_engine
 
     h, width, experts, top_k, seq, batch = 256, 128, 8, 2, 256, 4

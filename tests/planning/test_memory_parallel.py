@@ -25,10 +25,10 @@ import pytest
 
 from anneal import cli
 from anneal.errors import UserError
-from anneal.resolution.ds import find_ds_config, load_ds_config
 from anneal.model import get_preset
 from anneal.planning import forecast, memory, memory_levers
 from anneal.planning.memory import GiB
+from anneal.resolution.ds import find_ds_config, load_ds_config
 from tests.conftest import BIN, free_port
 from tests.planning.test_memory import estimate_for, wait_peak_rss
 
@@ -221,7 +221,8 @@ def test_estimate_matches_measured_peak_rss_under_tp2_and_sp2(tmp_path, stdlib_d
     With the threshold left to glibc (its default raises the threshold as mapped blocks are
     freed, so what it keeps depends on the order of frees across threads) the same TP=2
     difference read 1246, 1261, 1182 and, in a CI run, 921 MiB against the 1245 of
-    ``total_stacked`` (0.74-1.01): too loose to test. tests/planning/test_memory.py keeps glibc's default
+    ``total_stacked`` (0.74-1.01): too loose to test. tests/planning/test_memory.py keeps glibc's
+    default
     for one process, where the spread is 0.97-1.12. Marked ``alone``: beside another test session
     (``make test-all``'s other shard) the TP=2 difference read 492 MiB, so the peaks are measured
     on a quiet machine."""

@@ -1,7 +1,8 @@
 """Preemption in one process: a signal sets a flag and nothing else, the stop saves once and
 exits 75, and a second signal (SIGUSR1 or SIGTERM) during the save neither interrupts nor
 repeats it. The real path across ranks, DeepSpeed's launcher, srun and a requeue is in
-tests/launcher/test_cluster.py. A rank's pid file names the process (pid, start time, job); stale ones
+tests/launcher/test_cluster.py. A rank's pid file names the process (pid, start time, job); stale
+ones
 (a rank killed with -9, a pid reused) are removed at the next start, and the batch script's trap,
 run by bash, signals only the live ranks of its own job."""
 

@@ -13,8 +13,8 @@ import json
 import pytest
 
 from anneal.errors import UserError
-from anneal.resolution import parallel
 from anneal.resilience.manifest import read_manifest, saved_zero_stage
+from anneal.resolution import parallel
 
 ZERO3 = ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 ZERO12 = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]

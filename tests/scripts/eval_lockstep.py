@@ -1,4 +1,5 @@
-"""Launched by tests/eval/test_eval_lm.py under `deepspeed --num_gpus 2`: downstream scoring in lockstep.
+"""Launched by tests/eval/test_eval_lm.py under `deepspeed --num_gpus 2`: downstream scoring in
+lockstep.
 
 Builds Anneal's real engine (the tiny preset at the test's small shapes, ZeRO-3 over both ranks,
 freshly initialised from one seed) and scores the local tasks under argv[2] twice with

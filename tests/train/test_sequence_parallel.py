@@ -18,7 +18,8 @@ and the launch host run them): the batch arithmetic counts world / SP replicas; 
 is one clear UserError before anything starts (a world, sequence length or head count that does
 not divide, SP with TP, ZeRO-1, ZeRO-3 without reduce_scatter, a sliding-window model, a resume
 at another SP degree); recipes/long_context_1b.py resolves on the GPU path at 8 and 16 GPUs (its
-own defaults, as tests/resolution/test_recipes.py resolves the pretrain recipes). Anneal trains every
+own defaults, as tests/resolution/test_recipes.py resolves the pretrain recipes). Anneal trains
+every
 model with SDPA (``anneal.model.build_model``) and has no setting for eager attention, which
 DeepSpeed's Ulysses refuses."""
 
@@ -31,9 +32,9 @@ import pytest
 
 from anneal.cli.recipe import config_from_args, load_recipe
 from anneal.errors import UserError
+from anneal.model import get_preset
 from anneal.resolution import parallel
 from anneal.resolution.resolve import resolve_launch
-from anneal.model import get_preset
 from launcher.__main__ import main as launcher_main
 from tests.conftest import (
     PARALLEL_STEPS,
@@ -288,7 +289,8 @@ LONG = ROOT / "recipes" / "long_context_1b.py"
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_the_long_context_recipe_resolves_on_gpus(world, stdlib_data, tmp_path):
-    """recipes/long_context_1b.py on the GPU path with its own defaults, as tests/resolution/test_recipes.py
+    """recipes/long_context_1b.py on the GPU path with its own defaults, as
+    tests/resolution/test_recipes.py
     resolves every pretrain recipe: 32K tokens over groups of 8 GPUs, RoPE base 500,000, its
     global batch split exactly over world / 8 replicas; fewer GPUs than a group are refused."""
     spec = load_recipe(LONG)

@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from anneal.errors import UserError
-from anneal.resolution import parallel
 from anneal.model import get_preset
 from anneal.resilience.manifest import owner_of
+from anneal.resolution import parallel
 from launcher.__main__ import main as launcher_main
 from tests.conftest import (
     PARALLEL_STEPS,
