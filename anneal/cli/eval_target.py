@@ -214,12 +214,9 @@ def _check_files(tag_dir: Path, manifest: dict) -> None:
     """Before anything of ``tag_dir`` is opened: every file the reader opens is listed in the
     (verified) manifest, and no pickle in it names a global outside safeload's allow-list."""
     from anneal.hf.source import tensor_parallel_size
-    from anneal.hf.zero import checkpoint_files, expert_files
+    from anneal.resilience.ds_files import weight_files
 
-    read = []
-    for r in range(tensor_parallel_size(tag_dir, manifest)):
-        model_files, optim_files = checkpoint_files(tag_dir, r)
-        read += model_files + optim_files + expert_files(tag_dir, r)
+    read = weight_files(tag_dir, tensor_parallel_size(tag_dir, manifest))
     unlisted = [f.name for f in read if f.name not in manifest["files"]]
     if unlisted or not read:
         raise UserError(

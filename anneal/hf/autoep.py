@@ -6,8 +6,8 @@ same tensor, ``mlp.gate.gate.weight``, that transformers' router-logit capture l
 the experts as grouped tensors ``experts.w1 [E_local, I, H]`` (gate), ``experts.w3 [E_local, I,
 H]`` (up) and ``experts.w2 [E_local, H, I]`` (down), each expert-parallel rank holding its
 ``E / ep`` experts. A ZeRO-0/1/2 checkpoint keeps the router with the other weights (in the
-optimizer's fp32 partitions under ZeRO-1/2) and writes one file per expert,
-``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` holding ``{prefix}.experts.w1.E``, ``w2.E``
+optimizer's fp32 partitions under ZeRO-1/2) and writes one file per expert
+(``anneal.resilience.ds_files.expert_file_name``) holding ``{prefix}.experts.w1.E``, ``w2.E``
 and ``w3.E`` as the module holds them; its ``ds_autoep_layers`` entry (in the model states)
 names each layer's module, expert count and file number.
 
@@ -38,20 +38,22 @@ import torch
 
 from anneal.errors import UserError
 from anneal.hf import autoep_zero3
-from anneal.hf.autoep_zero3 import ZERO3_FORMAT
 from anneal.hf.expert_names import per_expert
-from anneal.hf.reader import LazyTensor, _Archive
+from anneal.hf.reader import Archive, LazyTensor
 from anneal.hf.zero import (
-    _NOT_A_CHECKPOINT,
     EXPERT_PARAM,
+    NOT_A_CHECKPOINT,
+    Piece,
     TensorSource,
     ZeroCheckpoint,
-    _load_weights_only,
-    _Piece,
-    checkpoint_files,
+    load_weights_only,
 )
-
-_PER_EXPERT_FILES = "per_expert_files"
+from anneal.resilience.ds_files import (
+    PER_EXPERT_FILES,
+    ZERO3_FORMAT,
+    checkpoint_files,
+    expert_file_name,
+)
 
 
 def _layers(tag_dir: Path, model_state) -> list[dict]:
@@ -61,7 +63,7 @@ def _layers(tag_dir: Path, model_state) -> list[dict]:
     if not layers:
         return []
     formats = {str(layer.get("checkpoint_format")) for layer in layers}
-    if formats not in ({_PER_EXPERT_FILES}, {ZERO3_FORMAT}):
+    if formats not in ({PER_EXPERT_FILES}, {ZERO3_FORMAT}):
         raise UserError(
             f"{tag_dir}: its experts are saved as {', '.join(sorted(formats))}, which anneal "
             f"export does not read; it reads DeepSpeed 0.19.8 AutoEP's per-expert files "
@@ -77,8 +79,7 @@ def _zero3(layers: list[dict]) -> bool:
 
 def expert_file(tag_dir: Path, layer: dict, expert: int, mp_rank: int = 0) -> Path:
     """DeepSpeed's name of one expert's file (``DeepSpeedEngine._get_expert_ckpt_name``)."""
-    name = f"layer_{layer['moe_layer_id']}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
-    return Path(tag_dir) / name
+    return Path(tag_dir) / expert_file_name(layer["moe_layer_id"], expert, mp_rank)
 
 
 def _router_names(prefix: str) -> tuple[str, str, str]:
@@ -107,7 +108,7 @@ def _renamed(sources: list[TensorSource], layers: list[dict]) -> list[TensorSour
 
 def _expert_tensors(path: Path, prefix: str, expert: int, archives: list) -> dict[str, LazyTensor]:
     """w1, w2 and w3 of one expert file, as lazy tensors (the file closed until read)."""
-    archive = _Archive(path)
+    archive = Archive(path)
     archives.append(archive)
     index = archive.index()
     archive.detach()
@@ -141,7 +142,7 @@ def _expert_sources(tag_dir: Path, layer: dict, archives: list) -> list[TensorSo
             per_expert(f"{prefix}.experts", e, names[w]),
             tuple(t.shape),
             dtype,
-            (_Piece(t, 0, t.numel()),),
+            (Piece(t, 0, t.numel()),),
         )
         for e, tensors in enumerate(experts)
         for w, t in tensors.items()
@@ -165,7 +166,7 @@ def with_experts(ckpt: ZeroCheckpoint) -> ZeroCheckpoint:
         if str(e).startswith(str(ckpt.tag_dir)):
             raise
         raise _unreadable(ckpt.tag_dir, str(e)) from None
-    except _NOT_A_CHECKPOINT as e:
+    except NOT_A_CHECKPOINT as e:
         raise _unreadable(ckpt.tag_dir, f"{type(e).__name__}: {e}") from None
     return dataclasses.replace(ckpt, sources=sources)
 
@@ -183,7 +184,7 @@ def reference_to_hf(tag_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, tor
     saved the checkpoint, its experts read with ``torch.load(weights_only=True)``; the router's
     alias checked to hold the router's values. Dense: ``sd`` as it is."""
     model_files, _ = checkpoint_files(tag_dir)
-    model_state = _load_weights_only(model_files[0])
+    model_state = load_weights_only(model_files[0])
     module = model_state.get("module") or {}
     sd, layers = dict(sd), _layers(tag_dir, model_state)
     grouped = autoep_zero3.reference_experts(tag_dir) if layers and _zero3(layers) else {}
@@ -203,7 +204,7 @@ def reference_to_hf(tag_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, tor
             continue
         gate_up, down = [], []
         for e in range(int(layer["num_experts"])):
-            f = _load_weights_only(expert_file(tag_dir, layer, e))
+            f = load_weights_only(expert_file(tag_dir, layer, e))
             key = f"{prefix}.experts.{{}}.{e}"
             gate_up.append(torch.cat([f[key.format("w1")], f[key.format("w3")]], dim=0))
             down.append(f[key.format("w2")])

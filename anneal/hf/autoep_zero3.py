@@ -1,7 +1,7 @@
 """A sparse run's experts at ZeRO-3: DeepSpeed 0.19.8 AutoEP's ``"zero3_partitioned"`` format.
 
 Under ZeRO-3 AutoEP writes no per-expert files (``anneal.hf.autoep`` reads those of ZeRO-0/1/2):
-the experts live in each rank's ``zero_pp_rank_R_mp_rank_00_*`` files like every other weight.
+the experts live in each rank's files (``anneal.resilience.ds_files``) like every other weight.
 Each rank's model states name, in ``ds_autoep_layers`` (one entry a layer), the experts it
 holds, ``global_expert_start`` up to ``global_expert_end``, and its place
 (``expert_data_parallel_rank``) in the expert-data-parallel group of the world / EP ranks that
@@ -22,26 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 
 import torch
 
 from anneal.hf.expert_names import per_expert
-from anneal.hf.reader import _Archive
+from anneal.hf.reader import Archive
 from anneal.hf.zero import (
+    Piece,
     TensorSource,
     ZeroCheckpoint,
-    _cut,
-    _expert_group,
-    _Layout,
-    _load_weights_only,
-    _Piece,
-    checkpoint_files,
+    cut_pieces,
+    is_expert_group,
+    load_weights_only,
 )
+from anneal.resilience.ds_files import LayoutError, checkpoint_files, zero3_rank_files
 
-ZERO3_FORMAT = "zero3_partitioned"
-_RANK = re.compile(r"zero_pp_rank_(\d+)_")
 _NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 """AutoEP's grouped weight -> the name save_pretrained gives each expert's matrix."""
 
@@ -68,26 +64,17 @@ class GroupedWeight:
     slices: tuple[Slice, ...]
 
 
-def model_state_files(tag_dir: Path) -> list[Path]:
-    """Every rank's model states, in rank order (ZeRO-3 writes one a rank)."""
-    files, _ = checkpoint_files(tag_dir)
-    ranked = [(_RANK.match(f.name), f) for f in files]
-    if not ranked or not all(m for m, _ in ranked):
-        raise _Layout("its model states are not one zero_pp_rank_R file a rank")
-    return [f for _, f in sorted(ranked, key=lambda mf: int(mf[0][1]))]
-
-
 def expert_slices(shapes, layers: list[list[dict]], groups: list[list[dict]]):
     """Where every layer's grouped weights lie: a ``GroupedWeight`` per layer, weight and
     expert-parallel rank. ``shapes``: the model states' ``param_shapes`` (the same on every
     rank); ``layers[r]``, ``groups[r]``: rank r's ``ds_autoep_layers`` and
-    ``ds_zero_partition_groups``. _Layout where they disagree or leave an expert out."""
+    ``ds_zero_partition_groups``. LayoutError where they disagree or leave an expert out."""
     shapes = [shapes] if isinstance(shapes, dict) else shapes
     by_key = {layer["expert_key_prefix"]: i for i, layer in enumerate(layers[0])}
     found: dict[tuple[str, int], dict[int, Slice]] = {}
     info: dict[tuple[str, int], tuple] = {}
     for g, group in enumerate(shapes):
-        if not _expert_group(group):
+        if not is_expert_group(group):
             continue
         for r, (mine, parts) in enumerate(zip(layers, groups, strict=True)):
             count, place = parts[g]["partition_count"], parts[g]["partition_rank"]
@@ -102,7 +89,7 @@ def expert_slices(shapes, layers: list[list[dict]], groups: list[list[dict]]):
                     count,
                     place,
                 ):
-                    raise _Layout(
+                    raise LayoutError(
                         f"rank {r}'s expert group of {name} disagrees with its ZeRO group"
                     )
                 n, first = math.prod(shape), int(layer["global_expert_start"])
@@ -114,7 +101,7 @@ def expert_slices(shapes, layers: list[list[dict]], groups: list[list[dict]]):
     for key, placed in sorted(found.items()):
         layer, weight, shape, count = info[key]
         if sorted(placed) != list(range(count)):
-            raise _Layout(f"{key[0]} of experts from {key[1]} lacks a partition")
+            raise LayoutError(f"{key[0]} of experts from {key[1]} lacks a partition")
         weights.append(
             GroupedWeight(layer, weight, key[1], shape, tuple(placed[p] for p in range(count)))
         )
@@ -133,18 +120,18 @@ def _check_cover(weights: list[GroupedWeight], layers: list[dict]) -> None:
                 for e in range(w.first, w.first + w.shape[0])
             )
             if held != list(range(int(layer["num_experts"]))):
-                raise _Layout(f"{layer['module_path']}'s {weight} holds experts {held[:8]}")
+                raise LayoutError(f"{layer['module_path']}'s {weight} holds experts {held[:8]}")
 
 
 def _rank_metadata(tag_dir: Path, optims: list[dict]):
     """(param_shapes, each rank's ds_autoep_layers, each rank's ds_zero_partition_groups),
     the model states read as lazy indexes, closed again."""
-    files = model_state_files(tag_dir)
+    files = zero3_rank_files(tag_dir)
     if len(files) != len(optims):
-        raise _Layout(f"{len(files)} model states file(s) for {len(optims)} ranks")
+        raise LayoutError(f"{len(files)} model states file(s) for {len(optims)} ranks")
     layers, shapes = [], None
     for f in files:
-        archive = _Archive(f)
+        archive = Archive(f)
         try:
             index = archive.index()
         finally:
@@ -162,11 +149,11 @@ def expert_sources(ckpt: ZeroCheckpoint) -> list[TensorSource]:
     flats = [list(o["fp32_flat_groups"]) for o in optims]
     sources = []
     for w in weights:
-        pieces = [_Piece(flats[s.rank][s.group], s.start, s.count) for s in w.slices]
+        pieces = [Piece(flats[s.rank][s.group], s.start, s.count) for s in w.slices]
         rows, dtype = math.prod(w.shape[1:]), flats[0][w.slices[0].group].dtype
         for j in range(w.shape[0]):
             name = per_expert(w.layer["expert_key_prefix"], w.first + j, _NAMES[w.weight])
-            cut = tuple(_cut(pieces, j * rows, rows, what="expert"))
+            cut = tuple(cut_pieces(pieces, j * rows, rows, what="expert"))
             sources.append(TensorSource(name, w.shape[1:], dtype, cut))
     return sources
 
@@ -175,8 +162,8 @@ def reference_experts(tag_dir: Path) -> dict[str, torch.Tensor]:
     """``{prefix}.w1``, ``w2`` and ``w3`` of every layer with all its experts ``[E, ...]``,
     fp32, each rank's files read with ``torch.load(weights_only=True)``."""
     _, optim_files = checkpoint_files(tag_dir)
-    optims = [_load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
-    states = [_load_weights_only(f) for f in model_state_files(tag_dir)]
+    optims = [load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
+    states = [load_weights_only(f) for f in zero3_rank_files(tag_dir)]
     weights = expert_slices(
         states[0]["param_shapes"],
         [s["ds_autoep_layers"] for s in states],

@@ -23,7 +23,7 @@ from anneal.errors import UserError
 
 @dataclasses.dataclass
 class _LazyStorage:
-    archive: _Archive
+    archive: Archive
     key: str
     dtype: torch.dtype
 
@@ -100,7 +100,7 @@ _SAFE_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict", "int", "
 
 
 class _LazyUnpickler(pickle.Unpickler):
-    def __init__(self, file, archive: _Archive):
+    def __init__(self, file, archive: Archive):
         super().__init__(file)
         self.archive = archive
 
@@ -155,7 +155,7 @@ def _unreadable(path: Path, why: str) -> UserError:
     )
 
 
-class _Archive:
+class Archive:
     """A ``torch.save`` zip file: its index unpickled lazily, its tensors read by offset."""
 
     def __init__(self, path: Path):

@@ -22,9 +22,9 @@ from anneal import rundir
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.hf.expert_names import saved_shapes
-from anneal.hf.zero import ZeroCheckpoint, checkpoint_files, expert_files
+from anneal.hf.zero import ZeroCheckpoint
 from anneal.model import ModelPreset, build_model, preset_from_dict
-from anneal.resilience import checkpoint, safeload
+from anneal.resilience import checkpoint, ds_files, safeload
 from anneal.resilience.manifest import missing_files
 from anneal.run_record import RunRecord
 
@@ -57,7 +57,7 @@ def _incomplete(tag_dir: Path) -> str | None:
         return None
     listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     tp = manifest.get("tensor_parallel_size", 1)
-    if isinstance(tp, int) and tp > 1 and any(re.search(r"mp_rank_\d+_", n) for n in missing):
+    if isinstance(tp, int) and tp > 1 and any(map(ds_files.names_a_tensor_parallel_rank, missing)):
         what = (
             f"is missing tensor-parallel rank files that its {checkpoint.MANIFEST} lists "
             f"({listed}): it was saved by {tp} tensor-parallel ranks, and the export needs "
@@ -182,10 +182,7 @@ def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
     manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
     included), and no pickle in it names a global outside ``anneal.resilience.safeload``'s
     allow-list."""
-    read = []
-    for r in range(tensor_parallel_size(tag_dir, manifest)):  # each rank's files under TP
-        model_files, optim_files = checkpoint_files(tag_dir, r)
-        read += model_files + optim_files + expert_files(tag_dir, r)
+    read = ds_files.weight_files(tag_dir, tensor_parallel_size(tag_dir, manifest))
     listed = set(manifest["files"])
     unlisted = [f.name for f in read if f.name not in listed]
     if unlisted:

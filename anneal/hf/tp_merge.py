@@ -1,11 +1,11 @@
 """Tensor-parallel checkpoints: AutoTP's per-rank slices merged back into whole matrices.
 
 With ``tensor_parallel.autotp_size`` t, the ranks that hold tensor-parallel rank r's slices save
-a ZeRO checkpoint of their own (``mp_rank_0r_model_states.pt`` and their ``zero_pp_rank_D_mp_rank
-_0r_optim_states.pt``; ``zero_pp_rank_D_mp_rank_0r_model_states.pt`` under ZeRO-3) whose
-``param_shapes`` are the slice shapes. DeepSpeed 0.19.8's AutoTP cuts a matrix into contiguous
-pieces in rank order (``deepspeed/module_inject/layers.py``: ``LinearLayer`` splits the weight's
-dim 0 by ``get_shard_size_list`` and keeps piece ``tp_index``, ``LinearAllreduce`` dim 1), so
+a ZeRO checkpoint of their own (model and optimizer states named by their tensor-parallel rank,
+``anneal.resilience.ds_files.checkpoint_files``) whose ``param_shapes`` are the slice shapes.
+DeepSpeed 0.19.8's AutoTP cuts a matrix into contiguous pieces in rank order
+(``deepspeed/module_inject/layers.py``: ``LinearLayer`` splits the weight's dim 0 by
+``get_shard_size_list`` and keeps piece ``tp_index``, ``LinearAllreduce`` dim 1), so
 the whole matrix is the pieces concatenated in rank order along the dimension that was cut;
 embeddings and norms are whole on every rank (the same values: their gradients are complete on
 each rank of a group).
@@ -26,13 +26,8 @@ from pathlib import Path
 import torch
 
 from anneal.errors import UserError
-from anneal.hf.zero import (
-    TensorSource,
-    ZeroCheckpoint,
-    checkpoint_files,
-    open_checkpoint,
-    reference_state_dict,
-)
+from anneal.hf.zero import TensorSource, ZeroCheckpoint, open_checkpoint, reference_state_dict
+from anneal.resilience.ds_files import MODEL_STATES_PATTERN, checkpoint_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +64,8 @@ def rank_files(tag_dir: Path, tp: int) -> list[tuple[list[Path], list[Path]]]:
     if missing:
         raise UserError(
             f"{tag_dir}: its manifest says tensor-parallel degree {tp}, but there are no model "
-            f"states of tensor-parallel rank(s) {', '.join(missing)} (*mp_rank_XX_model_states"
-            f".pt): the checkpoint is incomplete. Export another tag (--tag), or copy the "
+            f"states of tensor-parallel rank(s) {', '.join(missing)} ({MODEL_STATES_PATTERN}): "
+            f"the checkpoint is incomplete. Export another tag (--tag), or copy the "
             f"checkpoint again from where it was saved."
         )
     return files

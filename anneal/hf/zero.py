@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 
 from anneal.errors import UserError
-from anneal.hf.reader import LazyTensor, _Archive
-from anneal.resilience import safeload
+from anneal.hf.reader import Archive, LazyTensor
+from anneal.resilience import ds_files, safeload
+from anneal.resilience.ds_files import LayoutError, checkpoint_files
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
+class Piece:
     tensor: LazyTensor
     start: int
     count: int
@@ -38,7 +39,7 @@ class TensorSource:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    pieces: tuple[_Piece, ...]
+    pieces: tuple[Piece, ...]
     """Read in order, concatenated: the parameter's flattened values (plus trailing padding)."""
 
     def numel(self) -> int:
@@ -54,36 +55,27 @@ class TensorSource:
         return buf[: self.numel()].view(self.shape)
 
 
-def _cut(pieces: list[_Piece], start: int, count: int, what: str = "parameter") -> list[_Piece]:
+def cut_pieces(pieces: list[Piece], start: int, count: int, what: str = "parameter") -> list[Piece]:
     """Elements ``[start, start + count)`` of the concatenation of ``pieces``, as pieces."""
     cut, base = [], 0
     for p in pieces:
         lo, hi = max(start, base), min(start + count, base + p.count)
         if lo < hi:
-            cut.append(_Piece(p.tensor, p.start + lo - base, hi - lo))
+            cut.append(Piece(p.tensor, p.start + lo - base, hi - lo))
         base += p.count
     if sum(p.count for p in cut) != count:
-        raise _Layout(f"its flat groups are shorter than its {what} shapes")
+        raise LayoutError(f"its flat groups are shorter than its {what} shapes")
     return cut
 
 
-def _slices(flat: list[LazyTensor], start: int, count: int) -> list[_Piece]:
+def _slices(flat: list[LazyTensor], start: int, count: int) -> list[Piece]:
     """Elements ``[start, start + count)`` of the concatenation of ``flat`` as pieces."""
-    return _cut([_Piece(t, 0, t.numel()) for t in flat], start, count)
+    return cut_pieces([Piece(t, 0, t.numel()) for t in flat], start, count)
 
 
-EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-"""The file of one expert of one sparse layer that DeepSpeed's AutoEP writes beside the model
-states (``anneal.hf.autoep`` reads them); not a model-states file of the ZeRO layout."""
 EXPERT_PARAM = re.compile(r"\.experts\.w[123]$")
 """AutoEP's grouped expert weights (DeepSpeed's ``EXPERT_PARAMETER_PATTERNS``): their own
 param groups in ZeRO-1/2, each rank holding its experts only; exported from the expert files."""
-
-
-def _rank_file(mp_rank: int) -> re.Pattern:
-    """The optimizer file of each data-parallel rank that holds tensor-parallel rank
-    ``mp_rank``'s slices (00 without tensor parallelism)."""
-    return re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
 
 
 @dataclasses.dataclass
@@ -94,7 +86,7 @@ class ZeroCheckpoint:
     zero_stage: int
     world_size: int
     sources: list[TensorSource]
-    archives: list[_Archive]
+    archives: list[Archive]
 
     def close(self) -> None:
         for a in self.archives:
@@ -107,13 +99,9 @@ class ZeroCheckpoint:
         self.close()
 
 
-class _Layout(Exception):
-    """The index of a checkpoint file is not laid out as DeepSpeed writes it."""
-
-
 # What indexing a file that is not laid out as expected raises (a dict where a list was, ...).
-_NOT_A_CHECKPOINT = (
-    _Layout,
+NOT_A_CHECKPOINT = (
+    LayoutError,
     KeyError,
     IndexError,
     TypeError,
@@ -124,38 +112,12 @@ _NOT_A_CHECKPOINT = (
 )
 
 
-def checkpoint_files(tag_dir: Path, mp_rank: int = 0) -> tuple[list[Path], list[Path]]:
-    """The files export reads: the model states (one per rank under ZeRO-3) and the optimizer
-    states of each rank, in rank order; with tensor parallelism, those of the ranks that hold
-    tensor-parallel rank ``mp_rank``'s slices (a ZeRO checkpoint of its own over the
-    data-parallel ranks)."""
-    rank_file = _rank_file(mp_rank)
-    model_files = sorted(
-        f
-        for f in Path(tag_dir).glob(f"*mp_rank_{mp_rank:02d}_model_states.pt")
-        if not EXPERT_FILE.match(f.name)
-    )
-    optim_files = sorted(
-        (f for f in Path(tag_dir).glob("*_optim_states.pt") if rank_file.search(f.name)),
-        key=lambda f: int(rank_file.search(f.name).group(1)),
-    )
-    return model_files, optim_files
-
-
-def expert_files(tag_dir: Path, mp_rank: int = 0) -> list[Path]:
-    """The per-expert files of an AutoEP checkpoint (tensor-parallel rank ``mp_rank``'s),
-    sorted by layer and expert; none for a dense model."""
-    found = [(EXPERT_FILE.match(f.name), f) for f in Path(tag_dir).glob("layer_*_expert_*")]
-    found = [(m, f) for m, f in found if m and int(m[3]) == mp_rank]
-    return [f for m, f in sorted(found, key=lambda mf: (int(mf[0][1]), int(mf[0][2])))]
-
-
-def _expert_group(group: dict) -> bool:
+def is_expert_group(group: dict) -> bool:
     """Whether a ZeRO param group holds AutoEP's expert weights (DeepSpeed never mixes them
     with the others in one group)."""
     experts = [bool(EXPERT_PARAM.search(name)) for name in group]
     if any(experts) and not all(experts):
-        raise _Layout("a param group mixes expert and other parameters")
+        raise LayoutError("a param group mixes expert and other parameters")
     return bool(experts) and all(experts)
 
 
@@ -165,13 +127,13 @@ def open_checkpoint(tag_dir: Path, mp_rank: int = 0) -> ZeroCheckpoint:
     tag_dir = Path(tag_dir)
     model_files, optim_files = checkpoint_files(tag_dir, mp_rank)
     if not model_files:
-        raise UserError(f"{tag_dir}: no DeepSpeed model_states file; not a checkpoint.")
-    archives: list[_Archive] = []
+        raise UserError(f"{tag_dir}: no DeepSpeed {ds_files.MODEL_STATES} file; not a checkpoint.")
+    archives: list[Archive] = []
     try:
         for f in [model_files[0], *optim_files]:
-            archives.append(_Archive(f))
+            archives.append(Archive(f))
         stage, world, sources = _index(tag_dir, archives[0].index(), archives[1:])
-    except _NOT_A_CHECKPOINT as e:
+    except NOT_A_CHECKPOINT as e:
         for a in archives:
             a.close()
         raise UserError(
@@ -186,13 +148,13 @@ def open_checkpoint(tag_dir: Path, mp_rank: int = 0) -> ZeroCheckpoint:
     return ZeroCheckpoint(tag_dir, stage, world, sources, archives)
 
 
-def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
+def _index(tag_dir: Path, model_state, optim_archives: list[Archive]):
     """(ZeRO stage, ranks, parameter sources) from the unpickled (lazy) indexes."""
     shapes = model_state.get("param_shapes")
     if isinstance(shapes, dict):
         shapes = [shapes]
     optims = [a.index()["optimizer_state_dict"] for a in optim_archives]
-    stage = int(optims[0].get("zero_stage", 0)) if optims else 0
+    stage = ds_files.stage_of_optimizer(optims)
     if model_state.get("frozen_param_shapes"):
         raise UserError(
             f"{tag_dir}: the model has frozen parameters (frozen_param_shapes), which anneal "
@@ -203,7 +165,7 @@ def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
         count = optims[0]["partition_count"]
         world = max(count) if isinstance(count, list) else int(count)
         if world != len(optims):
-            raise _Layout(f"{len(optims)} optimizer state file(s) for {world} ranks")
+            raise LayoutError(f"{len(optims)} optimizer state file(s) for {world} ranks")
     if stage == 3:
         sources = _zero3_sources(shapes, optims, world)
     elif stage in (1, 2):
@@ -211,12 +173,12 @@ def _index(tag_dir: Path, model_state, optim_archives: list[_Archive]):
     elif stage == 0:  # no ZeRO: the module's own weights (bf16 runs: bf16 values)
         world, buffers = 1, model_state.get("buffer_names", [])
         sources = [
-            TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),))
+            TensorSource(name, t.shape, t.dtype, (Piece(t, 0, t.numel()),))
             for name, t in model_state["module"].items()
             if isinstance(t, LazyTensor) and name not in buffers
         ]
     else:
-        raise _Layout(f"ZeRO stage {stage}")
+        raise LayoutError(f"ZeRO stage {stage}")
     return stage, world, _with_buffers_and_aliases(sources, model_state)
 
 
@@ -227,7 +189,7 @@ def _zero3_counts(optim: dict, groups: int, world: int) -> list[int]:
     if parts is None:
         return [world] * groups
     if len(parts) != groups:
-        raise _Layout(f"{len(parts)} partition groups for {groups} parameter groups")
+        raise LayoutError(f"{len(parts)} partition groups for {groups} parameter groups")
     return [int(p["partition_count"]) for p in parts]
 
 
@@ -237,14 +199,14 @@ def _zero3_sources(shapes: list[dict], optims: list[dict], world: int) -> list[T
     ranks, are read by ``anneal.hf.autoep_zero3``."""
     flats = [list(o["fp32_flat_groups"]) for o in optims]
     if len(flats[0]) != len(shapes):
-        raise _Layout(f"{len(flats[0])} flat groups for {len(shapes)} parameter groups")
+        raise LayoutError(f"{len(flats[0])} flat groups for {len(shapes)} parameter groups")
     sources = []
     counts = _zero3_counts(optims[0], len(shapes), world)
     for g, (group, count) in enumerate(zip(shapes, counts, strict=True)):
-        if _expert_group(group):
+        if is_expert_group(group):
             continue
         if count != world:
-            raise _Layout(f"parameter group {g} is partitioned over {count} of {world} ranks")
+            raise LayoutError(f"parameter group {g} is partitioned over {count} of {world} ranks")
         offset = 0
         for name, shape in group.items():
             part = math.ceil(math.prod(shape) / world)
@@ -252,7 +214,7 @@ def _zero3_sources(shapes: list[dict], optims: list[dict], world: int) -> list[T
             sources.append(TensorSource(name, tuple(shape), flats[0][g].dtype, tuple(pieces)))
             offset += part
         if offset != flats[0][g].numel():
-            raise _Layout(f"its parameters take {offset} of {flats[0][g].numel()} in group {g}")
+            raise LayoutError(f"its parameters take {offset} of {flats[0][g].numel()} in group {g}")
     return sources
 
 
@@ -262,7 +224,7 @@ def _zero12_sources(shapes: list[dict], optims: list[dict]) -> list[TensorSource
     paddings = optims[0].get("param_alignment_paddings")
     sources = []
     for g, group in enumerate(shapes):
-        if _expert_group(group):  # each rank's own experts: read from the expert files
+        if is_expert_group(group):  # each rank's own experts: read from the expert files
             continue
         parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
         offset = 0
@@ -282,23 +244,23 @@ def _with_buffers_and_aliases(sources: list[TensorSource], model_state) -> list[
     for name in model_state.get("buffer_names", []):
         t = module.get(name)
         if isinstance(t, LazyTensor):
-            sources.append(TensorSource(name, t.shape, t.dtype, (_Piece(t, 0, t.numel()),)))
+            sources.append(TensorSource(name, t.shape, t.dtype, (Piece(t, 0, t.numel()),)))
     by_name = {s.name: s for s in sources}
     for alias, target in (model_state.get("shared_params") or {}).items():
         if target not in by_name:
-            raise _Layout(f"shared parameter {alias} names a missing {target}")
+            raise LayoutError(f"shared parameter {alias} names a missing {target}")
         sources.append(dataclasses.replace(by_name[target], name=alias))
     for s in sources:
         kinds = {p.tensor.dtype if isinstance(p.tensor, LazyTensor) else None for p in s.pieces}
         if kinds != {s.dtype}:
-            raise _Layout(f"{s.name}'s pieces are not all {s.dtype} tensors")
+            raise LayoutError(f"{s.name}'s pieces are not all {s.dtype} tensors")
     return sources
 
 
 # --- safetensors, streamed -------------------------------------------------------------------
 
 
-def _load_weights_only(path: Path) -> dict:
+def load_weights_only(path: Path) -> dict:
     """``torch.load(weights_only=True)``: tensors and the few types of
     ``anneal.resilience.safeload``'s allow-list are built, any other global is refused before
     it is imported."""
@@ -326,18 +288,18 @@ def reference_state_dict(
     ``ceil(n / ranks)`` of every rank's, in order. No ZeRO: the module's own weights. With
     tensor parallelism: tensor-parallel rank ``mp_rank``'s slices."""
     model_files, optim_files = checkpoint_files(tag_dir, mp_rank)
-    model_state = _load_weights_only(model_files[0])
+    model_state = load_weights_only(model_files[0])
     module = model_state.get("module") or {}
     if zero_stage == 0:
         return {k: v.float() for k, v in module.items() if torch.is_tensor(v)}
     sd = {k: module[k].float() for k in model_state.get("buffer_names", []) if k in module}
-    optims = [_load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
+    optims = [load_weights_only(f)["optimizer_state_dict"] for f in optim_files]
     shapes = model_state["param_shapes"]
     shapes = [shapes] if isinstance(shapes, dict) else shapes
     world = len(optims)
     if zero_stage == 3:
         for g, group in enumerate(shapes):
-            if _expert_group(group):  # AutoEP's, over fewer ranks (anneal.hf.autoep_zero3)
+            if is_expert_group(group):  # AutoEP's, over fewer ranks (anneal.hf.autoep_zero3)
                 continue
             flat = [o["fp32_flat_groups"][g].flatten() for o in optims]
             offset = 0
@@ -349,7 +311,7 @@ def reference_state_dict(
     else:
         paddings = optims[0].get("param_alignment_paddings")
         for g, group in enumerate(shapes):
-            if _expert_group(group):  # the expert files' (anneal.hf.autoep)
+            if is_expert_group(group):  # the expert files' (anneal.hf.autoep)
                 continue
             full = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
             offset = 0

@@ -15,18 +15,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from anneal.dist import all_gather, is_main_process, rank, world_size
 from anneal.files import confined, fsync_path, write_atomic
+from anneal.resilience import ds_files
 
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 _CHUNK = 8 << 20
-_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
-_TP_RANK_FILE = re.compile(r"mp_rank_(\d+)_")
 
 
 def file_hash(path: Path) -> str:
@@ -46,12 +44,11 @@ def file_hash(path: Path) -> str:
 
 
 def owner_of(name: str, n_ranks: int, tp: int = 1) -> int:
-    """The rank that hashes a file: the rank that wrote it. DeepSpeed names a file by the
-    writer's data-parallel rank (``zero_pp_rank_D_``, else 0) and tensor-parallel rank
-    (``mp_rank_T_``, else 0); DeepSpeed's TP groups are blocks of ``tp`` consecutive ranks."""
-    dp, tp_rank = _RANK_FILE.search(name), _TP_RANK_FILE.search(name)
-    writer = (int(dp[1]) if dp else 0) * tp + (int(tp_rank[1]) if tp_rank else 0)
-    return writer % n_ranks
+    """The rank that hashes a file: the rank that wrote it, by the ranks its name gives
+    (``anneal.resilience.ds_files.writer_ranks``); DeepSpeed's TP groups are blocks of ``tp``
+    consecutive ranks."""
+    dp, tp_rank = ds_files.writer_ranks(name)
+    return (dp * tp + tp_rank) % n_ranks
 
 
 def _hash_share(tag_dir: Path, names: list[str], tp: int) -> dict[str, dict]:
@@ -133,21 +130,12 @@ def saved_step(tag_dir: Path) -> int:
 
 def saved_zero_stage(manifest: dict) -> int | None:
     """The ZeRO stage a checkpoint was saved at: its manifest's ``zero_stage``, or for a
-    manifest from before that field, read off its file names (ZeRO-3 writes each rank's model
-    states as ``zero_pp_rank_R_mp_rank_00_model_states.pt``, ZeRO-1/2 one
-    ``mp_rank_00_model_states.pt`` beside each rank's ``..._optim_states.pt``, no ZeRO only the
-    former): 3, 2 (for 1 or 2, whose files are the same), 0, or None when it cannot tell."""
+    manifest from before that field, read off its file names (``ds_files.stage_of_names``):
+    3, 2 (for 1 or 2, whose files are the same), 0, or None when it cannot tell."""
     stage = manifest.get("zero_stage")
     if stage is not None:
         return stage
-    names = [Path(n).name for n in manifest.get("files", {})]
-    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
-        return 3
-    if any(n.endswith("_optim_states.pt") for n in names):
-        return 2
-    if any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names):
-        return 0
-    return None
+    return ds_files.stage_of_names(manifest.get("files", {}))
 
 
 def moves_stage(saved_stage: int | None, stage: int | None) -> bool:

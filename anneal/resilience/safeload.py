@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.resilience import ds_files
 
 ZIP_MAGIC = b"PK\x03\x04"
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
@@ -133,15 +134,6 @@ def refusal(e: Exception) -> str:
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
-_STATES_KEY = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
-"""What DeepSpeed's own files of a checkpoint always hold, by the end of their names."""
-_EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
-"""One expert's weights, as DeepSpeed's AutoEP saves them: a flat dict of tensors."""
-_EXPERT_OPTIM_FILE = re.compile(r"expp_rank_\d+_mp_rank_\d+_optim_states\.pt")
-"""An expert-parallel rank's optimizer state of an AutoEP run without ZeRO (stage 0):
-``{"optimizer": ...}``, not ZeRO's ``optimizer_state_dict``."""
-
-
 def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
     """:func:`load` every ``*.pt`` of a checkpoint's tag directory, tensors memory-mapped and
     never read, so that a refusal comes before anything is loaded, the same on every rank.
@@ -154,7 +146,7 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
         if skip_hidden and any(part.startswith(".") for part in path.relative_to(tag_dir).parts):
             continue
         state = load(path, map_location="cpu", mmap=True)
-        if _EXPERT_FILE.fullmatch(path.name):
+        if ds_files.is_expert_file(path.name):
             if not (
                 isinstance(state, dict) and state and all(map(torch.is_tensor, state.values()))
             ):
@@ -163,9 +155,7 @@ def check_checkpoint(tag_dir: Path, *, skip_hidden: bool = False) -> None:
                     f"what DeepSpeed's AutoEP saves in an expert's file, so it is not loaded."
                 )
             continue
-        key = next((k for suffix, k in _STATES_KEY.items() if path.name.endswith(suffix)), None)
-        if _EXPERT_OPTIM_FILE.fullmatch(path.name):
-            key = "optimizer"
+        key = ds_files.states_key(path.name)
         if key and not (isinstance(state, dict) and key in state):
             raise UserError(
                 f"{path}: holds a {type(state).__name__} without {key!r}, not what DeepSpeed "

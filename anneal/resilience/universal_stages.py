@@ -11,11 +11,7 @@ from pathlib import Path
 
 import torch
 
-from anneal.resilience import safeload
-
-MODEL_STATES = {"mp_rank_": "zero_pp_rank_0_mp_rank_"}
-"""The model-states file names of ZeRO-1/2 and ZeRO-3's universal load (``mp_rank_XX_...`` and
-``zero_pp_rank_0_mp_rank_XX_model_states.pt``)."""
+from anneal.resilience import ds_files, safeload
 
 
 def either_stage(out: Path) -> None:
@@ -23,8 +19,8 @@ def either_stage(out: Path) -> None:
     ZeRO-3 alike, whichever stage saved it. The two loaders differ in four things, all added
     here (nothing the saving stage's loader reads is changed):
 
-    - the model-states file: ZeRO-1/2 looks for ``mp_rank_XX_model_states.pt``, ZeRO-3 for
-      ``zero_pp_rank_0_mp_rank_XX_model_states.pt``; each gets the other's name (a hard link);
+    - the model-states file: ZeRO-1/2 and ZeRO-3 look for it under different names; each gets
+      the other's name (``ds_files.universal_twin``, a hard link);
     - ``zero/optimizer_state.pt``: ZeRO-1/2 wants ``ds_version`` and ``clip_grad``, ZeRO-3 the
       Adam step and the param groups under ``optimizer_state_dict``. A ZeRO-3 source's copy of
       rank 0's whole flat optimizer state there (its weights and moments, which neither loader
@@ -43,19 +39,16 @@ def either_stage(out: Path) -> None:
 def _either_stage(out: Path) -> None:
     from deepspeed.checkpoint.constants import CAT_DIM, PARAM
 
-    for path in sorted(out.glob("*model_states.pt")):
-        for z12, z3 in MODEL_STATES.items():
-            if path.name.startswith(z3):
-                twin = out / path.name.replace(z3, z12, 1)
-            elif path.name.startswith(z12):
-                twin = out / path.name.replace(z12, z3, 1)
-            else:
-                continue
-            if not twin.exists():
-                try:
-                    os.link(path, twin)
-                except OSError:  # a filesystem without hard links
-                    shutil.copyfile(path, twin)
+    for path in ds_files.universal_model_files(out):
+        name = ds_files.universal_twin(path.name)
+        if name is None:
+            continue
+        twin = out / name
+        if not twin.exists():
+            try:
+                os.link(path, twin)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(path, twin)
     zero = out / "zero"
     optim = _load(zero / "optimizer_state.pt")
     folders = sorted(p for p in zero.iterdir() if p.is_dir())
@@ -73,7 +66,7 @@ def _either_stage(out: Path) -> None:
                     torch.save({PARAM: value, CAT_DIM: 0}, path)
         if not (folder / "step.pt").is_file():
             torch.save(step, folder / "step.pt")
-    model = _load(next(iter(sorted(out.glob("*model_states.pt")))))
+    model = _load(next(iter(ds_files.universal_model_files(out))))
     optim.pop("fp32_flat_groups", None)
     optim.setdefault("ds_version", model["ds_version"])
     optim.setdefault("clip_grad", float(model["ds_config"].get("gradient_clipping", 0.0)))

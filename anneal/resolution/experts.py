@@ -13,7 +13,7 @@ world / N ranks that hold a copy of that expert.
 
 Every ZeRO stage trains a sparse model. At ZeRO-3 AutoEP partitions each expert's weights, like
 its optimizer state, over the world / N ranks that hold that expert, and saves them inside each
-rank's ``zero_pp_rank_*`` files (its ``"zero3_partitioned"`` checkpoint format; ZeRO-0/1/2 write
+rank's own ZeRO files (its ``"zero3_partitioned"`` checkpoint format; ZeRO-0/1/2 write
 one file per expert), which the manifest lists and hashes like any other file and
 ``anneal.hf.autoep`` exports.
 

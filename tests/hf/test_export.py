@@ -336,7 +336,7 @@ def test_zero1_and_zero2_checkpoints_export_exactly(stdlib_data, tmp_path, stage
 def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
     """The export's unpickler builds no tensors and calls nothing outside its allowlist: an
     object whose pickle would run a command comes back as an inert placeholder."""
-    from anneal.hf.reader import LazyTensor, _Archive
+    from anneal.hf.reader import Archive, LazyTensor
 
     class Evil:
         def __reduce__(self):
@@ -344,7 +344,7 @@ def test_checkpoint_index_is_read_without_running_its_code(tmp_path):
 
     path = tmp_path / "ckpt.pt"
     torch.save({"w": torch.arange(10.0), "evil": Evil(), "n": 3}, path)
-    archive = _Archive(path)
+    archive = Archive(path)
     index = archive.index()
     assert not (tmp_path / "pwned").exists() and index["n"] == 3
     assert isinstance(index["w"], LazyTensor) and index["w"].shape == (10,)

@@ -166,7 +166,7 @@ def test_the_zero3_expert_map_of_four_ranks_at_ep2():
     2-3 ranks 1 and 3's, each weight's slices following the one before in the rank's flat
     group; a rank whose partition is missing, or an expert no rank holds, is refused."""
     from anneal.hf.autoep_zero3 import Slice, expert_slices
-    from anneal.hf.zero import _Layout
+    from anneal.resilience.ds_files import LayoutError
 
     shapes = {"w1": (2, 3, 5), "w2": (2, 5, 3), "w3": (2, 3, 5)}  # 30 elements: 15 a rank
     weights = expert_slices(*_zero3_metadata(4, 2, shapes))
@@ -178,12 +178,12 @@ def test_the_zero3_expert_map_of_four_ranks_at_ep2():
     shapes_, layers, groups = _zero3_metadata(4, 2, shapes)
     layers[2][0]["expert_data_parallel_rank"] = 0  # two ranks claim the same partition
     groups[2][1]["partition_rank"] = 0
-    with pytest.raises(_Layout, match="lacks a partition"):
+    with pytest.raises(LayoutError, match="lacks a partition"):
         expert_slices(shapes_, layers, groups)
     shapes_, layers, groups = _zero3_metadata(2, 1, shapes)
     for layer in layers:
         layer[0]["num_experts"] = 6  # two experts held by no rank
-    with pytest.raises(_Layout, match="holds experts"):
+    with pytest.raises(LayoutError, match="holds experts"):
         expert_slices(shapes_, layers, groups)
 
 

@@ -3,10 +3,13 @@ of anneal/, launcher/ or recipes/ but its owner spells the file's name as a path
 is the name, or ends in /name; the text of a message, an f-string's literal part or a
 docstring, may mention it). The owners: ``anneal.rundir`` for a run's ``config.json`` (read as
 ``anneal.run_record.RunRecord``), ``anneal.data.prepared_dir`` for a prepared directory's
-``meta.json`` and ``token_bytes.npy``, ``anneal.hf.export`` for an export's marker. And a run's
-record: read strictly where a run must be there, leniently for labels, its accessors typed."""
+``meta.json`` and ``token_bytes.npy``, ``anneal.hf.export`` for an export's marker. Files another
+program writes too: only ``anneal.resilience.ds_files`` spells DeepSpeed's checkpoint file names
+anywhere in anneal/ (code, messages and docstrings alike). And a run's record: read strictly
+where a run must be there, leniently for labels, its accessors typed."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +38,14 @@ OWNERS = {
         # The export's marker: write_marker and read_marker (is_export, export_every_save).
         "anneal/hf/export.py",
     },
+}
+
+PATTERN_OWNERS = {
+    # DeepSpeed's checkpoint layout: its file names (model and optimizer states, each rank's,
+    # AutoEP's expert files). planning/'s ``MemoryEstimate.model_states`` is a number of bytes
+    # (DeepSpeed's estimator's word), not a file: the pattern looks for the names only.
+    r"mp_rank_|zero_pp_rank_|optim_states|expp_rank_|_model_states|model_states\.pt"
+    r"|layer_\S*_expert_": {"anneal/resilience/ds_files.py"},
 }
 
 
@@ -75,6 +86,21 @@ def test_only_the_owners_spell_the_file_names():
         for _, name in _path_strings(path.read_text()):
             found[name].add(path.relative_to(ROOT).as_posix())
     assert found == OWNERS
+
+
+def test_only_ds_files_spells_deepspeeds_checkpoint_files():
+    """Every module of anneal/ whose text spells one of DeepSpeed's checkpoint file names (in
+    code, a message or a docstring) is its owner (PATTERN_OWNERS), as ``git grep`` finds them,
+    and every owner still does."""
+    for pattern, owners in PATTERN_OWNERS.items():
+        found = {
+            path.relative_to(ROOT).as_posix()
+            for path in sorted((ROOT / "anneal").rglob("*.py"))
+            if re.search(pattern, path.read_text())
+        }
+        assert found == owners, pattern
+        assert re.search(pattern, "zero_pp_rank_1_mp_rank_00_model_states.pt")
+        assert not re.search(pattern, "est.model_states + est.runtime")
 
 
 def test_the_scan_sees_a_path_and_not_a_message():
