@@ -41,8 +41,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +48,7 @@ from pathlib import Path
 from anneal import rundir
 from anneal.dist import all_gather, is_main_process
 from anneal.errors import UserError
-from anneal.files import confined, write_atomic
+from anneal.files import confined
 from anneal.resilience import preempt
 from anneal.resilience.manifest import MANIFEST, missing_files, read_manifest, verify
 
@@ -156,37 +154,25 @@ def _exists(pinned: str) -> bool:
     return all_gather(is_main_process() and (Path(pinned) / MANIFEST).exists())[0]
 
 
-class Stop:
+class Stop(preempt.SignalFlag):
     """SIGUSR1/SIGTERM handler of the watcher: sets a flag (the scoring in progress finishes),
     and a pid file in ``RUN/preempt/`` through which the batch script's trap finds this
-    process, as it finds the training ranks (``anneal.resilience.preempt``)."""
+    process, as it finds the training ranks (``anneal.resilience.preempt.SignalFlag``)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.signum: int | None = None
-        folder = rundir.preempt_dir(run_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        preempt.remove_stale(folder)
-        self._pid_file = folder / f"{socket.gethostname()}.{os.getpid()}.pid"
-        write_atomic(self._pid_file, preempt.pid_line(os.getpid()))
-        self._previous = {s: signal.signal(s, self._handle) for s in preempt.SIGNALS}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-            log.warning(
-                "got %s: finishing the scoring in progress, then exiting %d for a requeue",
-                signal.Signals(signum).name,
-                preempt.PREEMPTED_EXIT_CODE,
-            )
+        super().__init__(run_dir, _finishing)
 
     def requested(self) -> bool:
         """Collective: whether any rank got a signal."""
-        return any(all_gather(self.signum is not None))
+        return any(all_gather(self.signalled))
 
-    def close(self) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._pid_file.unlink(missing_ok=True)
+
+def _finishing(name: str) -> None:
+    log.warning(
+        "got %s: finishing the scoring in progress, then exiting %d for a requeue",
+        name,
+        preempt.PREEMPTED_EXIT_CODE,
+    )
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,13 +101,18 @@ class Preempted(SystemExit):
         super().__init__(PREEMPTED_EXIT_CODE)
 
 
-class Preemption:
-    """Installed once per rank by ``anneal.train.Trainer``; see the module docstring."""
+class SignalFlag:
+    """What a signal of ``SIGNALS`` does to this process: it sets a flag, nothing more, and
+    ``on_signal`` (the signal's name) is called at the first; and this process's pid file in
+    ``RUN/preempt/``, through which the batch script's trap finds it (see the module
+    docstring), this host's stale ones removed first. The training ranks' ``Preemption`` and
+    the eval watcher's stop (``anneal.eval.watch.Stop``) both stand on it. Signals are caught
+    only on the main thread (elsewhere they stay as they are); ``close`` restores them and
+    removes the pid file."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, on_signal: Callable[[str], None]) -> None:
         self.signum: int | None = None
-        self.requested_by_any = False
-        """Set on every rank by ``train_step``'s collective: some rank got a signal."""
+        self._on_signal = on_signal
         folder = rundir.preempt_dir(run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale(folder)
@@ -119,13 +125,26 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            name = signal.Signals(signum).name
-            log.warning("got %s: stopping after this step to checkpoint", name)
+            self._on_signal(signal.Signals(signum).name)
 
     @property
     def signalled(self) -> bool:
         """Whether this rank got a signal (local; no collective)."""
         return self.signum is not None
+
+    def close(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._pid_file.unlink(missing_ok=True)
+
+
+class Preemption(SignalFlag):
+    """Installed once per rank by ``anneal.train.Trainer``; see the module docstring."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir, _stopping)
+        self.requested_by_any = False
+        """Set on every rank by ``train_step``'s collective: some rank got a signal."""
 
     def requested(self, device: torch.device) -> bool:
         """Collective: True on every rank when any rank got a signal. The training loop gets
@@ -165,7 +184,6 @@ class Preemption:
         self.close()
         raise Preempted()
 
-    def close(self) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._pid_file.unlink(missing_ok=True)
+
+def _stopping(name: str) -> None:
+    log.warning("got %s: stopping after this step to checkpoint", name)
