@@ -10,7 +10,7 @@ RUN/
   it)
   guard.json       the spike guard's record (anneal.resilience.guard)
   checkpoints/     <tag>/ + latest (anneal.resilience.checkpoint)
-  evals/step-<N>.json  downstream task scores of step N's checkpoint (anneal.eval; read_evals)
+  evals/step-<N>.json  downstream scores of step N (anneal.eval.results; write_eval, read_eval(s))
   tb/ plots/ report.txt hf/<tag>/ heartbeat/ preempt/ previous-<time>/
 ```
 
@@ -43,6 +43,7 @@ HF = "hf"
 HEARTBEAT = "heartbeat"
 PREEMPT = "preempt"
 EVALS = "evals"
+_EVAL_FILE = re.compile(r"step-(\d+)\.json")
 PREVIOUS = "previous-"
 
 RUN_FILES = (
@@ -132,19 +133,29 @@ def eval_path(run_dir: str | Path, step: int) -> Path:
     return evals_dir(run_dir) / f"step-{step}.json"
 
 
-_EVAL_FILE = re.compile(r"step-(\d+)\.json")
+def write_eval(run_dir: str | Path, doc: dict) -> Path:
+    """``evals/step-<N>.json`` of ``doc["step"]`` (``anneal.eval.results``'), replaced whole."""
+    make_dir(evals_dir(run_dir))
+    path = eval_path(run_dir, doc["step"])
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n", durable=True)
+    return path
+
+
+def read_eval(run_dir: str | Path, step: int) -> dict | None:
+    """``evals/step-<step>.json`` if ``write_eval`` wrote it (of that step, with tasks), or None."""
+    path = eval_path(run_dir, step)
+    try:
+        doc = None if path.is_symlink() else json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("step") == step and "tasks" in doc else None
 
 
 def read_evals(run_dir: str | Path) -> list[dict]:
-    """The run's downstream scores (``evals/step-<N>.json``, written by ``anneal.eval``), by
-    step; a file that is not a JSON object is a UserError naming it. No ``evals/``: []."""
-    found = []
-    directory = evals_dir(run_dir)
-    if not directory.is_dir():
-        return []
-    for path in directory.iterdir():
-        m = _EVAL_FILE.fullmatch(path.name)
-        if m is None:
+    """The run's ``evals/step-<N>.json`` by step ([] without any); a non-object: UserError."""
+    found, directory = [], evals_dir(run_dir)
+    for path in directory.iterdir() if directory.is_dir() else []:
+        if (m := _EVAL_FILE.fullmatch(path.name)) is None:
             continue
         try:
             doc = json.loads(path.read_text())

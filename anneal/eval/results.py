@@ -20,12 +20,10 @@ Metric names are lm-eval's without its ``,none`` filter suffix (``acc``, ``acc_n
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from anneal import rundir
-from anneal.files import make_dir, write_atomic
 
 
 def metric_name(key: str) -> str | None:
@@ -61,8 +59,6 @@ def metrics_row(doc: dict) -> dict:
 
 
 def write(run_dir: Path, doc: dict) -> Path:
-    """``RUN/evals/step-<N>.json``, replaced whole (a reader never sees a part)."""
-    make_dir(rundir.evals_dir(run_dir))
-    path = rundir.eval_path(run_dir, doc["step"])
-    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n", durable=True)
-    return path
+    """``RUN/evals/step-<N>.json``, replaced whole (a reader never sees a part): the run
+    directory's owner (``anneal.rundir.write_eval``) writes it."""
+    return rundir.write_eval(run_dir, doc)
