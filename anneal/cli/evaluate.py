@@ -176,24 +176,11 @@ def _open_checkpoint(target):
     slices; a sparse run's experts read from their files, ``anneal.hf.autoep``), their names
     and shapes checked against the run's model."""
     from anneal import rundir
-    from anneal.hf.autoep import with_experts
-    from anneal.hf.source import check_shapes, expected_shapes, tensor_parallel_size
-    from anneal.hf.tp_merge import open_tp_checkpoint
-    from anneal.hf.zero import open_checkpoint
+    from anneal.hf.source import open_weights, tensor_parallel_size
     from anneal.resilience.manifest import read_manifest
 
     tp = tensor_parallel_size(target.tag_dir, read_manifest(target.tag_dir))
-    if tp == 1:
-        ckpt = open_checkpoint(target.tag_dir)
-    else:
-        ckpt = open_tp_checkpoint(target.tag_dir, tp, expected_shapes(target.preset))
-    try:
-        ckpt = with_experts(ckpt) if tp == 1 else ckpt
-        check_shapes(ckpt, target.preset, rundir.config_path(target.run_dir))
-    except BaseException:
-        ckpt.close()
-        raise
-    return ckpt
+    return open_weights(target.tag_dir, tp, target.preset, rundir.config_path(target.run_dir))
 
 
 def score_target(engine, target, specs, *, limit, num_fewshot, batch_size, samples=False) -> dict:
@@ -264,11 +251,7 @@ def _check_results_file(target, *, force: bool) -> None:
             f"score it again and replace it.",
             every_rank=True,
         )
-    try:
-        doc = json.loads(existing.read_text()) if not existing.is_symlink() else None
-    except (OSError, ValueError, RecursionError):
-        doc = None
-    if not (isinstance(doc, dict) and doc.get("step") == target.step and "tasks" in doc):
+    if rundir.read_eval(target.results_dir, target.step) is None:
         raise UserError(
             f"{existing}: --force replaces only scores that anneal eval wrote, and this is not "
             f"one (not such a JSON document, or a link). Move it away first.",

@@ -40,20 +40,16 @@ from pathlib import Path
 from anneal import rundir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
-from anneal.hf.autoep import with_experts
 from anneal.hf.source import (
     check_checkpoint,
-    check_shapes,
-    expected_shapes,
+    open_weights,
     preset_from_record,
     select_checkpoint,
     tensor_parallel_size,
     tokenizer_dir,
 )
-from anneal.hf.tp_merge import open_tp_checkpoint
 from anneal.hf.verify import ExportMismatch, verify_export
 from anneal.hf.writer import DTYPES, convert, parse_size
-from anneal.hf.zero import ZeroCheckpoint, open_checkpoint
 from anneal.resilience import checkpoint
 
 MARKER = "anneal_export.json"
@@ -150,8 +146,8 @@ def export(
     tok_dir = tokenizer_dir(record, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
     check_checkpoint(tag_dir, manifest)
-    with _open(tag_dir, tp, preset) as ckpt:
-        check_shapes(ckpt, preset, record.path)
+    _refuse_sparse_tp(tag_dir, tp, preset)
+    with open_weights(tag_dir, tp, preset, record.path) as ckpt:
         partial = _partial_dir(out)
         try:
             report = convert(
@@ -185,24 +181,14 @@ def export(
     return report
 
 
-def _open(tag_dir: Path, tp: int, preset) -> ZeroCheckpoint:
-    """The checkpoint's parameters, read lazily; with tensor parallelism, each rank's slices
-    merged into the whole matrices (``anneal.hf.tp_merge``); a sparse run's in transformers'
-    Qwen3-MoE names, its experts from their files (``anneal.hf.autoep``)."""
+def _refuse_sparse_tp(tag_dir: Path, tp: int, preset) -> None:
+    """A sparse model saved by several tensor-parallel ranks is not exported."""
     if tp > 1 and preset.is_moe:
         raise UserError(
             f"{tag_dir}: a sparse model saved by {tp} tensor-parallel ranks; anneal export "
             f"reads sparse checkpoints of one tensor-parallel rank (any expert-parallel "
             f"degree). Export a run trained without AutoTP."
         )
-    if tp > 1:
-        return open_tp_checkpoint(tag_dir, tp, expected_shapes(preset))
-    ckpt = open_checkpoint(tag_dir)
-    try:
-        return with_experts(ckpt)
-    except BaseException:
-        ckpt.close()
-        raise
 
 
 def export_every_save(run_dir: Path, *, out: Path, force: bool = False, **kwargs) -> list[dict]:

@@ -21,11 +21,14 @@ import torch
 from anneal import rundir
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
+from anneal.hf.autoep import with_experts
 from anneal.hf.expert_names import saved_shapes
-from anneal.hf.zero import ZeroCheckpoint
+from anneal.hf.tp_merge import open_tp_checkpoint
+from anneal.hf.zero import ZeroCheckpoint, open_checkpoint
 from anneal.model import ModelPreset, build_model, preset_from_dict
 from anneal.resilience import checkpoint, ds_files, safeload
 from anneal.resilience.manifest import missing_files
+from anneal.resilience.resume import choose
 from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -83,16 +86,16 @@ def _newest_incomplete(ckpt_dir: Path) -> str | None:
 def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
     ckpt_dir = rundir.checkpoints_dir(run_dir)
     if tag is None:  # a manifest that names a file outside its directory stops the search
-        intact = checkpoint.intact_checkpoints(ckpt_dir)
-        if not intact and (why := _newest_incomplete(ckpt_dir)):
+        newest = choose(ckpt_dir)
+        if newest is None and (why := _newest_incomplete(ckpt_dir)):
             raise UserError(why)
-        if not intact:
+        if newest is None:
             raise UserError(
                 f"{run_dir}: no intact checkpoint in {ckpt_dir} (a run writes one every "
                 f"--save-every steps and at its last step). Train it first, or point at another "
                 f"run directory."
             )
-        return intact[-1]
+        return newest
     have = _tags(ckpt_dir)
     tag_dir = ckpt_dir / str(tag)
     if not _TAG.fullmatch(str(tag)):
@@ -219,6 +222,26 @@ def tensor_parallel_size(tag_dir: Path, manifest: dict) -> int:
             f"of ranks: not a manifest Anneal wrote. Export another tag (--tag)."
         )
     return tp
+
+
+def open_weights(tag_dir: Path, tp: int, preset, config_path: Path) -> ZeroCheckpoint:
+    """The one opener of a checkpoint's weights (the export's and ``anneal eval``'s), once
+    ``check_checkpoint`` passed: its parameters indexed lazily; with tensor parallelism, each
+    rank's slices merged into the whole matrices (``anneal.hf.tp_merge``); a sparse run's in
+    transformers' Qwen3-MoE names, its experts from their files (``anneal.hf.autoep``); their
+    names and shapes checked against ``preset``, the model of ``config_path``. The caller closes
+    it (``with``)."""
+    if tp > 1:
+        ckpt = open_tp_checkpoint(tag_dir, tp, expected_shapes(preset))
+    else:
+        ckpt = open_checkpoint(tag_dir)
+    try:
+        ckpt = with_experts(ckpt) if tp == 1 else ckpt
+        check_shapes(ckpt, preset, config_path)
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
 
 
 def check_shapes(ckpt: ZeroCheckpoint, preset, config_path: Path) -> None:
