@@ -21,6 +21,7 @@ from anneal.errors import UserError
 from anneal.model import ModelPreset
 from anneal.resilience import checkpoint, safeload
 from anneal.resilience.manifest import MANIFEST, read_manifest, saved_step, verify
+from anneal.resilience.resume import choose
 from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -110,25 +111,27 @@ def _choose_tag(run_dir: Path, step: int | None) -> Path:
     intact = checkpoint.intact_checkpoints(ckpt_dir)
     steps = ", ".join(str(saved_step(t)) for t in intact) or "none"
     if step is not None:
-        chosen = [t for t in intact if saved_step(t) == step]
-        if not chosen:
+        chosen = choose(ckpt_dir, step=step)
+        if chosen is None:
             raise UserError(
                 f"--step {step}: {run_dir} has no intact checkpoint saved at step {step} "
                 f"(intact: {steps}). Give one of those steps, or drop --step for the newest.",
                 every_rank=True,
             )
-        return _verified_tag(chosen[0])
-    for tag_dir in reversed(intact):
-        bad = verify(tag_dir)
-        if not bad:
-            return tag_dir
-        log.warning("%s does not verify (%s differ from its manifest): skipped", tag_dir, bad[:3])
+        return _verified_tag(chosen)
+    newest = choose(ckpt_dir, verified=True, on_damaged=_skipped)
+    if newest is not None:
+        return newest
     raise UserError(
         f"{run_dir}: no checkpoint in {ckpt_dir} verifies (intact by size: {steps}; "
         f"a run writes one every --save-every steps and at its last step). Train it first, "
         f"copy its checkpoints again, or give another run.",
         every_rank=True,
     )
+
+
+def _skipped(tag_dir: Path, bad: list[str]) -> None:
+    log.warning("%s does not verify (%s differ from its manifest): skipped", tag_dir, bad[:3])
 
 
 def _verified_tag(tag_dir: Path) -> Path:

@@ -1,7 +1,8 @@
 """Which checkpoint a run resumes from: the intact tag directories of a checkpoints directory,
 the one ``--resume`` names (``auto``, ``none`` or a path), and, before anything loads, that its
 hashes hold (with ``--resume auto``, the newest older one that verifies when they do not) and
-that it was trained on the data's tokenizer.
+that it was trained on the data's tokenizer. ``choose`` is the one chooser of a run's checkpoint:
+resume, the export (``anneal.hf.source``) and ``anneal eval`` all take theirs from it.
 
 A tag directory counts only by its manifest (``anneal.resilience.manifest``): a save killed
 midway, or one that failed on a full disk, has none, so resume ignores it and the previous
@@ -12,6 +13,7 @@ the directory; it is there for DeepSpeed's own tools.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from anneal.errors import UserError
@@ -65,28 +67,63 @@ def check_checkpoint_tokenizer(
 def verified_resume(chosen: Path, *, fallback: bool) -> Path | None:
     """Collective. ``chosen`` if its hashes hold; else, with ``fallback`` (``--resume auto``),
     the newest older checkpoint that verifies, saying so (None when none does)."""
-    candidates = [chosen]
-    if fallback:
-        older = [p for p in intact_checkpoints(chosen.parent) if saved_step(p) < saved_step(chosen)]
-        candidates += older[::-1]
-    for tag_dir in candidates:
+    bad = verify(chosen)
+    if not bad:
+        return chosen
+    if not fallback:
+        raise UserError(
+            f"--resume {chosen}: {_corrupt(chosen, bad)}. Resume from an older tag in "
+            f"{chosen.parent}, or use --resume auto to take the newest intact one.",
+            every_rank=True,
+        )
+    _falling_back(chosen, bad)
+    older = choose(
+        chosen.parent, before_step=saved_step(chosen), verified=True, on_damaged=_falling_back
+    )
+    if older is not None:
+        log.warning("resuming from %s, the newest checkpoint that verifies", older)
+    else:
+        log.warning("no checkpoint in %s verifies: starting from scratch", chosen.parent)
+    return older
+
+
+def _corrupt(tag_dir: Path, bad: list[str]) -> str:
+    return (
+        f"checkpoint {tag_dir} is corrupt: {len(bad)} file(s) differ from its manifest "
+        f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    )
+
+
+def _falling_back(tag_dir: Path, bad: list[str]) -> None:
+    log.warning("%s; falling back to an older checkpoint", _corrupt(tag_dir, bad))
+
+
+def choose(
+    ckpt_dir: Path,
+    *,
+    step: int | None = None,
+    before_step: int | None = None,
+    verified: bool = False,
+    on_damaged: Callable[[Path, list[str]], None] | None = None,
+) -> Path | None:
+    """The one chooser of a run's checkpoint (resume, export, eval): the newest intact tag
+    directory of ``ckpt_dir`` (``intact_checkpoints``), or the one saved at ``step``, or the
+    newest saved before ``before_step``; None when there is none. ``verified`` (collective):
+    the newest of those whose hashes hold (``verify``), ``on_damaged(tag_dir, files)`` told of
+    each newer one that does not."""
+    found = intact_checkpoints(ckpt_dir)
+    if step is not None:
+        found = [t for t in found if saved_step(t) == step]
+    if before_step is not None:
+        found = [t for t in found if saved_step(t) < before_step]
+    if not verified:
+        return found[-1] if found else None
+    for tag_dir in reversed(found):
         bad = verify(tag_dir)
         if not bad:
-            if tag_dir != chosen:
-                log.warning("resuming from %s, the newest checkpoint that verifies", tag_dir)
             return tag_dir
-        msg = (
-            f"checkpoint {tag_dir} is corrupt: {len(bad)} file(s) differ from its manifest "
-            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
-        )
-        if not fallback:
-            raise UserError(
-                f"--resume {chosen}: {msg}. Resume from an older tag in {chosen.parent}, or "
-                f"use --resume auto to take the newest intact one.",
-                every_rank=True,
-            )
-        log.warning("%s; falling back to an older checkpoint", msg)
-    log.warning("no checkpoint in %s verifies: starting from scratch", chosen.parent)
+        if on_damaged is not None:
+            on_damaged(tag_dir, bad)
     return None
 
 
@@ -118,13 +155,13 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         read_latest(ckpt_dir)  # refuses a `latest` that leads out of the directory
-        found = intact_checkpoints(ckpt_dir)
+        found = choose(ckpt_dir)
         skipped = (
             [p.name for p in _tag_dirs(ckpt_dir) if not is_intact(p)] if ckpt_dir.is_dir() else []
         )
         if skipped:
             log.warning("ignoring incomplete checkpoints (no intact manifest): %s", skipped)
-        return found[-1] if found else None
+        return found
     path = Path(resume)
     if not path.exists():
         raise UserError(
@@ -133,9 +170,9 @@ def find_resume(resume: str, ckpt_dir: Path) -> Path | None:
         )
     if is_intact(path):
         return path
-    found = intact_checkpoints(path)
-    if found:
-        return found[-1]
+    found = choose(path)
+    if found is not None:
+        return found
     raise UserError(
         f"--resume {resume}: not an intact checkpoint (no valid {MANIFEST}) and "
         f"holds none. A save that was interrupted leaves such a directory; resume "

@@ -87,6 +87,29 @@ def test_same_size_corruption_falls_back_to_the_previous_checkpoint(tmp_path, ca
         checkpoint.verified_resume(newest, fallback=False)
 
 
+def test_one_chooser_takes_the_newest_by_step_before_a_step_or_verified(tmp_path):
+    """``resume.choose`` (resume's, the export's and eval's chooser): the newest intact tag,
+    the one of a step, the newest before a step, None where there is none; ``verified`` skips
+    a newer tag whose bytes changed, telling ``on_damaged`` which files differ."""
+    from anneal.resilience.resume import choose
+
+    tags = {step: save(tmp_path, step) for step in (2, 4, 6)}
+    assert choose(tmp_path / "none") is None
+    assert choose(tmp_path) == tags[6]
+    assert choose(tmp_path, step=4) == tags[4]
+    assert choose(tmp_path, step=5) is None
+    assert choose(tmp_path, before_step=6) == tags[4]
+    assert choose(tmp_path, before_step=2) is None
+    data = bytearray(shard(tags[6]).read_bytes())
+    data[10] ^= 1  # same size
+    shard(tags[6]).write_bytes(bytes(data))
+    damaged = []
+    chosen = choose(tmp_path, verified=True, on_damaged=lambda t, bad: damaged.append((t, bad)))
+    assert chosen == tags[4]
+    assert damaged == [(tags[6], [shard(tags[6]).name])]
+    assert choose(tmp_path) == tags[6]  # by size, still intact
+
+
 def test_truncated_shard_is_not_intact(tmp_path):
     save(tmp_path, 2)
     newest = save(tmp_path, 4)
