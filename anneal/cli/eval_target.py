@@ -18,37 +18,13 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.errors import UserError
-from anneal.model import ModelPreset
+from anneal.eval.score import Target
 from anneal.resilience import checkpoint, safeload
 from anneal.resilience.manifest import MANIFEST, read_manifest, saved_step, verify
 from anneal.resilience.resume import choose
 from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """One model to score and where its scores go."""
-
-    source: str
-    """``"checkpoint"`` (a run's tag directory) or ``"hf"`` (a Hugging Face directory)."""
-    preset: ModelPreset
-    ds_config: dict
-    """The run's resolved ds_config (a checkpoint), or the --ds-config file's; before the
-    --set overrides and the live world (``anneal.train.eval_engine.scoring_ds_config``)."""
-    ds_source: str
-    step: int
-    tokens: int | None
-    tokenizer_dir: Path
-    data_dir: Path | None
-    """The prepared data the run trained on (the shipped task reads its val split), if known."""
-    results_dir: Path
-    """The run directory (or ``--out``): its ``evals/step-<N>.json``."""
-    run_dir: Path | None = None
-    tag_dir: Path | None = None
-    manifest_sha256: str | None = None
-    hf_dir: Path | None = None
 
 
 def find_target(
@@ -77,7 +53,7 @@ def find_target(
                 f"run directory {target.parent.parent} with --step.",
                 every_rank=True,
             )
-        return _checkpoint_target(target.parent.parent, _verified_tag(target), **_rest(locals()))
+        return checkpoint_target(target.parent.parent, _verified_tag(target), **_rest(locals()))
     if _is_hf_dir(target):
         if step is not None:
             raise UserError(
@@ -87,7 +63,7 @@ def find_target(
             )
         return _hf_target(target, out=out, ds_config=ds_config, data=data)
     tag_dir = _choose_tag(target, step)
-    return _checkpoint_target(target, tag_dir, **_rest(locals()))
+    return checkpoint_target(target, tag_dir, **_rest(locals()))
 
 
 def _rest(scope: dict) -> dict:
@@ -156,7 +132,7 @@ def _verified_tag(tag_dir: Path) -> Path:
     return tag_dir
 
 
-def _checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> Target:
+def checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> Target:
     """A run's checkpoint: its model and ds_config from the run's config.json, its files
     checked as the export checks them (listed, weights-only loadable), its tokenizer."""
     from anneal.files import sha256_file

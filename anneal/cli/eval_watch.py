@@ -66,46 +66,37 @@ def check(args: argparse.Namespace) -> None:
         )
 
 
-def watch(args: argparse.Namespace, specs: list[str], overrides: list[str], *, scoring) -> int:
-    """Collective: the watcher's loop over ``args.target`` until its end; 0, or 75 after a
-    preemption signal. The run directory may not exist yet (the training job starts beside).
-    ``scoring``: ``anneal.cli.evaluate``'s ``target_engine``, ``score_target`` and
-    ``write_results``, passed in (this module is imported by that one)."""
-    from anneal.dist import print0
-    from anneal.eval.watch import DEFAULT_POLL_S, Stop, Watcher
-    from anneal.resilience.preempt import PREEMPTED_EXIT_CODE
+def watch(
+    args: argparse.Namespace, specs: list[str], overrides: list[str], *, target_engine
+) -> int:
+    """Collective: the watcher over ``args.target`` until its end (``anneal.eval.watch.watch``);
+    0, or 75 after a preemption signal. ``target_engine``: ``anneal.cli.evaluate``'s, passed
+    in (this module is imported by that one)."""
+    from anneal.eval.watch import watch as watch_run
 
-    run_dir = Path(args.target)
-    stop = Stop(run_dir)
-    poll_s = DEFAULT_POLL_S if args.poll_s is None else args.poll_s
-    watcher = Watcher(
-        run_dir,
-        _scorer(args, specs, overrides, *scoring),
+    return watch_run(
+        Path(args.target),
+        _scorer(args, specs, overrides, target_engine),
+        tasks=specs,
         until_step=args.until_step,
-        poll_s=poll_s,
+        poll_s=args.poll_s,
     )
-    print0(f"watching {run_dir} for checkpoints every {poll_s:g} s (tasks: {', '.join(specs)})")
-    try:
-        result = watcher.run(stop)
-    finally:
-        stop.close()
-    skipped = "".join(f"\n  {tag}: {why}" for tag, why in watcher.skipped.items())
-    steps = ", ".join(map(str, watcher.scored)) or "none"
-    print0(f"watcher {result}: scored step(s) {steps}; skipped {len(watcher.skipped)}{skipped}")
-    return PREEMPTED_EXIT_CODE if result == "preempted" else 0
 
 
-def _scorer(args, specs, overrides, target_engine, score_target, write_results):
+def _scorer(args, specs, overrides, target_engine):
     """``score(tag_dir)`` for the watcher: one checkpoint (pinned, verified) scored as
     ``anneal eval RUN --step N`` scores it, its document naming the run's own tag directory."""
     from anneal import rundir
-    from anneal.cli.eval_target import _checkpoint_target
+    from anneal.cli.eval_target import checkpoint_target
     from anneal.dist import is_main_process
+    from anneal.eval.results import write_results
+    from anneal.eval.score import score_target
+    from anneal.train.engine import data_replica
 
     run_dir = Path(args.target)
 
     def score(tag_dir: Path) -> None:
-        target = _checkpoint_target(
+        target = checkpoint_target(
             run_dir,
             tag_dir,
             out=None,
@@ -119,6 +110,7 @@ def _scorer(args, specs, overrides, target_engine, score_target, write_results):
                 engine,
                 target,
                 specs,
+                replica=data_replica(engine),
                 limit=args.limit,
                 num_fewshot=args.num_fewshot,
                 batch_size=args.batch_size,

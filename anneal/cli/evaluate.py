@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from anneal.cli import eval_watch
@@ -91,8 +90,7 @@ def _eval(args: argparse.Namespace) -> int:
     setup_process()
     try:
         if args.watch:
-            scoring = (target_engine, score_target, write_results)
-            return eval_watch.watch(args, specs, overrides, scoring=scoring)
+            return eval_watch.watch(args, specs, overrides, target_engine=target_engine)
         doc, target = run_eval(args, specs, overrides)
         _print_summary(doc, target)
     finally:
@@ -109,6 +107,9 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
     on every rank, the tasks scored, the document written by rank 0. Collective."""
     from anneal.cli.eval_target import find_target
     from anneal.dist import is_main_process
+    from anneal.eval.results import check_results_file, check_samples_file, write_results
+    from anneal.eval.score import score_target
+    from anneal.train.engine import data_replica
 
     target = find_target(
         Path(args.target),
@@ -118,14 +119,15 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         tokenizer=Path(args.tokenizer) if args.tokenizer else None,
         data=Path(args.data) if args.data else None,
     )
-    _check_results_file(target, force=args.force)
+    check_results_file(target, force=args.force)
     if args.samples:
-        _check_samples_file(Path(args.samples), force=args.force)
+        check_samples_file(Path(args.samples), force=args.force)
     engine = target_engine(target, overrides)
     doc = score_target(
         engine,
         target,
         specs,
+        replica=data_replica(engine),
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
@@ -181,99 +183,6 @@ def _open_checkpoint(target):
 
     tp = tensor_parallel_size(target.tag_dir, read_manifest(target.tag_dir))
     return open_weights(target.tag_dir, tp, target.preset, rundir.config_path(target.run_dir))
-
-
-def score_target(engine, target, specs, *, limit, num_fewshot, batch_size, samples=False) -> dict:
-    """The results document of ``target``'s engine on ``specs`` (``anneal.eval.score``; with
-    ``samples``, lm-eval's per-request records under ``"samples"``). Collective: every rank
-    builds the same tasks and requests."""
-    from anneal.eval.lm import EngineLM
-    from anneal.eval.score import score
-    from anneal.eval.tasks import load_tasks
-    from anneal.train.engine import data_replica
-
-    with tempfile.TemporaryDirectory(prefix="anneal-eval-") as work:
-        loaded = load_tasks(
-            specs,
-            data_dir=target.data_dir,
-            work_dir=Path(work),
-            num_fewshot=num_fewshot,
-            limit=limit,
-        )
-        lm = EngineLM(
-            engine,
-            target.tokenizer_dir,
-            replica=data_replica(engine),
-            batch_size=batch_size,
-            max_length=target.preset.seq_len,
-        )
-        return score(
-            lm,
-            loaded,
-            step=target.step,
-            tokens=target.tokens,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            source=target.source,
-            checkpoint=target.tag_dir,
-            manifest_sha256=target.manifest_sha256,
-            samples=samples,
-        )
-
-
-def write_results(target, doc: dict) -> Path:
-    """``evals/step-<N>.json`` under the target's results directory; for a run scored in place,
-    its metrics row too (metrics.jsonl and TensorBoard). Rank 0."""
-    from anneal.eval import results
-    from anneal.observe.metrics import MetricsLogger
-
-    path = results.write(target.results_dir, doc)
-    if target.run_dir is not None and target.results_dir == target.run_dir:
-        metrics = MetricsLogger(target.run_dir)
-        try:
-            metrics.write(results.metrics_row(doc))
-        finally:
-            metrics.close()
-    return path
-
-
-def _check_results_file(target, *, force: bool) -> None:
-    """An ``evals/step-<N>.json`` already there is kept unless ``--force``, and replaced then
-    only when it is a document ``anneal eval`` writes (never another file under its name)."""
-    from anneal import rundir
-
-    existing = rundir.eval_path(target.results_dir, target.step)
-    if not (existing.exists() or existing.is_symlink()):
-        return
-    if not force:
-        raise UserError(
-            f"{existing}: step {target.step} is scored already. Read it, or pass --force to "
-            f"score it again and replace it.",
-            every_rank=True,
-        )
-    if rundir.read_eval(target.results_dir, target.step) is None:
-        raise UserError(
-            f"{existing}: --force replaces only scores that anneal eval wrote, and this is not "
-            f"one (not such a JSON document, or a link). Move it away first.",
-            every_rank=True,
-        )
-
-
-def _check_samples_file(path: Path, *, force: bool) -> None:
-    """``--samples FILE`` is new, or (with ``--force``) records that ``--samples`` wrote: a
-    JSON object of lists, never another file under its name."""
-    if not (path.exists() or path.is_symlink()):
-        return
-    try:
-        doc = json.loads(path.read_text()) if force and path.is_file() else None
-    except (OSError, ValueError, RecursionError):
-        doc = None
-    if not (isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values())):
-        raise UserError(
-            f"--samples {path}: the file exists. Give a new name, or --force to replace the "
-            f"records an earlier --samples wrote there (only such a file).",
-            every_rank=True,
-        )
 
 
 def _specs(tasks: str) -> list[str]:

@@ -8,15 +8,20 @@ on. ``evaluate`` is called directly, not ``simple_evaluate``, which seeds python
 torch's global generators (lm-eval's defaults 0 and 1234) and would change a training run's
 random stream; ``score`` also puts back every generator state it found (python, numpy, torch's
 CPU and CUDA ones), whatever lm-eval or a task did in between, and the engine's train mode.
+
+``Target`` is what ``anneal eval`` scores (found by ``anneal.cli.eval_target``), and
+``score_target`` scores one on its engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import os
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from anneal.eval.results import metrics_of
+from anneal.model import ModelPreset
 
 log = logging.getLogger(__name__)
 
@@ -166,3 +172,66 @@ def _bootstrap_in_process():
             os.environ.pop("DISABLE_MULTIPROC", None)
         else:
             os.environ["DISABLE_MULTIPROC"] = before
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One model to score and where its scores go."""
+
+    source: str
+    """``"checkpoint"`` (a run's tag directory) or ``"hf"`` (a Hugging Face directory)."""
+    preset: ModelPreset
+    ds_config: dict
+    """The run's resolved ds_config (a checkpoint), or the --ds-config file's; before the
+    --set overrides and the live world (``anneal.train.eval_engine.scoring_ds_config``)."""
+    ds_source: str
+    step: int
+    tokens: int | None
+    tokenizer_dir: Path
+    data_dir: Path | None
+    """The prepared data the run trained on (the shipped task reads its val split), if known."""
+    results_dir: Path
+    """The run directory (or ``--out``): its ``evals/step-<N>.json``."""
+    run_dir: Path | None = None
+    tag_dir: Path | None = None
+    manifest_sha256: str | None = None
+    hf_dir: Path | None = None
+
+
+def score_target(
+    engine, target: Target, specs, *, replica, limit, num_fewshot, batch_size, samples=False
+) -> dict:
+    """The results document of ``target``'s engine on ``specs`` (``score``; with ``samples``,
+    lm-eval's per-request records under ``"samples"``). ``replica``: the engine's data-parallel
+    replica (``anneal.train.engine.data_replica``). Collective: every rank builds the same
+    tasks and requests."""
+    from anneal.eval.lm import EngineLM
+    from anneal.eval.tasks import load_tasks
+
+    with tempfile.TemporaryDirectory(prefix="anneal-eval-") as work:
+        loaded = load_tasks(
+            specs,
+            data_dir=target.data_dir,
+            work_dir=Path(work),
+            num_fewshot=num_fewshot,
+            limit=limit,
+        )
+        lm = EngineLM(
+            engine,
+            target.tokenizer_dir,
+            replica=replica,
+            batch_size=batch_size,
+            max_length=target.preset.seq_len,
+        )
+        return score(
+            lm,
+            loaded,
+            step=target.step,
+            tokens=target.tokens,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            source=target.source,
+            checkpoint=target.tag_dir,
+            manifest_sha256=target.manifest_sha256,
+            samples=samples,
+        )

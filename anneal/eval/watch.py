@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from anneal import rundir
-from anneal.dist import all_gather, is_main_process
+from anneal.dist import all_gather, is_main_process, print0
 from anneal.errors import UserError
 from anneal.files import confined
 from anneal.resilience import preempt
@@ -302,3 +302,28 @@ class Watcher:
             while slept < self.poll_s and not (stop is not None and stop.signum is not None):
                 sleep(min(1.0, self.poll_s - slept))
                 slept += 1.0
+
+
+def watch(
+    run_dir: Path,
+    score: Callable[[Path], None],
+    *,
+    tasks: list[str],
+    until_step: int | None,
+    poll_s: float | None,
+) -> int:
+    """Collective: the watcher over ``run_dir`` until its end, ``score(tag_dir)`` scoring each
+    checkpoint (``anneal.cli.eval_watch`` composes it); 0, or 75 after a preemption signal. The
+    run directory may not exist yet (the training job starts beside)."""
+    stop = Stop(run_dir)
+    poll_s = DEFAULT_POLL_S if poll_s is None else poll_s
+    watcher = Watcher(run_dir, score, until_step=until_step, poll_s=poll_s)
+    print0(f"watching {run_dir} for checkpoints every {poll_s:g} s (tasks: {', '.join(tasks)})")
+    try:
+        result = watcher.run(stop)
+    finally:
+        stop.close()
+    skipped = "".join(f"\n  {tag}: {why}" for tag, why in watcher.skipped.items())
+    steps = ", ".join(map(str, watcher.scored)) or "none"
+    print0(f"watcher {result}: scored step(s) {steps}; skipped {len(watcher.skipped)}{skipped}")
+    return preempt.PREEMPTED_EXIT_CODE if result == "preempted" else 0
