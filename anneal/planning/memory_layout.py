@@ -27,9 +27,15 @@ def setup(zero, work) -> rules.Setup:
     )
 
 
+def refused_by(preset: ModelPreset, zero, work) -> str | None:
+    """The rule (``layout_rules.RULES``) that refuses ``work``'s layout; None: Anneal runs it."""
+    found = rules.refusal(preset, setup(zero, work))
+    return found and found.rule
+
+
 def accepts(preset: ModelPreset, zero, work) -> bool:
     """Whether Anneal runs ``work``'s layout (the levers' test of a degree they suggest)."""
-    return rules.refusal(preset, setup(zero, work)) is None
+    return refused_by(preset, zero, work) is None
 
 
 def check(preset: ModelPreset, zero, work) -> None:

@@ -17,9 +17,9 @@ import math
 
 from anneal.hardware import GiB
 from anneal.model import ModelPreset
-from anneal.model.layout_rules import expert_degrees
+from anneal.model.layout_rules import SP_REDUCE_SCATTER, SP_WINDOW, expert_degrees
 from anneal.planning.memory import Workload, ZeroSetup, estimate
-from anneal.planning.memory_layout import accepts
+from anneal.planning.memory_layout import accepts, refused_by
 
 _SPARSE = "not with a sparse model (Anneal runs experts with EP and data parallelism only)"
 
@@ -217,6 +217,9 @@ def _sequence_parallel(
     if work.tp > 1 or zero.stage < 2 or work.eager_attention:
         why = "not with TP" if work.tp > 1 else "needs ZeRO-2 or 3 and SDPA attention"
         return Lever(name=name, setting=None, total=None, note=why)
+    rule = refused_by(preset, zero, _w(work, sp=2))
+    if rule in _NO_ULYSSES:
+        return Lever(name=name, setting=None, total=None, note=_NO_ULYSSES[rule])
     degrees = [s for s in (2, 4, 8) if s > work.sp and accepts(preset, zero, _w(work, sp=s))]
     for s in degrees:
         fitting = total(preset, _w(work, sp=s))
@@ -231,6 +234,13 @@ def _sequence_parallel(
         if degrees
         else f"no degree up to 8 divides the heads, the sequence and the {work.n_gpus} GPUs",
     )
+
+
+_NO_ULYSSES = {
+    SP_REDUCE_SCATTER: "needs zero_optimization.reduce_scatter at ZeRO-3",
+    SP_WINDOW: "not on a sliding attention window",
+}
+"""The rules that refuse Ulysses at every degree, and the lever's note for each."""
 
 
 def _w(work: Workload, **changes) -> Workload:
