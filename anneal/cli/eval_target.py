@@ -168,13 +168,11 @@ def _scoring_layout(ds: dict) -> dict:
     """The run's own ds_config, at ``sequence_parallel_size`` 1 where it trained with Ulysses:
     the checkpoint's weights load whole, and scoring runs on whole sequences
     (``anneal.eval.lm.unsupported_layout``). Its ZeRO stage and tensor-parallel degree stay."""
-    from anneal.config.ds_schema import sequence_parallel_size
+    from anneal.config.ds_schema import degrees
 
-    if sequence_parallel_size(ds) == 1:
+    if degrees(ds).sp == 1:
         return ds
-    log.info(
-        "the run trained at sequence_parallel_size %d; scoring at 1", sequence_parallel_size(ds)
-    )
+    log.info("the run trained at sequence_parallel_size %d; scoring at 1", degrees(ds).sp)
     return {**ds, "sequence_parallel_size": 1}
 
 

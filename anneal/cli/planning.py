@@ -96,11 +96,7 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from anneal.config.ds_schema import (
-        autotp_size,
-        expert_parallel_size,
-        sequence_parallel_size,
-    )
+    from anneal.config.ds_schema import degrees
     from anneal.hardware import get_gpu
     from anneal.planning import memory, memory_io, memory_levers
     from anneal.resolution.ds import find_ds_config, load_ds_config
@@ -124,6 +120,7 @@ def _estimate(args: argparse.Namespace) -> int:
     loss = record.loss_settings if record is not None else {}
     if args.loss is not None:
         loss["loss"] = args.loss
+    d = degrees(ds)
     work = memory.Workload(
         micro_batch=ds["train_micro_batch_size_per_gpu"]
         if args.micro_batch is None
@@ -132,9 +129,9 @@ def _estimate(args: argparse.Namespace) -> int:
         n_gpus=args.nodes * args.gpus_per_node,
         activation_checkpointing=args.activation_checkpointing,
         eager_attention=args.eager_attention,
-        tp=autotp_size(ds) if args.tp is None else args.tp,
-        sp=sequence_parallel_size(ds) if args.sp is None else args.sp,
-        ep=expert_parallel_size(ds) if args.ep is None else args.ep,
+        tp=d.tp if args.tp is None else args.tp,
+        sp=d.sp if args.sp is None else args.sp,
+        ep=d.ep if args.ep is None else args.ep,
         **loss,
     )
     est = memory.estimate(preset, zero, work, capacity=capacity)

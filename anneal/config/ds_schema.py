@@ -9,6 +9,7 @@ so there its own model judges the keys this schema does not list.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -115,8 +116,8 @@ DS_SCHEMA: dict[str, Any] = {
     "tensor_parallel": {"autotp_size": int, "tp_overlap_comm": bool},
     # DeepSpeed's Ulysses sequence parallelism (anneal/resolution/parallel.py, train/sequence.py).
     "sequence_parallel_size": int,
-    # DeepSpeed's AutoEP expert parallelism (anneal/resolution/experts.py): filled in for a sparse
-    # model; its routing comes from the model's config, so only these keys are taken.
+    # DeepSpeed's AutoEP expert parallelism (anneal/resolution/expert_layout.py): filled in for a
+    # sparse model; its routing comes from the model's config, so only these keys are taken.
     "expert_parallel": {
         "enabled": bool,
         "autoep_size": int,
@@ -223,25 +224,34 @@ def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
             )
 
 
-def autotp_size(ds: dict) -> int:
-    """``tensor_parallel.autotp_size`` of a ds_config: the ranks per tensor-parallel group
-    (DeepSpeed takes 0 and 1 as off: 1)."""
-    section = ds.get("tensor_parallel", {})
-    return max(1, int(section.get("autotp_size", 0) if isinstance(section, dict) else 0))
+@dataclasses.dataclass(frozen=True)
+class Degrees:
+    """The parallel degrees of a ds_config: the ranks of each kind of group (1: none)."""
+
+    tp: int = 1
+    """``tensor_parallel.autotp_size``: ranks per tensor-parallel (AutoTP) group."""
+    sp: int = 1
+    """``sequence_parallel_size``: ranks that share each sequence (Ulysses)."""
+    ep: int = 1
+    """``expert_parallel.autoep_size``: ranks that share out each layer's experts (AutoEP)."""
 
 
-def sequence_parallel_size(ds: dict) -> int:
-    """``sequence_parallel_size`` of a ds_config: the ranks that share each sequence
-    (DeepSpeed's default, 1: none)."""
-    value = ds.get("sequence_parallel_size", 1)
-    return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
+def degrees(ds: dict) -> Degrees:
+    """The one read of a ds_config's parallel degrees, each at least 1: DeepSpeed takes an
+    ``autotp_size`` of 0 and 1 as off, a missing ``sequence_parallel_size`` as 1, and no
+    ``expert_parallel`` section as every rank holding every expert."""
+    tensor = ds.get("tensor_parallel", {})
+    tp = tensor.get("autotp_size", 0) if isinstance(tensor, dict) else 0
+    experts = ds.get("expert_parallel", {})
+    ep = experts.get("autoep_size", 1) if isinstance(experts, dict) else 1
+    return Degrees(
+        tp=max(1, int(tp)),
+        sp=_at_least_one(ds.get("sequence_parallel_size", 1)),
+        ep=_at_least_one(ep),
+    )
 
 
-def expert_parallel_size(ds: dict) -> int:
-    """``expert_parallel.autoep_size`` of a ds_config: the ranks that share out each layer's
-    experts (1 without the section)."""
-    section = ds.get("expert_parallel", {})
-    value = section.get("autoep_size", 1) if isinstance(section, dict) else 1
+def _at_least_one(value: Any) -> int:
     return max(1, value) if isinstance(value, int) and not isinstance(value, bool) else 1
 
 

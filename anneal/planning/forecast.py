@@ -27,7 +27,7 @@ import math
 import statistics
 from pathlib import Path
 
-from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
+from anneal.config.ds_schema import degrees
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, flops_per_token
 from anneal.planning import memory
@@ -73,7 +73,7 @@ def make(
     activation_checkpointing: bool = False,
     eval_tokens: int = 0,
 ) -> Forecast:
-    micro = ds_config["train_micro_batch_size_per_gpu"]
+    micro, d = ds_config["train_micro_batch_size_per_gpu"], degrees(ds_config)
     est = memory.estimate(
         preset,
         memory.ZeroSetup.from_ds_config(ds_config),
@@ -81,9 +81,9 @@ def make(
             micro_batch=micro,
             seq_len=preset.seq_len,
             n_gpus=world_size,
-            tp=autotp_size(ds_config),
-            sp=sequence_parallel_size(ds_config),
-            ep=expert_parallel_size(ds_config),
+            tp=d.tp,
+            sp=d.sp,
+            ep=d.ep,
             activation_checkpointing=activation_checkpointing,
         ),
     )

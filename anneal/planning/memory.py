@@ -22,7 +22,7 @@ lets the phases reuse each other's freed memory, as PyTorch's CUDA caching alloc
 
 Tensor parallelism is ``memory_tp``, sequence parallelism ``memory_sp``, a sparse model's
 experts under expert parallelism ``memory_ep`` (each family of parameters partitioned over its
-own group); the levers for a run
+own group); the layouts it refuses, as the launch does, ``memory_layout``; the levers for a run
 that does not fit, ``memory_levers``; what ``anneal estimate`` reads and prints, ``memory_io``.
 """
 
@@ -34,7 +34,8 @@ import math
 from anneal.errors import UserError
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, count_params  # noqa: F401 (memory.count_params)
-from anneal.planning import memory_ep, memory_sp, memory_tp
+from anneal.model.layout_rules import offloads
+from anneal.planning import memory_ep, memory_layout, memory_sp
 from anneal.planning.memory_activations import (  # noqa: F401 (memory.saved_tensors, ...)
     activation_bytes,
     layer_activation_bytes,
@@ -85,6 +86,12 @@ class ZeroSetup:
     """Elements per optimizer sub-group (stage 3): the fp32 gradient copy is made per group."""
     torch_adam: bool = False
     """``optimizer.params.torch_adam``: torch's AdamW instead of DeepSpeed's fused one."""
+    reduce_scatter: bool = True
+    """``zero_optimization.reduce_scatter`` (DeepSpeed's default: on): Ulysses at ZeRO-3 needs
+    it (``anneal.model.layout_rules``, as the launch checks)."""
+    offload_section: bool = False
+    """An ``offload_optimizer`` or ``offload_param`` section, whatever its device (``none``
+    included): DeepSpeed's AutoEP takes either as offload (``layout_rules.offloads``)."""
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> ZeroSetup:
@@ -100,6 +107,8 @@ class ZeroSetup:
             offload_param=offload_par and stage == 3,
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             torch_adam=bool(ds.get("optimizer", {}).get("params", {}).get("torch_adam", False)),
+            reduce_scatter=bool(zero.get("reduce_scatter", True)),
+            offload_section=offloads(ds),
             **{
                 field: int(zero.get(key, DS_DEFAULTS[key]))
                 for field, key in (
@@ -242,9 +251,8 @@ def estimate(
     ):
         if value < 1:
             raise UserError(f"{name} {value}: must be at least 1.")
-    memory_tp.check(preset, n_gpus=work.n_gpus, tp=work.tp)
-    memory_ep.check(preset, zero, work)
-    local = memory_sp.local_workload(preset, zero.stage, work)  # one rank's seq / sp tokens
+    memory_layout.check(preset, zero, work)  # the launch's layout rules, in the estimate's words
+    local = memory_sp.local_workload(work)  # one rank's seq / sp tokens
     dense, experts = memory_ep.params_per_gpu(preset, tp=work.tp, ep=work.ep)
     p = dense + experts
     n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over

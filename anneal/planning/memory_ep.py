@@ -28,8 +28,8 @@ and at stage 3 nothing of the states does. ZeRO-3 gains from EP a smaller gather
 largest module it gathers whole for a forward is often one layer's experts (AutoEP's grouped
 ``w1``, ``w2`` and ``w3``, ``3 (E / EP) h I`` parameters: ``largest_module_params``), not the
 embedding. Anneal refuses a sparse model with offload, tensor or sequence parallelism before
-launch (``anneal/resolution/experts.py``), and so does this estimate (``check``), with the same
-reasons.
+launch, and so does this estimate, by the same rules (``anneal.model.layout_rules``; the EP
+degrees it accepts: ``layout_rules.expert_degrees``).
 
 Under imbalance the rank whose experts the router favours computes more rows than the balanced
 ``k s b`` this estimate counts (``memory_activations``); Megatron-Core's MoE README warns of
@@ -38,7 +38,6 @@ out-of-memory errors from it, typically in the first 100-300 steps from scratch.
 
 from __future__ import annotations
 
-from anneal.errors import UserError
 from anneal.model import ModelPreset
 from anneal.planning import memory_tp
 
@@ -79,57 +78,3 @@ def routed_buffer_bytes(preset: ModelPreset, work, *, value_bytes: int) -> int:
         return 0
     rows = preset.moe.top_k * work.seq_len * work.micro_batch
     return int(rows * preset.hidden_size * (value_bytes + 4))
-
-
-def fitting_degrees(preset: ModelPreset, n_gpus: int) -> list[int]:
-    """The EP degrees AutoEP accepts for ``preset`` on ``n_gpus``: divisors of both the experts
-    per layer and the GPUs."""
-    if preset.moe is None:
-        return [1]
-    experts = preset.moe.num_experts
-    return [d for d in range(1, min(experts, n_gpus) + 1) if experts % d == 0 and n_gpus % d == 0]
-
-
-def check(preset: ModelPreset, zero, work) -> None:
-    """One UserError where Anneal would refuse ``work.ep`` for ``preset`` with ``zero`` (a
-    ``memory.ZeroSetup``) on ``work`` (a ``memory.Workload``) before launch
-    (``anneal/resolution/experts.py``), with the flag to change."""
-    ep, n = work.ep, work.n_gpus
-    if ep < 1:
-        raise UserError(f"--ep {ep}: the expert-parallel degree must be at least 1.")
-    moe = preset.moe
-    if moe is None:
-        if ep > 1:
-            raise UserError(
-                f"--ep {ep} (expert_parallel.autoep_size) with {preset.name}, a dense model: "
-                f"expert parallelism shares out the experts of a sparse one. Drop --ep, or give "
-                f"a sparse model (tiny-moe, olmoe-1b-7b, qwen3-30b-a3b or its config.json)."
-            )
-        return
-    choose = f"Choose an --ep that divides both: {', '.join(map(str, fitting_degrees(preset, n)))}."
-    why = None
-    if moe.num_experts % ep:
-        why = (
-            f"does not divide the {moe.num_experts} experts of each layer of {preset.name}: "
-            f"each rank of an expert group holds an equal share of them. {choose}"
-        )
-    elif n % ep:
-        why = (
-            f"with {n} GPUs (--nodes x --gpus-per-node): the GPUs do not split into expert "
-            f"groups of {ep}. {choose}"
-        )
-    elif work.tp > 1 or work.sp > 1:
-        flag = f"--tp {work.tp}" if work.tp > 1 else f"--sp {work.sp}"
-        why = (
-            f"with {flag}: Anneal runs a sparse model with expert and data parallelism only "
-            f"(DeepSpeed 0.19.8's AutoEP folds into AutoTP only for some layouts and refuses "
-            f"Ulysses under ZeRO-3, and Anneal has run neither with experts). Drop "
-            f"{flag.split()[0]}"
-        )
-    elif zero.offload_optimizer or zero.offload_param:
-        why = (
-            "with ZeRO offload: Anneal has not run AutoEP with offload. Give a ds_config "
-            "without offload_optimizer / offload_param, and a larger --ep"
-        )
-    if why:
-        raise UserError(f"--ep {ep} (expert_parallel.autoep_size) {why.rstrip('.')}.")

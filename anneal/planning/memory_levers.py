@@ -17,8 +17,9 @@ import math
 
 from anneal.hardware import GiB
 from anneal.model import ModelPreset
-from anneal.planning import memory_ep
+from anneal.model.layout_rules import SP_REDUCE_SCATTER, SP_WINDOW, expert_degrees
 from anneal.planning.memory import Workload, ZeroSetup, estimate
+from anneal.planning.memory_layout import accepts, refused_by
 
 _SPARSE = "not with a sparse model (Anneal runs experts with EP and data parallelism only)"
 
@@ -73,7 +74,7 @@ def levers(
     if preset.is_moe:
         out.append(_expert_parallel(preset, work, total, capacity))
     out.append(_context_length(preset, work, total, capacity))
-    out.append(_tensor_parallel(preset, work, total, capacity))
+    out.append(_tensor_parallel(preset, zero, work, total, capacity))
     out.append(_sequence_parallel(preset, zero, work, total, capacity))
     n_layers = _largest(
         1,
@@ -142,9 +143,9 @@ def _width_setting(p: ModelPreset) -> str:
 
 def _expert_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
     """The smallest expert-parallel degree above the current one that AutoEP accepts (it divides
-    the experts of a layer and the GPUs: ``memory_ep.fitting_degrees``) and fits."""
+    the experts of a layer and the GPUs: ``layout_rules.expert_degrees``) and fits."""
     name = "expert parallel"
-    degrees = [d for d in memory_ep.fitting_degrees(preset, work.n_gpus) if d > work.ep]
+    degrees = [d for d in expert_degrees(preset, work.n_gpus) if d > work.ep]
     for d in degrees:
         fitting = total(preset, _w(work, ep=d))
         if fitting <= capacity:
@@ -173,22 +174,17 @@ def _chunked_loss(preset: ModelPreset, work: Workload, total, capacity: int) -> 
     )
 
 
-def _tensor_parallel(preset: ModelPreset, work: Workload, total, capacity: int) -> Lever:
+def _tensor_parallel(
+    preset: ModelPreset, zero: ZeroSetup, work: Workload, total, capacity: int
+) -> Lever:
     """The smallest power-of-2 tensor-parallel degree above the current one, up to 8 (one node),
-    that divides the head counts and the GPUs and fits; none under SP (Anneal runs them apart)
-    or for a sparse model."""
+    that the layout rules accept (it divides the head counts and the GPUs: ``memory_layout``)
+    and fits; none under SP (Anneal runs them apart) or for a sparse model."""
     if preset.is_moe:
         return Lever(name="tensor parallel", setting=None, total=None, note=_SPARSE)
     if work.sp > 1:
         return Lever(name="tensor parallel", setting=None, total=None, note="not with SP")
-    degrees = [
-        t
-        for t in (2, 4, 8)
-        if t > work.tp
-        and work.n_gpus % t == 0
-        and preset.num_attention_heads % t == 0
-        and preset.num_key_value_heads % t == 0
-    ]
+    degrees = [t for t in (2, 4, 8) if t > work.tp and accepts(preset, zero, _w(work, tp=t))]
     for t in degrees:
         fitting = total(preset, _w(work, tp=t))
         if fitting <= capacity:
@@ -212,23 +208,19 @@ def _sequence_parallel(
     preset: ModelPreset, zero: ZeroSetup, work: Workload, total, capacity: int
 ) -> Lever:
     """The smallest power-of-2 Ulysses degree above the current one, up to 8 (one node), that
-    divides the head counts, the sequence and the GPUs and fits; none where Anneal would refuse
-    Ulysses (with TP, below ZeRO-2, eager attention, a sparse model: anneal.planning.memory_sp,
-    memory_ep)."""
+    the layout rules accept (it divides the head counts, the sequence and the GPUs, and more:
+    ``memory_layout``) and fits; none where Anneal would refuse Ulysses at any degree (with TP,
+    below ZeRO-2, eager attention, a sparse model)."""
     name = "sequence parallel"
     if preset.is_moe:
         return Lever(name=name, setting=None, total=None, note=_SPARSE)
     if work.tp > 1 or zero.stage < 2 or work.eager_attention:
         why = "not with TP" if work.tp > 1 else "needs ZeRO-2 or 3 and SDPA attention"
         return Lever(name=name, setting=None, total=None, note=why)
-    degrees = [
-        s
-        for s in (2, 4, 8)
-        if s > work.sp
-        and work.n_gpus % s == 0
-        and work.seq_len % s == 0
-        and not preset.heads_not_dividing(s)
-    ]
+    rule = refused_by(preset, zero, _w(work, sp=2))
+    if rule in _NO_ULYSSES:
+        return Lever(name=name, setting=None, total=None, note=_NO_ULYSSES[rule])
+    degrees = [s for s in (2, 4, 8) if s > work.sp and accepts(preset, zero, _w(work, sp=s))]
     for s in degrees:
         fitting = total(preset, _w(work, sp=s))
         if fitting <= capacity:
@@ -242,6 +234,13 @@ def _sequence_parallel(
         if degrees
         else f"no degree up to 8 divides the heads, the sequence and the {work.n_gpus} GPUs",
     )
+
+
+_NO_ULYSSES = {
+    SP_REDUCE_SCATTER: "needs zero_optimization.reduce_scatter at ZeRO-3",
+    SP_WINDOW: "not on a sliding attention window",
+}
+"""The rules that refuse Ulysses at every degree, and the lever's note for each."""
 
 
 def _w(work: Workload, **changes) -> Workload:

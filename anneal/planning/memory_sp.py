@@ -7,7 +7,8 @@ an all-to-all trades sequence for heads, so the attention's tensors (the whole s
 of the heads, query and key-value alike) are the size of the slice's. So every tensor a layer
 keeps for backward, each checkpointed layer input and the logits are those of ``seq/s`` tokens:
 the estimate is the one at ``seq/s``. Ulysses keeps no ``a x s x s`` scores (SDPA or flash;
-eager attention is refused, by Anneal and here).
+eager attention is refused, by Anneal and here: the layouts Ulysses runs are
+``anneal.model.layout_rules``').
 
 The weights are not split: every rank holds the whole model before ZeRO, and DeepSpeed
 partitions ZeRO over the sequence-data-parallel group, all the ranks of the world
@@ -25,53 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from anneal.errors import UserError
-from anneal.model import ModelPreset
 
-
-def local_workload(preset: ModelPreset, stage: int, work):
+def local_workload(work):
     """``work`` (a ``memory.Workload``) as one rank of a sequence-parallel group sees it: its
-    ``seq / sp`` tokens of each sequence. Checked first (``check``)."""
-    check(
-        preset,
-        stage=stage,
-        n_gpus=work.n_gpus,
-        tp=work.tp,
-        sp=work.sp,
-        seq_len=work.seq_len,
-        eager=work.eager_attention,
-    )
+    ``seq / sp`` tokens of each sequence (the layout checked first: ``memory_layout``)."""
     return dataclasses.replace(work, seq_len=work.seq_len // work.sp)
-
-
-def check(
-    preset: ModelPreset, *, stage: int, n_gpus: int, tp: int, sp: int, seq_len: int, eager: bool
-) -> None:
-    """One UserError where Anneal would refuse this Ulysses layout before launch
-    (anneal/resolution/parallel.py), with the flag to change."""
-    if sp < 1:
-        raise UserError(f"--sp {sp}: the sequence-parallel degree must be at least 1.")
-    if sp == 1:
-        return
-    uneven = preset.heads_not_dividing(sp)
-    why = None
-    if tp > 1:
-        why = (
-            f"with --tp {tp}: Anneal runs tensor and sequence parallelism apart (DeepSpeed "
-            f"0.19.8 tests neither with the other). Choose one of them"
-        )
-    elif stage not in (2, 3):
-        why = f"with ZeRO stage {stage}: Anneal runs Ulysses with ZeRO-2 and 3. Use either"
-    elif eager:
-        why = "with --eager-attention: Ulysses runs SDPA or flash attention, never eager. Drop it"
-    elif n_gpus % sp:
-        why = f"with {n_gpus} GPUs, which do not split into groups of {sp}. Choose a divisor"
-    elif seq_len % sp:
-        why = f"does not divide the sequence of {seq_len} tokens. Choose a divisor of {seq_len}"
-    elif uneven:
-        why = (
-            f"does not divide the model's {', '.join(uneven)}: the all-to-all deals whole "
-            f"heads. Choose a divisor of the head counts"
-        )
-    if why:
-        raise UserError(f"--sp {sp} (sequence_parallel_size) {why}.")

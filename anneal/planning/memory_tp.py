@@ -19,7 +19,6 @@ plain one under TP (anneal/train/loss.py), so the logits are counted whole, with
 
 from __future__ import annotations
 
-from anneal.errors import UserError
 from anneal.model import ModelPreset, count_params
 
 REPLICATED_TENSORS = (
@@ -59,27 +58,6 @@ def largest_layer_params(preset: ModelPreset, tp: int = 1) -> int:
     whole and the others divide by ``tp``."""
     vh, hf = preset.vocab_size * preset.hidden_size, preset.hidden_size * preset.intermediate_size
     return max(vh, hf // tp)
-
-
-def check(preset: ModelPreset, *, n_gpus: int, tp: int) -> None:
-    """One UserError where AutoTP cannot shard ``preset`` over ``n_gpus`` in groups of ``tp``."""
-    if tp < 1:
-        raise UserError(f"--tp {tp}: the tensor-parallel degree must be at least 1.")
-    if tp == 1:
-        return
-    if n_gpus % tp:
-        raise UserError(
-            f"--tp {tp} (tensor_parallel.autotp_size) with {n_gpus} GPUs (--nodes x "
-            f"--gpus-per-node): the GPUs do not split into tensor-parallel groups of {tp}. "
-            f"Choose a --tp that divides {n_gpus}, or a GPU count that is a multiple of {tp}."
-        )
-    uneven = preset.heads_not_dividing(tp)
-    if uneven:
-        raise UserError(
-            f"--tp {tp} (tensor_parallel.autotp_size) does not divide the model's "
-            f"{', '.join(uneven)}: AutoTP deals whole heads to the ranks of a group. Choose a "
-            f"--tp that divides the head counts."
-        )
 
 
 def divide_tensors(items: list[tuple[str, float]], tp: int) -> list[tuple[str, float]]:

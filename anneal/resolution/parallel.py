@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
+from anneal.config.ds_schema import degrees
 from anneal.errors import UserError
 from anneal.resilience.manifest import moves_stage, saved_zero_stage
+from anneal.resolution.layout_check import check_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,8 @@ class Layout:
     """Ranks per sequence-parallel (Ulysses) group, which share each sequence (1: none)."""
     expert_parallel: int = 1
     """Ranks per expert-parallel (AutoEP) group, which share out each layer's experts (1:
-    none). Every rank of a group still reads its own samples (``anneal.resolution.experts``)."""
+    none). Every rank of a group still reads its own samples
+    (``anneal.resolution.expert_layout``)."""
 
     @property
     def data_parallel(self) -> int:
@@ -63,107 +65,15 @@ class Layout:
 
 
 def layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
-    """The launch's layout, refused (UserError) where AutoTP would not shard this model evenly
-    over these ranks (a world size that does not split into groups, query or key-value heads
-    that do not divide by the degree). Any ZeRO stage goes with it, and so does
-    ``train.export_every_save``: export merges the ranks' slices (``anneal.hf.tp_merge``)."""
-    tp, sp, ep = autotp_size(ds), sequence_parallel_size(ds), expert_parallel_size(ds)
-    if sp > 1:
-        return _sequence_parallel_layout(ds, preset, world_size=world_size, source=source)
-    if tp == 1:
-        return Layout(world_size, 1, 1, ep)
-    fix = f"Set ds.tensor_parallel.autotp_size (now {tp}, from {source} or --set)"
-    if world_size % tp:
-        raise UserError(
-            f"{source}: tensor_parallel.autotp_size is {tp} but the launch has {world_size} "
-            f"rank(s), which do not split into tensor-parallel groups of {tp}. {fix} to a "
-            f"divisor of {world_size}, or launch a multiple of {tp} ranks."
-        )
-    uneven = preset.heads_not_dividing(tp)
-    if uneven:
-        raise UserError(
-            f"{source}: tensor_parallel.autotp_size {tp} does not divide the model's "
-            f"{', '.join(uneven)}: AutoTP deals whole heads to the {tp} ranks of a group, so "
-            f"some would do more attention work than others (or none, past the key-value head "
-            f"count) while all wait for the slowest. {fix} to a divisor of the head counts, or "
-            f"change them (--set model.num_attention_heads=...)."
-        )
-    return Layout(world_size, tp)
-
-
-def _sequence_parallel_layout(ds: dict, preset, *, world_size: int, source: str) -> Layout:
-    """The layout with Ulysses sequence parallelism, refused where it cannot run: with tensor
-    parallelism, below ZeRO-2, on a world, sequence length or head counts that do not divide
-    by the degree, or on a model whose attention masks a sliding window."""
-    sp, tp = sequence_parallel_size(ds), autotp_size(ds)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    fix = f"Set ds.sequence_parallel_size (now {sp}, from {source} or --set)"
-    if tp > 1:
-        why = (
-            f"tensor_parallel.autotp_size {tp} together with sequence_parallel_size {sp}: "
-            f"DeepSpeed 0.19.8 builds their process groups apart (AutoTP's mesh, Ulysses' own "
-            f"sequence groups) and does not test them together, nor does Anneal run them "
-            f"together. Use one: --set ds.tensor_parallel.autotp_size=1, or "
-            f"--set ds.sequence_parallel_size=1."
-        )
-    elif stage not in (2, 3):
-        why = (
-            f"sequence_parallel_size {sp} with ZeRO stage {stage}: Anneal runs Ulysses "
-            f"sequence parallelism with ZeRO-2 and ZeRO-3, as DeepSpeed tests it, and checks "
-            f"it against the run without it only there. Use --set ds.zero_optimization.stage=2 "
-            f"(or 3)."
-        )
-    elif stage == 3 and not ds["zero_optimization"].get("reduce_scatter", True):
-        why = (
-            f"sequence_parallel_size {sp} with ZeRO-3 and zero_optimization.reduce_scatter "
-            f"false: DeepSpeed 0.19.8's ZeRO-3 then reduces some gradient buckets summed over "
-            f"each sequence-parallel group and others averaged, so no one loss scaling gives "
-            f"the gradients of the run without it (anneal/train/sequence.py). Drop the key, "
-            f"or set it to true."
-        )
-    elif world_size % sp:
-        why = (
-            f"sequence_parallel_size is {sp} but the launch has {world_size} rank(s), which "
-            f"do not split into sequence-parallel groups of {sp}. {fix} to a divisor of "
-            f"{world_size}, or launch a multiple of {sp} ranks."
-        )
-    elif preset.seq_len % sp:
-        why = (
-            f"sequence_parallel_size {sp} does not divide the sequence length "
-            f"{preset.seq_len}: each rank of a group takes an equal slice of every sequence. "
-            f"{fix} to a divisor of {preset.seq_len}, or change --set model.seq_len."
-        )
-    elif preset.heads_not_dividing(sp):
-        why = (
-            f"sequence_parallel_size {sp} does not divide the model's "
-            f"{', '.join(preset.heads_not_dividing(sp))}: Ulysses' all-to-all gives each rank "
-            f"of a group the whole sequence for 1/{sp} of the heads, query and key-value "
-            f"alike. {fix} to a divisor of the head counts, or change them "
-            f"(--set model.num_attention_heads=...)."
-        )
-    elif _sliding_window(preset) is not None:
-        why = (
-            f"sequence_parallel_size {sp} on a model that attends through a sliding window of "
-            f"{_sliding_window(preset)} tokens (its config.json): DeepSpeed's Ulysses attention "
-            f"drops the attention mask and attends causally over the whole sequence, so this "
-            f"model would train on another attention than its own. Train it with "
-            f"--set ds.sequence_parallel_size=1, or with a sequence no longer than the window."
-        )
-    else:
-        return Layout(world_size, 1, sp)
-    raise UserError(f"{source}: {why}")
-
-
-def _sliding_window(preset) -> int | None:
-    """The sliding attention window of a Hugging Face model (Mistral's ``sliding_window``,
-    Qwen2's when ``use_sliding_window``) shorter than the run's sequence; None without one."""
-    doc = preset.hf_config or {}
-    window = doc.get("sliding_window")
-    if not isinstance(window, int) or window >= preset.seq_len:
-        return None
-    if doc.get("model_type") == "qwen2" and not doc.get("use_sliding_window"):
-        return None
-    return window
+    """The launch's layout, refused (UserError) where Anneal does not run it
+    (``anneal.resolution.layout_check``, the rules of ``anneal.model.layout_rules``): groups
+    that do not split the world, heads, a sequence or experts that do not divide by the degree,
+    Ulysses below ZeRO-2 or with tensor parallelism, experts with either or with offload. Any
+    ZeRO stage goes with tensor parallelism, and so does ``train.export_every_save``: export
+    merges the ranks' slices (``anneal.hf.tp_merge``)."""
+    check_layout(ds, preset, world_size=world_size, source=source)
+    d = degrees(ds)
+    return Layout(world_size, d.tp, d.sp, d.ep)
 
 
 def saved_layout(manifest: dict, here: Layout) -> Layout:

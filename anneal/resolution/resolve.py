@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from anneal import rundir
-from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
+from anneal.config.ds_schema import degrees
 from anneal.config.run import AUTO, RunConfig, config_differences
 from anneal.config.run_checks import check_ranges, optim_keys_set
 from anneal.config.schedule import Schedule
@@ -22,7 +22,7 @@ from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.model import ModelPreset, active_params, count_params, human_count
 from anneal.resilience import checkpoint
-from anneal.resolution import cooldown, experts, parallel
+from anneal.resolution import cooldown, expert_layout, parallel
 from anneal.resolution import ds as ds_config
 from anneal.resolution.preset import model_preset
 from anneal.run_record import RunRecord
@@ -66,10 +66,8 @@ class Launch:
     @property
     def layout(self) -> parallel.Layout:
         """TP or SP degree x data-parallel size (``anneal.resolution.parallel``)."""
-        ds = self.ds_config
-        return parallel.Layout(
-            self.world_size, autotp_size(ds), sequence_parallel_size(ds), expert_parallel_size(ds)
-        )
+        d = degrees(self.ds_config)
+        return parallel.Layout(self.world_size, d.tp, d.sp, d.ep)
 
     @property
     def zero_stage(self) -> int:
@@ -142,7 +140,9 @@ class Launch:
         ]
         lines += [f"  {key} = {how}" for key, how in self.resolved_from.items()]
         if self.preset.moe is not None:
-            lines.insert(1, experts.describe_experts(ds, self.preset, world_size=self.world_size))
+            lines.insert(
+                1, expert_layout.describe_experts(ds, self.preset, world_size=self.world_size)
+            )
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         return "\n".join(lines)
 
@@ -191,7 +191,9 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         from anneal.hf.load import check_model_tokenizer
 
         check_model_tokenizer(preset, meta=meta, data_dir=data_dir)
-    ds = experts.resolve_experts(ds, preset, world_size, device_type, source=str(ds_path))
+    ds = expert_layout.fill_expert_parallel(
+        ds, preset, device_type=device_type, source=str(ds_path)
+    )
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     out = Path(cfg.out)
     old_record = check_run_dir(cfg, out, data_dir=data_dir)

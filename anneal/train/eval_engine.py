@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from anneal.config.ds_schema import autotp_size, sequence_parallel_size
+from anneal.config.ds_schema import degrees
 from anneal.dist import world_size
 from anneal.errors import UserError
 from anneal.eval.lm import unsupported_layout
@@ -46,7 +46,7 @@ def scoring_ds_config(
     ds = {
         k: v for k, v in json.loads(json.dumps(ds)).items() if k not in ("optimizer", "scheduler")
     }
-    why = unsupported_layout(autotp_size(ds), sequence_parallel_size(ds))
+    why = unsupported_layout(degrees(ds).tp, degrees(ds).sp)
     if why is not None:
         raise UserError(f"{source}: {why}", every_rank=True)
     layout = parallel.layout(ds, preset, world_size=world, source=source)

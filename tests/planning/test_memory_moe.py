@@ -303,7 +303,7 @@ def test_a_sparse_layers_saved_tensors_match_the_formula(world_of_one):
     ``N (2 h + 4 I) v`` plus the router's softmax (the load-balancing loss's is outside the
     layer). Measured 2026-12-03: 1.027 at h 256, I 128, E 8, top-2, 4 x 256 tokens."""
     from anneal.planning.memory_activations import moe_saved_tensors
-    from anneal.resolution.experts import fill_expert_parallel
+    from anneal.resolution.expert_layout import fill_expert_parallel
     from anneal.train.engine import build_scoring_engine
 
     h, width, experts, top_k, seq, batch = 256, 128, 8, 2, 256, 4

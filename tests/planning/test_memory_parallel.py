@@ -119,6 +119,19 @@ def test_levers_suggest_the_smallest_sequence_parallel_degree_that_fits():
     assert none.setting is None and none.note == "not with SP"
 
 
+def test_the_sequence_parallel_lever_follows_the_layout_rules():
+    """Where the launch refuses Ulysses at every degree (here ZeRO-3 without reduce_scatter) the
+    lever suggests none and says why (tests/model/test_layout_rules.py has the rules)."""
+    preset, zero, cap = get_preset("7b"), zero_from("zero3_bf16.json"), int(79.65 * GiB)
+    for setup, setting, note in [
+        (zero, "--set ds.sequence_parallel_size=4", ""),
+        (dataclasses.replace(zero, reduce_scatter=False), None, "needs zero_optimization"),
+    ]:
+        found = memory_levers.levers(preset, setup, work(32768), capacity=cap, runtime_bytes=GiB)
+        (sp,) = [lever for lever in found if lever.name == "sequence parallel"]
+        assert sp.setting == setting and note in sp.note
+
+
 def test_cli_and_forecast_read_sp(tmp_path, capsys):
     """``--sp 4``, and ``sequence_parallel_size`` in a run's resolved ds_config (its
     config.json), give the same estimate; the launcher's forecast reads the key too."""

@@ -1,5 +1,6 @@
-"""Expert parallelism of a sparse model: DeepSpeed's AutoEP, filled into the ds_config and
-checked before any process starts.
+"""The expert layout of a sparse model: DeepSpeed's AutoEP, filled into the ds_config and
+described at start (its layout checked with the others before any process starts,
+``anneal.resolution.layout_check``).
 
 A sparse preset (``anneal.model``: Qwen3-MoE) always trains through AutoEP, at
 ``"autoep_size": 1`` too (every rank holds every expert and no token leaves its rank), so that the
@@ -17,19 +18,20 @@ rank's own ZeRO files (its ``"zero3_partitioned"`` checkpoint format; ZeRO-0/1/2
 one file per expert), which the manifest lists and hashes like any other file and
 ``anneal.hf.autoep`` exports.
 
-Refused here, each with its reason, before any process starts: expert parallelism on a dense
-model, a degree that does not divide the experts or the data-parallel ranks, and the
-combinations that DeepSpeed 0.19.8's AutoEP refuses or that Anneal has not run: with tensor or
-sequence parallelism (AutoEP refuses both under ZeRO-3), with offload, and another AutoEP preset
-than Qwen3-MoE's. Aux-loss-free balancing (``load_balance_coeff``) and expert tensor parallelism
-(``expert_tensor_parallel_size``, which AutoEP refuses under ZeRO-3) are refused by the schema
-(``anneal.config.ds_schema``); the other ZeRO-3 features AutoEP refuses (MiCS, hpZeRO,
-quantized gradients) are no keys of it.
+Refused before any process starts, each with its reason (``anneal.model.layout_rules``, in
+the launch's words ``anneal.resolution.layout_check``): expert parallelism on a dense model, a
+degree that does not divide the experts or the data-parallel ranks, and the combinations that
+DeepSpeed 0.19.8's AutoEP refuses or that Anneal has not run: with tensor or sequence
+parallelism (AutoEP refuses both under ZeRO-3) and with offload; and here, as the section is
+filled, another AutoEP preset than Qwen3-MoE's. Aux-loss-free balancing
+(``load_balance_coeff``) and expert tensor parallelism (``expert_tensor_parallel_size``, which
+AutoEP refuses under ZeRO-3) are refused by the schema (``anneal.config.ds_schema``); the other
+ZeRO-3 features AutoEP refuses (MiCS, hpZeRO, quantized gradients) are no keys of it.
 """
 
 from __future__ import annotations
 
-from anneal.config.ds_schema import autotp_size, expert_parallel_size, sequence_parallel_size
+from anneal.config.ds_schema import degrees
 from anneal.errors import UserError
 from anneal.model import ModelPreset
 
@@ -83,63 +85,11 @@ def fill_expert_parallel(ds: dict, preset: ModelPreset, *, device_type: str, sou
     return {**ds, "expert_parallel": filled}
 
 
-def check_expert_layout(ds: dict, preset: ModelPreset, *, world_size: int, source: str) -> None:
-    """UserError, with its reason and what works instead, for an expert-parallel layout that
-    cannot run (see the module docstring)."""
-    if preset.moe is None:
-        return
-    ep, experts = expert_parallel_size(ds), preset.moe.num_experts
-    tp, sp = autotp_size(ds), sequence_parallel_size(ds)
-    zero = ds.get("zero_optimization", {})
-    fix = f"Set ds.expert_parallel.autoep_size (now {ep}, from {source} or --set)"
-    why = None
-    if experts % ep:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0 and world_size % d == 0]
-        why = (
-            f"expert_parallel.autoep_size {ep} does not divide the model's {experts} experts "
-            f"per layer: each rank of an expert group holds an equal share of them. {fix} to "
-            f"one of {fits}."
-        )
-    elif world_size % ep:
-        why = (
-            f"expert_parallel.autoep_size is {ep} but the launch has {world_size} rank(s), which "
-            f"do not split into expert groups of {ep}. {fix} to a divisor of {world_size} that "
-            f"divides {experts}, or launch a multiple of {ep} ranks."
-        )
-    elif tp > 1 or sp > 1:
-        what = f"tensor_parallel.autotp_size {tp}" if tp > 1 else f"sequence_parallel_size {sp}"
-        why = (
-            f"a sparse model with {what}: DeepSpeed 0.19.8's AutoEP folds expert parallelism "
-            f"into AutoTP's groups only for some presets and layouts, and refuses sequence "
-            f"parallelism under ZeRO-3; Anneal has run neither with experts and does not offer "
-            f"them. Scale a sparse model with expert and data parallelism: drop {what.split()[0]} "
-            f"and use --set ds.expert_parallel.autoep_size=N."
-        )
-    elif "offload_optimizer" in zero or "offload_param" in zero:
-        why = (
-            "a sparse model with ZeRO offload: DeepSpeed 0.19.8's AutoEP checks offload only "
-            "under its own constraints and Anneal has not run it. Drop "
-            "zero_optimization.offload_optimizer / offload_param, and share the experts out "
-            "with --set ds.expert_parallel.autoep_size=N instead."
-        )
-    if why:
-        raise UserError(f"{source}: {why}")
-
-
-def resolve_experts(
-    ds: dict, preset: ModelPreset, world_size: int, device_type: str, *, source: str
-) -> dict:
-    """``fill_expert_parallel`` then ``check_expert_layout``: the ds_config of this launch."""
-    ds = fill_expert_parallel(ds, preset, device_type=device_type, source=source)
-    check_expert_layout(ds, preset, world_size=world_size, source=source)
-    return ds
-
-
 def describe_experts(ds: dict, preset: ModelPreset, *, world_size: int) -> str | None:
     """How experts and tokens are laid out, printed at start; None for a dense model."""
     if preset.moe is None:
         return None
-    moe, ep = preset.moe, expert_parallel_size(ds)
+    moe, ep = preset.moe, degrees(ds).ep
     head = (
         f"experts: {moe.num_experts} per layer x {preset.num_hidden_layers} layers, top-"
         f"{moe.top_k} per token (AutoEP, preset {PRESET_MODEL}); "
