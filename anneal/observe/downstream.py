@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from anneal import rundir
+from anneal.json_values import is_number
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,8 @@ def main_metric(names) -> str | None:
     return next((p for p in PREFERRED if p in values), values[0] if values else None)
 
 
-def _number(value) -> float | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) else None
+def _finite_float(value) -> float | None:
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 def _count(value) -> int | None:
@@ -118,7 +118,7 @@ def _metrics(entry) -> dict[str, float]:
     metrics = entry.get("metrics") if isinstance(entry, dict) else None
     if not isinstance(metrics, dict):
         return {}
-    pairs = ((_one_line(k, 80), _number(v)) for k, v in metrics.items())
+    pairs = ((_one_line(k, 80), _finite_float(v)) for k, v in metrics.items())
     return {k: v for k, v in pairs if v is not None}
 
 
@@ -132,7 +132,7 @@ def _from_rows(rows: list[dict]) -> dict[int, dict]:
         tasks: dict[str, dict] = {}
         for key, value in row.items():
             parts = key.split("/", 2)
-            if len(parts) == 3 and parts[0] == "eval" and _number(value) is not None:
+            if len(parts) == 3 and parts[0] == "eval" and _finite_float(value) is not None:
                 tasks.setdefault(parts[1], {"metrics": {}})["metrics"][parts[2]] = value
         docs[step] = {"step": step, "tokens": row.get("tokens"), "tasks": tasks}
     return docs
@@ -181,7 +181,7 @@ def read_scores(
             tokens = _count(doc.get("tokens"))
             tokens = tokens if tokens is not None else _count(tokens_at.get(step))
             scores.append(Score(step, tokens, value, _metrics(entry).get(stderr_name(metric))))
-            given = _number(entry.get("chance"))
+            given = _finite_float(entry.get("chance"))
             chance = given if given is not None else chance
         failed = latest_failed.get(task)
         at = _count(docs[-1].get("step")) if failed else None
