@@ -159,5 +159,5 @@ def _make_parts(parts: Path, logs: Path) -> None:
 
     plan.claim_parts(parts, out=parts.with_name(parts.name.removesuffix(".parts")))
     make_dir(parts, flag="--out")
-    (parts / plan.OWNER).write_text("made by anneal data prepare --tasks\n")
+    (parts / plan.PARTS_MARKER).write_text("made by anneal data prepare --tasks\n")
     make_dir(logs, flag="--out")

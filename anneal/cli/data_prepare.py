@@ -45,7 +45,7 @@ def prepare_in_tasks(cfg, args: argparse.Namespace) -> int:
         raise UserError("--task and --merge: give one (a task's share, or the merge after all).")
     parts = parts_dir(cfg.out)
     if args.merge:
-        return _merge(cfg, args)
+        return _merge_parts(cfg, args)
     if args.tasks is None:
         raise UserError(
             f"--task {args.task}: give --tasks N too (the plan's count), e.g. --task "
@@ -87,7 +87,7 @@ def _task(cfg, args, parts) -> int:
     return 0
 
 
-def _merge(cfg, args) -> int:
+def _merge_parts(cfg, args) -> int:
     from anneal.data.merge import merge
 
     meta = merge(cfg, args.tasks)

@@ -283,7 +283,7 @@ def _write_ends(directory: Path, source: int, pieces: list, parts: Path) -> str 
     with open(directory / name, "wb") as out:
         for d, pc, task in pieces:
             if pc["doc_index"]:
-                for chunk in _chunks(d / pc["doc_index"], pc["docs_sha256"], parts, task):
+                for chunk in _checked_chunks(d / pc["doc_index"], pc["docs_sha256"], parts, task):
                     (np.frombuffer(chunk, dtype="<u8") + np.uint64(base)).tofile(out)
             base += pc["tokens"]
     return name
@@ -305,7 +305,7 @@ def _held_out(cfg: PrepareConfig, sources, found: list[dict]) -> dict[int, str]:
     return held
 
 
-def _chunks(path: Path, sha256: str, parts: Path, task: int):
+def _checked_chunks(path: Path, sha256: str, parts: Path, task: int):
     """The bytes of ``path`` in chunks (each a fresh buffer, handed on before the next read);
     a UserError after the last one when their sha256 is not ``sha256``."""
     h = hashlib.sha256()

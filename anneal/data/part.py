@@ -45,7 +45,7 @@ from anneal.files import sha256_file, write_atomic
 log = logging.getLogger(__name__)
 
 PART = "part.json"
-OWNER = ".anneal-prepare-task"
+TASK_MARKER = ".anneal-prepare-task"
 ONE_SHARD = 1 << 62
 """A part's shard size: one shard per (split, source); the merge cuts the real ones."""
 
@@ -77,7 +77,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
     _remove_leftovers(parts, task)
     partial = parts / f"{task_dir(parts, task).name}.partial-{_host()}-{os.getpid()}"
     partial.mkdir()
-    (partial / OWNER).write_text(f"anneal data prepare --task {task}\n")
+    (partial / TASK_MARKER).write_text(f"anneal data prepare --task {task}\n")
     try:
         t0, cpu0 = time.time(), _cpu_seconds()
         start, end = plan["ranges"][task]
@@ -115,7 +115,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
             "examples": problems.examples,
         }
         (partial / PART).write_text(json.dumps(part, indent=1) + "\n")
-        (partial / OWNER).unlink()
+        (partial / TASK_MARKER).unlink()
         partial.rename(task_dir(parts, task))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -166,7 +166,7 @@ def _remove_leftovers(parts: Path, task: int) -> None:
     prefix = f"{whole.name}.partial-{_host()}-"
     for p in parts.glob(f"{whole.name}.partial-*"):
         pid = p.name[len(prefix) :] if p.name.startswith(prefix) else ""
-        if not pid.isdigit() or not (p / OWNER).is_file() or p.is_symlink():
+        if not pid.isdigit() or not (p / TASK_MARKER).is_file() or p.is_symlink():
             continue
         try:
             os.kill(int(pid), 0)

@@ -51,12 +51,12 @@ from anneal.files import make_dir, sha256_file, write_atomic
 log = logging.getLogger(__name__)
 
 PLAN = "plan.json"
-OWNER = ".anneal-prepare-parts"
+PARTS_MARKER = ".anneal-prepare-parts"
 TOKENIZER = "tokenizer"
 PLAN_VERSION = 1
 MAX_TASKS = 100_000
 
-FLAGS = {
+SETTING_FLAGS = {
     "inputs": "--input",
     "vocab_size": "--vocab-size",
     "model_type": "--model-type",
@@ -205,10 +205,10 @@ def check_same(plan: dict, cfg: PrepareConfig, tasks: int | None, *, parts: Path
         )
     want = settings(cfg, plan["settings"]["tasks"] if tasks is None else tasks)
     have = plan["settings"]
-    changed = [k for k in FLAGS if want.get(k) != have.get(k)]
+    changed = [k for k in SETTING_FLAGS if want.get(k) != have.get(k)]
     if changed:
         shown = "; ".join(
-            f"{FLAGS[k]} {want.get(k)!r} (the plan: {have.get(k)!r})" for k in changed
+            f"{SETTING_FLAGS[k]} {want.get(k)!r} (the plan: {have.get(k)!r})" for k in changed
         )
         raise UserError(
             f"{parts / PLAN}: this command's flags differ from the plan's: {shown}. Every step "
@@ -270,7 +270,7 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     created = not parts.exists()
     make_dir(parts, flag="--out")
-    (parts / OWNER).write_text("made by anneal data prepare --tasks\n")
+    (parts / PARTS_MARKER).write_text("made by anneal data prepare --tasks\n")
     try:
         plan = _write_plan(cfg, tasks, parts, sources, units, inputs, problems)
     except BaseException:
@@ -329,7 +329,7 @@ def claim_parts(parts: Path, *, out: Path, force: bool = False) -> None:
     """``OUT.parts`` may be used: absent, or made by this command (its marker file)."""
     if not parts.exists() and not parts.is_symlink():
         return
-    if parts.is_symlink() or not parts.is_dir() or not (parts / OWNER).is_file():
+    if parts.is_symlink() or not parts.is_dir() or not (parts / PARTS_MARKER).is_file():
         raise UserError(
             f"--out {out}: {parts}, where a preparation in tasks keeps its parts, exists and was "
             f"not made by `anneal data prepare --tasks`, so it is neither used nor replaced"
@@ -346,7 +346,7 @@ def clear_parts(parts: Path) -> None:
     """Remove everything in ``OUT.parts`` but its marker and ``slurm/`` (the scripts and logs
     of the jobs at work), and ``OUT.parts`` itself when nothing else is left."""
     for p in parts.iterdir():
-        if p.name in (OWNER, SLURM):
+        if p.name in (PARTS_MARKER, SLURM):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -38,7 +38,7 @@ import numpy as np
 from anneal.data import tokenizer
 from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.pack import pack_all
-from anneal.data.prepare_config import DTYPES, MAX_VOCAB, PrepareConfig
+from anneal.data.prepare_config import DTYPE_CHOICES, MAX_VOCAB, PrepareConfig
 from anneal.data.prepared import has_validation, is_prepared_dir
 from anneal.data.prepared_dir import FORMAT_VERSION, SPLITS, PreparedDir
 from anneal.data.readers import Problems, ReadOptions
@@ -77,8 +77,8 @@ def config(*, inputs: list[str], out: Path, **options) -> PrepareConfig:
 def _check_config(cfg: PrepareConfig) -> None:
     if not 0 <= cfg.val_fraction < 1:
         raise UserError(f"--val-fraction {cfg.val_fraction}: give a share in [0, 1), e.g. 0.02.")
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
+    if cfg.dtype not in DTYPE_CHOICES:
+        raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPE_CHOICES)}.")
     if cfg.workers < 0:
         raise UserError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
     if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= MAX_VOCAB:

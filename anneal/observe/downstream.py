@@ -108,7 +108,7 @@ def _finite_float(value) -> float | None:
     return float(value) if is_number(value) and math.isfinite(value) else None
 
 
-def _count(value) -> int | None:
+def _count_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
@@ -126,7 +126,7 @@ def _from_rows(rows: list[dict]) -> dict[int, dict]:
     """Documents made from the metrics rows of kind "eval": step -> {step, tokens, tasks}."""
     docs: dict[int, dict] = {}
     for row in rows:
-        step = _count(row.get("step"))
+        step = _count_or_none(row.get("step"))
         if row.get("kind") != "eval" or step is None:
             continue
         tasks: dict[str, dict] = {}
@@ -144,7 +144,7 @@ def documents(run_dir: Path, rows: list[dict]) -> list[dict]:
     (``rundir.read_evals``); one without an integer step is left out, with a warning."""
     docs = {}
     for doc in rundir.read_evals(run_dir):
-        step = _count(doc.get("step"))
+        step = _count_or_none(doc.get("step"))
         if step is None:
             log.warning("%s: a document without an integer step, left out", run_dir)
             continue
@@ -177,14 +177,14 @@ def read_scores(
             value = _metrics(entry).get(metric)
             if value is None:
                 continue
-            step = _count(doc.get("step"))
-            tokens = _count(doc.get("tokens"))
-            tokens = tokens if tokens is not None else _count(tokens_at.get(step))
+            step = _count_or_none(doc.get("step"))
+            tokens = _count_or_none(doc.get("tokens"))
+            tokens = tokens if tokens is not None else _count_or_none(tokens_at.get(step))
             scores.append(Score(step, tokens, value, _metrics(entry).get(stderr_name(metric))))
             given = _finite_float(entry.get("chance"))
             chance = given if given is not None else chance
         failed = latest_failed.get(task)
-        at = _count(docs[-1].get("step")) if failed else None
+        at = _count_or_none(docs[-1].get("step")) if failed else None
         out.append(TaskScores(task, metric, tuple(scores), chance, failed, at))
     return out
 
