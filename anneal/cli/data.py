@@ -77,7 +77,7 @@ def _data_synth(args: argparse.Namespace) -> int:
 
 
 def _data_verify(args: argparse.Namespace) -> int:
-    from anneal.data.prepared import verify
+    from anneal.data.checks import verify
 
     found = verify(Path(args.dir))
     what = f"{found['shards']} shard files ({found['bytes'] / 1e6:,.1f} MB)"
