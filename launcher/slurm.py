@@ -289,6 +289,7 @@ def render_sbatch(
     return text
 
 
+# aligned by hand: one row per step, its title, its command line's addition, its log
 PREPARE_STEPS = {
     "plan": ("step 1 of 3, the plan and the tokenizer", "", "plan-%j.out"),
     "tasks": ("step 2 of 3, one task of the array", ' --task "$SLURM_ARRAY_TASK_ID"',
