@@ -4,10 +4,10 @@ test file opens with a docstring saying what it proves, no module is over 400 li
 function over 80, and no two of anneal's modules import each other, directly or around a
 circle (imports inside functions and under ``if TYPE_CHECKING:`` count). The layer rules of
 docs/architecture.md: each part imports only the parts below it that its row of the table
-allows (config/, the typed schema, only the ground floor: errors, files, dist and hardware; the
-loop nothing of anneal/hf but its checkpoint loader; anneal/hf nothing of the launch, the loop,
-the observers or the CLI); the document's table is this file's and its drawing is the import
-graph; and the model and data never import DeepSpeed."""
+allows (config/, the typed schema, only the ground floor: errors, files, dist, hardware,
+json_values; the loop nothing of anneal/hf but its checkpoint loader; anneal/hf nothing of the
+launch, the loop, the observers or the CLI); the document's table is this file's and its
+drawing is the import graph; and the model and data never import DeepSpeed."""
 
 import ast
 import re
