@@ -289,8 +289,7 @@ def render_sbatch(
     return text
 
 
-# aligned by hand: one row per step, its title, its command line's addition, its log
-PREPARE_STEPS = {
+PREPARE_STEPS = {  # aligned by hand: a row per step (title, command line's addition, log)
     "plan": ("step 1 of 3, the plan and the tokenizer", "", "plan-%j.out"),
     "tasks": ("step 2 of 3, one task of the array", ' --task "$SLURM_ARRAY_TASK_ID"',
               "task-%a-%A.out"),
