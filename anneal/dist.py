@@ -75,6 +75,14 @@ def world_of_one_env() -> dict[str, str]:
     )
 
 
+def single_process_env() -> None:
+    """Started without a launcher (a plain ``python recipes/...``, ``anneal eval``, a bench):
+    make this process a world of one, or DeepSpeed would look for MPI. A no-op under a
+    launcher, which has set ``RANK``."""
+    if "RANK" not in os.environ:
+        os.environ.update(world_of_one_env())
+
+
 def _group():
     """``torch.distributed`` where this process has a process group, else None. A process that
     never imported torch has none, and does not import it here: the helpers below serve torch-free

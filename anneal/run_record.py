@@ -20,14 +20,15 @@ import json
 from pathlib import Path
 
 from anneal.errors import UserError
+from anneal.json_values import is_number
 
 
 def _dict(value) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _number(value) -> int | float | None:
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _number_or_none(value) -> int | float | None:
+    return value if is_number(value) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,7 @@ class RunRecord:
     @property
     def params(self) -> int | float | None:
         """The model's parameter count, embeddings included."""
-        return _number(self.model.get("params"))
+        return _number_or_none(self.model.get("params"))
 
     @property
     def device(self) -> str:
@@ -163,7 +164,7 @@ class RunRecord:
 
     @property
     def gradient_clipping(self) -> int | float | None:
-        return _number(self.ds_config.get("gradient_clipping"))
+        return _number_or_none(self.ds_config.get("gradient_clipping"))
 
     @property
     def zero_stage(self):

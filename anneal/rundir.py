@@ -46,9 +46,7 @@ EVALS = "evals"
 _EVAL_FILE = re.compile(r"step-(\d+)\.json")
 PREVIOUS = "previous-"
 
-RUN_FILES = (
-    CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, EVALS, "wandb"
-)  # fmt: skip
+RUN_FILES = (CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, EVALS, "wandb")
 """What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
 The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, eval-watch.sbatch,
 logs/) and the

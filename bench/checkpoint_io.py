@@ -95,9 +95,9 @@ def plain_read(path: Path) -> float:
 def engine_after_one_step(args, work: Path):
     """A ZeRO-3 fp32 engine of ``args.preset`` on one rank (cpu.json) after one optimizer step,
     so that its checkpoint holds the optimizer state; and the seconds its build took."""
-    from anneal.cli.recipe import _single_process_env
     from anneal.config.run import DataConfig, ModelConfig, RunConfig, TrainConfig
     from anneal.data.stream import PackedSplit, TokenStream
+    from anneal.dist import single_process_env
     from anneal.train import build_engine, next_token_loss, resolve_run, setup_process
 
     cfg = RunConfig(
@@ -108,7 +108,7 @@ def engine_after_one_step(args, work: Path):
         data=DataConfig(path=args.data),
         train=TrainConfig(max_steps=10, eval_samples=0),
     )
-    _single_process_env()
+    single_process_env()
     setup_process()
     plan = resolve_run(cfg, ["ds.gradient_accumulation_steps=1"])
     t0 = time.perf_counter()

@@ -289,7 +289,7 @@ def render_sbatch(
     return text
 
 
-PREPARE_STEPS = {
+PREPARE_STEPS = {  # aligned by hand: a row per step (title, command line's addition, log)
     "plan": ("step 1 of 3, the plan and the tokenizer", "", "plan-%j.out"),
     "tasks": ("step 2 of 3, one task of the array", ' --task "$SLURM_ARRAY_TASK_ID"',
               "task-%a-%A.out"),

@@ -75,15 +75,15 @@ def prepare_namespace(prepare_args: list[str]) -> argparse.Namespace:
 def plan_left(cfg, tasks: int) -> tuple[bool, list[int]]:
     """(whether the plan job is needed, the tasks without a completion marker under the plan
     that is there): all of them when there is no plan yet."""
-    from anneal.data import plan
+    from anneal.data import task_split
     from anneal.data.part import read_done
 
-    parts = plan.parts_dir(cfg.out)
-    if not (parts / plan.PLAN).is_file():
+    parts = task_split.parts_dir(cfg.out)
+    if not (parts / task_split.SPLIT_FILE).is_file():
         return True, list(range(tasks))
-    recorded, sha = plan.read_plan(parts)
+    recorded, sha = task_split.read_split(parts)
     try:
-        plan.check_same(recorded, cfg, tasks, parts=parts)
+        task_split.check_same(recorded, cfg, tasks, parts=parts)
     except UserError:
         if not cfg.force:
             raise
@@ -94,22 +94,22 @@ def plan_left(cfg, tasks: int) -> tuple[bool, list[int]]:
 
 def cmd_submit_prepare(ns, prepare_args: list[str]) -> int:
     from anneal.cli.data import prepare_options
-    from anneal.data import plan
-    from anneal.data.prepare import _check_config, claim_out, config
+    from anneal.data import task_split
+    from anneal.data.prepare import check_config, claim_out, config
     from anneal.data.sources import parse_inputs
 
-    plan.check_tasks(ns.tasks)
+    task_split.check_tasks(ns.tasks)
     if ns.nodes is not None and ns.nodes < 1:
         raise UserError(f"--nodes {ns.nodes}: must be at least 1.")
     cfg = config(**prepare_options(prepare_namespace(prepare_args)))
-    _check_config(cfg)
+    check_config(cfg)
     sources = parse_inputs(list(cfg.inputs))
     for s in sources:
-        plan.input_files(s, cfg)  # refuses what cannot be split (a hub dataset)
+        task_split.input_files(s, cfg)  # refuses what cannot be split (a hub dataset)
     claim_out(cfg, sources)
     need_plan, left = plan_left(cfg, ns.tasks)
-    parts = plan.parts_dir(cfg.out).resolve()
-    logs = parts / plan.SLURM / "logs"
+    parts = task_split.parts_dir(cfg.out).resolve()
+    logs = parts / task_split.SLURM / "logs"
     scripts = {
         step: slurm.render_prepare(
             step=step,
@@ -154,10 +154,10 @@ def cmd_submit_prepare(ns, prepare_args: list[str]) -> int:
 def _make_parts(parts: Path, logs: Path) -> None:
     """``OUT.parts`` with its marker (made by this command), and the logs' directory, which
     Slurm opens before a script runs."""
-    from anneal.data import plan
+    from anneal.data import task_split
     from anneal.files import make_dir
 
-    plan.claim_parts(parts, out=parts.with_name(parts.name.removesuffix(".parts")))
+    task_split.claim_parts(parts, out=parts.with_name(parts.name.removesuffix(".parts")))
     make_dir(parts, flag="--out")
-    (parts / plan.OWNER).write_text("made by anneal data prepare --tasks\n")
+    (parts / task_split.PARTS_MARKER).write_text("made by anneal data prepare --tasks\n")
     make_dir(logs, flag="--out")

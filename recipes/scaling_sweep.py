@@ -222,13 +222,13 @@ def _fit(out: Path, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from anneal.cli.recipe import _single_process_env, print_once
-    from anneal.dist import is_main_process
+    from anneal.cli.recipe import print_once
+    from anneal.dist import is_main_process, single_process_env
 
     args = build_parser().parse_args(argv)
     grid = GRIDS[args.grid]
     out = Path(args.out)
-    _single_process_env()
+    single_process_env()
     from anneal.dist import init_distributed
 
     init_distributed()

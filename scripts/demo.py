@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anneal.data.prepared import (  # noqa: E402
+from anneal.data.checks import (  # noqa: E402
     compressor_bits_per_byte,
     unigram_entropy_bits_per_byte,
 )

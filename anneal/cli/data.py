@@ -77,7 +77,7 @@ def _data_synth(args: argparse.Namespace) -> int:
 
 
 def _data_verify(args: argparse.Namespace) -> int:
-    from anneal.data.prepared import verify
+    from anneal.data.checks import verify
 
     found = verify(Path(args.dir))
     what = f"{found['shards']} shard files ({found['bytes'] / 1e6:,.1f} MB)"
@@ -185,7 +185,7 @@ def _add_prepare_reading(prep: argparse.ArgumentParser, cfg, read) -> None:
 
 def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:
     """The split, the workers and the shards written (``PrepareConfig`` ``cfg``)."""
-    from anneal.data.prepare_config import DTYPES
+    from anneal.data.prepare_config import DTYPE_CHOICES
 
     prep.add_argument(
         "--val-fraction",
@@ -205,7 +205,7 @@ def _add_prepare_packing(prep: argparse.ArgumentParser, cfg) -> None:
     prep.add_argument(
         "--workers", type=int, default=cfg.workers, help="processes (default 0: all cores)"
     )
-    prep.add_argument("--dtype", choices=DTYPES, default=cfg.dtype)
+    prep.add_argument("--dtype", choices=DTYPE_CHOICES, default=cfg.dtype)
     prep.add_argument(
         "--shard-tokens", type=int, default=cfg.shard_tokens, help="ids per shard file"
     )

@@ -1,6 +1,6 @@
 """What ``anneal data prepare`` prints, and ``anneal data prepare --tasks N [--task I |
 --merge]``: a preparation split into tasks, run by hand or by any scheduler (``python -m
-launcher submit-prepare`` for Slurm); see :mod:`anneal.data.plan` and docs/data.md, "Preparing
+launcher submit-prepare`` for Slurm); see :mod:`anneal.data.task_split` and docs/data.md, "Preparing
 tens of terabytes"."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from anneal.errors import UserError
 def print_prepared(out: str, meta: dict) -> None:
     """What ``anneal data prepare`` (or its merge step) prints: the splits and, for a blend,
     each source."""
-    from anneal.data.prepared import unigram_entropy_bits_per_byte
+    from anneal.data.checks import unigram_entropy_bits_per_byte
 
     splits = meta["splits"]
     skipped = meta["skipped"]
@@ -39,13 +39,13 @@ def print_prepared(out: str, meta: dict) -> None:
 
 
 def prepare_in_tasks(cfg, args: argparse.Namespace) -> int:
-    from anneal.data.plan import parts_dir
+    from anneal.data.task_split import parts_dir
 
     if args.task is not None and args.merge:
         raise UserError("--task and --merge: give one (a task's share, or the merge after all).")
     parts = parts_dir(cfg.out)
     if args.merge:
-        return _merge(cfg, args)
+        return _merge_parts(cfg, args)
     if args.tasks is None:
         raise UserError(
             f"--task {args.task}: give --tasks N too (the plan's count), e.g. --task "
@@ -53,9 +53,9 @@ def prepare_in_tasks(cfg, args: argparse.Namespace) -> int:
         )
     if args.task is not None:
         return _task(cfg, args, parts)
-    from anneal.data.plan import make_plan
+    from anneal.data.task_split import make_split
 
-    plan, made = make_plan(cfg, args.tasks)
+    plan, made = make_split(cfg, args.tasks)
     units = sum(plan["units"]["per_source"])
     empty = sum(1 for a, b in plan["ranges"] if a == b)
     print(
@@ -87,7 +87,7 @@ def _task(cfg, args, parts) -> int:
     return 0
 
 
-def _merge(cfg, args) -> int:
+def _merge_parts(cfg, args) -> int:
     from anneal.data.merge import merge
 
     meta = merge(cfg, args.tasks)

@@ -75,7 +75,7 @@ def add_commands(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from anneal.dist import shutdown
+    from anneal.dist import shutdown, single_process_env
     from anneal.eval.tasks import check_specs
     from anneal.train.engine import setup_process
 
@@ -86,7 +86,7 @@ def _eval(args: argparse.Namespace) -> int:
     overrides = _ds_overrides(args.set)
     saved_env, root = dict(os.environ), logging.getLogger()
     saved_log = (list(root.handlers), root.level)  # setup_process replaces the root handlers
-    _single_process_env()
+    single_process_env()
     setup_process()
     try:
         if args.watch:
@@ -214,14 +214,6 @@ def _ds_overrides(items: list[str]) -> list[str]:
                 f"and its weights are the checkpoint's."
             )
     return list(items)
-
-
-def _single_process_env() -> None:
-    """Started without a launcher: this process is a world of one."""
-    if "RANK" not in os.environ:
-        from anneal.dist import world_of_one_env
-
-        os.environ.update(world_of_one_env())
 
 
 def _print_summary(doc: dict, target) -> None:

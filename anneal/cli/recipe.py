@@ -191,9 +191,10 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
         )
         if on_cpu and cfg.ds_config != ds_config and not _flag_given(argv, "--ds-config"):
             print_once(f"no GPU found: using ds_configs/{cfg.ds_config} (fp32 for CPUs)")
+        from anneal.dist import single_process_env
         from anneal.train import run
 
-        _single_process_env()
+        single_process_env()
         summary = run(cfg, overrides)
     except UserError as e:
         if e.every_rank:
@@ -209,16 +210,6 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
 
 def _flag_given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
-
-
-def _single_process_env() -> None:
-    """Plain ``python recipes/...``: make this process a world of one (DeepSpeed would
-    otherwise look for MPI)."""
-    if "RANK" in os.environ:
-        return
-    from anneal.dist import world_of_one_env
-
-    os.environ.update(world_of_one_env())
 
 
 def print_once(msg: str, file=sys.stdout) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from anneal.config.run import AUTO
 from anneal.config.run_checks import suggest
 from anneal.errors import UserError
+from anneal.json_values import is_number
 
 Num = (int, float)
 Auto = "auto-or-int"
@@ -172,7 +173,7 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ),
     ("optimizer", "params", "lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
     ("optimizer", "params", "betas"): (
-        lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+        lambda v: len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v),
         "two numbers in [0, 1), e.g. [0.9, 0.95]",
     ),
     ("optimizer", "params", "eps"): (lambda v: v >= 0, "0 or a small positive number (1e-8)"),
@@ -206,10 +207,6 @@ def value_or_auto(cfg: dict, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
     """Every number in the tree finite (json reads NaN and Infinity) and within int64."""
     items = node.items() if isinstance(node, dict) else enumerate(node)
@@ -217,7 +214,7 @@ def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
         dotted = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
         if isinstance(value, dict | list):
             _check_numbers(value, source=source, prefix=f"{dotted}.")
-        elif _number(value) and not (math.isfinite(value) and abs(value) <= _INT64):
+        elif is_number(value) and not (math.isfinite(value) and abs(value) <= _INT64):
             raise UserError(
                 f"{source}: key {dotted!r} is {json.dumps(value)}, not a finite number (or past "
                 f"the 64-bit integer range). Write a finite value in the file or the --set."

@@ -1,4 +1,4 @@
-"""Step 3 of a preparation in tasks (:mod:`anneal.data.plan`): ``--merge`` writes OUT from the
+"""Step 3 of a preparation in tasks (:mod:`anneal.data.task_split`): ``--merge`` writes OUT from the
 tasks' parts, byte for byte what one node's ``anneal data prepare`` writes from the same inputs
 and flags (``PreparedDir.content_sha256`` is the same), verifies it as ``anneal data verify``
 does, and then removes the parts.
@@ -33,18 +33,18 @@ import numpy as np
 from anneal.data import merge_copy, tokenizer
 from anneal.data.pack import ShardWriter, pack_units, summarize
 from anneal.data.part import PART, read_done
-from anneal.data.plan import (
-    PLAN,
-    TOKENIZER,
-    clear_parts,
-    done_file,
-    load,
-    parts_dir,
-    task_dir,
-)
 from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import SPLITS, TOKEN_BYTES, PreparedDir
 from anneal.data.readers import Problems
+from anneal.data.task_split import (
+    SPLIT_FILE,
+    TOKENIZER,
+    clear_parts,
+    done_file,
+    load_split,
+    parts_dir,
+    task_dir,
+)
 from anneal.data.units import units_of
 from anneal.errors import UserError
 from anneal.files import replace_dir, sha256_file
@@ -58,10 +58,10 @@ CHUNK_BYTES = 8 << 20
 def merge(cfg: PrepareConfig, tasks: int | None = None) -> dict:
     """Step 3. Returns meta.json's dict with provenance.json's added."""
     from anneal.data import prepare as one_node
-    from anneal.data.prepared import verify
+    from anneal.data.checks import verify
 
     t0 = time.time()
-    plan, plan_sha, sources, units = load(cfg, tasks)
+    plan, plan_sha, sources, units = load_split(cfg, tasks)
     parts = parts_dir(cfg.out)
     one_node.claim_out(cfg, sources)
     found = check_parts(plan, plan_sha, parts, cfg)
@@ -134,7 +134,7 @@ def check_parts(plan: dict, plan_sha: str, parts: Path, cfg: PrepareConfig) -> l
         raise UserError(
             f"{parts}: the parts of tasks {_list(other)} were made under another plan "
             f"(their markers name plan {str(dones[other[0]].get('plan_sha256'))[:12]}..., "
-            f"{parts / PLAN} is {plan_sha[:12]}...): another input list, tokenizer or flags. "
+            f"{parts / SPLIT_FILE} is {plan_sha[:12]}...): another input list, tokenizer or flags. "
             f"Remove their markers ({done_file(parts, other[0]).name}, ...) and run those tasks "
             f"again. Nothing was written; the parts are kept."
         )
@@ -283,7 +283,7 @@ def _write_ends(directory: Path, source: int, pieces: list, parts: Path) -> str 
     with open(directory / name, "wb") as out:
         for d, pc, task in pieces:
             if pc["doc_index"]:
-                for chunk in _chunks(d / pc["doc_index"], pc["docs_sha256"], parts, task):
+                for chunk in _checked_chunks(d / pc["doc_index"], pc["docs_sha256"], parts, task):
                     (np.frombuffer(chunk, dtype="<u8") + np.uint64(base)).tofile(out)
             base += pc["tokens"]
     return name
@@ -305,7 +305,7 @@ def _held_out(cfg: PrepareConfig, sources, found: list[dict]) -> dict[int, str]:
     return held
 
 
-def _chunks(path: Path, sha256: str, parts: Path, task: int):
+def _checked_chunks(path: Path, sha256: str, parts: Path, task: int):
     """The bytes of ``path`` in chunks (each a fresh buffer, handed on before the next read);
     a UserError after the last one when their sha256 is not ``sha256``."""
     h = hashlib.sha256()

@@ -21,8 +21,8 @@ import numpy as np
 
 from anneal.data import tokenizer
 from anneal.data.prepare_config import PrepareConfig
+from anneal.data.prepare_progress import Progress
 from anneal.data.prepared_dir import SPLITS, PreparedDir
-from anneal.data.progress import Progress
 from anneal.data.readers import Problems, ReadOptions, Unit
 from anneal.data.sources import Source
 from anneal.data.units import read_unit, units_of

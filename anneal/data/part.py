@@ -1,5 +1,5 @@
-"""Step 2 of a preparation in tasks (:mod:`anneal.data.plan`): ``--task I`` tokenizes and packs
-the work units the plan gives task I, with every core of its node, into its part.
+"""Step 2 of a preparation in tasks (:mod:`anneal.data.task_split`): ``--task I`` tokenizes and
+packs the work units the plan gives task I, with every core of its node, into its part.
 
 A part is written into ``task-0000I.partial-HOST-PID/`` and renamed to ``task-0000I/`` when
 complete; then its completion marker ``task-0000I.done.json`` is written (atomically, and
@@ -28,24 +28,24 @@ import numpy as np
 
 from anneal.data.merge_copy import check_chunk, piece_hashes
 from anneal.data.pack import ShardWriter, pack_units
-from anneal.data.plan import (
+from anneal.data.prepare_config import PrepareConfig
+from anneal.data.prepare_progress import Progress
+from anneal.data.prepared_dir import SPLITS
+from anneal.data.readers import Problems
+from anneal.data.task_split import (
     TOKENIZER,
     done_file,
-    load,
+    load_split,
     parts_dir,
     task_dir,
 )
-from anneal.data.prepare_config import PrepareConfig
-from anneal.data.prepared_dir import SPLITS
-from anneal.data.progress import Progress
-from anneal.data.readers import Problems
 from anneal.errors import UserError
 from anneal.files import sha256_file, write_atomic
 
 log = logging.getLogger(__name__)
 
 PART = "part.json"
-OWNER = ".anneal-prepare-task"
+TASK_MARKER = ".anneal-prepare-task"
 ONE_SHARD = 1 << 62
 """A part's shard size: one shard per (split, source); the merge cuts the real ones."""
 
@@ -63,9 +63,9 @@ def read_done(parts: Path, task: int) -> dict | None:
 def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
     """Step 2: task ``task`` of ``tasks``. Returns its completion marker; a task already
     complete under this plan is not run again (``"again": False``)."""
-    from anneal.data.prepare import _cpu_seconds, default_workers
+    from anneal.data.prepare import cpu_seconds, default_workers
 
-    plan, plan_sha, sources, units = load(cfg, tasks)
+    plan, plan_sha, sources, units = load_split(cfg, tasks)
     if not 0 <= task < tasks:
         raise UserError(f"--task {task}: give 0 to {tasks - 1} (--tasks {tasks}).")
     parts = parts_dir(cfg.out)
@@ -77,9 +77,9 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
     _remove_leftovers(parts, task)
     partial = parts / f"{task_dir(parts, task).name}.partial-{_host()}-{os.getpid()}"
     partial.mkdir()
-    (partial / OWNER).write_text(f"anneal data prepare --task {task}\n")
+    (partial / TASK_MARKER).write_text(f"anneal data prepare --task {task}\n")
     try:
-        t0, cpu0 = time.time(), _cpu_seconds()
+        t0, cpu0 = time.time(), cpu_seconds()
         start, end = plan["ranges"][task]
         mine = [u for s in sources for u in units[s.index]][start:end]
         touched = sorted({u.source for u in mine})
@@ -115,7 +115,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
             "examples": problems.examples,
         }
         (partial / PART).write_text(json.dumps(part, indent=1) + "\n")
-        (partial / OWNER).unlink()
+        (partial / TASK_MARKER).unlink()
         partial.rename(task_dir(parts, task))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -129,7 +129,7 @@ def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
         "input_bytes": progress.done,
         "tokens": sum(p["tokens"] for split in pieces.values() for p in split.values()),
         "seconds": round(time.time() - t0, 2),
-        "pack_cpu_seconds": round(_cpu_seconds() - cpu0, 2),
+        "pack_cpu_seconds": round(cpu_seconds() - cpu0, 2),
         "workers": workers,
     }
     write_atomic(done_file(parts, task), json.dumps(done, indent=1) + "\n", durable=True)
@@ -166,7 +166,7 @@ def _remove_leftovers(parts: Path, task: int) -> None:
     prefix = f"{whole.name}.partial-{_host()}-"
     for p in parts.glob(f"{whole.name}.partial-*"):
         pid = p.name[len(prefix) :] if p.name.startswith(prefix) else ""
-        if not pid.isdigit() or not (p / OWNER).is_file() or p.is_symlink():
+        if not pid.isdigit() or not (p / TASK_MARKER).is_file() or p.is_symlink():
             continue
         try:
             os.kill(int(pid), 0)

@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from anneal.data import tokenizer
+from anneal.data.checks import has_validation, is_prepared_dir
 from anneal.data.make_tokenizer import make_tokenizer
 from anneal.data.pack import pack_all
-from anneal.data.prepare_config import DTYPES, MAX_VOCAB, PrepareConfig
-from anneal.data.prepared import has_validation, is_prepared_dir
+from anneal.data.prepare_config import DTYPE_CHOICES, MAX_VOCAB, PrepareConfig
 from anneal.data.prepared_dir import FORMAT_VERSION, SPLITS, PreparedDir
 from anneal.data.readers import Problems, ReadOptions
 from anneal.data.sources import Source, input_paths, parse_inputs
@@ -74,11 +74,11 @@ def config(*, inputs: list[str], out: Path, **options) -> PrepareConfig:
     return PrepareConfig(inputs=tuple(inputs), out=Path(out), read=ReadOptions(**read), **options)
 
 
-def _check_config(cfg: PrepareConfig) -> None:
+def check_config(cfg: PrepareConfig) -> None:
     if not 0 <= cfg.val_fraction < 1:
         raise UserError(f"--val-fraction {cfg.val_fraction}: give a share in [0, 1), e.g. 0.02.")
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
+    if cfg.dtype not in DTYPE_CHOICES:
+        raise UserError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPE_CHOICES)}.")
     if cfg.workers < 0:
         raise UserError(f"--workers {cfg.workers}: give 1 or more (0: every core).")
     if cfg.tokenizer is None and not 260 <= cfg.vocab_size <= MAX_VOCAB:
@@ -107,7 +107,7 @@ def run(cfg: PrepareConfig) -> dict:
     provenance.json's (how it was made) added. Everything is checked before
     anything is written; ``--out`` is replaced only when it is empty or an earlier prepare's
     output (:func:`anneal.files.claim_output`)."""
-    _check_config(cfg)
+    check_config(cfg)
     out = cfg.out
     sources = parse_inputs(list(cfg.inputs))
     claim_out(cfg, sources)
@@ -199,14 +199,14 @@ def _prepare_into(partial: Path, cfg: PrepareConfig, sources: list[Source], star
     tok_info = make_tokenizer(partial, cfg, sources, units)
     tok_files = PreparedDir(partial).tokenizer_files()  # all there yet: the tokenizer's files
     tok = tokenizer.load(partial)
-    dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
+    dtype = choose_dtype(cfg.dtype, tok.vocab_size)
     PreparedDir(partial).write_token_bytes(tok.token_bytes())
     workers = cfg.workers or default_workers()
-    t_pack, cpu_pack = time.time(), _cpu_seconds()
+    t_pack, cpu_pack = time.time(), cpu_seconds()
     splits, per_source, nbytes = pack_all(
         partial, cfg, sources, units, dtype, problems, workers=workers
     )
-    pack_s, pack_cpu_s = time.time() - t_pack, _cpu_seconds() - cpu_pack
+    pack_s, pack_cpu_s = time.time() - t_pack, cpu_seconds() - cpu_pack
     check_counts(cfg, sources, splits, per_source, problems)
     meta = build_meta(
         cfg,
@@ -301,7 +301,7 @@ def build_meta(
     }
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and of its children that have ended: the
     workers of a finished pack are joined, so a difference around it counts them all."""
     own, children = (
@@ -337,7 +337,7 @@ def _source_meta(s: Source, per_source: dict) -> dict:
     return entry
 
 
-def _choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
+def choose_dtype(dtype: str, vocab_size: int) -> np.dtype:
     if dtype == "auto":
         return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     if dtype == "uint16" and vocab_size > 2**16:

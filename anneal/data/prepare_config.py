@@ -11,8 +11,8 @@ from anneal.data import prepared_dir
 from anneal.data.readers import ReadOptions
 
 SHARD_TOKENS = 16 * 1024 * 1024  # ids per shard file (32 MiB at uint16)
-DTYPES = ("auto", *prepared_dir.DTYPES)
-"""--dtype: the shards' id type (a prepared directory's, ``prepared_dir.DTYPES``), or by size."""
+DTYPE_CHOICES = ("auto", *prepared_dir.ID_DTYPES)
+"""--dtype: the shards' id type (a prepared directory's, ``prepared_dir.ID_DTYPES``), or by size."""
 SEQ_LEN = 256  # the smallest preset's context (tiny, anneal/model.py)
 MAX_VOCAB = 1 << 20  # ids of a trained tokenizer; SentencePiece takes seconds to refuse more
 

@@ -51,8 +51,8 @@ NOT_TOKENIZER = (META, TOKEN_BYTES, PROVENANCE)
 SPLITS = ("train", "val")
 FORMAT_VERSION = 2
 """meta.json's ``format_version`` written by this Anneal; also the marker that ``--force``
-looks for before it replaces a directory (``anneal.data.prepared.is_prepared_dir``)."""
-DTYPES = ("uint16", "uint32")
+looks for before it replaces a directory (``anneal.data.checks.is_prepared_dir``)."""
+ID_DTYPES = ("uint16", "uint32")
 SHA256_CHARS = 64
 MAX_COUNT = 1 << 40
 
@@ -274,8 +274,8 @@ def read_meta(data_dir: Path, *, splits: tuple[str, ...] = SPLITS) -> dict:
         )
     vocab = _count(meta, "vocab_size", at="vocab_size", **kw)
     dtype = _typed(meta, "dtype", str, at="dtype", **kw)
-    if dtype not in DTYPES:
-        raise _meta_error(meta_path, "dtype", f"is {_short(dtype)}, not one of {DTYPES}")
+    if dtype not in ID_DTYPES:
+        raise _meta_error(meta_path, "dtype", f"is {_short(dtype)}, not one of {ID_DTYPES}")
     if not 1 <= vocab <= np.iinfo(dtype).max + 1:
         raise _meta_error(meta_path, "vocab_size", f"is {vocab}, not 1 to {dtype}'s ids")
     eos = _count(meta, "eos_id", at="eos_id", required=False, **kw)

@@ -104,7 +104,7 @@ def _split_weight(spec: str) -> tuple[str, float | None]:
         spec, text = m["src"], m["w"]
     else:
         src, colon, text = spec.rpartition(":")
-        if not (colon and "/" not in text and _exists(src)):
+        if not (colon and "/" not in text and _input_exists(src)):
             return spec, None
         spec = src
     try:
@@ -121,7 +121,7 @@ def _split_weight(spec: str) -> tuple[str, float | None]:
     return spec, weight
 
 
-def _exists(src: str) -> bool:
+def _input_exists(src: str) -> bool:
     """Whether ``src`` names an input without a weight: stdlib, a path or a matching glob."""
     if src == "stdlib" or Path(src).exists():
         return True

@@ -33,7 +33,7 @@ _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 PIECE_NORMAL, PIECE_UNKNOWN, PIECE_CONTROL, PIECE_USER_DEFINED, PIECE_BYTE = 1, 2, 3, 4, 6
 
 
-def _chunks(texts: Iterable[str], *, max_chars: int = 1000) -> Iterator[str]:
+def _sentences(texts: Iterable[str], *, max_chars: int = 1000) -> Iterator[str]:
     """Split documents at line ends into sentences of about ``max_chars`` characters, keeping
     the newlines so that the tokenizer learns code layout. A line longer than ``max_chars`` is
     cut into pieces of that size (SentencePiece drops sentences over its length limit)."""
@@ -87,7 +87,7 @@ def train_sentencepiece(
     spm.set_random_generator_seed(seed)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_chunks(texts),
+            sentence_iterator=_sentences(texts),
             model_writer=proto,
             vocab_size=vocab_size,
             model_type=model_type,

@@ -132,7 +132,7 @@ def _file_units(source: Source, opts: ReadOptions, problems: Problems) -> Iterat
         )
 
 
-def _arrow_files(path: Path, source: Source) -> list[Path]:
+def arrow_files(path: Path, source: Source) -> list[Path]:
     """Arrow files of a ``save_to_disk`` directory (a Dataset, or one split of a
     DatasetDict). The file names come from its JSON files and must stay inside it."""
     from anneal.files import confined
@@ -169,7 +169,7 @@ def _json_field(path: Path, key: str, kind: type):
 
 
 def _saved_dataset_units(source: Source, opts: ReadOptions, problems: Problems):
-    yield from _arrow_units(source, _arrow_files(Path(source.path), source), opts)
+    yield from _arrow_units(source, arrow_files(Path(source.path), source), opts)
 
 
 def _arrow_units(source: Source, files: list[Path], opts: ReadOptions) -> Iterator[Unit]:

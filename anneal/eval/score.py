@@ -86,8 +86,8 @@ def score(
                 try:
                     out = _evaluate_one(lm, name, task, limit)
                 except Exception as e:  # noqa: BLE001 - a task's failure is never fatal
-                    log.warning("eval task %s failed: %s", name, _one_line(e))
-                    doc["failed"][name] = _one_line(e)
+                    log.warning("eval task %s failed: %s", name, _first_line(e))
+                    doc["failed"][name] = _first_line(e)
                     continue
                 doc["tasks"][name] = _entry(out, name, loaded.info.get(name, {}), limit)
                 if num_fewshot is not None and doc["tasks"][name]["num_fewshot"] is None:
@@ -137,7 +137,7 @@ def _entry(out: dict, name: str, info: dict, limit) -> dict:
     }
 
 
-def _one_line(e: BaseException) -> str:
+def _first_line(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [""])[0][:300]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 

@@ -144,7 +144,7 @@ def _read_yaml(spec: str, path: Path) -> dict:
         return load_yaml(path, resolve_func=False)
     except Exception as e:  # yaml errors, a missing include, not a mapping
         raise UserError(
-            f"task spec {spec}: not a readable task YAML ({_one_line(e)}). Fix the file."
+            f"task spec {spec}: not a readable task YAML ({_reason(e)}). Fix the file."
         ) from e
 
 
@@ -239,8 +239,8 @@ def load_tasks(
         try:
             built = _load_spec(spec, data_dir=data_dir, work_dir=Path(work_dir))
         except Exception as e:  # a task that fails to load is never fatal
-            log.warning("task %s did not load: %s", spec, _one_line(e))
-            loaded.failed[spec] = _one_line(e)
+            log.warning("task %s did not load: %s", spec, _reason(e))
+            loaded.failed[spec] = _reason(e)
             continue
         for name, task in built.items():
             if name in loaded.tasks or name in loaded.failed:
@@ -250,9 +250,9 @@ def load_tasks(
                 loaded.info[name] = _prepare(spec, task, num_fewshot=num_fewshot, limit=limit)
                 loaded.tasks[name] = task
             except Exception as e:
-                log.warning("task %s did not load: %s", name, _one_line(e))
+                log.warning("task %s did not load: %s", name, _reason(e))
                 loaded.info.pop(name, None)
-                loaded.failed[name] = _one_line(e)
+                loaded.failed[name] = _reason(e)
     return loaded
 
 
@@ -361,7 +361,7 @@ def _canonical(value):
     return type(value).__qualname__
 
 
-def _one_line(error: BaseException) -> str:
+def _reason(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     if not isinstance(error, UserError):
         text = f"{type(error).__name__}: {text}"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.errors import UserError
+from anneal.json_values import is_finite_number
 from anneal.observe import downstream
 from anneal.observe.downstream import Score, TaskScores
 from anneal.run_record import RunRecord
@@ -71,7 +72,8 @@ def load(paths: list[Path]) -> list[RunScores]:
     names = [p.resolve().name for p in paths]
     labels = [n if names.count(n) == 1 else str(p) for n, p in zip(names, paths, strict=True)]
     read = [
-        (label, p, rundir.read_record(p), _rows(p)) for label, p in zip(labels, paths, strict=True)
+        (label, p, rundir.read_record(p), _metrics_rows(p))
+        for label, p in zip(labels, paths, strict=True)
     ]
     first = {label: downstream.read_scores(p, rows) for label, p, _, rows in read}
     tasks = {t.task for scores in first.values() for t in scores}
@@ -93,23 +95,23 @@ def load(paths: list[Path]) -> list[RunScores]:
     ]
 
 
-def _rows(run: Path) -> list[dict]:
+def _metrics_rows(run: Path) -> list[dict]:
     """The run's metrics rows; none for a run that has not written its metrics.jsonl yet."""
     return rundir.read_metrics(run) if rundir.metrics_path(run).is_file() else []
 
 
 def _final_validation(rows: list[dict]) -> dict[str, Score]:
     """``val_loss`` and ``val_bpb`` of the last validation row that has a finite loss."""
-    val = [r for r in rows if r.get("kind") == "val" and _finite(r.get("val_loss"))]
+    val = [r for r in rows if r.get("kind") == "val" and is_finite_number(r.get("val_loss"))]
     if not val:
         return {}
     last = val[-1]
     step = last.get("step") if isinstance(last.get("step"), int) else -1
-    return {k: Score(step, None, float(last[k]), None) for k in VALIDATION if _finite(last.get(k))}
-
-
-def _finite(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    return {
+        k: Score(step, None, float(last[k]), None)
+        for k in VALIDATION
+        if is_finite_number(last.get(k))
+    }
 
 
 def table_rows(runs: list[RunScores]) -> list[Row]:

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from anneal import rundir
+from anneal.json_values import is_number
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,11 @@ def main_metric(names) -> str | None:
     return next((p for p in PREFERRED if p in values), values[0] if values else None)
 
 
-def _number(value) -> float | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) else None
+def _finite_float(value) -> float | None:
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
-def _count(value) -> int | None:
+def _count_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
@@ -118,7 +118,7 @@ def _metrics(entry) -> dict[str, float]:
     metrics = entry.get("metrics") if isinstance(entry, dict) else None
     if not isinstance(metrics, dict):
         return {}
-    pairs = ((_one_line(k, 80), _number(v)) for k, v in metrics.items())
+    pairs = ((_one_line(k, 80), _finite_float(v)) for k, v in metrics.items())
     return {k: v for k, v in pairs if v is not None}
 
 
@@ -126,13 +126,13 @@ def _from_rows(rows: list[dict]) -> dict[int, dict]:
     """Documents made from the metrics rows of kind "eval": step -> {step, tokens, tasks}."""
     docs: dict[int, dict] = {}
     for row in rows:
-        step = _count(row.get("step"))
+        step = _count_or_none(row.get("step"))
         if row.get("kind") != "eval" or step is None:
             continue
         tasks: dict[str, dict] = {}
         for key, value in row.items():
             parts = key.split("/", 2)
-            if len(parts) == 3 and parts[0] == "eval" and _number(value) is not None:
+            if len(parts) == 3 and parts[0] == "eval" and _finite_float(value) is not None:
                 tasks.setdefault(parts[1], {"metrics": {}})["metrics"][parts[2]] = value
         docs[step] = {"step": step, "tokens": row.get("tokens"), "tasks": tasks}
     return docs
@@ -144,7 +144,7 @@ def documents(run_dir: Path, rows: list[dict]) -> list[dict]:
     (``rundir.read_evals``); one without an integer step is left out, with a warning."""
     docs = {}
     for doc in rundir.read_evals(run_dir):
-        step = _count(doc.get("step"))
+        step = _count_or_none(doc.get("step"))
         if step is None:
             log.warning("%s: a document without an integer step, left out", run_dir)
             continue
@@ -177,14 +177,14 @@ def read_scores(
             value = _metrics(entry).get(metric)
             if value is None:
                 continue
-            step = _count(doc.get("step"))
-            tokens = _count(doc.get("tokens"))
-            tokens = tokens if tokens is not None else _count(tokens_at.get(step))
+            step = _count_or_none(doc.get("step"))
+            tokens = _count_or_none(doc.get("tokens"))
+            tokens = tokens if tokens is not None else _count_or_none(tokens_at.get(step))
             scores.append(Score(step, tokens, value, _metrics(entry).get(stderr_name(metric))))
-            given = _number(entry.get("chance"))
+            given = _finite_float(entry.get("chance"))
             chance = given if given is not None else chance
         failed = latest_failed.get(task)
-        at = _count(docs[-1].get("step")) if failed else None
+        at = _count_or_none(docs[-1].get("step")) if failed else None
         out.append(TaskScores(task, metric, tuple(scores), chance, failed, at))
     return out
 

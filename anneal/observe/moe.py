@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from anneal.json_values import is_number
 from anneal.observe.health_signal import HEALTHY, PROBLEM, UNKNOWN, Signal
 
 # The train row's fields of a sparse model: each goes to TensorBoard/W&B under moe/ (never as a
@@ -92,19 +93,15 @@ def scalars(row: dict) -> dict[str, float]:
     """A sparse train row's TensorBoard/W&B scalars: ``moe/aux_loss``, ``moe/z_loss``,
     ``moe/max_mean/layer_<i>``, ``moe/max_mean/worst`` (the largest layer's),
     ``moe/entropy/layer_<i>``; a dense row's: none."""
-    out = {f"moe/{k}": row[k] for k in ("aux_loss", "z_loss") if _number(row.get(k))}
+    out = {f"moe/{k}": row[k] for k in ("aux_loss", "z_loss") if is_number(row.get(k))}
     for key, name in (("moe_max_mean", "max_mean"), ("moe_entropy", "entropy")):
         values = row.get(key)
         if isinstance(values, list):
-            out |= {f"moe/{name}/layer_{i}": v for i, v in enumerate(values) if _number(v)}
-    worst = [v for v in row.get("moe_max_mean") or [] if _number(v) and math.isfinite(v)]
+            out |= {f"moe/{name}/layer_{i}": v for i, v in enumerate(values) if is_number(v)}
+    worst = [v for v in row.get("moe_max_mean") or [] if is_number(v) and math.isfinite(v)]
     if worst:
         out["moe/max_mean/worst"] = max(worst)
     return out
-
-
-def _number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 # --- reading: the moe rows of a run, and the report's two signals -----------------------------
@@ -133,7 +130,7 @@ def moe_rows(rows: list[dict]) -> list[dict]:
 def _counts(row: dict) -> list[list[int]] | None:
     counts = row.get("counts")
     ok = isinstance(counts, list) and all(
-        isinstance(layer, list) and layer and all(_number(n) for n in layer) for layer in counts
+        isinstance(layer, list) and layer and all(is_number(n) for n in layer) for layer in counts
     )
     return counts if ok and counts else None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.json_values import is_finite_number
 from anneal.observe.moe import shares, steps
 from anneal.observe.plot_style import SIZE, save
 
@@ -72,12 +73,12 @@ def draw_expert_load(plt, c, moe: list[dict], path: Path, name: str) -> Path:
 def draw_balance(plt, c, train: list[dict], path: Path, name: str, top_k) -> Path:
     """Aux loss (and z-loss, on its own axis) above; each layer's max/mean load below."""
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(SIZE[0], SIZE[1] * 1.25), sharex=True)
-    aux = [(r["step"], r["aux_loss"]) for r in train if _num(r.get("aux_loss"))]
+    aux = [(r["step"], r["aux_loss"]) for r in train if is_finite_number(r.get("aux_loss"))]
     if aux:
         ax.plot(*zip(*aux, strict=True), color=c["main"], lw=1.2, label="aux loss")
     if isinstance(top_k, int):
         ax.axhline(top_k, color=c["clip"], ls="--", lw=1, label=f"balanced (top_k = {top_k})")
-    z = [(r["step"], r["z_loss"]) for r in train if _num(r.get("z_loss"))]
+    z = [(r["step"], r["z_loss"]) for r in train if is_finite_number(r.get("z_loss"))]
     if z:
         zx = ax.twinx()
         zx.plot(*zip(*z, strict=True), color=c["second"], lw=1, alpha=0.7, label="z-loss")
@@ -92,7 +93,9 @@ def draw_balance(plt, c, train: list[dict], path: Path, name: str, top_k) -> Pat
     ]
     if ratios:
         steps = np.array([s for s, _ in ratios])
-        grid = np.array([[v if _num(v) else np.nan for v in vs] for _, vs in ratios], dtype=float)
+        grid = np.array(
+            [[v if is_finite_number(v) else np.nan for v in vs] for _, vs in ratios], dtype=float
+        )
         for layer in range(grid.shape[1]):
             ax2.plot(steps, grid[:, layer], color=c["clip"], lw=0.6, alpha=0.5)
         ax2.plot(steps, np.nanmax(grid, axis=1), color=c["second"], lw=1.5, label="worst layer")
@@ -103,7 +106,3 @@ def draw_balance(plt, c, train: list[dict], path: Path, name: str, top_k) -> Pat
     ax2.grid(alpha=0.4)
     ax2.legend(fontsize=8, loc="upper right")
     return save(fig, path)
-
-
-def _num(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anneal.json_values import is_finite_number
 from anneal.observe import downstream, moe, moe_plots
 from anneal.observe.plot_style import SIZE, claim_pngs, pyplot, save
 from anneal.run_record import RunRecord
@@ -150,7 +151,11 @@ def _plot_parent(ax, c, parent, key: str, *, x: str = "step") -> None:
     if key == "val_loss":  # a val row has no tokens: the train row of its step has them
         at = {r["step"]: r.get("tokens") for r in train}
         rows = [{**r, "tokens": at.get(r.get("step"))} for r in val]
-    pts = [(r[x], r[key]) for r in rows if isinstance(r.get(x), int | float) and _num(r.get(key))]
+    pts = [
+        (r[x], r[key])
+        for r in rows
+        if isinstance(r.get(x), int | float) and is_finite_number(r.get(key))
+    ]
     if pts:
         style = "o:" if key == "val_loss" else "-"
         ax.plot(
@@ -162,10 +167,6 @@ def _plot_parent(ax, c, parent, key: str, *, x: str = "step") -> None:
             alpha=0.7,
             label=f"{label} {'dev loss' if key == 'val_loss' else key}",
         )
-
-
-def _num(v) -> bool:
-    return isinstance(v, int | float) and math.isfinite(v)
 
 
 def _plot_loss(plt, c, train, val, record, path, name, parent=None) -> Path:
@@ -219,7 +220,11 @@ def _plot_lr(plt, c, train, events, record, path, name, parent=None) -> Path:
     warm = sched.get("warmup_num_steps")
     peak = record.peak_lr
     resumes = sorted(
-        {r["step"] for r in events if r.get("event") == "resume" and _num(r.get("step"))}
+        {
+            r["step"]
+            for r in events
+            if r.get("event") == "resume" and is_finite_number(r.get("step"))
+        }
     )
     since = resumes[-1] if resumes else 0
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
@@ -255,7 +260,9 @@ def _trained_phases(ax, c, train, *, upto: int, peak: float, decay_label: str) -
     pts = sorted(
         (r["step"], r["lr"])
         for r in train
-        if _num(r.get("lr")) and _num(r.get("step")) and 0 < r["step"] <= upto
+        if is_finite_number(r.get("lr"))
+        and is_finite_number(r.get("step"))
+        and 0 < r["step"] <= upto
     )
     kinds: list[tuple[int, str]] = []
     warming = True

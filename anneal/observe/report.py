@@ -29,6 +29,7 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.files import write_atomic
+from anneal.json_values import is_finite_number
 from anneal.observe import moe
 from anneal.observe.health_signal import HEALTHY, PROBLEM, UNKNOWN, Signal
 
@@ -50,17 +51,13 @@ TPUT_DROP = 0.5
 DATA_STALL = 0.10
 
 
-def _finite(x) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
-
-
 def _window(values: list[float], share: float = 0.1) -> int:
     return max(1, int(len(values) * share))
 
 
 def train_loss_signal(train: list[dict], vocab_size: int | None) -> Signal:
     means = "falls steadily, away from ln(V)"
-    losses = [r["loss"] for r in train if _finite(r.get("loss"))]
+    losses = [r["loss"] for r in train if is_finite_number(r.get("loss"))]
     if len(losses) < 2:
         return Signal("train loss", UNKNOWN, f"{len(losses)} finite value(s)", means)
     k = _window(losses)
@@ -86,7 +83,7 @@ def dev_loss_signal(
 ) -> Signal:
     """``why``: what a dev loss that rises while the train loss falls suggests."""
     means = "falls, then stabilizes"
-    points = [(r["step"], r["val_loss"]) for r in val if _finite(r.get("val_loss"))]
+    points = [(r["step"], r["val_loss"]) for r in val if is_finite_number(r.get("val_loss"))]
     if len(points) < 2:
         return Signal("dev loss", UNKNOWN, f"{len(points)} validation(s); need 2", means)
     best_step, best = min(points, key=lambda p: p[1])
@@ -96,7 +93,7 @@ def dev_loss_signal(
         span = [
             r["loss"]
             for r in train
-            if best_step <= r["step"] <= last_step and _finite(r.get("loss"))
+            if best_step <= r["step"] <= last_step and is_finite_number(r.get("loss"))
         ]
         k = _window(span) if span else 0
         falling = span and statistics.fmean(span[-k:]) < statistics.fmean(span[:k])
@@ -118,7 +115,7 @@ def source_signals(val: list[dict], train: list[dict]) -> list[Signal]:
     for source in rundir.val_sources(val):
         rows = [{"step": r["step"], "val_loss": r.get(f"val_loss/{source}")} for r in val]
         signal = dev_loss_signal(rows, train, why="this source is being forgotten")
-        bpb = [r[f"val_bpb/{source}"] for r in val if _finite(r.get(f"val_bpb/{source}"))]
+        bpb = [r[f"val_bpb/{source}"] for r in val if is_finite_number(r.get(f"val_bpb/{source}"))]
         detail = signal.detail + (f"; last {bpb[-1]:.3f} bits/byte" if bpb else "")
         out.append(dataclasses.replace(signal, name=f"dev loss {source}", detail=detail))
     return out
@@ -130,9 +127,9 @@ def grad_norm_signal(train: list[dict], events: list[dict], clip: float | None) 
         r["step"]
         for r in train
         if "grad_norm" in (r.get("nonfinite") or [])
-        or ("grad_norm" in r and not _finite(r["grad_norm"]))
+        or ("grad_norm" in r and not is_finite_number(r["grad_norm"]))
     ]
-    norms = [(r["step"], r["grad_norm"]) for r in train if _finite(r.get("grad_norm"))]
+    norms = [(r["step"], r["grad_norm"]) for r in train if is_finite_number(r.get("grad_norm"))]
     spikes = []
     for i in range(1, len(norms)):
         prev = [g for _, g in norms[max(0, i - SPIKE_WINDOW) : i]]
@@ -172,12 +169,12 @@ def grad_norm_signal(train: list[dict], events: list[dict], clip: float | None) 
 def throughput_signal(train: list[dict]) -> Signal:
     means = "stable for the same config; the data loader never waits"
     rows = train[1:] if len(train) > 2 else train  # the first step compiles and warms caches
-    tput = [r["tokens_per_s"] for r in rows if _finite(r.get("tokens_per_s"))]
+    tput = [r["tokens_per_s"] for r in rows if is_finite_number(r.get("tokens_per_s"))]
     if len(tput) < 2:
         return Signal("tokens/s", UNKNOWN, f"{len(tput)} value(s)", means)
     overall = statistics.median(tput)
     last = statistics.median(tput[-_window(tput) :])
-    waits = [r["data_wait_share"] for r in rows if _finite(r.get("data_wait_share"))]
+    waits = [r["data_wait_share"] for r in rows if is_finite_number(r.get("data_wait_share"))]
     wait = statistics.median(waits) if waits else 0.0
     detail = (
         f"median {overall:,.0f}, last tenth {last:,.0f} tokens/s; data wait {wait:.1%} of step time"

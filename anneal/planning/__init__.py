@@ -38,7 +38,7 @@ from anneal.planning.planner import (
     parse_rule,
     plan,
 )
-from anneal.planning.runs import RunPoint, mfu_from_run, read_csv, read_run, read_runs
+from anneal.planning.run_points import RunPoint, mfu_from_run, read_csv, read_run, read_runs
 
 __all__ = [
     "DEFAULT_FIT",

@@ -19,7 +19,7 @@ import numpy as np
 from anneal.errors import UserError
 from anneal.files import check_creatable, is_matplotlib_png
 from anneal.planning.law import FIT_FORMAT, FIT_VERSION, PARAM_NAMES, ChinchillaFit
-from anneal.planning.runs import RunPoint
+from anneal.planning.run_points import RunPoint
 
 HUBER_DELTA = 1e-3
 # Hoffmann's initialisation grid (appendix D.2) over (alpha, beta, e, a, b), with E = exp(e),

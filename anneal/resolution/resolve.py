@@ -98,7 +98,7 @@ class Launch:
     @property
     def has_validation(self) -> bool:
         """Whether the val split holds at least one window of seq_len + 1 tokens."""
-        from anneal.data.prepared import has_validation
+        from anneal.data.checks import has_validation
 
         return has_validation(self.meta, seq_len=self.seq_len)
 
@@ -173,7 +173,7 @@ def resolve_launch(
 
 
 def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
-    from anneal.data.prepared import check_prepared
+    from anneal.data.checks import check_prepared
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
@@ -244,7 +244,7 @@ def _check_resume_target(launch: Launch) -> None:
     """The checkpoint ``launch`` resumes from belongs to this data, this tokenizer and this
     model's shape and layout (``check_checkpoint_fits``); a layout it resumes at through a
     conversion is one line in the launch's notes."""
-    from anneal.data.prepared import check_matches_run
+    from anneal.data.checks import check_matches_run
 
     data_dir, tag_dir = Path(launch.cfg.data.path), launch.resume_from
     check_matches_run(launch.meta, data_dir=data_dir, run_dir=launch.out)

@@ -217,7 +217,7 @@ def tiny_prepared(tmp_path_factory) -> Path:
 
 
 def test_prepared_meta(tmp_path, tiny_prepared):
-    from anneal.data.prepared import check_prepared
+    from anneal.data.checks import check_prepared
 
     rng = random.Random(5)
     data = tmp_path / "data"

@@ -26,8 +26,8 @@ import pytest
 
 from anneal.cli import main
 from anneal.data import tokenizer as toklib
+from anneal.data.checks import check_matches_run, check_prepared
 from anneal.data.prepare import prepare
-from anneal.data.prepared import check_matches_run, check_prepared
 from anneal.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

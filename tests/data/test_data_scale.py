@@ -384,7 +384,7 @@ def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys
     ).stdout.strip()
     leftover = parts / f"task-00001.partial-{part_module._host()}-{dead}"
     leftover.mkdir()
-    (leftover / part_module.OWNER).write_text("")
+    (leftover / part_module.TASK_MARKER).write_text("")
     err = refused(capsys, *args, "--merge")
     assert "1 of 3 tasks have no completion marker: 1 (1 started and did not finish)" in err
 

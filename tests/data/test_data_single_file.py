@@ -22,9 +22,9 @@ import pytest
 
 from anneal.cli import build_parser, main
 from anneal.data import tokenizer as toklib
+from anneal.data.checks import has_validation
 from anneal.data.prepare import prepare
 from anneal.data.prepare_config import SEQ_LEN, PrepareConfig
-from anneal.data.prepared import has_validation
 from anneal.data.prepared_dir import read_meta
 from anneal.data.readers import ReadOptions
 from anneal.data.stream import PackedSplit

@@ -31,8 +31,8 @@ import pytest
 from anneal.cli import main
 from anneal.data import prepare as prepare_module
 from anneal.data import tokenizer as toklib
+from anneal.data.checks import check_prepared
 from anneal.data.prepare import prepare
-from anneal.data.prepared import check_prepared
 from anneal.data.prepared_dir import read_meta
 from anneal.data.sources import parse_inputs
 from anneal.errors import UserError

@@ -1,4 +1,5 @@
-"""Reading a prepared data directory (the output of ``anneal data prepare``; docs/data.md).
+"""A prepared data directory checked and read back (the output of ``anneal data prepare``;
+docs/data.md): is it one, is it intact, does it match a run, and its entropy baselines.
 
 Training, the demo and the scripts import this module, never :mod:`anneal.data.prepare`, so
 that reading data does not load the multiprocessing writer.

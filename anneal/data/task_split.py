@@ -1,4 +1,5 @@
-"""A preparation split into tasks (docs/data.md, "Preparing tens of terabytes"): the plan.
+"""A preparation split into tasks (docs/data.md, "Preparing tens of terabytes"): the task split
+("the plan step", its file ``plan.json``; not the Chinchilla planner of ``anneal plan``).
 
 ``anneal data prepare ... --tasks N`` runs in three steps, by hand, over ssh, or as Slurm jobs
 (``python -m launcher submit-prepare``):
@@ -44,19 +45,19 @@ from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import TOKEN_BYTES, PreparedDir
 from anneal.data.readers import Problems
 from anneal.data.sources import Source, parse_inputs
-from anneal.data.units import _arrow_files, source_files, unit_list
+from anneal.data.units import arrow_files, source_files, unit_list
 from anneal.errors import UserError
 from anneal.files import make_dir, sha256_file, write_atomic
 
 log = logging.getLogger(__name__)
 
-PLAN = "plan.json"
-OWNER = ".anneal-prepare-parts"
+SPLIT_FILE = "plan.json"
+PARTS_MARKER = ".anneal-prepare-parts"
 TOKENIZER = "tokenizer"
-PLAN_VERSION = 1
+SPLIT_VERSION = 1
 MAX_TASKS = 100_000
 
-FLAGS = {
+SETTING_FLAGS = {
     "inputs": "--input",
     "vocab_size": "--vocab-size",
     "model_type": "--model-type",
@@ -131,7 +132,7 @@ def input_files(source: Source, cfg: PrepareConfig) -> list[list]:
             f"without --tasks."
         )
     if source.kind == "arrow":
-        paths = _arrow_files(Path(source.path), source)
+        paths = arrow_files(Path(source.path), source)
     else:
         paths = [p for p, _ in source_files(source, cfg.read)]
     files = []
@@ -170,9 +171,9 @@ def task_ranges(sizes: list[int], tasks: int) -> list[list[int]]:
     return ranges
 
 
-def read_plan(parts: Path) -> tuple[dict, str]:
+def read_split(parts: Path) -> tuple[dict, str]:
     """(plan.json, its sha256); a UserError when it is missing or not a plan."""
-    path = parts / PLAN
+    path = parts / SPLIT_FILE
     try:
         raw = path.read_bytes()
         plan = json.loads(raw)
@@ -185,7 +186,7 @@ def read_plan(parts: Path) -> tuple[dict, str]:
         raise UserError(
             f"{path}: cannot be read as JSON ({e}). Run the plan step again with --force."
         ) from None
-    if not isinstance(plan, dict) or plan.get("anneal_prepare_plan") != PLAN_VERSION:
+    if not isinstance(plan, dict) or plan.get("anneal_prepare_plan") != SPLIT_VERSION:
         raise UserError(
             f"{path}: not a plan written by this Anneal's `anneal data prepare --tasks`. Run "
             f"the plan step again with --force."
@@ -198,24 +199,24 @@ def check_same(plan: dict, cfg: PrepareConfig, tasks: int | None, *, parts: Path
     in the plan's working directory (relative paths mean the same files)."""
     if plan.get("cwd") != os.getcwd():
         raise UserError(
-            f"{parts / PLAN}: the plan was made in {plan.get('cwd')}, and this command runs in "
-            f"{os.getcwd()}: relative --input and --out paths would name other files. Run every "
-            f"step from the plan's working directory (`cd {plan.get('cwd')}`). Nothing was "
-            f"written."
+            f"{parts / SPLIT_FILE}: the plan was made in {plan.get('cwd')}, and this command "
+            f"runs in {os.getcwd()}: relative --input and --out paths would name other files. "
+            f"Run every step from the plan's working directory (`cd {plan.get('cwd')}`). "
+            f"Nothing was written."
         )
     want = settings(cfg, plan["settings"]["tasks"] if tasks is None else tasks)
     have = plan["settings"]
-    changed = [k for k in FLAGS if want.get(k) != have.get(k)]
+    changed = [k for k in SETTING_FLAGS if want.get(k) != have.get(k)]
     if changed:
         shown = "; ".join(
-            f"{FLAGS[k]} {want.get(k)!r} (the plan: {have.get(k)!r})" for k in changed
+            f"{SETTING_FLAGS[k]} {want.get(k)!r} (the plan: {have.get(k)!r})" for k in changed
         )
         raise UserError(
-            f"{parts / PLAN}: this command's flags differ from the plan's: {shown}. Every step "
-            f"of one preparation (the plan, each --task, --merge) takes the same flags, so that "
-            f"the parts fit together. Give the plan's flags again, or start over with the new "
-            f"ones: the plan step with --force replaces {parts} (which it made). Nothing was "
-            f"written."
+            f"{parts / SPLIT_FILE}: this command's flags differ from the plan's: {shown}. "
+            f"Every step of one preparation (the plan, each --task, --merge) takes the same "
+            f"flags, so that the parts fit together. Give the plan's flags again, or start over "
+            f"with the new ones: the plan step with --force replaces {parts} (which it made). "
+            f"Nothing was written."
         )
 
 
@@ -235,26 +236,26 @@ def check_inputs(plan: dict, cfg: PrepareConfig, sources: list[Source], *, parts
             p = next(p for p in after if after[p] != before[p])
             what = f"{p} changed (size {before[p][0]:,} -> {after[p][0]:,} bytes, or its mtime)"
         raise UserError(
-            f"--input {s.spec}: {what} since the plan ({parts / PLAN}) was made, so parts made "
-            f"before and after would not fit together. Put the input back as it was, or start "
-            f"over: the plan step with --force replaces {parts}. Nothing was written."
+            f"--input {s.spec}: {what} since the plan ({parts / SPLIT_FILE}) was made, "
+            f"so parts made before and after would not fit together. Put the input back as it "
+            f"was, or start over: the plan step with --force replaces {parts}. Nothing was written."
         )
 
 
-def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
+def make_split(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     """Step 1: list the inputs, train or install the tokenizer, write ``plan.json`` last.
     Returns (the plan, whether it was made now): a plan already there with the same flags and
     inputs is kept (a resubmission), one with other flags refused unless ``cfg.force``."""
-    from anneal.data.prepare import _check_config, claim_out
+    from anneal.data.prepare import check_config, claim_out
 
     check_tasks(tasks)
-    _check_config(cfg)
+    check_config(cfg)
     sources = parse_inputs(list(cfg.inputs))
     claim_out(cfg, sources)
     parts = parts_dir(cfg.out)
     claim_parts(parts, out=cfg.out, force=cfg.force)
-    if (parts / PLAN).is_file():
-        plan, _ = read_plan(parts)
+    if (parts / SPLIT_FILE).is_file():
+        plan, _ = read_split(parts)
         try:
             check_same(plan, cfg, tasks, parts=parts)
             check_inputs(plan, cfg, sources, parts=parts)
@@ -270,9 +271,9 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     created = not parts.exists()
     make_dir(parts, flag="--out")
-    (parts / OWNER).write_text("made by anneal data prepare --tasks\n")
+    (parts / PARTS_MARKER).write_text("made by anneal data prepare --tasks\n")
     try:
-        plan = _write_plan(cfg, tasks, parts, sources, units, inputs, problems)
+        plan = _write_split(cfg, tasks, parts, sources, units, inputs, problems)
     except BaseException:
         if created:  # nothing of it is left behind; a directory submit-prepare made stays
             shutil.rmtree(parts, ignore_errors=True)
@@ -280,9 +281,9 @@ def make_plan(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
     return plan, True
 
 
-def _write_plan(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
+def _write_split(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
     """The tokenizer into ``parts/tokenizer/``, then plan.json, last."""
-    from anneal.data.prepare import _choose_dtype
+    from anneal.data.prepare import choose_dtype
 
     tok_dir = parts / TOKENIZER
     if tok_dir.exists():
@@ -293,7 +294,7 @@ def _write_plan(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
         tok_info = make_tokenizer(partial, cfg, sources, units)
         tok_files = PreparedDir(partial).tokenizer_files()
         tok = tokenizer.load(partial)
-        dtype = _choose_dtype(cfg.dtype, tok.vocab_size)
+        dtype = choose_dtype(cfg.dtype, tok.vocab_size)
         PreparedDir(partial).write_token_bytes(tok.token_bytes())
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -301,7 +302,7 @@ def _write_plan(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
     partial.rename(tok_dir)
     sizes = [u.nbytes for s in sources for u in units[s.index]]
     plan = {
-        "anneal_prepare_plan": PLAN_VERSION,
+        "anneal_prepare_plan": SPLIT_VERSION,
         "settings": settings(cfg, tasks),
         "cwd": os.getcwd(),
         "inputs": inputs,
@@ -321,7 +322,7 @@ def _write_plan(cfg, tasks, parts, sources, units, inputs, problems) -> dict:
         "empty_files": problems.empty_files,
         "empty_examples": problems.empty_examples,
     }
-    write_atomic(parts / PLAN, json.dumps(plan, indent=1) + "\n", durable=True)
+    write_atomic(parts / SPLIT_FILE, json.dumps(plan, indent=1) + "\n", durable=True)
     return plan
 
 
@@ -329,7 +330,7 @@ def claim_parts(parts: Path, *, out: Path, force: bool = False) -> None:
     """``OUT.parts`` may be used: absent, or made by this command (its marker file)."""
     if not parts.exists() and not parts.is_symlink():
         return
-    if parts.is_symlink() or not parts.is_dir() or not (parts / OWNER).is_file():
+    if parts.is_symlink() or not parts.is_dir() or not (parts / PARTS_MARKER).is_file():
         raise UserError(
             f"--out {out}: {parts}, where a preparation in tasks keeps its parts, exists and was "
             f"not made by `anneal data prepare --tasks`, so it is neither used nor replaced"
@@ -346,7 +347,7 @@ def clear_parts(parts: Path) -> None:
     """Remove everything in ``OUT.parts`` but its marker and ``slurm/`` (the scripts and logs
     of the jobs at work), and ``OUT.parts`` itself when nothing else is left."""
     for p in parts.iterdir():
-        if p.name in (OWNER, SLURM):
+        if p.name in (PARTS_MARKER, SLURM):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -374,15 +375,15 @@ def check_tokenizer(plan: dict, parts: Path) -> Path:
     return tok_dir
 
 
-def load(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source], dict]:
+def load_split(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source], dict]:
     """For a task or the merge: the plan and its sha256, the sources, and the units listed
     again, all checked against the plan (flags, input files, units, tokenizer)."""
-    from anneal.data.prepare import _check_config
+    from anneal.data.prepare import check_config
 
-    _check_config(cfg)
+    check_config(cfg)
     parts = parts_dir(cfg.out)
     claim_parts(parts, out=cfg.out)
-    plan, plan_sha = read_plan(parts)
+    plan, plan_sha = read_split(parts)
     check_same(plan, cfg, tasks, parts=parts)
     sources = parse_inputs(list(cfg.inputs))
     check_inputs(plan, cfg, sources, parts=parts)
@@ -390,7 +391,7 @@ def load(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[Source]
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     if listing_sha256(units) != plan["units"]["sha256"]:
         raise UserError(
-            f"{parts / PLAN}: the inputs cut into other work units than the plan's (another "
+            f"{parts / SPLIT_FILE}: the inputs cut into other work units than the plan's (another "
             f"Anneal, or another reader of a format). Run every step with the same Anneal, or "
             f"start over with --force on the plan step. Nothing was written."
         )
