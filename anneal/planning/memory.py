@@ -159,7 +159,7 @@ class MemoryEstimate:
     capacity: int | None = None
 
     @property
-    def model_states(self) -> int:
+    def model_state(self) -> int:
         return self.params + self.grads + self.optimizer
 
     @property
@@ -174,7 +174,7 @@ class MemoryEstimate:
     def total(self) -> int:
         """Peak bytes per GPU: the phases reuse each other's freed memory, as PyTorch's CUDA
         caching allocator lets them."""
-        return self.model_states + self.runtime + max(self.forward_backward, self.optimizer_step)
+        return self.model_state + self.runtime + max(self.forward_backward, self.optimizer_step)
 
     @property
     def total_stacked(self) -> int:
@@ -182,7 +182,7 @@ class MemoryEstimate:
         as first built (ZeRO copies them into flat buffers). Host RSS behaves like this, since
         glibc keeps small freed blocks mapped; an upper bound on GPUs."""
         return (
-            self.model_states
+            self.model_state
             + self.runtime
             + self.forward_backward
             + self.optimizer_step
@@ -198,7 +198,7 @@ class MemoryEstimate:
             "params": self.params,
             "grads": self.grads,
             "optimizer": self.optimizer,
-            "model_states": self.model_states,
+            "model_state": self.model_state,
             "activations": self.activations,
             "logits": self.logits,
             "buffers": self.buffers,

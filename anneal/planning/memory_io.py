@@ -121,7 +121,7 @@ def format_estimate(
         row("weights", est.params),
         row("gradients", est.grads),
         row("optimizer state", est.optimizer),
-        row("= model states", est.model_states, f"({est.model_states * work.n_gpus / p:.3g}P/n)"),
+        row("= model states", est.model_state, f"({est.model_state * work.n_gpus / p:.3g}P/n)"),
         row("activations", est.activations),
         row("logits and loss", est.logits),
         *(row(f"{k} (fwd/bwd)", v) for k, v in est.buffers.items()),
@@ -146,10 +146,10 @@ def format_estimate(
                 lines.append(f"  {lever.name:<15} {lever.setting} -> {format_bytes(lever.total)}")
             else:
                 lines.append(f"  {lever.name:<15} no: {lever.note}")
-        if est.model_states + est.runtime > est.capacity:
+        if est.model_state + est.runtime > est.capacity:
             lines.append(
                 f"  model states and runtime alone need "
-                f"{format_bytes(est.model_states + est.runtime)}: more GPUs "
+                f"{format_bytes(est.model_state + est.runtime)}: more GPUs "
                 f"(ZeRO-3 divides them by n) or offload_optimizer help where micro-batch and "
                 f"context cannot."
             )

@@ -42,9 +42,9 @@ OWNERS = {
 
 PATTERN_OWNERS = {
     # DeepSpeed's checkpoint layout: its file names (model and optimizer states, each rank's,
-    # AutoEP's expert files). planning/'s ``MemoryEstimate.model_states`` is a number of bytes
-    # (DeepSpeed's estimator's word), not a file: the pattern looks for the names only.
-    r"mp_rank_|zero_pp_rank_|optim_states|expp_rank_|_model_states|model_states\.pt"
+    # AutoEP's expert files): issue 40's grep, word for word (planning's estimate of the
+    # weights, gradients and optimizer state is ``MemoryEstimate.model_state``).
+    r"mp_rank_|zero_pp_rank_|optim_states|model_states|expp_rank_"
     r"|layer_\S*_expert_": {"anneal/resilience/ds_files.py"},
 }
 
@@ -100,7 +100,7 @@ def test_only_ds_files_spells_deepspeeds_checkpoint_files():
         }
         assert found == owners, pattern
         assert re.search(pattern, "zero_pp_rank_1_mp_rank_00_model_states.pt")
-        assert not re.search(pattern, "est.model_states + est.runtime")
+        assert not re.search(pattern, "est.model_state + est.runtime")
 
 
 def test_the_scan_sees_a_path_and_not_a_message():

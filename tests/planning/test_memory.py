@@ -48,7 +48,7 @@ def work(n_gpus: int, **kw) -> memory.Workload:
 
 def test_7b_on_64_gpus_with_zero3_is_16p_over_64():
     est = memory.estimate(get_preset("7b"), zero_from("zero3_bf16.json"), work(64))
-    assert est.model_states == pytest.approx(16 * P7B / 64, abs=3)
+    assert est.model_state == pytest.approx(16 * P7B / 64, abs=3)
     assert (est.params, est.grads, est.optimizer) == pytest.approx(
         (2 * P7B / 64, 2 * P7B / 64, 12 * P7B / 64), abs=1
     )
@@ -67,17 +67,17 @@ def test_7b_on_64_gpus_with_zero3_is_16p_over_64():
 def test_model_states_by_zero_stage(stage, bytes_per_gpu, n):
     est = memory.estimate(get_preset("1b"), memory.ZeroSetup(stage=stage), work(n))
     p = count_params(get_preset("1b"))
-    assert est.model_states == pytest.approx(bytes_per_gpu(p, n), abs=3)
+    assert est.model_state == pytest.approx(bytes_per_gpu(p, n), abs=3)
 
 
 def test_offload_moves_the_optimizer_state_to_the_host():
     est = memory.estimate(get_preset("7b"), zero_from("zero3_offload_bf16.json"), work(8))
-    assert est.optimizer == 0 and est.model_states == pytest.approx(4 * P7B / 8, abs=2)
+    assert est.optimizer == 0 and est.model_state == pytest.approx(4 * P7B / 8, abs=2)
     assert est.host_bytes == pytest.approx(16 * P7B / 8, abs=2)  # 12P/n + the fp32 gradients
     assert "fp32 gradient partition" not in est.step_buffers
     both = dataclasses.replace(zero_from("zero3_offload_bf16.json"), offload_param=True)
     est = memory.estimate(get_preset("7b"), both, work(8))
-    assert est.model_states == pytest.approx(2 * P7B / 8, abs=2)  # gradients only
+    assert est.model_state == pytest.approx(2 * P7B / 8, abs=2)  # gradients only
 
 
 def test_parameter_counts_match_the_real_model_and_deepspeeds_largest_layer():
@@ -103,7 +103,7 @@ def test_zero2_model_states_plus_fp32_gradients_match_deepspeeds_estimate(nodes)
     _, ds_gpu = estimate_zero2_model_states_mem_needs(
         total_params=P7B, num_gpus_per_node=8, num_nodes=nodes, cpu_offload=False
     )
-    ours = est.model_states + est.step_buffers["fp32 gradient partition"]
+    ours = est.model_state + est.step_buffers["fp32 gradient partition"]
     assert ours == pytest.approx(ds_gpu, abs=8)
 
 
@@ -126,11 +126,11 @@ def test_zero3_against_deepspeeds_printed_estimate(capsys):
     )
     ds_gpu = float(row.group(2)) * 2**30  # DeepSpeed's "GB" is GiB, printed to 0.01
     est = memory.estimate(preset, zero_from("zero3_bf16.json"), work(64))
-    assert est.model_states + 2 * P7B / 64 + 4 * big == pytest.approx(ds_gpu, abs=0.006 * 2**30)
+    assert est.model_state + 2 * P7B / 64 + 4 * big == pytest.approx(ds_gpu, abs=0.006 * 2**30)
     assert (
-        est.model_states
+        est.model_state
         < ds_gpu
-        < est.model_states
+        < est.model_state
         + est.step_buffers["fp32 gradient partition"]
         + est.buffers["gathered weights"]
         + 4 * big
@@ -312,7 +312,7 @@ def test_cli_estimate_json_and_text(capsys):
     code, out, _ = run_cli(capsys, *argv, "--activation-checkpointing", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert doc["model_states"] == pytest.approx(16 * P7B / 64, abs=3)
+    assert doc["model_state"] == pytest.approx(16 * P7B / 64, abs=3)
     assert doc["n_gpus"] == 64 and doc["fits"] is True and doc["levers"] == []
     code, out, _ = run_cli(
         capsys, "estimate", "--model", "7b", "--ds-config", "zero1_bf16.json", "--micro-batch", "8"

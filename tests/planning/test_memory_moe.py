@@ -50,7 +50,7 @@ def expert_states(preset, zero, n_gpus: int, ep: int) -> float:
     """One GPU's model-state bytes less those of its dense parameters (ZeRO over n_gpus)."""
     est = memory.estimate(preset, zero, work(n_gpus, ep=ep))
     dense, _ = memory_ep.params_per_gpu(preset, tp=1, ep=ep)
-    return est.model_states - sum(memory.model_state_bytes(dense, zero, n_gpus)[:3])
+    return est.model_state - sum(memory.model_state_bytes(dense, zero, n_gpus)[:3])
 
 
 def test_expert_count_matches_the_built_model():
@@ -139,7 +139,7 @@ def test_zero3_gathers_one_layers_experts_whole(ep):
     est = memory.estimate(preset, zero, work(8, ep=ep))
     module = max(3 * (64 // ep) * 2048 * 1024, 50_304 * 2048)
     assert est.buffers["gathered weights"] == 2 * (module + zero.prefetch_bucket_size)
-    assert est.model_states == memory.estimate(preset, zero, work(8, ep=8 // ep)).model_states
+    assert est.model_state == memory.estimate(preset, zero, work(8, ep=8 // ep)).model_state
 
 
 def test_offload_is_refused_for_a_sparse_model():
