@@ -165,7 +165,7 @@ def _train_point(shape: Shape, tokens: int, args: argparse.Namespace) -> dict | 
             model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
             optim=OPTIM,
             data=DataConfig(path=args.data),
-            train=TrainConfig(eval_every=0, save_every=0, seed=args.seed),
+            train=TrainConfig(val_every=0, save_every=0, seed=args.seed),
         ),
         args.set,
     )

@@ -11,11 +11,30 @@ one paragraph naming the flag or key and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO = "auto"
+log = logging.getLogger(__name__)
+
+RENAMED_KEYS = {
+    "train.eval_every": "train.val_every",
+    "train.eval_samples": "train.val_samples",
+}
+"""Config keys renamed (issue 40: validation is ``val``, downstream tasks ``eval``), old -> new.
+The old names still read: in ``--set``, as a recipe's ``TrainConfig`` keyword and in the
+``config.json`` of an older run; each says its new name once per process (``warn_renamed``)."""
+_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """One warning per old name and process: ``old`` still works, ``new`` is its name now."""
+    if old not in _warned:
+        _warned.add(old)
+        log.warning("%s is renamed %s; the old name still works for now: use %s", old, new, new)
+
 
 # ---------------------------------------------------------------------------------------------
 # Run config: one small frozen dataclass per concern.
@@ -104,9 +123,9 @@ class TrainConfig:
     """Optimizer steps in the whole run; the LR schedule ends here."""
     stop_at_step: int = 0
     """Exit cleanly after this step without changing the schedule (a preemption drill); 0: off."""
-    eval_every: int = 100
+    val_every: int = 100
     """Validate every N optimizer steps (and after the last); 0: only after the last."""
-    eval_samples: int = 64
+    val_samples: int = 64
     """Windows of the val split in each validation pass: the same held-out set every time,
     whatever the number of ranks."""
     eval_tasks: tuple[str, ...] = ()
@@ -161,7 +180,17 @@ class TrainConfig:
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
     only read. Empty: not a branch."""
 
-    def __post_init__(self):
+    eval_every: dataclasses.InitVar[int | None] = None
+    """Renamed ``val_every`` (``RENAMED_KEYS``): still taken, with a warning."""
+    eval_samples: dataclasses.InitVar[int | None] = None
+    """Renamed ``val_samples``: still taken, with a warning."""
+
+    def __post_init__(self, eval_every: int | None, eval_samples: int | None):
+        for old, value in (("eval_every", eval_every), ("eval_samples", eval_samples)):
+            if value is not None:  # a recipe written before the rename
+                new = RENAMED_KEYS[f"train.{old}"]
+                warn_renamed(f"train.{old}", new)
+                object.__setattr__(self, new.removeprefix("train."), value)
         if isinstance(self.eval_tasks, str):  # a recipe's "a,b", as --set takes it
             object.__setattr__(self, "eval_tasks", split_specs(self.eval_tasks))
         elif isinstance(self.eval_tasks, list):
@@ -265,6 +294,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened document with the keys an older Anneal wrote under their new names
+    (``run.train.eval_every`` -> ``run.train.val_every``), so an older run compares equal."""
+    new_names = {f"run.{old}": f"run.{new}" for old, new in RENAMED_KEYS.items()}
+    return {new_names.get(k, k): v for k, v in flat.items()}
+
+
 _LAYOUT_KEYS = {
     "ds_config.gradient_accumulation_steps",
     "ds_config.train_micro_batch_size_per_gpu",
@@ -280,7 +316,7 @@ def config_differences(old: dict, new: dict) -> list[str]:
     """Keys whose values differ between two resolved ``config.json`` documents. The split of
     the global batch into micro-batches and accumulation steps counts only with another global
     batch: a run resumed on another number of ranks keeps its global batch."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _renamed(_flatten(old)), _renamed(_flatten(new))
     same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
     diffs = []
     for key in sorted(set(a) | set(b)):

@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from anneal.config.run import (
+    RENAMED_KEYS,
     DataConfig,
     GuardConfig,
     ModelConfig,
@@ -22,6 +23,7 @@ from anneal.config.run import (
     RunConfig,
     TrainConfig,
     split_specs,
+    warn_renamed,
 )
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
@@ -91,6 +93,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             )
         if section == "ds":
             continue
+        if key in RENAMED_KEYS:  # an old name: still read, said once
+            warn_renamed(key, RENAMED_KEYS[key])
+            key = RENAMED_KEYS[key]
+            section, _, field = key.partition(".")
         if section not in _SECTIONS:
             raise UserError(
                 f"{where}: unknown section {section!r}"
@@ -183,8 +189,8 @@ _RANGES: dict[str, tuple[Any, str]] = {
     ),
     "train.max_steps": _AT_LEAST_1,
     "train.stop_at_step": _STEPS,
-    "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
-    "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
+    "train.val_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.val_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
     "train.eval_tasks_every": (
         lambda v: v >= 0,
         "0 (only after the last step) or a number of steps",
@@ -218,7 +224,7 @@ _RANGES: dict[str, tuple[Any, str]] = {
 }
 FLAGS = {
     "train.max_steps": "--max-steps",
-    "train.eval_every": "--eval-every",
+    "train.val_every": "--val-every",
     "train.save_every": "--save-every",
     "train.seed": "--seed",
 }

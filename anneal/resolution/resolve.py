@@ -264,14 +264,14 @@ def _check_resume_target(launch: Launch) -> None:
 
 
 def _check_validation_data(launch: Launch) -> None:
-    """A run that evaluates needs at least one validation window in its data."""
-    if not launch.has_validation and launch.cfg.train.eval_samples > 0:
+    """A run that validates needs at least one validation window in its data."""
+    if not launch.has_validation and launch.cfg.train.val_samples > 0:
         data_dir, val_tokens = Path(launch.cfg.data.path), launch.meta["splits"]["val"]["tokens"]
         raise UserError(
             f"--data {data_dir}: has no validation windows of {launch.seq_len + 1} tokens (its val "
             f"split holds {val_tokens:,} tokens), so validation cannot run. "
-            f"Prepare it again with a larger --val-fraction, or train without evaluation: "
-            f"--set train.eval_samples=0."
+            f"Prepare it again with a larger --val-fraction, or train without validation: "
+            f"--set train.val_samples=0."
         )
 
 

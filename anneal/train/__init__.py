@@ -4,7 +4,7 @@ call of ``deepspeed.initialize``), one optimizer step and the loss on held-out w
 
 from anneal.train.engine import build_engine, resolve_run, setup_process
 from anneal.train.observers import ExportAfterSave, Observer
-from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
+from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
 from anneal.train.trainer import Trainer, run
 
 __all__ = [
@@ -14,10 +14,10 @@ __all__ = [
     "TrainState",
     "Trainer",
     "build_engine",
-    "evaluate",
     "next_token_loss",
     "resolve_run",
     "run",
     "setup_process",
     "train_step",
+    "validate",
 ]

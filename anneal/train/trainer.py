@@ -37,7 +37,7 @@ from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
 from anneal.train.engine import build_engine, data_replica, resolve_run, setup_process
-from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
+from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Data:
     @classmethod
     def open(cls, launch: Launch) -> Data:
         path, seq_len = Path(launch.cfg.data.path), launch.seq_len
-        val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.eval_samples else None
+        val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.val_samples else None
         train = PackedSplit(path, "train", seq_len=seq_len)
         return cls(train, val, PreparedDir(path).token_bytes())
 
@@ -112,9 +112,9 @@ class Data:
 class Trainer:
     """Owns the engine, the token stream, the train state, the guard and the run directory.
 
-    ``train_step`` and ``evaluate`` are the step functions (``anneal.train.step``; the first
-    wrapped by fault injection when ``ANNEAL_FAULTS`` asks). ``watchers``: observers of the run
-    besides its own (``start``), told everything after them."""
+    ``train_step`` and ``val_step`` (``validate``) are the step functions
+    (``anneal.train.step``; the first wrapped by fault injection when ``ANNEAL_FAULTS`` asks).
+    ``watchers``: observers of the run besides its own (``start``), told everything after them."""
 
     def __init__(
         self,
@@ -134,7 +134,7 @@ class Trainer:
         self.exports = observers.ExportAfterSave(self.cfg.train.export_every_save)
         fault = faults.from_env(rank())  # ANNEAL_FAULTS: drills and tests only
         self.train_step = fault.wrap(train_step, next_token_loss) if fault else train_step
-        self.evaluate = evaluate
+        self.val_step = validate
         self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
         self.mfu = Mfu(
@@ -297,18 +297,16 @@ class Trainer:
         self.guard.rewound(spike_step, client, tag_dir, self.observers)
 
     def validation_due(self) -> bool:
-        """Every ``eval_every`` steps and after the last step (never without val data)."""
+        """Every ``val_every`` steps and after the last step (never without val data)."""
         train = self.cfg.train
-        return self.data.val is not None and _due(
-            self.state.step, train.eval_every, train.max_steps
-        )
+        return self.data.val is not None and _due(self.state.step, train.val_every, train.max_steps)
 
     def validate(self) -> None:
-        row = self.evaluate(
+        row = self.val_step(
             self.engine,
             self.data.val,
             self.data.token_bytes,
-            n_samples=self.cfg.train.eval_samples,
+            n_samples=self.cfg.train.val_samples,
             micro_batch=self.launch.micro_batch,
         )
         self.last_val = {**row, "step": self.state.step}

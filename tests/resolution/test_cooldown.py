@@ -242,7 +242,7 @@ def test_two_cooldowns_from_one_wsd_run(tiny_data, tmp_path):
     workers sharing 2 cores at a load of about 10). The issue's acceptance test for branching."""
     peak, start = 3e-3, 8  # the tiny recipe's optim.lr; the branch step
     parent = tmp_path / "parent"
-    common = [*SMALL, "--data", str(tiny_data), "--save-every", "8", "--eval-every", "8"]
+    common = [*SMALL, "--data", str(tiny_data), "--save-every", "8", "--val-every", "8"]
     run_recipe(
         [*common, "--out", str(parent), "--max-steps", "40", "--set", "optim.schedule=wsd"]
         + ["--set", f"train.stop_at_step={start}"]
