@@ -125,7 +125,7 @@ def _finished(run_dir: Path) -> bool:
 
     if not (run_dir / "metrics.jsonl").is_file():
         return False
-    last = read_record(run_dir).train["max_steps"]
+    last = read_record(run_dir).train_settings["max_steps"]
     return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 

@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 RENAMED_KEYS = {
     "train.eval_every": "train.val_every",
     "train.eval_samples": "train.val_samples",
+    "train.branch_from": "train.cooldown_from",
 }
-"""Config keys renamed (issue 40: validation is ``val``, downstream tasks ``eval``), old -> new.
+"""Config keys renamed (issue 40: validation is ``val``, downstream tasks ``eval``; a cooldown's
+parent is ``cooldown_from``), old -> new.
 The old names still read: in ``--set``, as a recipe's ``TrainConfig`` keyword and in the
 ``config.json`` of an older run; each says its new name once per process (``warn_renamed``)."""
 _warned: set[str] = set()
@@ -174,7 +176,7 @@ class TrainConfig:
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
     (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
-    branch_from: str = ""
+    cooldown_from: str = ""
     """A checkpoint of a WSD run to branch a cooldown from (``--cooldown-from``): a tag directory
     (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
@@ -184,9 +186,15 @@ class TrainConfig:
     """Renamed ``val_every`` (``RENAMED_KEYS``): still taken, with a warning."""
     eval_samples: dataclasses.InitVar[int | None] = None
     """Renamed ``val_samples``: still taken, with a warning."""
+    branch_from: dataclasses.InitVar[str | None] = None
+    """Renamed ``cooldown_from``: still taken, with a warning."""
 
-    def __post_init__(self, eval_every: int | None, eval_samples: int | None):
-        for old, value in (("eval_every", eval_every), ("eval_samples", eval_samples)):
+    def __post_init__(self, eval_every, eval_samples, branch_from):
+        for old, value in (
+            ("eval_every", eval_every),
+            ("eval_samples", eval_samples),
+            ("branch_from", branch_from),
+        ):
             if value is not None:  # a recipe written before the rename
                 new = RENAMED_KEYS[f"train.{old}"]
                 warn_renamed(f"train.{old}", new)
@@ -296,9 +304,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
     """A flattened document with the keys an older Anneal wrote under their new names
-    (``run.train.eval_every`` -> ``run.train.val_every``), so an older run compares equal."""
+    (``run.train.eval_every`` -> ``run.train.val_every``, the ``branch`` section ->
+    ``cooldown``), so an older run compares equal."""
     new_names = {f"run.{old}": f"run.{new}" for old, new in RENAMED_KEYS.items()}
-    return {new_names.get(k, k): v for k, v in flat.items()}
+    return {
+        new_names.get(k, "cooldown." + k[7:] if k.startswith("branch.") else k): v
+        for k, v in flat.items()
+    }
 
 
 _LAYOUT_KEYS = {

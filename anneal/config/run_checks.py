@@ -42,7 +42,7 @@ _CHOICES = {
     ("optim", "schedule"): SCHEDULES,
     ("optim", "decay_shape"): DECAY_SHAPES,
 }
-_PATHS = {("data", "path"), ("model", "init_from"), ("train", "branch_from")}
+_PATHS = {("data", "path"), ("model", "init_from"), ("train", "cooldown_from")}
 """The keys that hold a path: never empty, never longer than the file system takes."""
 
 
@@ -93,6 +93,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             )
         if section == "ds":
             continue
+        given = key  # the messages name the key as typed
         if key in RENAMED_KEYS:  # an old name: still read, said once
             warn_renamed(key, RENAMED_KEYS[key])
             key = RENAMED_KEYS[key]
@@ -117,7 +118,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if (section, field) in _PATHS and isinstance(parsed, str):
             if not parsed:
                 raise UserError(f"{where}: the path is empty (an unset shell variable?). Give one.")
-            check_path_length(parsed, flag=f"--set {key}")
+            check_path_length(parsed, flag=f"--set {given}")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
 

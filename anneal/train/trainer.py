@@ -161,8 +161,8 @@ class Trainer:
     def load_state_dict(self, client: dict) -> None:
         """The train state, the guard's record (which may move the data position past skipped
         samples) and the token stream at that position, from a checkpoint's client state."""
-        if self.launch.branch is not None:  # a cooldown branch on other data starts it at 0
-            client = self.launch.branch.client_for(client)
+        if self.launch.cooldown is not None:  # a cooldown branch on other data starts it at 0
+            client = self.launch.cooldown.client_for(client)
         self.state = TrainState(step=client["step"], tokens=client["tokens"])
         position = self.guard.restore(self.engine, client, client["data"]["position"])
         self.engine.lr_scheduler.apply()  # the schedule's LR, not the one the optimizer saved
@@ -233,7 +233,7 @@ class Trainer:
             self.observers.on_event(self.state.step, "resume", position=position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
             change = self.engine.lr_scheduler.change_on_resume()  # e.g. a new --max-steps
-            if self.launch.branch is not None and self.state.step == self.launch.branch.step:
+            if self.launch.cooldown is not None and self.state.step == self.launch.cooldown.step:
                 change = None  # a branch's decay: the launch's notes said it
             if change and rank() == 0:
                 log.warning(change)

@@ -11,6 +11,7 @@ from anneal.cli.recipe import config_from_args
 from anneal.config import run as runlib
 from anneal.config.run import RunConfig, TrainConfig, config_differences
 from anneal.config.run_checks import apply_overrides
+from anneal.run_record import RunRecord
 
 
 @pytest.fixture
@@ -87,3 +88,26 @@ def test_an_older_runs_config_json_is_the_same_run():
     assert config_differences(old, new) == []
     old["run"]["train"]["eval_every"] = 3
     assert config_differences(old, new) == ["run.train.val_every: 3 -> 100"]
+
+
+def test_the_cooldowns_parent_key_and_section_still_read(warnings_seen):
+    """``train.branch_from`` (``--set``, a recipe) is ``train.cooldown_from``; an older cooldown
+    run's ``branch`` section reads as its ``cooldown`` and compares equal to it."""
+    cfg = apply_overrides(_cfg(), ["train.branch_from=runs/parent"])
+    assert cfg.train.cooldown_from == "runs/parent"
+    assert TrainConfig(branch_from="runs/p").cooldown_from == "runs/p"
+    assert warnings_seen() == [
+        "train.branch_from is renamed train.cooldown_from; the old name still works for now: "
+        "use train.cooldown_from"
+    ]
+    start = {"parent_run": "/runs/parent", "step": 40, "from_ratio": 1.0}
+    assert RunRecord({"branch": start}).cooldown == start
+    assert RunRecord({"cooldown": start}).cooldown == start
+    assert RunRecord({"run": {}}).cooldown is None
+    old = {"branch": start, "run": _cfg().to_dict()}
+    old["run"]["train"]["branch_from"] = old["run"]["train"].pop("cooldown_from")
+    new = {"cooldown": start, "run": _cfg().to_dict()}
+    assert config_differences(old, new) == []
+    assert config_differences(old, {**new, "cooldown": {**start, "step": 41}}) == [
+        "cooldown.step: 40 -> 41"
+    ]
