@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from demo import BATCH_TOKENS, EVAL_WINDOWS, MICRO_BATCH, PEAK_LR, SCHEDULE  # noqa: E402
+from demo import BATCH_TOKENS, MICRO_BATCH, PEAK_LR, SCHEDULE, VAL_WINDOWS  # noqa: E402
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
 from anneal.dist import free_port  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
     )
     args = p.parse_args()
     steps, seeds, every = args.steps, [int(s) for s in args.seeds.split(",")], args.every
-    windows = EVAL_WINDOWS
+    windows = VAL_WINDOWS
     if args.smoke:
         steps, seeds, every, windows = 4, [0], 4, 16
     data = ensure_data(args.data)

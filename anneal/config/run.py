@@ -11,6 +11,7 @@ one paragraph naming the flag or key and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -182,27 +183,46 @@ class TrainConfig:
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
     only read. Empty: not a branch."""
 
-    eval_every: dataclasses.InitVar[int | None] = None
-    """Renamed ``val_every`` (``RENAMED_KEYS``): still taken, with a warning."""
-    eval_samples: dataclasses.InitVar[int | None] = None
-    """Renamed ``val_samples``: still taken, with a warning."""
-    branch_from: dataclasses.InitVar[str | None] = None
-    """Renamed ``cooldown_from``: still taken, with a warning."""
-
-    def __post_init__(self, eval_every, eval_samples, branch_from):
-        for old, value in (
-            ("eval_every", eval_every),
-            ("eval_samples", eval_samples),
-            ("branch_from", branch_from),
-        ):
-            if value is not None:  # a recipe written before the rename
-                new = RENAMED_KEYS[f"train.{old}"]
-                warn_renamed(f"train.{old}", new)
-                object.__setattr__(self, new.removeprefix("train."), value)
+    def __post_init__(self):
         if isinstance(self.eval_tasks, str):  # a recipe's "a,b", as --set takes it
             object.__setattr__(self, "eval_tasks", split_specs(self.eval_tasks))
         elif isinstance(self.eval_tasks, list):
             object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))
+
+
+def _takes_renamed(cls, section: str):
+    """``cls(old=value)`` for each renamed key of ``section`` (``RENAMED_KEYS``): the value goes
+    to the new field (a recipe written before the rename), and ``obj.old`` reads the new field
+    (a script that reads it); each said once per process (``warn_renamed``). The old names are
+    no fields: ``dataclasses.fields``, ``to_dict`` and ``replace`` know only the new ones."""
+    renamed = {
+        old.removeprefix(f"{section}."): new.removeprefix(f"{section}.")
+        for old, new in RENAMED_KEYS.items()
+        if old.startswith(f"{section}.")
+    }
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        for old, new in renamed.items():
+            if old in kwargs:
+                warn_renamed(f"{section}.{old}", f"{section}.{new}")
+                kwargs.setdefault(new, kwargs.pop(old))  # both given: the new name's value
+        init(self, **kwargs)
+
+    def reader(old: str, new: str) -> property:
+        def read(self):
+            warn_renamed(f"{section}.{old}", f"{section}.{new}")
+            return getattr(self, new)
+
+        return property(read, doc=f"Renamed ``{new}``: reads it, with a warning.")
+
+    cls.__init__ = __init__
+    for old, new in renamed.items():
+        setattr(cls, old, reader(old, new))
+
+
+_takes_renamed(TrainConfig, "train")
 
 
 def split_specs(text: str) -> tuple[str, ...]:

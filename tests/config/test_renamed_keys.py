@@ -3,6 +3,7 @@ is ``val`` (``train.val_every``, ``train.val_samples``, ``--val-every``), and th
 names reach the same field through ``--set``, a recipe's ``TrainConfig``, the recipe flag and
 the ``config.json`` of an older run (which compares equal to the same run launched today)."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -60,6 +61,12 @@ def test_a_recipe_written_with_the_old_keywords_still_builds(warnings_seen):
         "train.val_samples",
     ]
     assert "eval_every" not in RunConfig(out="o", ds_config="c", train=train).to_dict()["train"]
+    assert train.eval_samples == 16  # a script that reads the old name reads the new field
+    moved = dataclasses.replace(train, val_every=7)  # replace knows only the new names
+    assert (moved.val_every, moved.eval_every, moved.val_samples) == (7, 7, 16)
+    assert TrainConfig(eval_every=1, val_every=2).val_every == 2  # both given: the new name's
+    with pytest.raises(TypeError):
+        TrainConfig(eval_everyy=1)
 
 
 def test_the_old_flag_sets_val_every_and_warns_once(warnings_seen):
