@@ -1,6 +1,6 @@
 """The typed reader of a run's ``config.json``: the document a launch writes
 (``anneal.resolution.resolve.Launch.config_document``: ``run``, ``ds_config``, ``resolved_from``,
-``model``, ``launch`` and a cooldown branch's ``branch``), read once into a ``RunRecord`` whose
+``model``, ``launch`` and a cooldown branch's ``cooldown``), read once into a ``RunRecord`` whose
 accessors give each reader the part it needs: the plots and the report, the memory estimate,
 the scaling fit, the cooldown branches, the launch resolution and the export.
 
@@ -111,10 +111,11 @@ class RunRecord:
         return _dict(self.doc.get("launch"))
 
     @property
-    def branch(self) -> dict | None:
-        """A cooldown branch's start (``anneal.resolution.cooldown.Branch.to_dict``), else None."""
-        branch = self.doc.get("branch")
-        return branch if isinstance(branch, dict) else None
+    def cooldown(self) -> dict | None:
+        """A cooldown branch's start (``anneal.resolution.cooldown.Cooldown.to_dict``), else
+        None. An Anneal before issue 40 wrote it as the ``branch`` section."""
+        cooldown = self.doc.get("cooldown", self.doc.get("branch"))
+        return cooldown if isinstance(cooldown, dict) else None
 
     # -- what the readers need ------------------------------------------------------------------
 
@@ -123,7 +124,8 @@ class RunRecord:
         return _dict(self.run.get("optim"))
 
     @property
-    def train(self) -> dict:
+    def train_settings(self) -> dict:
+        """``run.train``: the training settings as launched (``anneal.config.run.TrainConfig``)."""
         return _dict(self.run.get("train"))
 
     @property
@@ -174,10 +176,10 @@ class RunRecord:
     @property
     def loss_settings(self) -> dict:
         """``train.loss`` and ``train.loss_chunk_tokens`` as the run trained (those present)."""
-        return {k: self.train[k] for k in ("loss", "loss_chunk_tokens") if k in self.train}
+        return {k: v for k, v in self.train_settings.items() if k in ("loss", "loss_chunk_tokens")}
 
     @property
     def parent_run(self) -> Path | None:
         """The parent run directory a cooldown branch names (None when not a branch)."""
-        parent = (self.branch or {}).get("parent_run")
+        parent = (self.cooldown or {}).get("parent_run")
         return Path(parent) if isinstance(parent, str) and parent else None

@@ -295,7 +295,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, *, trained=False)
 
 def val_sources(val_rows: list[dict]) -> list[str]:
     """The sources with validation figures of their own (a blend's ``val_loss/<source>`` keys,
-    ``anneal.train.step.evaluate``), in the order they first appear."""
+    ``anneal.train.step.validate``), in the order they first appear."""
     keys = (k for row in val_rows for k in row if k.startswith("val_loss/"))
     return list(dict.fromkeys(k.split("/", 1)[1] for k in keys))
 

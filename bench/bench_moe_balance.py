@@ -83,7 +83,7 @@ def train(model_dir: Path, out: Path, data: Path, *, coef: float, steps: int) ->
         sys.executable,
         "recipes/pretrain_moe_tiny.py",
         *("--init-from", str(model_dir), "--out", str(out), "--data", str(data)),
-        *("--max-steps", str(steps), "--eval-every", "0", "--save-every", "0"),
+        *("--max-steps", str(steps), "--val-every", "0", "--save-every", "0"),
         *("--set", f"model.moe_aux_loss_coef={coef}", "--set", "optim.global_batch_tokens=2048"),
         *("--set", "ds.train_micro_batch_size_per_gpu=8", "--set", "optim.lr=1e-3"),
     ]

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from demo import BATCH_TOKENS, EVAL_WINDOWS, MICRO_BATCH, PEAK_LR, SCHEDULE  # noqa: E402
+from demo import BATCH_TOKENS, MICRO_BATCH, PEAK_LR, SCHEDULE, VAL_WINDOWS  # noqa: E402
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
 from anneal.dist import free_port  # noqa: E402
@@ -48,10 +48,10 @@ def command(
         str(Path(sys.executable).parent / "deepspeed"),
         *("--num_gpus", "2", "--master_port", str(free_port()), RECIPES[kind]),
         *("--out", str(out), "--data", str(data), "--max-steps", str(steps)),
-        *("--ds-config", "cpu_zero2.json", "--eval-every", str(every), "--save-every", "0"),
+        *("--ds-config", "cpu_zero2.json", "--val-every", str(every), "--save-every", "0"),
         *("--seed", str(seed)),
         *("--set", f"ds.train_micro_batch_size_per_gpu={MICRO_BATCH}"),
-        *("--set", f"train.eval_samples={windows}"),
+        *("--set", f"train.val_samples={windows}"),
         *("--set", f"optim.schedule={SCHEDULE}"),
         *("--set", f"optim.global_batch_tokens={BATCH_TOKENS}"),
         *("--set", f"optim.lr={PEAK_LR}"),
@@ -94,7 +94,7 @@ def main() -> None:
     )
     args = p.parse_args()
     steps, seeds, every = args.steps, [int(s) for s in args.seeds.split(",")], args.every
-    windows = EVAL_WINDOWS
+    windows = VAL_WINDOWS
     if args.smoke:
         steps, seeds, every, windows = 4, [0], 4, 16
     data = ensure_data(args.data)

@@ -77,7 +77,7 @@ def worker(args) -> None:
     for s in [
         *SHAPE,
         f"model.seq_len={args.seq}",
-        "train.eval_samples=0",
+        "train.val_samples=0",
         "ds.train_micro_batch_size_per_gpu=1",
         "ds.gradient_accumulation_steps=1",
         "ds.zero_optimization.stage=2",

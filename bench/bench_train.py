@@ -217,7 +217,7 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
     run's name -> its results, one per round."""
     steps = args.small_steps if model == "small" else args.steps
     tokens = MICRO * ACCUM * ranks * 256
-    sets = [*MODELS[model].sets, f"optim.global_batch_tokens={tokens}", "train.eval_samples=0"]
+    sets = [*MODELS[model].sets, f"optim.global_batch_tokens={tokens}", "train.val_samples=0"]
     sets += [f"train.loss={args.loss}"] if args.loss else []  # the reference loops ignore it
     flags = ("--shipped-zero",) if args.bare_zero == "shipped" else ()
     runs = {spec[0]: [] for spec in group}

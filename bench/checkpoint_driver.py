@@ -1,7 +1,7 @@
 """Runs a recipe (argv[1:]) as ``python recipes/...`` would, noting wall-clock marks on the way:
 interpreter up, heavy imports done, engine build begun and ended (``build_engine`` wrapped). The
 marks go to the JSON file named by $ANNEAL_BENCH_MARKS when the engine is built (the wrapper
-replaces ``anneal.train.trainer.build_engine``, the name ``run`` calls).
+replaces ``anneal.train.entry.build_engine``, the name ``run`` calls).
 
 A script that part 2 of bench_checkpoint starts in place of the recipe; only the standard
 library is imported before the first mark.
@@ -37,7 +37,7 @@ def main() -> None:
             json.dump(marks, f)
         return engine
 
-    anneal.train.trainer.build_engine = timed_build  # the name the Trainer's run() calls
+    anneal.train.entry.build_engine = timed_build  # the name run() calls
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

@@ -106,7 +106,7 @@ def engine_after_one_step(args, work: Path):
         resume="none",
         model=ModelConfig(preset=args.preset, seq_len=SEQ_LEN),
         data=DataConfig(path=args.data),
-        train=TrainConfig(max_steps=10, eval_samples=0),
+        train=TrainConfig(max_steps=10, val_samples=0),
     )
     single_process_env()
     setup_process()

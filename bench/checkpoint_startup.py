@@ -63,7 +63,7 @@ def recipe_argv(args, run_dir: Path, stop_at_step: int, resume: str) -> list[str
         "--set",
         f"optim.global_batch_tokens={4 * SEQ_LEN}",
         "--set",
-        "train.eval_samples=0",
+        "train.val_samples=0",
         "--set",
         f"train.stop_at_step={stop_at_step}",
     ]

@@ -56,7 +56,7 @@ class Row:
 
     def sets(self, *, cpu: bool) -> list[str]:
         sets = [
-            "train.eval_samples=0",  # no validation pass inside the measured steps
+            "train.val_samples=0",  # no validation pass inside the measured steps
             "train.log_every=1",
             f"train.precision={self.precision}",
             f"model.seq_len={self.seq_len}",
@@ -85,7 +85,7 @@ class Row:
             "1000000",  # the driver stops it; the schedule's warmup stays long
             "--save-every",
             "0",
-            "--eval-every",
+            "--val-every",
             "0",
             "--resume",
             "none",

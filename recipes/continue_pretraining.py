@@ -36,7 +36,7 @@ RECIPE = dict(
         decay_shape="1-sqrt",
         min_lr_ratio=0.0,
     ),
-    train=TrainConfig(max_steps=2400, eval_every=200, save_every=200, log_every=10),
+    train=TrainConfig(max_steps=2400, val_every=200, save_every=200, log_every=10),
 )
 
 if __name__ == "__main__":

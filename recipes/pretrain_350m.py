@@ -15,7 +15,7 @@ RECIPE = dict(
     preset="350m",
     ds_config="zero1_bf16.json",
     optim=OptimConfig(lr=3e-4, global_batch_tokens=2**19, warmup_tokens=375_000_000),
-    train=TrainConfig(max_steps=40000, eval_every=1000, save_every=1000, log_every=10),
+    train=TrainConfig(max_steps=40000, val_every=1000, save_every=1000, log_every=10),
 )
 
 if __name__ == "__main__":

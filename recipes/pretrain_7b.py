@@ -16,7 +16,7 @@ RECIPE = dict(
     ds_config="zero3_bf16.json",
     model=ModelConfig(activation_checkpointing=True),
     optim=OptimConfig(lr=1.2e-4, global_batch_tokens=2**21, warmup_tokens=375_000_000),
-    train=TrainConfig(max_steps=250000, eval_every=1000, save_every=1000, log_every=10),
+    train=TrainConfig(max_steps=250000, val_every=1000, save_every=1000, log_every=10),
 )
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ RECIPE = dict(
     cpu_ds_config="cpu_zero2.json",  # ZeRO-3 runs too: --set ds.zero_optimization.stage=3
     model=ModelConfig(activation_checkpointing=True),
     optim=OptimConfig(lr=4e-4, global_batch_tokens=1024 * 4096, warmup_tokens=10_000_000_000),
-    train=TrainConfig(max_steps=24_000, eval_every=1000, save_every=1000, log_every=10),
+    train=TrainConfig(max_steps=24_000, val_every=1000, save_every=1000, log_every=10),
 )
 
 if __name__ == "__main__":

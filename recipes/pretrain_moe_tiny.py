@@ -24,7 +24,7 @@ RECIPE = dict(
     ds_config="zero2_bf16.json",
     cpu_ds_config="cpu_zero2.json",  # ZeRO-3 runs too: --set ds.zero_optimization.stage=3
     optim=OptimConfig(lr=3e-3, global_batch_tokens=128 * 256, warmup_tokens=100 * 128 * 256),
-    train=TrainConfig(max_steps=200, eval_every=50, save_every=50, log_every=10),
+    train=TrainConfig(max_steps=200, val_every=50, save_every=50, log_every=10),
 )
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ RECIPE = dict(
     preset="tiny",
     ds_config="zero3_bf16.json",
     optim=OptimConfig(lr=3e-3, global_batch_tokens=64 * 256, warmup_tokens=100 * 64 * 256),
-    train=TrainConfig(max_steps=200, eval_every=50, save_every=50, log_every=10),
+    train=TrainConfig(max_steps=200, val_every=50, save_every=50, log_every=10),
 )
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def _finished(run_dir: Path) -> bool:
 
     if not (run_dir / "metrics.jsonl").is_file():
         return False
-    last = read_record(run_dir).train["max_steps"]
+    last = read_record(run_dir).train_settings["max_steps"]
     return any(r.get("step") == last for r in read_metrics(run_dir, "val"))
 
 
@@ -165,7 +165,7 @@ def _train_point(shape: Shape, tokens: int, args: argparse.Namespace) -> dict | 
             model=ModelConfig(preset="tiny", **dataclasses.asdict(shape)),
             optim=OPTIM,
             data=DataConfig(path=args.data),
-            train=TrainConfig(eval_every=0, save_every=0, seed=args.seed),
+            train=TrainConfig(val_every=0, save_every=0, seed=args.seed),
         ),
         args.set,
     )

@@ -31,7 +31,7 @@ of an epoch of the corpus, ending at 1.739 validation bits per byte (xz -9e: 1.7
 clone 340 steps took 307 s at a median 2,358 tokens/s and their first 320 took 288 s, under
 the 5 minutes (docs/benchmarks.md, "Beating the compressors", has the runs that chose it)."""
 
-EVAL_WINDOWS = 1_000_000
+VAL_WINDOWS = 1_000_000
 """Validation windows: more than the val split holds, so the model is scored on all of it (233
 windows of 256 tokens from the stdlib corpus), as the compressors are."""
 
@@ -86,12 +86,12 @@ def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) ->
         DS_CONFIG,
         "--set",
         f"ds.train_micro_batch_size_per_gpu={MICRO_BATCH}",
-        "--eval-every",
+        "--val-every",
         str(steps),
         "--save-every",
         str(max(1, steps // 2)),
         "--set",
-        f"train.eval_samples={EVAL_WINDOWS}",
+        f"train.val_samples={VAL_WINDOWS}",
         "--set",
         f"train.eval_tasks={TASK}",
         "--set",

@@ -21,6 +21,7 @@ from anneal.config.run import (
     OptimConfig,
     RunConfig,
     TrainConfig,
+    warn_renamed,
 )
 from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
@@ -66,14 +67,17 @@ def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--cooldown-from",
         "--branch-from",  # its name before issue 28, kept for scripts that use it
-        dest="branch_from",
+        dest="cooldown_from",
         metavar="CKPT",
         type=path,
         help="start a cooldown branch of a WSD run in a new --out: from this checkpoint (a tag "
         "directory, or a run directory: its newest), the LR decays to the floor over --set "
-        "optim.cooldown_tokens=N (train.branch_from; docs/training.md)",
+        "optim.cooldown_tokens=N (train.cooldown_from; docs/training.md)",
     )
-    p.add_argument("--eval-every", type=int, help="validate every N steps")
+    p.add_argument("--val-every", type=int, help="validate every N steps")
+    p.add_argument(  # its name before issue 40: still taken, with a warning
+        "--eval-every", dest="eval_every", type=int, help=argparse.SUPPRESS
+    )
     p.add_argument("--save-every", type=int, help="checkpoint every N steps")
     p.add_argument("--seed", type=int)
     p.add_argument(
@@ -121,21 +125,25 @@ def config_from_args(
                 "and its weights, as save_pretrained writes them)."
             )
         model = dataclasses.replace(model, init_from=args.init_from)
-    if args.branch_from is not None and not args.branch_from.strip():
+    if args.cooldown_from is not None and not args.cooldown_from.strip():
         raise UserError(
             "--cooldown-from is empty: give a checkpoint of a WSD run "
             "(RUN/checkpoints/stepNNNNNNNN) or its run directory."
         )
+    if args.eval_every is not None:
+        warn_renamed("--eval-every", "--val-every")
+        if args.val_every is None:
+            args.val_every = args.eval_every
     train = dataclasses.replace(
         train,
         **{
             k: v
             for k, v in (
                 ("max_steps", args.max_steps),
-                ("eval_every", args.eval_every),
+                ("val_every", args.val_every),
                 ("save_every", args.save_every),
                 ("seed", args.seed),
-                ("branch_from", args.branch_from),
+                ("cooldown_from", args.cooldown_from),
             )
             if v is not None
         },

@@ -11,11 +11,33 @@ one paragraph naming the flag or key and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO = "auto"
+log = logging.getLogger(__name__)
+
+RENAMED_KEYS = {
+    "train.eval_every": "train.val_every",
+    "train.eval_samples": "train.val_samples",
+    "train.branch_from": "train.cooldown_from",
+}
+"""Config keys renamed (issue 40: validation is ``val``, downstream tasks ``eval``; a cooldown's
+parent is ``cooldown_from``), old -> new.
+The old names still read: in ``--set``, as a recipe's ``TrainConfig`` keyword and in the
+``config.json`` of an older run; each says its new name once per process (``warn_renamed``)."""
+_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """One warning per old name and process: ``old`` still works, ``new`` is its name now."""
+    if old not in _warned:
+        _warned.add(old)
+        log.warning("%s is renamed %s; the old name still works for now: use %s", old, new, new)
+
 
 # ---------------------------------------------------------------------------------------------
 # Run config: one small frozen dataclass per concern.
@@ -104,9 +126,9 @@ class TrainConfig:
     """Optimizer steps in the whole run; the LR schedule ends here."""
     stop_at_step: int = 0
     """Exit cleanly after this step without changing the schedule (a preemption drill); 0: off."""
-    eval_every: int = 100
+    val_every: int = 100
     """Validate every N optimizer steps (and after the last); 0: only after the last."""
-    eval_samples: int = 64
+    val_samples: int = 64
     """Windows of the val split in each validation pass: the same held-out set every time,
     whatever the number of ranks."""
     eval_tasks: tuple[str, ...] = ()
@@ -155,7 +177,7 @@ class TrainConfig:
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
     (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
-    branch_from: str = ""
+    cooldown_from: str = ""
     """A checkpoint of a WSD run to branch a cooldown from (``--cooldown-from``): a tag directory
     (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
     run in ``out`` starts from its weights, optimizer state and data position; the parent is
@@ -166,6 +188,41 @@ class TrainConfig:
             object.__setattr__(self, "eval_tasks", split_specs(self.eval_tasks))
         elif isinstance(self.eval_tasks, list):
             object.__setattr__(self, "eval_tasks", tuple(self.eval_tasks))
+
+
+def _takes_renamed(cls, section: str):
+    """``cls(old=value)`` for each renamed key of ``section`` (``RENAMED_KEYS``): the value goes
+    to the new field (a recipe written before the rename), and ``obj.old`` reads the new field
+    (a script that reads it); each said once per process (``warn_renamed``). The old names are
+    no fields: ``dataclasses.fields``, ``to_dict`` and ``replace`` know only the new ones."""
+    renamed = {
+        old.removeprefix(f"{section}."): new.removeprefix(f"{section}.")
+        for old, new in RENAMED_KEYS.items()
+        if old.startswith(f"{section}.")
+    }
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        for old, new in renamed.items():
+            if old in kwargs:
+                warn_renamed(f"{section}.{old}", f"{section}.{new}")
+                kwargs.setdefault(new, kwargs.pop(old))  # both given: the new name's value
+        init(self, **kwargs)
+
+    def reader(old: str, new: str) -> property:
+        def read(self):
+            warn_renamed(f"{section}.{old}", f"{section}.{new}")
+            return getattr(self, new)
+
+        return property(read, doc=f"Renamed ``{new}``: reads it, with a warning.")
+
+    cls.__init__ = __init__
+    for old, new in renamed.items():
+        setattr(cls, old, reader(old, new))
+
+
+_takes_renamed(TrainConfig, "train")
 
 
 def split_specs(text: str) -> tuple[str, ...]:
@@ -265,6 +322,17 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened document with the keys an older Anneal wrote under their new names
+    (``run.train.eval_every`` -> ``run.train.val_every``, the ``branch`` section ->
+    ``cooldown``), so an older run compares equal."""
+    new_names = {f"run.{old}": f"run.{new}" for old, new in RENAMED_KEYS.items()}
+    return {
+        new_names.get(k, "cooldown." + k[7:] if k.startswith("branch.") else k): v
+        for k, v in flat.items()
+    }
+
+
 _LAYOUT_KEYS = {
     "ds_config.gradient_accumulation_steps",
     "ds_config.train_micro_batch_size_per_gpu",
@@ -280,7 +348,7 @@ def config_differences(old: dict, new: dict) -> list[str]:
     """Keys whose values differ between two resolved ``config.json`` documents. The split of
     the global batch into micro-batches and accumulation steps counts only with another global
     batch: a run resumed on another number of ranks keeps its global batch."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _renamed(_flatten(old)), _renamed(_flatten(new))
     same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
     diffs = []
     for key in sorted(set(a) | set(b)):

@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from anneal.config.run import (
+    RENAMED_KEYS,
     DataConfig,
     GuardConfig,
     ModelConfig,
@@ -22,6 +23,7 @@ from anneal.config.run import (
     RunConfig,
     TrainConfig,
     split_specs,
+    warn_renamed,
 )
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
@@ -40,7 +42,7 @@ _CHOICES = {
     ("optim", "schedule"): SCHEDULES,
     ("optim", "decay_shape"): DECAY_SHAPES,
 }
-_PATHS = {("data", "path"), ("model", "init_from"), ("train", "branch_from")}
+_PATHS = {("data", "path"), ("model", "init_from"), ("train", "cooldown_from")}
 """The keys that hold a path: never empty, never longer than the file system takes."""
 
 
@@ -91,6 +93,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             )
         if section == "ds":
             continue
+        given = key  # the messages name the key as typed
+        if key in RENAMED_KEYS:  # an old name: still read, said once
+            warn_renamed(key, RENAMED_KEYS[key])
+            key = RENAMED_KEYS[key]
+            section, _, field = key.partition(".")
         if section not in _SECTIONS:
             raise UserError(
                 f"{where}: unknown section {section!r}"
@@ -111,7 +118,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if (section, field) in _PATHS and isinstance(parsed, str):
             if not parsed:
                 raise UserError(f"{where}: the path is empty (an unset shell variable?). Give one.")
-            check_path_length(parsed, flag=f"--set {key}")
+            check_path_length(parsed, flag=f"--set {given}")
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
 
@@ -183,8 +190,8 @@ _RANGES: dict[str, tuple[Any, str]] = {
     ),
     "train.max_steps": _AT_LEAST_1,
     "train.stop_at_step": _STEPS,
-    "train.eval_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
-    "train.eval_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
+    "train.val_every": (lambda v: v >= 0, "0 (only after the last step) or a number of steps"),
+    "train.val_samples": (lambda v: v >= 0, "0 (no validation) or a number of windows"),
     "train.eval_tasks_every": (
         lambda v: v >= 0,
         "0 (only after the last step) or a number of steps",
@@ -218,7 +225,7 @@ _RANGES: dict[str, tuple[Any, str]] = {
 }
 FLAGS = {
     "train.max_steps": "--max-steps",
-    "train.eval_every": "--eval-every",
+    "train.val_every": "--val-every",
     "train.save_every": "--save-every",
     "train.seed": "--seed",
 }

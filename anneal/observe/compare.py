@@ -207,7 +207,7 @@ def _parentage(runs: list[RunScores]) -> str:
 
 def _about(run: RunScores) -> str:
     """Where a run comes from and the steps its figures are from."""
-    branch = run.record.branch
+    branch = run.record.cooldown
     if branch is not None:
         length = f"{branch.get('cooldown_steps')} steps of cooldown"
         where = f"branch at step {branch.get('step')} ({length})"

@@ -232,9 +232,9 @@ def plot_schedule_file(
     params = {**sched, "total_num_steps": steps, "warmup_num_steps": int(warm)}
     schedule = Schedule.resolved({**params, "cos_min_ratio": floor}, optim)
     if optim:  # a run's config.json: a cooldown branch's decay (anneal.resolution.cooldown)
-        from anneal.resolution.cooldown import with_branch
+        from anneal.resolution.cooldown import with_cooldown
 
-        schedule = with_branch(schedule, record)
+        schedule = with_cooldown(schedule, record)
     out = out or Path(f"schedule_{Path(path).stem}_{steps}.png")
     claim_pngs([out])
     what = "cosine" if kind == "cosine" else f"stable, {schedule.decay_shape} decay"

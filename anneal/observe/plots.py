@@ -230,10 +230,10 @@ def _plot_lr(plt, c, train, events, record, path, name, parent=None) -> Path:
     if all(isinstance(v, int | float) for v in (total, warm, peak)):
         from anneal.config.schedule import Schedule
         from anneal.observe.formula_plots import planned_lr, schedule_phases
-        from anneal.resolution.cooldown import with_branch
+        from anneal.resolution.cooldown import with_cooldown
 
         schedule = Schedule.resolved({"cos_min_ratio": 0.1, **sched}, record.optim)
-        schedule = with_branch(schedule, record)
+        schedule = with_cooldown(schedule, record)
         decay = "cosine decay" if schedule.kind == "cosine" else f"{schedule.decay_shape} decay"
         _trained_phases(ax, c, train, upto=since, peak=peak, decay_label=decay)
         schedule_phases(ax, schedule, colors=c, from_step=since)

@@ -9,7 +9,7 @@ parent; the same number of ranks, tensor-parallel degree and ZeRO stage, as ZeRO
 per rank; the data's tokenizer), the ``--out`` (a new directory outside the parent, or this
 branch's own, to continue it) and the branch's length. The parent is only read: its manifest
 and config.json here, its checkpoint files when the engine loads them. The branch's
-``config.json`` records the lineage (``Branch.to_dict``), which ``anneal plot`` and ``anneal
+``config.json`` records the lineage (``Cooldown.to_dict``), which ``anneal plot`` and ``anneal
 report`` read (``anneal.run_record.RunRecord``, ``schedule_of``, ``lineage``).
 """
 
@@ -33,13 +33,14 @@ from anneal.resolution import ds as ds_config
 from anneal.run_record import RunRecord
 
 FLAG = "--cooldown-from"
-EXPECTED_DIFFERENCES = ("train.max_steps", "train.branch_from", "optim.cooldown_tokens", "out")
+EXPECTED_DIFFERENCES = ("train.max_steps", "train.cooldown_from", "optim.cooldown_tokens", "out")
 """Keys in which a branch differs from its parent by construction (not reported)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Branch:
-    """Where a cooldown branch starts, as its config.json's ``branch`` section records it."""
+class Cooldown:
+    """Where a cooldown branch starts, as its config.json's ``cooldown`` section records it
+    (``branch`` before issue 40; ``anneal.run_record.RunRecord.cooldown`` reads both)."""
 
     parent_run: str
     checkpoint: str
@@ -77,11 +78,11 @@ class Branch:
 
 def resolve(
     cfg: RunConfig, ds: dict, *, meta: dict, world_size: int, layout, seq_len: int
-) -> tuple[RunConfig, Branch | None, list[str]]:
-    """(the launch's config, its branch, notes). Not a branch (no ``train.branch_from``): the
+) -> tuple[RunConfig, Cooldown | None, list[str]]:
+    """(the launch's config, its branch, notes). Not a branch (no ``train.cooldown_from``): the
     config as given. A branch: its length as ``train.max_steps``, its schedule WSD, and as
     ``resume`` the parent's checkpoint, unless ``out`` holds this branch's own already."""
-    if not cfg.train.branch_from:
+    if not cfg.train.cooldown_from:
         if cfg.optim.cooldown_tokens:
             raise UserError(
                 f"optim.cooldown_tokens is {cfg.optim.cooldown_tokens:,} but this launch is not a "
@@ -94,12 +95,12 @@ def resolve(
             f"{FLAG} starts a new run in --out from the parent's checkpoint, and a relaunch with "
             f"the same command continues it; --resume and --restart do not apply. Drop them."
         )
-    tag = parent_checkpoint(cfg.train.branch_from)  # links resolved: the real parent's
+    tag = parent_checkpoint(cfg.train.cooldown_from)  # links resolved: the real parent's
     manifest, parent_run = read_manifest(tag), rundir.of_checkpoint(tag)
     where = f"{FLAG} {tag}"
     _check_manifest(tag, manifest, where=where)
     parent = rundir.read_record(parent_run)
-    ratio = _branch_ratio(parent, manifest["step"], where=where, run=parent_run)
+    ratio = _cooldown_ratio(parent, manifest["step"], where=where, run=parent_run)
     _check_topology(parent, manifest, ds, world_size, layout.tensor_parallel, where=where)
     _check_parent_tokenizer(manifest, meta, cfg.data.path, where=where)
     if cfg.optim.cooldown_tokens <= 0:
@@ -108,7 +109,7 @@ def resolve(
             f"optim.cooldown_tokens=N (e.g. a fifth of the parent's tokens so far, "
             f"{(manifest.get('tokens') or 0) // 5:,}, as Haegele et al. 2024 found 20% enough)."
         )
-    branch = Branch(
+    branch = Cooldown(
         parent_run=str(parent_run.absolute()),  # plots and reports read it from anywhere
         checkpoint=str(tag.absolute()),
         step=manifest["step"],
@@ -153,12 +154,12 @@ def schedule_of(record: RunRecord) -> Schedule:
     document has no scheduler)."""
     doc = record.doc
     schedule = Schedule.resolved(doc["ds_config"]["scheduler"]["params"], doc["run"]["optim"])
-    return with_branch(schedule, record)
+    return with_cooldown(schedule, record)
 
 
-def with_branch(schedule: Schedule, record: RunRecord) -> Schedule:
+def with_cooldown(schedule: Schedule, record: RunRecord) -> Schedule:
     """``schedule`` as the branch's decay when ``record`` is a branch's."""
-    branch = record.branch
+    branch = record.cooldown
     try:
         step, ratio = int(branch["step"]), float(branch["from_ratio"])
     except (KeyError, TypeError, ValueError):
@@ -170,8 +171,8 @@ def lineage(run_dir: Path, *, depth: int = 8) -> list[str]:
     """One line per ancestor of a branch (parent first): the run, the step and checkpoint it
     branched from, the manifest's hash and the cooldown. Empty when not a branch."""
     lines, record = [], rundir.record_or_empty(run_dir)
-    while record.branch is not None and len(lines) < depth:
-        b = record.branch
+    while record.cooldown is not None and len(lines) < depth:
+        b = record.cooldown
         lines.append(
             f"branch of {b.get('parent_run')} at step {b.get('step')} (checkpoint "
             f"{Path(str(b.get('checkpoint'))).name}, manifest sha256 "
@@ -205,7 +206,7 @@ def _check_manifest(tag: Path, manifest: dict, *, where: str) -> None:
         )
 
 
-def _branch_ratio(parent: RunRecord, step: int, *, where: str, run: Path) -> float:
+def _cooldown_ratio(parent: RunRecord, step: int, *, where: str, run: Path) -> float:
     """The parent's LR ratio at ``step``; a cosine parent, or a step at its floor, refused."""
     optim = parent.optim
     if optim.get("schedule") != "wsd":
@@ -294,7 +295,7 @@ def _same_data(parent: RunRecord, data_dir: Path) -> bool:
         return False
 
 
-def _check_out(out: Path, branch: Branch) -> bool:
+def _check_out(out: Path, branch: Cooldown) -> bool:
     """``out`` may hold nothing of another run, and lies outside the parent (which is never
     written). True when it holds this branch already (the same parent checkpoint, the same
     manifest) with a checkpoint of its own: the launch continues from there."""
@@ -309,7 +310,7 @@ def _check_out(out: Path, branch: Branch) -> bool:
     found = rundir.holds_run(out)
     if not found:
         return False
-    mine = rundir.record_or_empty(out).branch or {}
+    mine = rundir.record_or_empty(out).cooldown or {}
     if (Path(str(mine.get("checkpoint"))).resolve(), mine.get("manifest_sha256")) == (
         Path(branch.checkpoint),
         branch.manifest_sha256,
@@ -323,7 +324,7 @@ def _check_out(out: Path, branch: Branch) -> bool:
 
 
 def _notes(
-    cfg: RunConfig, branch: Branch, parent: RunRecord, manifest: dict, *, resumed
+    cfg: RunConfig, branch: Cooldown, parent: RunRecord, manifest: dict, *, resumed
 ) -> list[str]:
     end = branch.step + branch.cooldown_steps
     notes = [

@@ -56,7 +56,7 @@ class Launch:
     meta: dict
     """The data directory's meta.json."""
     notes: list[str]
-    branch: cooldown.Branch | None = None
+    cooldown: cooldown.Cooldown | None = None
     """A cooldown branch's start (``anneal.resolution.cooldown``); None for any other run."""
 
     @property
@@ -89,7 +89,7 @@ class Launch:
     def schedule(self) -> Schedule:
         """The LR schedule the engine applies (``anneal.config.schedule``)."""
         schedule = Schedule.resolved(self.ds_config["scheduler"]["params"], self.cfg.optim)
-        return self.branch.applied_to(schedule) if self.branch else schedule
+        return self.cooldown.applied_to(schedule) if self.cooldown else schedule
 
     @property
     def bf16(self) -> bool:
@@ -106,7 +106,7 @@ class Launch:
         """What ``config.json`` holds: the run config, the resolved ds_config and where its
         run-dependent values came from, the model and the launch."""
         return {
-            **({"branch": self.branch.to_dict()} if self.branch else {}),
+            **({"cooldown": self.cooldown.to_dict()} if self.cooldown else {}),
             "run": self.cfg.to_dict(),
             "ds_config": self.ds_config,
             "resolved_from": self.resolved_from,
@@ -230,7 +230,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         device_type=device_type,
         meta=meta,
         notes=notes,
-        branch=branch,
+        cooldown=branch,
     )
     if resume_from is not None:
         _check_resume_target(launch)
@@ -266,14 +266,14 @@ def _check_resume_target(launch: Launch) -> None:
 
 
 def _check_validation_data(launch: Launch) -> None:
-    """A run that evaluates needs at least one validation window in its data."""
-    if not launch.has_validation and launch.cfg.train.eval_samples > 0:
+    """A run that validates needs at least one validation window in its data."""
+    if not launch.has_validation and launch.cfg.train.val_samples > 0:
         data_dir, val_tokens = Path(launch.cfg.data.path), launch.meta["splits"]["val"]["tokens"]
         raise UserError(
             f"--data {data_dir}: has no validation windows of {launch.seq_len + 1} tokens (its val "
             f"split holds {val_tokens:,} tokens), so validation cannot run. "
-            f"Prepare it again with a larger --val-fraction, or train without evaluation: "
-            f"--set train.eval_samples=0."
+            f"Prepare it again with a larger --val-fraction, or train without validation: "
+            f"--set train.val_samples=0."
         )
 
 

@@ -1,11 +1,13 @@
-"""Training: the Trainer and its loop (``trainer``), building the engine (``engine``: the one
-call of ``deepspeed.initialize``), one optimizer step and the loss on held-out windows
+"""Training: the Trainer and its loop (``trainer``), a rank's way in (``entry``: checks, engine,
+checkpoint, then the Trainer), building the engine (``engine``: the one call of
+``deepspeed.initialize``), one optimizer step and the loss on held-out windows
 (``step``), and what watches a run (``observers``). Recipes call ``run(cfg)``."""
 
 from anneal.train.engine import build_engine, resolve_run, setup_process
+from anneal.train.entry import run
 from anneal.train.observers import ExportAfterSave, Observer
-from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
-from anneal.train.trainer import Trainer, run
+from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
+from anneal.train.trainer import Trainer
 
 __all__ = [
     "ExportAfterSave",
@@ -14,10 +16,10 @@ __all__ = [
     "TrainState",
     "Trainer",
     "build_engine",
-    "evaluate",
     "next_token_loss",
     "resolve_run",
     "run",
     "setup_process",
     "train_step",
+    "validate",
 ]

@@ -137,7 +137,7 @@ class Metrics(Observer):
 
     def on_val(self, row: dict) -> None:
         self.logger.write(row)
-        per_source = [  # a blend: each source's bits per byte (anneal.train.step.evaluate)
+        per_source = [  # a blend: each source's bits per byte (anneal.train.step.validate)
             f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items() if k.startswith("val_bpb/")
         ]
         print0(

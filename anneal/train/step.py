@@ -191,7 +191,7 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(
+def validate(
     engine, val: PackedSplit, token_bytes: np.ndarray, *, n_samples: int, micro_batch: int
 ) -> dict:
     """Loss on ``n_samples`` fixed held-out windows (chosen per source: ``validation_windows``),

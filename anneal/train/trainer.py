@@ -4,24 +4,20 @@ It owns the engine, the token stream, the train state, the guard and the run dir
 one ``state_dict`` / ``load_state_dict`` that a save, a resume and a guard rewind all go
 through, so a new piece of resume state is added in one place. Everything that leaves the
 loop, rows and events alike, goes to the run's observers (``anneal.train.observers``).
-``run(cfg)`` checks everything, builds the engine and loads the checkpoint before anything is
-written to the run directory (``anneal.rundir.RunDir``).
+``anneal.train.entry.run(cfg)`` checks everything, builds the engine and loads the checkpoint
+before anything is written to the run directory, then hands them to a Trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from anneal import rundir
-from anneal.config.run import RunConfig
-from anneal.config.run_checks import check_ranges
 from anneal.data.prepared_dir import PreparedDir
 from anneal.data.stream import PackedSplit, TokenStream
 from anneal.dist import print0, rank, world_size
@@ -36,63 +32,10 @@ from anneal.resilience.preempt import Preemption
 from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
-from anneal.train.engine import build_engine, data_replica, resolve_run, setup_process
-from anneal.train.step import StepShape, TrainState, evaluate, next_token_loss, train_step
+from anneal.train.engine import data_replica
+from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
 
 log = logging.getLogger(__name__)
-
-
-def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
-    """Train per ``cfg``. Returns a summary (final losses, tokens/s, run directory).
-
-    Everything is checked (``resolve_launch``), the engine built and the checkpoint loaded before
-    anything is written to the run directory; a launch that fails after that but before its
-    first step puts the directory back as it found it (``RunDir``), so the corrected relaunch
-    starts cleanly instead of meeting the config of a run that never trained."""
-    check_ranges(cfg)  # before the process group: collective_timeout_s goes there
-    setup_process(cfg.train.collective_timeout_s)
-    launch = resolve_run(cfg, overrides)
-    log_notes(launch.notes, rank=rank())
-    torch.manual_seed(cfg.train.seed)
-    np.random.seed(cfg.train.seed)
-    data = Data.open(launch)
-    print0(launch.describe())
-    engine = build_engine(launch)
-    recompute = getattr(engine.module, "is_activation_checkpointing", False)
-    print0(f"activation checkpointing {'on' if recompute else 'off'}")
-    t0 = time.perf_counter()
-    resume_from = launch.resume_from and checkpoint.verified_resume(
-        launch.resume_from,
-        fallback=launch.cfg.resume == "auto",  # a branch: its parent's tag
-    )
-    resumed = {"verify_s": round(time.perf_counter() - t0, 3)}
-    guard = Guard(cfg.guard, run_dir=launch.out, resuming=resume_from is not None)
-    client = None
-    if resume_from is not None:
-        t0 = time.perf_counter()
-        client = checkpoint.load(
-            engine,
-            resume_from,
-            ckpt_dir=rundir.checkpoints_dir(launch.out),
-            expert_parallel=launch.layout.expert_parallel,
-            tensor_parallel=launch.layout.tensor_parallel,
-            zero_stage=launch.zero_stage,
-        )
-        resumed.update(checkpoint=str(resume_from), load_s=round(time.perf_counter() - t0, 3))
-    run_dir = RunDir.for_launch(launch)
-    try:
-        return Trainer(launch, engine, guard, run_dir, data).train(client, resumed)
-    except BaseException:
-        run_dir.undo()
-        raise
-
-
-def log_notes(notes: Sequence[str], *, rank: int) -> None:
-    """What the launch changed or decided that the user did not write (``Launch.notes``), once:
-    every rank resolves the same launch, so rank 0 says it for all."""
-    if rank == 0:
-        for note in notes:
-            log.warning(note)
 
 
 @dataclasses.dataclass
@@ -104,7 +47,7 @@ class Data:
     @classmethod
     def open(cls, launch: Launch) -> Data:
         path, seq_len = Path(launch.cfg.data.path), launch.seq_len
-        val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.eval_samples else None
+        val = PackedSplit(path, "val", seq_len=seq_len) if launch.cfg.train.val_samples else None
         train = PackedSplit(path, "train", seq_len=seq_len)
         return cls(train, val, PreparedDir(path).token_bytes())
 
@@ -112,9 +55,9 @@ class Data:
 class Trainer:
     """Owns the engine, the token stream, the train state, the guard and the run directory.
 
-    ``train_step`` and ``evaluate`` are the step functions (``anneal.train.step``; the first
-    wrapped by fault injection when ``ANNEAL_FAULTS`` asks). ``watchers``: observers of the run
-    besides its own (``start``), told everything after them."""
+    ``train_step`` and ``val_step`` (``validate``) are the step functions
+    (``anneal.train.step``; the first wrapped by fault injection when ``ANNEAL_FAULTS`` asks).
+    ``watchers``: observers of the run besides its own (``start``), told everything after them."""
 
     def __init__(
         self,
@@ -134,7 +77,7 @@ class Trainer:
         self.exports = observers.ExportAfterSave(self.cfg.train.export_every_save)
         fault = faults.from_env(rank())  # ANNEAL_FAULTS: drills and tests only
         self.train_step = fault.wrap(train_step, next_token_loss) if fault else train_step
-        self.evaluate = evaluate
+        self.val_step = validate
         self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
         self.mfu = Mfu(
@@ -161,8 +104,8 @@ class Trainer:
     def load_state_dict(self, client: dict) -> None:
         """The train state, the guard's record (which may move the data position past skipped
         samples) and the token stream at that position, from a checkpoint's client state."""
-        if self.launch.branch is not None:  # a cooldown branch on other data starts it at 0
-            client = self.launch.branch.client_for(client)
+        if self.launch.cooldown is not None:  # a cooldown branch on other data starts it at 0
+            client = self.launch.cooldown.client_for(client)
         self.state = TrainState(step=client["step"], tokens=client["tokens"])
         position = self.guard.restore(self.engine, client, client["data"]["position"])
         self.engine.lr_scheduler.apply()  # the schedule's LR, not the one the optimizer saved
@@ -233,7 +176,7 @@ class Trainer:
             self.observers.on_event(self.state.step, "resume", position=position, **resumed)
             print0(f"resumed from {resumed['checkpoint']} at step {self.state.step}")
             change = self.engine.lr_scheduler.change_on_resume()  # e.g. a new --max-steps
-            if self.launch.branch is not None and self.state.step == self.launch.branch.step:
+            if self.launch.cooldown is not None and self.state.step == self.launch.cooldown.step:
                 change = None  # a branch's decay: the launch's notes said it
             if change and rank() == 0:
                 log.warning(change)
@@ -297,18 +240,16 @@ class Trainer:
         self.guard.rewound(spike_step, client, tag_dir, self.observers)
 
     def validation_due(self) -> bool:
-        """Every ``eval_every`` steps and after the last step (never without val data)."""
+        """Every ``val_every`` steps and after the last step (never without val data)."""
         train = self.cfg.train
-        return self.data.val is not None and _due(
-            self.state.step, train.eval_every, train.max_steps
-        )
+        return self.data.val is not None and _due(self.state.step, train.val_every, train.max_steps)
 
     def validate(self) -> None:
-        row = self.evaluate(
+        row = self.val_step(
             self.engine,
             self.data.val,
             self.data.token_bytes,
-            n_samples=self.cfg.train.eval_samples,
+            n_samples=self.cfg.train.val_samples,
             micro_batch=self.launch.micro_batch,
         )
         self.last_val = {**row, "step": self.state.step}

@@ -105,7 +105,7 @@ def test_out_with_a_different_run_is_refused(stdlib_data, tmp_path):
         str(out),
         "--data",
         str(stdlib_data),
-        "--eval-every",
+        "--val-every",
         "2",
         "--save-every",
         "2",
@@ -142,7 +142,7 @@ def test_resume_on_data_with_another_tokenizer_is_refused(tmp_path):
     prepare(inputs=[str(text)], out=first, **kw)
     prepare(inputs=[str(text)], out=second, model_type="unigram", **kw)
     out = tmp_path / "run"
-    base = ["--out", str(out), "--max-steps", "4", "--eval-every", "2", "--save-every", "2", *SMALL]
+    base = ["--out", str(out), "--max-steps", "4", "--val-every", "2", "--save-every", "2", *SMALL]
     run_recipe([*base, "--data", str(first), "--set", "train.stop_at_step=2"])
     shutil.rmtree(first)
     err = fail([*base, "--data", str(second), "--resume", "auto"])
@@ -257,14 +257,14 @@ def test_entry_point_destroys_its_process_group(ends, monkeypatch):
 
 def test_data_without_validation_trains_only_with_evaluation_off(shared_runs, tmp_path):
     """A data directory prepared with --val-fraction 0 is refused while validation is on (one
-    paragraph, nothing written) and trains with train.eval_samples=0 (the session's "noval"
+    paragraph, nothing written) and trains with train.val_samples=0 (the session's "noval"
     run, tests/conftest.py: 2 steps on that directory)."""
     from tests.conftest import read_metrics
 
     data = shared_runs["noval_data"]
     base = ["--out", str(tmp_path / "run"), "--data", str(data), "--max-steps", "2", *SMALL]
     err = refused(base)
-    assert "no validation windows" in err and "train.eval_samples=0" in err
+    assert "no validation windows" in err and "train.val_samples=0" in err
     assert not (tmp_path / "run").exists()
     run, _ = shared_runs["noval"]
     assert len(read_metrics(run, "train")) == 2

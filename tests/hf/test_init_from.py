@@ -154,7 +154,7 @@ def resolve(model_dir: Path, data: Path, out: Path, *extra: str):
 def anneal_step0(model_dir: Path, data: Path, out: Path, stage: int) -> float:
     """Anneal's validation loss before any update: the recipe's resolution, the engine as
     training builds it (ZeRO ``stage``) and the validation pass of the loop."""
-    from anneal.train import build_engine, evaluate, resolve_run
+    from anneal.train import build_engine, resolve_run, validate
     from anneal.train.trainer import Data
 
     cfg, overrides = config(model_dir, data, out, "--set", f"ds.zero_optimization.stage={stage}")
@@ -162,7 +162,7 @@ def anneal_step0(model_dir: Path, data: Path, out: Path, stage: int) -> float:
     engine = build_engine(launch)
     d = Data.open(launch)
     n, micro = launch.cfg.train.eval_samples, launch.micro_batch
-    return evaluate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
+    return validate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
 
 
 @torch.no_grad()

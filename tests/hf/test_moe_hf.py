@@ -295,7 +295,7 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     copied in under zero.Init before AutoEP takes the experts) equals plain transformers'
     within 1e-5."""
     from anneal.model import active_params, count_params
-    from anneal.train import build_engine, evaluate, resolve_run
+    from anneal.train import build_engine, resolve_run, validate
     from anneal.train.trainer import Data
     from tests.hf.test_init_from import config, transformers_loss
 
@@ -312,7 +312,7 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     assert type(engine.module.model.layers[0].mlp).__name__ == "AutoEPMoELayer"
     d = Data.open(launch)
     n, micro = launch.cfg.train.eval_samples, launch.micro_batch
-    ours = evaluate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
+    ours = validate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
     theirs = transformers_loss(moe_dir, moe_data)
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert abs(ours - math.log(VOCAB)) > 0.01

@@ -23,6 +23,8 @@ RECIPE_FLAGS = [
     "--force",
     "--init-from",
     "--cooldown-from/--branch-from",
+    # Issue 40: validation is "val"; --eval-every, its old name, still taken with a warning.
+    "--val-every",
     "--eval-every",
     "--save-every",
     "--seed",

@@ -158,7 +158,7 @@ def test_a_run_record_reads_strictly_and_its_accessors_never_raise(tmp_path):
             "optimizer": {"params": {"lr": 3e-4}},
         },
         "launch": {"device": "cuda"},
-        "branch": {"parent_run": "/runs/parent"},
+        "cooldown": {"parent_run": "/runs/parent"},
     }
     path.write_text(json.dumps(doc))
     record = rundir.read_record(tmp_path)
@@ -175,7 +175,7 @@ def test_a_run_record_reads_strictly_and_its_accessors_never_raise(tmp_path):
     for text in ("[1, 2]", "{broken", json.dumps(garbage)):
         path.write_text(text)
         empty = rundir.record_or_empty(tmp_path)
-        assert (empty.run, empty.model, empty.ds_config, empty.branch) == ({}, {}, {}, None)
+        assert (empty.run, empty.model, empty.ds_config, empty.cooldown) == ({}, {}, {}, None)
         assert (empty.data_path, empty.vocab_size, empty.warmup_steps, empty.device) == (
             None,
             None,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from anneal.dist import accelerator_env
-from anneal.train.trainer import log_notes
+from anneal.train.entry import log_notes
 from tests.conftest import ROOT, env
 
 CPU_NOTICE = "Setting accelerator to CPU"
@@ -79,7 +79,7 @@ def test_launch_notes_are_logged_by_rank_0_only(caplog):
     """Every rank resolves the same launch; its notes (a batch rounded up, fp32 on a CPU, a
     cooldown branch) are logged once, by rank 0, as warnings."""
     notes = ["global batch rounded up", "cooldown branch of runs/p"]
-    with caplog.at_level(logging.INFO, logger="anneal.train.trainer"):
+    with caplog.at_level(logging.INFO, logger="anneal.train.entry"):
         log_notes(notes, rank=1)
         assert caplog.records == []
         log_notes(notes, rank=0)

@@ -95,8 +95,8 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
     n = ["--set", "optim.cooldown_tokens=1000"]  # 512 tokens a step: 2 steps
     launch = plan_for(branch_args(wsd_parent, tiny_data, tmp_path / "b", *n))
     assert launch.tokens_per_step == 512 and launch.cfg.train.max_steps == 4
-    assert launch.resume_from == tag and launch.branch.same_data
-    doc = launch.config_document()["branch"]
+    assert launch.resume_from == tag and launch.cooldown.same_data
+    doc = launch.config_document()["cooldown"]
     assert (doc["parent_run"], doc["checkpoint"], doc["step"]) == (str(wsd_parent), str(tag), 2)
     assert doc["manifest_sha256"] == sha256_file(tag / "manifest.json")
     assert [launch.schedule.ratio(t) for t in (3, 4)] == pytest.approx([1 - math.sqrt(0.5), 0])
@@ -126,13 +126,13 @@ def test_a_branch_resolves_from_a_wsd_checkpoint(wsd_parent, tiny_data, tmp_path
         inputs=[str(tmp_path / "other.txt")], out=other, tokenizer=tiny_data / "tokenizer.model"
     )
     launch = plan_for(branch_args(tag, other, tmp_path / "b2", *n))
-    assert not launch.branch.same_data
+    assert not launch.cooldown.same_data
     client = {"step": 2, "data": {"position": 37}, "guard": {"history": [[2, 5.0]], "x": 1}}
-    start = launch.branch.client_for(client)
+    start = launch.cooldown.client_for(client)
     assert start["data"]["position"] == 0 and start["guard"]["history"] == []
     assert start["guard"]["x"] == 1 and client["data"]["position"] == 37
     own = {**client, "step": 3}  # the branch's own checkpoints: as saved
-    assert launch.branch.client_for(own) is own
+    assert launch.cooldown.client_for(own) is own
     assert any("position 0" in note for note in launch.notes)
     assert tree(wsd_parent) == before and not (tmp_path / "b").exists()
 
@@ -229,7 +229,7 @@ def test_a_branch_through_a_linked_tag_is_the_real_parents(wsd_parent, tiny_data
             msg = str(e.value)
             assert f"the parent run {wsd_parent}, and a branch never writes" in msg, msg
         launch = plan_for(branch_args(given, tiny_data, tmp_path / "b", *n))
-        doc = launch.config_document()["branch"]
+        doc = launch.config_document()["cooldown"]
         assert (doc["parent_run"], doc["checkpoint"]) == (str(wsd_parent), str(real_tag))
         assert launch.resume_from == real_tag
     assert tree(wsd_parent) == before and not (tmp_path / "b").exists()
@@ -242,7 +242,7 @@ def test_two_cooldowns_from_one_wsd_run(tiny_data, tmp_path):
     workers sharing 2 cores at a load of about 10). The issue's acceptance test for branching."""
     peak, start = 3e-3, 8  # the tiny recipe's optim.lr; the branch step
     parent = tmp_path / "parent"
-    common = [*SMALL, "--data", str(tiny_data), "--save-every", "8", "--eval-every", "8"]
+    common = [*SMALL, "--data", str(tiny_data), "--save-every", "8", "--val-every", "8"]
     run_recipe(
         [*common, "--out", str(parent), "--max-steps", "40", "--set", "optim.schedule=wsd"]
         + ["--set", f"train.stop_at_step={start}"]
@@ -271,7 +271,7 @@ def test_two_cooldowns_from_one_wsd_run(tiny_data, tmp_path):
         assert [r["lr"] for r in train] == pytest.approx(want, rel=1e-9, abs=1e-15)
         final = read_metrics(run, "val")[-1]
         assert final["step"] == start + steps and final["val_loss"] < parent_val, (name, final)
-        doc = json.loads((run / "config.json").read_text())["branch"]
+        doc = json.loads((run / "config.json").read_text())["cooldown"]
         assert (doc["parent_run"], doc["step"]) == (str(parent), start)
         assert doc["manifest_sha256"] == sha256_file(tag / "manifest.json")
         report = (run / "report.txt").read_text()

@@ -133,7 +133,7 @@ def test_recipe_flags():
             "9",
             "--resume",
             "none",
-            "--eval-every",
+            "--val-every",
             "3",
             "--save-every",
             "4",
@@ -152,7 +152,7 @@ def test_recipe_flags():
     assert (cfg.out, cfg.data.path, cfg.ds_config, cfg.resume) == ("o", "d", "cpu.json", "none")
     assert cfg.resume_explicit and cfg.optim.lr == 1e-3
     t = cfg.train
-    assert (t.max_steps, t.eval_every, t.save_every, t.seed) == (9, 3, 4, 5)
+    assert (t.max_steps, t.val_every, t.save_every, t.seed) == (9, 3, 4, 5)
     assert overrides == ["ds.gradient_clipping=0.5", "optim.lr=1e-3"]
 
 

@@ -131,7 +131,7 @@ def stand_in_step(losses: list[float], *, signal_at: int = 0, fail_at: int = 0):
     return step
 
 
-def evaluate(engine, val, token_bytes, *, n_samples: int, micro_batch: int) -> dict:
+def validate(engine, val, token_bytes, *, n_samples: int, micro_batch: int) -> dict:
     return {"kind": "val", "step": 0, "val_loss": 2.0, "val_ppl": 7.389, "val_bpb": 1.0}
 
 
@@ -150,7 +150,7 @@ def trainer(
     good steps on; ``step`` for its train step, saves of ``save_s`` seconds; with ``tasks``, a
     stand-in scoring of downstream tasks every 2 steps."""
     args = ["--data", str(tiny_data), "--out", str(out), "--max-steps", "6"]
-    args += ["--eval-every", "2", "--save-every", "2", "--set", "guard.min_history=2"]
+    args += ["--val-every", "2", "--save-every", "2", "--set", "guard.min_history=2"]
     if tasks:
         args += ["--set", "train.eval_tasks=t", "--set", "train.eval_tasks_every=2"]
     launch = resolve_tiny(args, world_size=1)
@@ -164,7 +164,7 @@ def trainer(
         Data.open(launch),
         watchers=[recorder],
     )
-    t.train_step, t.evaluate = step, evaluate
+    t.train_step, t.val_step = step, validate
     t.tasks = Tasks() if tasks else None
     return t, recorder
 

@@ -276,7 +276,7 @@ def test_the_recipe_trains_and_validates_as_with_the_plain_loss(
     and grad norms within 1e-5 relative, validation within 1e-6. Slow: one more recipe run
     (about 10 s)."""
     chunked_dir, chunked_proc = same_seed_runs["fp32"]
-    args = ["--max-steps", "4", "--eval-every", "2", "--save-every", "0", *SMALL]
+    args = ["--max-steps", "4", "--val-every", "2", "--save-every", "0", *SMALL]
     args += ["--set", "train.log_every=2", "--set", "train.loss=plain"]
     run_recipe(["--out", str(tmp_path / "plain"), "--data", str(tiny_data), *args])
     assert "runs plain" not in chunked_proc.stderr  # the head took the chunked loss

@@ -30,7 +30,7 @@ def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks, 
     out = tmp_path / "run"
     shm_before = shm_files()
     run_recipe(
-        ["--out", str(out), "--data", str(tiny_data), "--max-steps", "2", "--eval-every", "0"]
+        ["--out", str(out), "--data", str(tiny_data), "--max-steps", "2", "--val-every", "0"]
         + SMALL,
         ranks=ranks,
         timeout_s=180,

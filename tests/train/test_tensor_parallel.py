@@ -272,7 +272,7 @@ def test_export_of_a_tensor_parallel_checkpoint(runs, tmp_path):
     ref = modellib.build_model(preset_from_record(record)).eval()
     ref.load_state_dict(weights)
     val = PackedSplit(Path(record.data_path), "val", seq_len=32)
-    x, y = val.batch(heldout_windows(val.source_windows, 8))  # train.eval_samples=8
+    x, y = val.batch(heldout_windows(val.source_windows, 8))  # train.val_samples=8
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         ref_logits, logits = ref(input_ids=x).logits, hf(input_ids=x).logits

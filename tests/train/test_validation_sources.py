@@ -2,10 +2,10 @@
 reports each source's loss and bits per byte beside the total.
 
 Proves: with one source the chosen windows are exactly the former choice (``t * n // k``, k =
-min(eval_samples, n)), so single-source validation figures are unchanged; source s of a blend
-gets its size's share of ``eval_samples`` (largest remainder, at least one window, at most all),
+min(val_samples, n)), so single-source validation figures are unchanged; source s of a blend
+gets its size's share of ``val_samples`` (largest remainder, at least one window, at most all),
 spread evenly over its own range, so the same source prepared alone and validated with
-``eval_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
+``val_samples`` = that share evaluates the same windows; the windows are dealt to ranks so each
 is evaluated once, with equal batch counts; source names become clean metric keys, one per
 source and never two equal. With the real DeepSpeed engine (one gloo rank in this process,
 ZeRO-1 fp32 on CPU, two steps trained so the weights are off init): two text sources prepared as
@@ -60,7 +60,7 @@ def test_one_source_is_the_former_choice(n_windows, n_samples):
         ([1000, 1], 10, [10, 1]),  # a source with a window gets one even below its share
         ([100, 0, 50], 30, [20, 0, 10]),  # an empty source gets none
         ([3, 4], 100, [3, 4]),  # never more than a source has
-        ([3, 4], 0, [0, 0]),  # eval_samples=0: no validation
+        ([3, 4], 0, [0, 0]),  # val_samples=0: no validation
     ],
 )
 def test_counts_follow_size(sizes, n, counts):
@@ -176,10 +176,10 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
     a few seconds."""
     from anneal.cli.recipe import config_from_args
     from anneal.data.stream import PackedSplit, TokenStream
-    from anneal.train import StepShape, TrainState, build_engine, evaluate, resolve_run, train_step
+    from anneal.train import StepShape, TrainState, build_engine, resolve_run, train_step, validate
 
     argv = ["--data", str(blend["blend"]), "--out", str(tmp_path / "run"), *SMALL]
-    argv += ["--set", f"model.seq_len={SEQ}", "--set", "train.eval_samples=24", *FAST]
+    argv += ["--set", f"model.seq_len={SEQ}", "--set", "train.val_samples=24", *FAST]
     cfg, overrides = config_from_args(
         argv, prog="recipes/pretrain_tiny.py", preset="tiny", ds_config="cpu.json", on_cpu=True
     )
@@ -194,11 +194,11 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
     token_bytes = np.load(blend["blend"] / "token_bytes.npy")
     val = PackedSplit(blend["blend"], "val", seq_len=SEQ)
     assert val.source_names == ["prose.txt", "code.txt"]
-    row = evaluate(
+    row = validate(
         engine,
         val,
         token_bytes,
-        n_samples=launch.cfg.train.eval_samples,
+        n_samples=launch.cfg.train.val_samples,
         micro_batch=launch.micro_batch,
     )
     counts = heldout_counts([n for _, n in val.source_windows], 24)
@@ -211,7 +211,7 @@ def test_a_blend_reports_each_source_as_validated_alone(blend, world_of_one, tmp
         assert len(alone_val._shards) > 3  # windows within shards cut alike
         assert all((alone_val.window(j) == val.window(first + j)).all() for j in range(n))
         alone_bytes = np.load(blend[name] / "token_bytes.npy")
-        ref = evaluate(engine, alone_val, alone_bytes, n_samples=k, micro_batch=launch.micro_batch)
+        ref = validate(engine, alone_val, alone_bytes, n_samples=k, micro_batch=launch.micro_batch)
         assert set(ref) == {"kind", "step", "val_loss", "val_ppl", "val_bpb"}  # one source
         assert row[f"val_loss/{name}"] == pytest.approx(ref["val_loss"], rel=1e-6)
         assert row[f"val_bpb/{name}"] == pytest.approx(ref["val_bpb"], rel=1e-6)
@@ -301,9 +301,9 @@ def test_one_and_two_ranks_agree_per_source(blend, tmp_path):
     of CPU, 169 s wall on 2 cores shared by five workers."""
     from tests.conftest import read_metrics, run_recipe
 
-    common = ["--data", str(blend["blend"]), "--max-steps", "2", "--eval-every", "2"]
+    common = ["--data", str(blend["blend"]), "--max-steps", "2", "--val-every", "2"]
     common += ["--save-every", "0", *SMALL, "--set", f"model.seq_len={SEQ}"]
-    common += ["--set", "train.eval_samples=25", "--set", "ds.train_micro_batch_size_per_gpu=2"]
+    common += ["--set", "train.val_samples=25", "--set", "ds.train_micro_batch_size_per_gpu=2"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_recipe(["--out", str(one), *common, "--set", "ds.gradient_accumulation_steps=2"])
     run_recipe(["--out", str(two), *common, "--set", "ds.gradient_accumulation_steps=1"], ranks=2)

@@ -254,9 +254,9 @@ def test_extending_a_run(tiny_data, tmp_path):
     jump once. The resumed runs stop after step 15 (the drill's stop), which leaves out the
     end-of-run charts and report, a process each."""
     peak = 3e-3  # the tiny recipe's optim.lr
-    base = [*SMALL, "--data", str(tiny_data), "--save-every", "100", "--eval-every", "0"]
+    base = [*SMALL, "--data", str(tiny_data), "--save-every", "100", "--val-every", "0"]
     base += ["--set", "ds.scheduler.params.warmup_num_steps=auto"]
-    base += ["--set", "optim.warmup_max_share=0.5", "--set", "train.eval_samples=0"]
+    base += ["--set", "optim.warmup_max_share=0.5", "--set", "train.val_samples=0"]
     runs = {name: tmp_path / name for name in ("wsd", "cosine")}
 
     def launches(max_steps, stop, *resume):
@@ -350,9 +350,9 @@ def test_wsd_learns_as_well_as_cosine(stdlib_data, tmp_path):
     held-out windows. Measured: 5.2889 against 5.4424 nats/token (WSD 2.8% lower); the
     demo-sized pair: docs/benchmarks.md."""
     sets = [v for v in SMALL[1::2] if not v.startswith(("train.eval", "ds.gradient_acc"))]
-    sets += ["train.eval_samples=512", "optim.lr=3e-3", "optim.global_batch_tokens=512"]
+    sets += ["train.val_samples=512", "optim.lr=3e-3", "optim.global_batch_tokens=512"]
     sets += ["ds.train_micro_batch_size_per_gpu=8"]  # 8 x 64 tokens a step, no accumulation
-    base = ["--data", str(stdlib_data), "--max-steps", "150", "--eval-every", "0"]
+    base = ["--data", str(stdlib_data), "--max-steps", "150", "--val-every", "0"]
     base += ["--save-every", "0", *(a for v in sets for a in ("--set", v))]
     runs = {name: tmp_path / name for name in ("wsd", "cosine")}
     run_recipes(
