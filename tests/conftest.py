@@ -318,7 +318,7 @@ def shared_runs(_shared_runs_started) -> dict:
     - ``fp32``, ``bf16``, ``ac``, ``auto``: 4 steps from the same seed (validation at steps 2
       and 4, a progress line every 2 steps): cpu.json, train.precision=bf16, activation
       checkpointing on, and the shipped zero3_bf16.json (which a CPU switches to fp32).
-    - ``noval``: 2 steps with train.eval_samples=0 on "noval_data".
+    - ``noval``: 2 steps with train.val_samples=0 on "noval_data".
     - ``grad_check``: tests/scripts/grad_check.py on 2 ranks through the deepspeed runner (one
       optimizer step against plain torch, ENGINE_REFERENCE_OVERRIDES), for
       tests/train/test_engine_reference.py.
@@ -351,8 +351,8 @@ def shared_launches(tiny_data: Path, tmp: Path) -> dict[str, dict]:
     )
     prepare(inputs=[str(text)], out=noval, vocab_size=300, val_fraction=0.0, progress=False)
 
-    stopped = ["--eval-every", "0", "--save-every", "1", "--set", "train.stop_at_step=2"]
-    same_seed = ["--max-steps", "4", "--eval-every", "2", "--save-every", "0"]
+    stopped = ["--val-every", "0", "--save-every", "1", "--set", "train.stop_at_step=2"]
+    same_seed = ["--max-steps", "4", "--val-every", "2", "--save-every", "0"]
     same_seed += [*SMALL, "--set", "train.log_every=2"]
     auto = ["--ds-config", "zero3_bf16.json", "--set", "ds.optimizer.params.torch_adam=true"]
     auto += ["--set", "ds.train_micro_batch_size_per_gpu=4"]
@@ -370,7 +370,7 @@ def shared_launches(tiny_data: Path, tmp: Path) -> dict[str, dict]:
         "ac": dict(args=[*same_seed, "--set", "model.activation_checkpointing=true"]),
         "auto": dict(args=[*same_seed, *auto]),
         "noval": dict(
-            args=["--max-steps", "2", *SMALL, "--set", "train.eval_samples=0"], data=noval
+            args=["--max-steps", "2", *SMALL, "--set", "train.val_samples=0"], data=noval
         ),
     }
     for name, launch in launches.items():
@@ -503,7 +503,7 @@ SMALL = [
     "--set",
     "model.seq_len=64",
     "--set",
-    "train.eval_samples=16",
+    "train.val_samples=16",
     "--set",
     "ds.scheduler.params.warmup_num_steps=2",
     "--set",
@@ -523,7 +523,7 @@ PARALLEL_SHAPE = [
     "model.intermediate_size=176",
     "model.num_attention_heads=4",
     "model.seq_len=32",
-    "train.eval_samples=8",
+    "train.val_samples=8",
     "train.log_every=1",
     "ds.scheduler.params.warmup_num_steps=2",
     "ds.train_micro_batch_size_per_gpu=2",
@@ -557,7 +557,7 @@ def parallel_args(
     end-of-run report process."""
     return [
         *("--out", str(out), "--data", str(data), "--max-steps", str(PARALLEL_STEPS + 1)),
-        *("--eval-every", str(PARALLEL_STEPS), "--save-every", str(save_every)),
+        *("--val-every", str(PARALLEL_STEPS), "--save-every", str(save_every)),
         *sets(
             f"train.stop_at_step={PARALLEL_STEPS}",
             *PARALLEL_SHAPE,

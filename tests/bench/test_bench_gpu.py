@@ -110,7 +110,7 @@ def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
     assert plan.cfg.train.loss == row.loss
     assert plan.micro_batch == row.micro
     assert plan.micro_batch * plan.grad_accum * row.seq_len == row.global_tokens
-    assert plan.cfg.train.eval_samples == 0  # no validation pass among the measured steps
+    assert plan.cfg.train.val_samples == 0  # no validation pass among the measured steps
     params = ds["optimizer"]["params"]
     assert params["torch_adam"] is (row.optimizer != "ds-fused")
     assert params.get("fused", False) is (row.optimizer == "torch-fused")
@@ -177,7 +177,7 @@ def test_three_steps_of_the_125m_recipe_in_bf16_on_one_gpu(stdlib_data, tmp_path
     # gpu.sh's PYTHONPATH carries the wheels it installed (DeepSpeed, on the lent machine)
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     run_recipe(
-        [*args, "--eval-every", "0", "--save-every", "0", "--set", "train.log_every=1"],
+        [*args, "--val-every", "0", "--save-every", "0", "--set", "train.log_every=1"],
         recipe="recipes/pretrain_125m.py",
         timeout_s=300,
         extra_env={"PYTHONPATH": pythonpath},

@@ -27,7 +27,7 @@ STEPS = 2
 # stops after step 2 of 3 so that the recipe skips its end-of-run plots and report.
 SETS = [
     "optim.global_batch_tokens=512",
-    "train.eval_samples=0",
+    "train.val_samples=0",
     "model.seq_len=64",
     "model.hidden_size=64",
     "model.num_hidden_layers=2",

@@ -87,7 +87,7 @@ def test_tiny_model_approaches_the_entropy_rate_and_never_goes_below(tmp_path):
         str(data_dir),
         "--max-steps",
         "200",
-        "--eval-every",
+        "--val-every",
         "50",
         "--save-every",
         "0",

@@ -416,7 +416,7 @@ def loop_runs(tiny_data, tmp_path_factory) -> dict:
     specs = write_tasks(tmp / "tasks")
     specs = ",".join(["anneal_next_line", *specs])
     tasks = ["--set", f"train.eval_tasks={specs}", "--set", "train.eval_tasks_every=3"]
-    common = ["--data", str(tiny_data), "--max-steps", str(STEPS), "--eval-every", str(STEPS)]
+    common = ["--data", str(tiny_data), "--max-steps", str(STEPS), "--val-every", str(STEPS)]
     common += ["--save-every", "0", *SMALL]
     runs = {}
     for layout, sets in LAYOUTS.items():

@@ -557,7 +557,7 @@ def _submit_both(slurm, tmp_path: Path, data: Path) -> tuple[Path, str, str]:
     cmd += ["--device", "cpu", "--grace-s", "60", "--master-port", str(free_ports(2))]
     cmd += ["--watch-tasks", str(task), "--watch-limit", "4", "--watch-poll-s", "1"]
     cmd += ["--", "--out", str(run), "--data", str(data), "--max-steps", "12"]
-    cmd += ["--save-every", "3", "--eval-every", "1000", "--set", "train.keep_last=10", *SMALL]
+    cmd += ["--save-every", "3", "--val-every", "1000", "--set", "train.keep_last=10", *SMALL]
     done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     train_job, watch_job = [line.split()[-1] for line in done.stdout.splitlines()

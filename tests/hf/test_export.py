@@ -248,7 +248,7 @@ def test_export_peak_memory_is_far_below_model_size(stdlib_data, tmp_path):
         "--set",
         "model.seq_len=64",
         "--set",
-        "train.eval_samples=4",
+        "train.val_samples=4",
         "--set",
         "ds.train_micro_batch_size_per_gpu=1",
         "--set",

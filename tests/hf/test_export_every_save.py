@@ -36,7 +36,7 @@ def test_each_save_of_a_run_is_exported(tiny_data, tmp_path):
     from anneal.hf.export import read_marker
 
     out = tmp_path / "run"
-    stop = ["--max-steps", "4", "--eval-every", "0", "--set", "train.stop_at_step=2"]
+    stop = ["--max-steps", "4", "--val-every", "0", "--set", "train.stop_at_step=2"]
     done = run_recipe(
         [
             "--out",

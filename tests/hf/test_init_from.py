@@ -121,7 +121,7 @@ def recipe_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str
         "--set",
         f"model.seq_len={SEQ}",
         "--set",
-        f"train.eval_samples={EVAL_WINDOWS}",
+        f"train.val_samples={EVAL_WINDOWS}",
         "--set",
         f"optim.global_batch_tokens={8 * SEQ}",
         "--set",
@@ -161,7 +161,7 @@ def anneal_step0(model_dir: Path, data: Path, out: Path, stage: int) -> float:
     launch = resolve_run(cfg, overrides)
     engine = build_engine(launch)
     d = Data.open(launch)
-    n, micro = launch.cfg.train.eval_samples, launch.micro_batch
+    n, micro = launch.cfg.train.val_samples, launch.micro_batch
     return validate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
 
 

@@ -311,7 +311,7 @@ def test_init_from_a_qwen3_moe_is_sparse_and_its_step0_loss_is_transformers(
     engine = build_engine(launch)
     assert type(engine.module.model.layers[0].mlp).__name__ == "AutoEPMoELayer"
     d = Data.open(launch)
-    n, micro = launch.cfg.train.eval_samples, launch.micro_batch
+    n, micro = launch.cfg.train.val_samples, launch.micro_batch
     ours = validate(engine, d.val, d.token_bytes, n_samples=n, micro_batch=micro)["val_loss"]
     theirs = transformers_loss(moe_dir, moe_data)
     assert ours == pytest.approx(theirs, rel=1e-5)
@@ -386,7 +386,7 @@ def test_init_from_trains_with_its_router_losses_and_exports_back(moe_dir, moe_d
     from tests.hf.test_init_from import recipe_args
 
     run = tmp_path / "run"
-    steps = ("--max-steps", "2", "--eval-every", "2", "--save-every", "2")
+    steps = ("--max-steps", "2", "--val-every", "2", "--save-every", "2")
     args = recipe_args(moe_dir, moe_data, run, *STAGE1, *steps)
     run_recipe(args, recipe="recipes/continue_pretraining.py", extra_env={"OMP_NUM_THREADS": "1"})
     rows = rundir.read_metrics(run, "train")

@@ -355,7 +355,7 @@ def recipe_flags(run: Path, data: Path, *, max_steps: int, shape: list[str]) -> 
         str(data),
         "--max-steps",
         str(max_steps),
-        "--eval-every",
+        "--val-every",
         "1000",
         "--save-every",
         "1000",

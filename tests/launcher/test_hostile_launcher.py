@@ -64,7 +64,7 @@ def refused(capsys, argv: list[str], *must: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
+def launcher_data(tmp_path_factory) -> Path:
     """A real prepared directory from a few kilobytes of text (a 300-token vocabulary)."""
     from anneal.data.prepare import prepare
 
@@ -358,7 +358,7 @@ def test_an_interpreter_path_with_shell_syntax_never_runs(tmp_path):
     ]
 
 
-def test_submit_refuses_a_newline_in_out_and_writes_nothing(tmp_path, capsys, tiny_data):
+def test_submit_refuses_a_newline_in_out_and_writes_nothing(tmp_path, capsys, launcher_data):
     base = ["submit", RECIPE, *"--nodes 2 --gpus-per-node 1 --partition p --device cpu".split()]
     base += ["--time", "01:00:00"]
     before = tree(tmp_path)
@@ -366,7 +366,7 @@ def test_submit_refuses_a_newline_in_out_and_writes_nothing(tmp_path, capsys, ti
         for dry in ([], ["--dry-run"]):
             refused(
                 capsys,
-                [*base, *dry, "--", "--out", str(tmp_path / out), "--data", str(tiny_data)],
+                [*base, *dry, "--", "--out", str(tmp_path / out), "--data", str(launcher_data)],
                 "--out",
                 match,
                 "Choose an --out",
@@ -389,7 +389,7 @@ SUBMIT_OPTIONS = {
 
 
 @pytest.mark.parametrize("case", SUBMIT_OPTIONS, ids=list(SUBMIT_OPTIONS))
-def test_bad_submit_options(tmp_path, capsys, monkeypatch, tiny_data, case):
+def test_bad_submit_options(tmp_path, capsys, monkeypatch, launcher_data, case):
     monkeypatch.setenv("HF_HUB_PAT", "hf_pat_value")
     monkeypatch.setenv("HF_ENDPOINT", "https://user:hunter2@hub.example")
     extra, match = SUBMIT_OPTIONS[case]
@@ -399,7 +399,7 @@ def test_bad_submit_options(tmp_path, capsys, monkeypatch, tiny_data, case):
     argv = ["submit", RECIPE, "--device", "cpu", *[x for kv in opts.items() for x in kv]]
     before = tree(tmp_path)
     err = refused(
-        capsys, [*argv, "--", "--out", str(tmp_path / "run"), "--data", str(tiny_data)], match
+        capsys, [*argv, "--", "--out", str(tmp_path / "run"), "--data", str(launcher_data)], match
     )
     assert "hf_pat_value" not in err and "hunter2" not in err
     assert tree(tmp_path) == before
@@ -499,14 +499,14 @@ def test_pdsh_checks_apply_only_where_a_remote_shell_runs_the_command(tmp_path):
         )
 
 
-def test_odd_values_pass_where_no_remote_shell_sees_them(tmp_path, capsys, tiny_data):
+def test_odd_values_pass_where_no_remote_shell_sees_them(tmp_path, capsys, launcher_data):
     """--no-ssh: DeepSpeed starts the ranks of this node without a shell, so a `$` in --out is
     just a character (the dry run prints the command, starts and writes nothing)."""
     hf = tmp_path / "hosts"
     hf.write_text("node1 slots=1\nnode2 slots=1\n")
     out = tmp_path / "run$(id)"
     flags = "--no-ssh --node-rank 0 --master-addr 10.0.0.1 --device cpu --dry-run".split()
-    data = ["--data", str(tiny_data), "--max-steps", "2"]
+    data = ["--data", str(launcher_data), "--max-steps", "2"]
     argv = ["run", RECIPE, "--hostfile", str(hf), *flags, "--", "--out", str(out), *data]
     before = tree(tmp_path)
     code, printed, err = launch(capsys, argv)
@@ -661,13 +661,13 @@ def test_env_flag_refuses_secrets_but_not_path_or_the_shell_pwd():
 
 
 def test_the_launcher_names_what_it_left_out_never_the_values(
-    tmp_path, capsys, monkeypatch, tiny_data
+    tmp_path, capsys, monkeypatch, launcher_data
 ):
     for name, value in {**SECRETS, **HARMLESS}.items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "run"
     flags = "--num-gpus 1 --device cpu --dry-run".split()
-    data = ["--data", str(tiny_data), "--max-steps", "2"]
+    data = ["--data", str(launcher_data), "--max-steps", "2"]
     argv = ["run", RECIPE, *flags, "--", "--out", str(out), *data]
     code, printed, err = launch(capsys, argv)
     assert code == 0, err

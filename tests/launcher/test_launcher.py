@@ -274,7 +274,7 @@ def test_pre_flight_says_a_resume_on_fewer_ranks_converts_the_checkpoint(
     out = two_rank_run["out"]
     before = tree(out)
     flags = ["--", "--out", str(out), "--data", str(tiny_data), "--max-steps", "3"]
-    flags += ["--eval-every", "0", "--save-every", "1", *SMALL, "--resume", "auto"]
+    flags += ["--val-every", "0", "--save-every", "1", *SMALL, "--resume", "auto"]
     line = (
         "resume: step00000002 was saved on 2 ranks, ZeRO-3; this launch is 1 rank, ZeRO-3: it "
         "is converted once to DeepSpeed's universal checkpoint under this run's "
@@ -325,7 +325,7 @@ def test_submit_forecasts_for_the_gpus_the_job_asks_for(recipe, tiny_data, tmp_p
     out = tmp_path / "run"
     argv = ["submit", f"recipes/{recipe}", "--nodes", "2", "--gpus-per-node", "8"]
     argv += ["--partition", "gpu", "--time", "04:00:00", "--dry-run", "--"]
-    argv += ["--out", str(out), "--data", str(tiny_data), "--set", "train.eval_samples=0"]
+    argv += ["--out", str(out), "--data", str(tiny_data), "--set", "train.val_samples=0"]
     code = launcher_main(argv)
     printed, err = capsys.readouterr()
     assert code == 0, err
@@ -435,7 +435,7 @@ BAD_LAUNCHES = {
     ),
     # tiny_data has no validation window of the 7b's 4,097 tokens: evaluation off
     "disk_for_two_checkpoints": (
-        ["--", "--set", "model.preset=7b", "--set", "train.eval_samples=0"],
+        ["--", "--set", "model.preset=7b", "--set", "train.val_samples=0"],
         "two checkpoints",
     ),
 }
@@ -537,7 +537,7 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
                     str(stdlib_data),
                     "--max-steps",
                     str(max_steps),
-                    "--eval-every",
+                    "--val-every",
                     "2",
                     "--save-every",
                     "2",

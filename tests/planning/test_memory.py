@@ -393,7 +393,7 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
         str(data),
         "--max-steps",
         "2",
-        "--eval-every",
+        "--val-every",
         "0",
         "--resume",
         "none",
@@ -402,7 +402,7 @@ def peak_rss(out: Path, data: Path, sets: list[str]) -> int:
         "--set",
         "ds.scheduler.params.warmup_num_steps=1",
         "--set",
-        "train.eval_samples=1",
+        "train.val_samples=1",
     ]
     for s in sets:
         cmd += ["--set", s]

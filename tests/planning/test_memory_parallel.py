@@ -194,11 +194,11 @@ def peak_rss_of_a_rank(out: Path, data: Path, sets: list[str], *, ranks: int = 2
     its own mapping, returned when freed, so the RSS follows the live tensors."""
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
     cmd += ["recipes/pretrain_tiny.py", "--out", str(out), "--data", str(data)]
-    cmd += ["--max-steps", "2", "--eval-every", "0", "--resume", "none"]
+    cmd += ["--max-steps", "2", "--val-every", "0", "--resume", "none"]
     for s in [
         "ds.gradient_accumulation_steps=1",
         "ds.scheduler.params.warmup_num_steps=1",
-        "train.eval_samples=1",
+        "train.val_samples=1",
         "train.loss=plain",
         *sets,
     ]:

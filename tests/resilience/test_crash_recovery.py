@@ -28,11 +28,11 @@ def _args(data, out):
         str(STEPS),
         "--save-every",
         "2",
-        "--eval-every",
+        "--val-every",
         "0",
         *SMALL,
         "--set",
-        "train.eval_samples=0",
+        "train.val_samples=0",
     ]
 
 

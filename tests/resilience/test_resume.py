@@ -23,7 +23,7 @@ def runs(request, stdlib_data, tmp_path_factory):
         str(stdlib_data),
         "--max-steps",
         str(2 * N),
-        "--eval-every",
+        "--val-every",
         str(N),
         "--save-every",
         str(N),
