@@ -29,8 +29,9 @@ demo: $(STAMP) data/stdlib/meta.json
 
 # `make test` leaves out the tests marked slow (end-to-end drills: real Slurm, ssh, crash,
 # world size, long runs); `make test-all` (CI) runs everything, as two pytest sessions side by
-# side (tests/shards.py; `make test SLOW=1` runs it all in one). How long each takes: README,
-# "Quick start". Each session prints its 10 slowest tests, so a slow one is seen.
+# side (tests/shards.py; `make test SLOW=1` runs it all in one). How long each takes:
+# docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a slow
+# one is seen.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 $(if $(SLOW),,-m "not slow") tests
 

@@ -21,7 +21,8 @@ BIN = Path(sys.executable).parent
 
 
 # A hung collective or lock must cost one test, not the CI run: past this many seconds the
-# session stops before its next test and says so (the suite's duration: README, "Quick start").
+# session stops before its next test and says so (the suite's duration: docs/benchmarks.md,
+# "The test suite").
 SUITE_BUDGET_S = float(os.environ.get("ANNEAL_TEST_BUDGET_S", 3600))
 _SUITE_START = time.monotonic()
 

@@ -251,9 +251,9 @@ def _big_input(directory: Path) -> Path:
     return path
 
 
-def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
+def _start_prepare(out: Path, workers: int = 1, source: Path | None = None) -> subprocess.Popen:
     """One worker and small shards: the first shard lands early in packing, which then goes
-    on for seconds."""
+    on for seconds (``source``: another input than ``_big_input``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
@@ -262,7 +262,7 @@ def _start_prepare(out: Path, workers: int = 1) -> subprocess.Popen:
         "data",
         "prepare",
         "--input",
-        str(_big_input(out.parent)),
+        str(source or _big_input(out.parent)),
         "--out",
         str(out),
         "--workers",
@@ -313,8 +313,11 @@ def test_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
     assert not out.exists() and partial.exists() and not (partial / "meta.json").exists()
     with pytest.raises(UserError, match="interrupted prepare"):
         check_prepared(out)
-    # The next prepare removes the dead one's leftovers.
-    proc = _start_prepare(out, workers=2)
+    # The next prepare removes the dead one's leftovers (its input need not be the same: one
+    # copy of the big one's first 1.5 MB, which it packs in a second where that took seconds).
+    small = tmp_path / "small.jsonl"
+    small.write_text(_big_input(tmp_path).read_text()[:1_500_000].rpartition("\n")[0] + "\n")
+    proc = _start_prepare(out, workers=2, source=small)
     assert proc.wait(timeout=300) == 0, proc.communicate()
     assert not partial.exists()
     check_prepared(out)

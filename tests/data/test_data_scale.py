@@ -120,11 +120,12 @@ def one_node(corpus, tmp_path_factory) -> Path:
 
 
 def run_in_tasks(corpus: Path, out: Path, n: int, *, extra=()) -> dict[int, dict]:
-    """The plan, then every task at once as its own process, then (not here) the merge.
-    Returns each task's part.json."""
+    """The plan (in this process, whose working directory must be ``out``'s folder), then every
+    task at once as its own process, then (not here) the merge. Returns each task's
+    part.json."""
     args = [*inputs(corpus), *FLAGS, "--out", str(out), "--tasks", str(n), *extra]
-    done = cli(*args, cwd=out.parent)
-    assert done.returncode == 0, done.stderr
+    assert Path.cwd() == out.parent
+    assert main(["data", "prepare", *args]) == 0
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "anneal.cli", "data", "prepare", *args, "--task", str(i)]
@@ -145,10 +146,13 @@ def run_in_tasks(corpus: Path, out: Path, n: int, *, extra=()) -> dict[int, dict
 
 
 @pytest.mark.parametrize("n", [1, 3, 7])
-def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp_path, n):
+def test_tasks_run_apart_merge_into_the_one_node_directory(
+    corpus, one_node, tmp_path, n, capsys, monkeypatch
+):
     """Each N: the plan, N task processes at once, the merge; the merged tree is the one-node
     tree byte for byte (one sha256 over it, and each file). About 2 s each here (one process
-    per task and step)."""
+    per task; the plan and the merge in this process, from the folder of --out)."""
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "data"
     parts_of = run_in_tasks(corpus, out, n)
     parts = out.with_name("data.parts")
@@ -159,13 +163,14 @@ def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp
         assert len(holding) >= 2, holding
     if n == 3:  # a resubmitted task that has its marker is not run again
         before = {p: p.stat().st_mtime_ns for p in (parts / "task-00001").rglob("*")}
-        again = cli(
-            *inputs(corpus), *FLAGS, "--out", str(out), "--tasks", "3", "--task", "1", cwd=tmp_path
-        )
-        assert again.returncode == 0 and "complete already" in again.stdout, again.stderr
+        capsys.readouterr()
+        again = ["--out", str(out), "--tasks", "3", "--task", "1"]
+        assert main(["data", "prepare", *inputs(corpus), *FLAGS, *again]) == 0
+        assert "complete already" in capsys.readouterr().out
         assert {p: p.stat().st_mtime_ns for p in before} == before
-    merged = cli(*inputs(corpus), *FLAGS, "--out", str(out), "--merge", cwd=tmp_path)
-    assert merged.returncode == 0, merged.stderr
+    capsys.readouterr()
+    assert main(["data", "prepare", *inputs(corpus), *FLAGS, "--out", str(out), "--merge"]) == 0
+    merged = capsys.readouterr()
     want = files(one_node)
     got = files(out)
     want.pop("provenance.json"), got.pop("provenance.json")
@@ -184,7 +189,7 @@ def test_tasks_run_apart_merge_into_the_one_node_directory(corpus, one_node, tmp
             check=True,
         )
         assert shell.stdout.split()[0] == tree_sha256(out)
-    assert f"content sha256 {tree_sha256(one_node)}" in merged.stdout
+    assert f"content sha256 {tree_sha256(one_node)}" in merged.out
     assert not parts.exists()  # the merge removed the parts
     made = json.loads((out / "provenance.json").read_text())
     assert [t["task"] for t in made["tasks"]] == list(range(n))
@@ -209,15 +214,29 @@ def tree(directory: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def planned(corpus, tmp_path):
-    """A plan of 3 tasks with every task complete, in this process (a second each):
-    (the flags, --out, the parts directory)."""
-    out = tmp_path / "data"
+@pytest.fixture(scope="module")
+def _planned_once(corpus, tmp_path_factory) -> tuple[list[str], Path, Path]:
+    """A plan of 3 tasks with every task complete, made once for the module in this process
+    (the plan and each task: a second or two each), and a copy of its folder: (the flags,
+    --out, the copy)."""
+    out = tmp_path_factory.mktemp("planned") / "data"
     args = [*inputs(corpus), *FLAGS, "--out", str(out), "--tasks", "3", "--workers", "1"]
     assert main(["data", "prepare", *args]) == 0
     for i in range(3):
         assert main(["data", "prepare", *args, "--task", str(i)]) == 0
+    copy = tmp_path_factory.mktemp("planned_copy") / "folder"
+    shutil.copytree(out.parent, copy, symlinks=True)
+    return args, out, copy
+
+
+@pytest.fixture
+def planned(_planned_once) -> tuple[list[str], Path, Path]:
+    """``_planned_once`` as it was made, for each test to change: its folder (which holds --out,
+    the parts directory and nothing else) put back from the copy, at the same path, since the
+    plan records --out. (The flags, --out, the parts directory.)"""
+    args, out, copy = _planned_once
+    shutil.rmtree(out.parent)
+    shutil.copytree(copy, out.parent, symlinks=True)
     return args, out, out.with_name("data.parts")
 
 
@@ -262,14 +281,14 @@ def test_merge_refuses_a_part_of_another_plan(planned, corpus, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("damage", ["byte", "last byte", "cut", "part.json"])
-def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, corpus, capsys, damage):
+def test_merge_refuses_a_tampered_part_and_loses_nothing(planned, one_node, capsys, damage):
     """A byte of a part changed at the same size, in its middle or its last byte (found by its
     xxh3-128 while copying), a part
     cut short (found by its size before writing), its part.json edited (the marker's sha256):
     refused, naming the file and the task to run again; an earlier --out, made by one node, is
     left as it was, and no partial directory stays."""
     args, out, parts = planned
-    assert main(["data", "prepare", *inputs(corpus), *FLAGS, "--out", str(out)]) == 0
+    shutil.copytree(one_node, out)  # what one node made of the same inputs and flags
     earlier = tree(out)
     part = json.loads((parts / "task-00001" / "part.json").read_text())
     (piece,) = [p for p in part["pieces"]["train"].values() if p["tokens"]][:1]
@@ -360,13 +379,14 @@ def test_an_input_changed_since_the_plan_is_refused(planned, corpus, capsys):
     """An input file that grew after the plan: the next task refuses, naming it."""
     args, out, parts = planned
     web = corpus / "web.jsonl"
-    text = web.read_text()
+    text, was = web.read_text(), web.stat()
     try:
         web.write_text(text + json.dumps({"text": "one more"}) + "\n")
         err = refused(capsys, *args, "--task", "0")
         assert f"{web} changed" in err and "since the plan" in err
-    finally:
+    finally:  # as the plan saw it (its size and mtime), for the module's other tests
         web.write_text(text)
+        os.utime(web, ns=(was.st_atime_ns, was.st_mtime_ns))
 
 
 def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys, monkeypatch):

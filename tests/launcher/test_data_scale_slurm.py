@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from anneal.data.prepared_dir import PreparedDir
-from tests import test_cluster
 from tests.conftest import ROOT
 from tests.data.test_data_scale import paragraphs
+from tests.launcher import test_cluster
 from tests.launcher.test_cluster import Slurm, wait_for
 
 pytestmark = pytest.mark.slow
