@@ -18,7 +18,7 @@ from typing import Any
 from anneal.config.run import AUTO
 from anneal.config.run_checks import suggest
 from anneal.errors import UserError
-from anneal.json_values import is_number
+from anneal.json_values import INT64_MAX, is_number
 
 Num = (int, float)
 Auto = "auto-or-int"
@@ -140,7 +140,6 @@ REQUIRED = [
 ]
 
 
-_INT64 = 2**63 - 1
 RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("train_micro_batch_size_per_gpu",): (lambda v: v >= 1, "at least 1"),
     ("gradient_accumulation_steps",): (lambda v: v >= 1, 'at least 1, or "auto"'),
@@ -214,7 +213,7 @@ def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
         dotted = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
         if isinstance(value, dict | list):
             _check_numbers(value, source=source, prefix=f"{dotted}.")
-        elif is_number(value) and not (math.isfinite(value) and abs(value) <= _INT64):
+        elif is_number(value) and not (math.isfinite(value) and abs(value) <= INT64_MAX):
             raise UserError(
                 f"{source}: key {dotted!r} is {json.dumps(value)}, not a finite number (or past "
                 f"the 64-bit integer range). Write a finite value in the file or the --set."

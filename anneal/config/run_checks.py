@@ -28,6 +28,7 @@ from anneal.config.run import (
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
 from anneal.files import check_path_length
+from anneal.json_values import INT64_MAX
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -144,7 +145,6 @@ def suggest(word: str, candidates) -> str:
 MAX_DIM = 2**20
 """Largest model dimension (and context length) accepted: beyond any real model, and it keeps
 every shape product inside the integer range of torch."""
-_INT64 = 2**63 - 1
 _YEAR_S = 365 * 24 * 3600
 
 _SIZE = (lambda v: 0 <= v <= MAX_DIM, f"0 (keep the preset's) or a positive size up to {MAX_DIM:,}")
@@ -253,7 +253,7 @@ def check_ranges(cfg: RunConfig) -> None:
                 continue
             key = f"{section}.{f.name}"
             ok, want = _RANGES[key]
-            finite = math.isfinite(value) and abs(value) <= _INT64
+            finite = math.isfinite(value) and abs(value) <= INT64_MAX
             if finite and ok(value):
                 continue
             flag = FLAGS.get(key)
