@@ -206,13 +206,13 @@ def value_or_auto(cfg: dict, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
+def _check_finite(node: Any, *, source: str, prefix: str = "") -> None:
     """Every number in the tree finite (json reads NaN and Infinity) and within int64."""
     items = node.items() if isinstance(node, dict) else enumerate(node)
     for key, value in items:
         dotted = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
         if isinstance(value, dict | list):
-            _check_numbers(value, source=source, prefix=f"{dotted}.")
+            _check_finite(value, source=source, prefix=f"{dotted}.")
         elif is_number(value) and not (math.isfinite(value) and abs(value) <= INT64_MAX):
             raise UserError(
                 f"{source}: key {dotted!r} is {json.dumps(value)}, not a finite number (or past "
@@ -253,7 +253,7 @@ def _at_least_one(value: Any) -> int:
 
 def check_ds_ranges(cfg: dict, *, source: str) -> None:
     """UserError for a number out of its key's bounds (``RANGES``)."""
-    _check_numbers(cfg, source=source)
+    _check_finite(cfg, source=source)
     for path, (ok, want) in RANGES.items():
         value = value_or_auto(cfg, path)
         if value == AUTO:

@@ -33,7 +33,7 @@ from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
-_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _tags(ckpt_dir: Path) -> str:
@@ -98,7 +98,7 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
         return newest
     have = _tags(ckpt_dir)
     tag_dir = ckpt_dir / str(tag)
-    if not _TAG.fullmatch(str(tag)):
+    if not _TAG_NAME.fullmatch(str(tag)):
         raise UserError(
             f"--tag {tag}: a tag is the name of one checkpoint directory of this run, such as "
             f"step00000300 (letters, digits, '.', '_', '-'; no '/' or '..'). Intact tags in "
