@@ -303,7 +303,7 @@ class Watcher:
                 slept += 1.0
 
 
-def watch(
+def watch_run(
     run_dir: Path,
     score: Callable[[Path], None],
     *,

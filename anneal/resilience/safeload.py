@@ -111,12 +111,12 @@ def load(path: Path, *, map_location=None, mmap: bool = False):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any failure to read untrusted bytes is the file's
         raise UserError(
-            f"{path}: torch's weights-only loader refuses it ({refusal(e)}), and loading it any "
-            f"other way could run code, so it is not loaded."
+            f"{path}: torch's weights-only loader refuses it ({unpickler_refusal(e)}), and "
+            f"loading it any other way could run code, so it is not loaded."
         ) from None
 
 
-def refusal(e: Exception) -> str:
+def unpickler_refusal(e: Exception) -> str:
     """What torch's weights-only unpickler refused, from its message; else the exception."""
     text = str(e)
     if "Weights only load failed" in text:
