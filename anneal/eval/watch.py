@@ -192,7 +192,7 @@ class Watcher:
     def target(self) -> int | None:
         """The step after which the watcher ends: the run's ``run.train.max_steps`` as its
         config.json holds it now, or ``until_step`` if smaller (None: neither is known yet)."""
-        steps = rundir.record_or_empty(self.run_dir).train.get("max_steps")
+        steps = rundir.record_or_empty(self.run_dir).train_settings.get("max_steps")
         if not isinstance(steps, int) or isinstance(steps, bool):
             return self.until_step
         return steps if self.until_step is None else min(steps, self.until_step)
