@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 
+INT64_MAX = 2**63 - 1
+"""The largest signed 64-bit integer: a number in a config past it (either sign) is refused,
+as torch and DeepSpeed hold such values in int64."""
+
 
 def is_number(value: object) -> bool:
     """An int or a float, never a bool (NaN and infinities included: ``json`` reads them)."""

@@ -134,8 +134,9 @@ def main() -> int:
     data = Path(args.data).resolve()
     work = Path(tempfile.mkdtemp(prefix="bench_eval-"))
     launch, engine = build(data, micro_batch=args.batch_size)
-    loaded = load_tasks([SHIPPED], data_dir=data, work_dir=work / "tasks", num_fewshot=None,
-                        limit=limit)  # fmt: skip
+    loaded = load_tasks(
+        [SHIPPED], data_dir=data, work_dir=work / "tasks", num_fewshot=None, limit=limit
+    )
     if SHIPPED not in loaded.tasks:
         raise SystemExit(f"bench_eval: {SHIPPED} did not load: {loaded.failed}")
     model_dir = save_hf(engine, data, work / "hf")
@@ -143,8 +144,9 @@ def main() -> int:
     rows = {"evaluator": [], "forward_only": [], **{f"hflm_bs{b}": [] for b in sizes}}
     accuracy = {}
     for _ in range(args.repeats):
-        doc, shapes = evaluator(engine, loaded, data, batch_size=args.batch_size,
-                                seq_len=launch.seq_len, limit=limit)  # fmt: skip
+        doc, shapes = evaluator(
+            engine, loaded, data, batch_size=args.batch_size, seq_len=launch.seq_len, limit=limit
+        )
         real = doc["tokens_scored"]
         rows["evaluator"].append(real / doc["seconds"])
         rows["forward_only"].append(forward_only(engine, shapes, launch.preset.vocab_size))

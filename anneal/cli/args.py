@@ -29,7 +29,7 @@ def path(value: str) -> str:
     return value
 
 
-def _shown(value: str, limit: int = 60) -> str:
+def _printable(value: str, limit: int = 60) -> str:
     """``value`` for a message: printable ASCII (escapes for the rest), cut to ``limit``."""
     text = ascii(value)[1:-1]
     return text if len(text) <= limit else text[:limit] + "..."
@@ -50,7 +50,7 @@ def check_value(value: str, *, flag: str, is_path: bool = False, optional: bool 
         value.encode()
     except UnicodeEncodeError:
         raise UserError(
-            f"{flag} {_shown(value)}: not UTF-8 (bytes that do not decode), and Anneal writes "
+            f"{flag} {_printable(value)}: not UTF-8 (bytes that do not decode), and Anneal writes "
             f"its paths and values into JSON and messages as UTF-8. Rename it with UTF-8 "
             f"characters, or give another {flag}.",
             every_rank=True,

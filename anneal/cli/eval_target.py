@@ -191,9 +191,9 @@ def _check_files(tag_dir: Path, manifest: dict) -> None:
     """Before anything of ``tag_dir`` is opened: every file the reader opens is listed in the
     (verified) manifest, and no pickle in it names a global outside safeload's allow-list."""
     from anneal.hf.source import tensor_parallel_size
-    from anneal.resilience.ds_files import weight_files
+    from anneal.resilience.ds_files import files_holding_weights
 
-    read = weight_files(tag_dir, tensor_parallel_size(tag_dir, manifest))
+    read = files_holding_weights(tag_dir, tensor_parallel_size(tag_dir, manifest))
     unlisted = [f.name for f in read if f.name not in manifest["files"]]
     if unlisted or not read:
         raise UserError(

@@ -69,10 +69,10 @@ def check(args: argparse.Namespace) -> None:
 def watch(
     args: argparse.Namespace, specs: list[str], overrides: list[str], *, target_engine
 ) -> int:
-    """Collective: the watcher over ``args.target`` until its end (``anneal.eval.watch.watch``);
-    0, or 75 after a preemption signal. ``target_engine``: ``anneal.cli.evaluate``'s, passed
-    in (this module is imported by that one)."""
-    from anneal.eval.watch import watch as watch_run
+    """Collective: the watcher over ``args.target`` until its end
+    (``anneal.eval.watch.watch_run``); 0, or 75 after a preemption signal. ``target_engine``:
+    ``anneal.cli.evaluate``'s, passed in (this module is imported by that one)."""
+    from anneal.eval.watch import watch_run
 
     return watch_run(
         Path(args.target),

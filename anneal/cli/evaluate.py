@@ -80,7 +80,7 @@ def _eval(args: argparse.Namespace) -> int:
     from anneal.train.engine import setup_process
 
     specs = _specs(args.tasks)
-    _check_numbers(args)
+    _check_counts(args)
     eval_watch.check(args)
     check_specs(specs)  # before any process group or engine
     overrides = _ds_overrides(args.set)
@@ -192,7 +192,7 @@ def _specs(tasks: str) -> list[str]:
     return specs
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
+def _check_counts(args: argparse.Namespace) -> None:
     for flag, value, low in (
         ("--step", args.step, 0),
         ("--limit", args.limit, 1),

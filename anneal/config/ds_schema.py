@@ -18,7 +18,7 @@ from typing import Any
 from anneal.config.run import AUTO
 from anneal.config.run_checks import suggest
 from anneal.errors import UserError
-from anneal.json_values import is_number
+from anneal.json_values import INT64_MAX, is_number
 
 Num = (int, float)
 Auto = "auto-or-int"
@@ -140,7 +140,6 @@ REQUIRED = [
 ]
 
 
-_INT64 = 2**63 - 1
 RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("train_micro_batch_size_per_gpu",): (lambda v: v >= 1, "at least 1"),
     ("gradient_accumulation_steps",): (lambda v: v >= 1, 'at least 1, or "auto"'),
@@ -207,14 +206,14 @@ def value_or_auto(cfg: dict, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _check_numbers(node: Any, *, source: str, prefix: str = "") -> None:
+def _check_finite(node: Any, *, source: str, prefix: str = "") -> None:
     """Every number in the tree finite (json reads NaN and Infinity) and within int64."""
     items = node.items() if isinstance(node, dict) else enumerate(node)
     for key, value in items:
         dotted = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
         if isinstance(value, dict | list):
-            _check_numbers(value, source=source, prefix=f"{dotted}.")
-        elif is_number(value) and not (math.isfinite(value) and abs(value) <= _INT64):
+            _check_finite(value, source=source, prefix=f"{dotted}.")
+        elif is_number(value) and not (math.isfinite(value) and abs(value) <= INT64_MAX):
             raise UserError(
                 f"{source}: key {dotted!r} is {json.dumps(value)}, not a finite number (or past "
                 f"the 64-bit integer range). Write a finite value in the file or the --set."
@@ -254,7 +253,7 @@ def _at_least_one(value: Any) -> int:
 
 def check_ds_ranges(cfg: dict, *, source: str) -> None:
     """UserError for a number out of its key's bounds (``RANGES``)."""
-    _check_numbers(cfg, source=source)
+    _check_finite(cfg, source=source)
     for path, (ok, want) in RANGES.items():
         value = value_or_auto(cfg, path)
         if value == AUTO:

@@ -322,7 +322,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
+def _under_new_names(flat: dict[str, Any]) -> dict[str, Any]:
     """A flattened document with the keys an older Anneal wrote under their new names
     (``run.train.eval_every`` -> ``run.train.val_every``, the ``branch`` section ->
     ``cooldown``), so an older run compares equal."""
@@ -348,7 +348,7 @@ def config_differences(old: dict, new: dict) -> list[str]:
     """Keys whose values differ between two resolved ``config.json`` documents. The split of
     the global batch into micro-batches and accumulation steps counts only with another global
     batch: a run resumed on another number of ranks keeps its global batch."""
-    a, b = _renamed(_flatten(old)), _renamed(_flatten(new))
+    a, b = _under_new_names(_flatten(old)), _under_new_names(_flatten(new))
     same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
     diffs = []
     for key in sorted(set(a) | set(b)):

@@ -28,6 +28,7 @@ from anneal.config.run import (
 from anneal.config.schedule import DECAY_SHAPES, SCHEDULES
 from anneal.errors import UserError
 from anneal.files import check_path_length
+from anneal.json_values import INT64_MAX
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -46,7 +47,7 @@ _PATHS = {("data", "path"), ("model", "init_from"), ("train", "cooldown_from")}
 """The keys that hold a path: never empty, never longer than the file system takes."""
 
 
-def _shown(text: str, limit: int = 40) -> str:
+def _quoted(text: str, limit: int = 40) -> str:
     """``text`` quoted for a message, cut to ``limit`` characters."""
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
@@ -65,13 +66,13 @@ def _coerce(text: str, typ: Any, where: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise UserError(f"{where}: expected true or false, got {_shown(text)}.")
+        raise UserError(f"{where}: expected true or false, got {_quoted(text)}.")
     try:
         return typ(text)
     except ValueError:
         example = "an integer such as 100" if typ is int else "a number such as 3e-4"
         raise UserError(
-            f"{where}: expected {typ.__name__} ({example}), got {_shown(text)}."
+            f"{where}: expected {typ.__name__} ({example}), got {_quoted(text)}."
         ) from None
 
 
@@ -85,7 +86,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, field = key.partition(".")
-        where = f"--set {key}={_shown(value)[1:-1]}"
+        where = f"--set {key}={_quoted(value)[1:-1]}"
         if not sep or not dot:
             raise UserError(
                 f"{where}: overrides look like section.key=value, e.g. "
@@ -144,7 +145,6 @@ def suggest(word: str, candidates) -> str:
 MAX_DIM = 2**20
 """Largest model dimension (and context length) accepted: beyond any real model, and it keeps
 every shape product inside the integer range of torch."""
-_INT64 = 2**63 - 1
 _YEAR_S = 365 * 24 * 3600
 
 _SIZE = (lambda v: 0 <= v <= MAX_DIM, f"0 (keep the preset's) or a positive size up to {MAX_DIM:,}")
@@ -248,12 +248,12 @@ def check_ranges(cfg: RunConfig) -> None:
                     f"(its default is {f.default!r})."
                 )
             if isinstance(value, tuple):
-                _check_names(f"{section}.{f.name}", value)
+                _check_name_list(f"{section}.{f.name}", value)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             key = f"{section}.{f.name}"
             ok, want = _RANGES[key]
-            finite = math.isfinite(value) and abs(value) <= _INT64
+            finite = math.isfinite(value) and abs(value) <= INT64_MAX
             if finite and ok(value):
                 continue
             flag = FLAGS.get(key)
@@ -268,7 +268,7 @@ def check_ranges(cfg: RunConfig) -> None:
             )
 
 
-def _check_names(key: str, names: tuple) -> None:
+def _check_name_list(key: str, names: tuple) -> None:
     """A list key (``train.eval_tasks``) holds non-empty strings, none of them twice."""
     bad = [n for n in names if not isinstance(n, str) or not n.strip()]
     twice = sorted({n for n in names if names.count(n) > 1 and n not in bad})

@@ -67,7 +67,7 @@ def build(data_dir: Path, work_dir: Path, *, items: int = ITEMS) -> Path:
     source = _source_sha256(prepared, meta, items)
     work_dir = Path(work_dir)
     yaml_path, data_path = work_dir / f"{NAME}.yaml", work_dir / f"{NAME}.jsonl"
-    if _reusable(yaml_path, data_path, source):
+    if _built_before(yaml_path, data_path, source):
         return yaml_path
     docs = val_documents(prepared, meta)
     rows = make_items(docs, items=items)
@@ -129,7 +129,7 @@ def _source_sha256(prepared: PreparedDir, meta: dict, items: int) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
-def _reusable(yaml_path: Path, data_path: Path, source: str) -> bool:
+def _built_before(yaml_path: Path, data_path: Path, source: str) -> bool:
     try:
         recorded = yaml.safe_load(yaml_path.read_text())["metadata"]
         data = data_path.read_bytes()

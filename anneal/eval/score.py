@@ -89,7 +89,7 @@ def score(
                     log.warning("eval task %s failed: %s", name, _first_line(e))
                     doc["failed"][name] = _first_line(e)
                     continue
-                doc["tasks"][name] = _entry(out, name, loaded.info.get(name, {}), limit)
+                doc["tasks"][name] = _task_entry(out, name, loaded.info.get(name, {}), limit)
                 if num_fewshot is not None and doc["tasks"][name]["num_fewshot"] is None:
                     doc["tasks"][name]["num_fewshot"] = num_fewshot
                 logged[name] = out.get("samples", {}).get(name, [])
@@ -123,7 +123,7 @@ def _evaluate_one(lm, name: str, task, limit) -> dict:
     return out
 
 
-def _entry(out: dict, name: str, info: dict, limit) -> dict:
+def _task_entry(out: dict, name: str, info: dict, limit) -> dict:
     """One task's entry of the document from lm-eval's output."""
     n = out.get("n-samples", {}).get(name, {})
     shots = out.get("n-shot", {}).get(name)

@@ -151,10 +151,10 @@ def _read_yaml(spec: str, path: Path) -> dict:
 def _check_output_type(spec: str, task: str, cfg: dict) -> None:
     output_type = cfg.get("output_type", DEFAULT_OUTPUT_TYPE)
     if output_type not in LOGLIKELIHOOD_TYPES:
-        raise UserError(refusal(spec, task, output_type))
+        raise UserError(_output_type_refusal(spec, task, output_type))
 
 
-def refusal(spec: str, task: str, output_type: str) -> str:
+def _output_type_refusal(spec: str, task: str, output_type: str) -> str:
     """The paragraph that refuses a task of another output type than loglikelihood."""
     named = spec if spec == task else f"{spec} (task {task})"
     return (
@@ -285,7 +285,7 @@ def _prepare(spec: str, task, *, num_fewshot: int | None, limit: int | None) -> 
 
     output_type = task.get_config("output_type") or getattr(task, "OUTPUT_TYPE", None)
     if output_type not in LOGLIKELIHOOD_TYPES:
-        raise UserError(refusal(spec, task.get_config("task"), output_type))
+        raise UserError(_output_type_refusal(spec, task.get_config("task"), output_type))
     config_sha256 = config_hash(task)
     if num_fewshot is not None:
         if task.get_config("num_fewshot") == 0:

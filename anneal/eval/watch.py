@@ -39,7 +39,6 @@ import dataclasses
 import errno
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -50,13 +49,13 @@ from anneal.dist import all_gather, is_main_process, print0
 from anneal.errors import UserError
 from anneal.files import confined
 from anneal.resilience import preempt
+from anneal.resilience.checkpoint import step_of_tag
 from anneal.resilience.manifest import MANIFEST, missing_files, read_manifest, verify
 
 log = logging.getLogger(__name__)
 
 READING = ".reading"
 """``RUN/evals/.reading/<tag>/``: the pinned files of the checkpoint being scored."""
-_TAG = re.compile(r"step(\d+)")
 DEFAULT_POLL_S = 60.0
 """How often the watcher looks for new checkpoints (``--poll-s``)."""
 
@@ -79,7 +78,7 @@ class Gone(Exception):
 def _state(tag_dir: Path, run_dir: Path) -> Tag:
     """What ``tag_dir`` is now (see the module docstring); no hashing."""
     name = tag_dir.name
-    named = int(m[1]) if (m := _TAG.fullmatch(name)) else None  # for a damaged manifest
+    named = step_of_tag(name)  # for a damaged manifest
     if tag_dir.is_symlink():
         return Tag(name, "damaged", named, "a link, not a directory the run saved")
     if not (tag_dir / MANIFEST).exists():
@@ -304,7 +303,7 @@ class Watcher:
                 slept += 1.0
 
 
-def watch(
+def watch_run(
     run_dir: Path,
     score: Callable[[Path], None],
     *,

@@ -87,7 +87,7 @@ def _router_names(prefix: str) -> tuple[str, str, str]:
     return f"{prefix}.router.gate.weight", f"{prefix}.gate.gate.weight", f"{prefix}.gate.weight"
 
 
-def _renamed(sources: list[TensorSource], layers: list[dict]) -> list[TensorSource]:
+def _in_transformers_names(sources: list[TensorSource], layers: list[dict]) -> list[TensorSource]:
     """The checkpoint's other tensors in transformers' names: each router renamed, its alias
     and any expert parameter left out (the expert files hold those)."""
     rename, drop = {}, set()
@@ -157,7 +157,7 @@ def with_experts(ckpt: ZeroCheckpoint) -> ZeroCheckpoint:
         layers = _layers(ckpt.tag_dir, ckpt.archives[0].index())
         if not layers:
             return ckpt
-        sources = _renamed(ckpt.sources, layers)
+        sources = _in_transformers_names(ckpt.sources, layers)
         if _zero3(layers):
             sources += autoep_zero3.expert_sources(ckpt)
         for layer in [] if _zero3(layers) else layers:
@@ -165,13 +165,13 @@ def with_experts(ckpt: ZeroCheckpoint) -> ZeroCheckpoint:
     except UserError as e:
         if str(e).startswith(str(ckpt.tag_dir)):
             raise
-        raise _unreadable(ckpt.tag_dir, str(e)) from None
+        raise _not_autoep_layout(ckpt.tag_dir, str(e)) from None
     except NOT_A_CHECKPOINT as e:
-        raise _unreadable(ckpt.tag_dir, f"{type(e).__name__}: {e}") from None
+        raise _not_autoep_layout(ckpt.tag_dir, f"{type(e).__name__}: {e}") from None
     return dataclasses.replace(ckpt, sources=sources)
 
 
-def _unreadable(tag_dir: Path, why: str) -> UserError:
+def _not_autoep_layout(tag_dir: Path, why: str) -> UserError:
     return UserError(
         f"{tag_dir}: its expert files are not laid out as DeepSpeed's AutoEP writes them "
         f"({why}); anneal export reads the checkpoints that Anneal's sparse training writes. "

@@ -41,7 +41,7 @@ from anneal import rundir
 from anneal.errors import UserError
 from anneal.files import claim_output, replace_dir
 from anneal.hf.source import (
-    check_checkpoint,
+    check_for_export,
     open_weights,
     preset_from_record,
     select_checkpoint,
@@ -145,7 +145,7 @@ def export(
     tp = tensor_parallel_size(tag_dir, manifest)
     tok_dir = tokenizer_dir(record, manifest, tokenizer)
     _claim_out(out, run_dir=run_dir, inputs=[tok_dir], force=force, every=False)
-    check_checkpoint(tag_dir, manifest)
+    check_for_export(tag_dir, manifest)
     _refuse_sparse_tp(tag_dir, tp, preset)
     with open_weights(tag_dir, tp, preset, record.path) as ckpt:
         partial = _partial_dir(out)

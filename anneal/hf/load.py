@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe")
 """``model_type`` values verified end to end (tests/hf/test_init_from.py,
 tests/hf/test_moe_hf.py)."""
-SPARSE = ("qwen3_moe",)
+SPARSE_MODEL_TYPES = ("qwen3_moe",)
 """The sparse ones: trained through DeepSpeed's AutoEP with its ``qwen3_moe`` preset, the one
 Anneal's sparse core configures (``anneal.model.qwen3_moe_config``)."""
 _SHAPE_KEYS = (
@@ -143,7 +143,7 @@ def _check_sparse_layers(directory: Path, doc: dict) -> None:
     """A qwen3_moe config.json with dense layers among the sparse ones is refused: Anneal's
     sparse counts (active parameters, FLOPs) take every layer as sparse."""
     step, dense = doc.get("decoder_sparse_step", 1), doc.get("mlp_only_layers") or []
-    if doc.get("model_type") in SPARSE and (step != 1 or dense):
+    if doc.get("model_type") in SPARSE_MODEL_TYPES and (step != 1 or dense):
         raise _error(
             directory,
             f"config.json gives decoder_sparse_step {step!r} and mlp_only_layers "

@@ -102,7 +102,7 @@ def _shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape if shape is not None else p.shape)
 
 
-def _check_names(model: torch.nn.Module, tensors: _Tensors) -> None:
+def _check_tensor_names(model: torch.nn.Module, tensors: _Tensors) -> None:
     """Every parameter of the model in the files with its shape; nothing else in the files
     besides buffers the model computes and a head tied to the embedding."""
     want = {name: _shape(p) for name, p in model.named_parameters()}  # a tied matrix once
@@ -126,7 +126,7 @@ def load_pretrained_(model: torch.nn.Module, directory: Path, *, gather=None) ->
     directory = Path(directory)
     with contextlib.ExitStack() as stack:
         tensors = _Tensors(directory, stack)
-        _check_names(model, tensors)
+        _check_tensor_names(model, tensors)
         return copy_into_(model, tensors.read, gather=gather)
 
 

@@ -33,7 +33,7 @@ from anneal.run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
-_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _tags(ckpt_dir: Path) -> str:
@@ -98,7 +98,7 @@ def select_checkpoint(run_dir: Path, tag: str | None) -> Path:
         return newest
     have = _tags(ckpt_dir)
     tag_dir = ckpt_dir / str(tag)
-    if not _TAG.fullmatch(str(tag)):
+    if not _TAG_NAME.fullmatch(str(tag)):
         raise UserError(
             f"--tag {tag}: a tag is the name of one checkpoint directory of this run, such as "
             f"step00000300 (letters, digits, '.', '_', '-'; no '/' or '..'). Intact tags in "
@@ -180,12 +180,12 @@ def _check_tokenizer_files(data_dir: Path) -> None:
         )
 
 
-def check_checkpoint(tag_dir: Path, manifest: dict) -> None:
+def check_for_export(tag_dir: Path, manifest: dict) -> None:
     """Before anything of ``tag_dir`` is unpickled: every file export reads is listed in the
     manifest, every listed file has the size and xxh3 hash recorded there (same-size bit rot
     included), and no pickle in it names a global outside ``anneal.resilience.safeload``'s
     allow-list."""
-    read = ds_files.weight_files(tag_dir, tensor_parallel_size(tag_dir, manifest))
+    read = ds_files.files_holding_weights(tag_dir, tensor_parallel_size(tag_dir, manifest))
     listed = set(manifest["files"])
     unlisted = [f.name for f in read if f.name not in listed]
     if unlisted:
@@ -225,8 +225,9 @@ def tensor_parallel_size(tag_dir: Path, manifest: dict) -> int:
 
 
 def open_weights(tag_dir: Path, tp: int, preset, config_path: Path) -> ZeroCheckpoint:
-    """The one opener of a checkpoint's weights (the export's and ``anneal eval``'s), once
-    ``check_checkpoint`` passed: its parameters indexed lazily; with tensor parallelism, each
+    """The one opener of a checkpoint's weights (the export's and ``anneal eval``'s), once its
+    files passed the weights-only loader (``check_for_export``, or ``anneal eval``'s checks
+    in ``anneal.cli.eval_target``): its parameters indexed lazily; with tensor parallelism, each
     rank's slices merged into the whole matrices (``anneal.hf.tp_merge``); a sparse run's in
     transformers' Qwen3-MoE names, its experts from their files (``anneal.hf.autoep``); their
     names and shapes checked against ``preset``, the model of ``config_path``. The caller closes

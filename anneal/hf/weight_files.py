@@ -63,7 +63,7 @@ def hub_blobs(directory: Path) -> Path | None:
     return blobs if blobs.is_dir() and not blobs.is_symlink() else None
 
 
-def _allowed(path: Path, root: Path, blobs: Path | None) -> bool:
+def _resolves_inside(path: Path, root: Path, blobs: Path | None) -> bool:
     real = _real(path)
     return root in real.parents or (blobs is not None and real.parent == blobs)
 
@@ -89,7 +89,7 @@ def check_links(directory: Path) -> None:
         msg = f"cannot list it ({e.strerror}). Give a directory you can read."
         raise error(directory, msg) from None
     for entry in entries:
-        if entry.is_symlink() and not _allowed(entry, root, blobs):
+        if entry.is_symlink() and not _resolves_inside(entry, root, blobs):
             raise _outside(directory, entry.name, blobs)
 
 
@@ -107,7 +107,7 @@ def _in_place(directory: Path, name: object, *, where: str) -> Path:
     if not _plain(name):
         confined(directory, name, where=where)  # refuses it, naming the entry
     path = directory / str(name)
-    if not _allowed(path, _real(directory), hub_blobs(directory)):
+    if not _resolves_inside(path, _real(directory), hub_blobs(directory)):
         raise _outside(directory, str(name), hub_blobs(directory))
     return path
 

@@ -253,7 +253,7 @@ def estimate(
             raise UserError(f"{name} {value}: must be at least 1.")
     memory_layout.check(preset, zero, work)  # the launch's layout rules, in the estimate's words
     local = memory_sp.local_workload(work)  # one rank's seq / sp tokens
-    dense, experts = memory_ep.params_per_gpu(preset, tp=work.tp, ep=work.ep)
+    dense, experts = memory_ep.dense_and_expert_params_per_gpu(preset, tp=work.tp, ep=work.ep)
     p = dense + experts
     n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over
     n_experts = work.n_gpus // work.ep  # the expert-data-parallel group, the experts' (memory_ep)

@@ -139,12 +139,12 @@ def layer_activation_bytes(preset: ModelPreset, work, *, bf16: bool) -> float:
             eager=work.eager_attention,
             block="llama",
             t=work.tp,
-            moe=_moe_shape(preset),
+            moe=_routed_shape(preset),
         )
     )
 
 
-def _moe_shape(preset: ModelPreset) -> tuple[int, int, int] | None:
+def _routed_shape(preset: ModelPreset) -> tuple[int, int, int] | None:
     moe = preset.moe
     return None if moe is None else (moe.num_experts, moe.top_k, moe.expert_intermediate_size)
 

@@ -51,7 +51,7 @@ def expert_params(preset: ModelPreset) -> int:
     return preset.num_hidden_layers * moe.num_experts * width
 
 
-def params_per_gpu(preset: ModelPreset, *, tp: int, ep: int) -> tuple[int, int]:
+def dense_and_expert_params_per_gpu(preset: ModelPreset, *, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters on one GPU before ZeRO: the dense ones after AutoTP's shards
     (``memory_tp.params_per_gpu``), and ``P_e / EP``."""
     experts = expert_params(preset)

@@ -53,7 +53,7 @@ def check(preset: ModelPreset, zero, work) -> None:
         }[found.degree]
         raise UserError(f"--{found.degree} {value}: the {kind}-parallel degree must be at least 1.")
     if found.degree == "ep" or found.rule == rules.EXPERTS_WITH_TP_SP:
-        why = _expert_words(found, s, preset)
+        why = _ep_flag_words(found, s, preset)
         raise UserError(f"--ep {d.ep} (expert_parallel.autoep_size) {why.rstrip('.')}.")
     if found.rule == rules.TP_GROUPS:
         raise UserError(
@@ -68,10 +68,10 @@ def check(preset: ModelPreset, zero, work) -> None:
             f"{', '.join(found.uneven)}: AutoTP deals whole heads to the ranks of a group. "
             f"Choose a --tp that divides the head counts."
         )
-    raise UserError(f"--sp {d.sp} (sequence_parallel_size) {_sequence_words(found, s)}.")
+    raise UserError(f"--sp {d.sp} (sequence_parallel_size) {_sp_flag_words(found, s)}.")
 
 
-def _sequence_words(found: rules.Refusal, s: rules.Setup) -> str:
+def _sp_flag_words(found: rules.Refusal, s: rules.Setup) -> str:
     return {
         rules.TP_WITH_SP: (
             f"with --tp {s.degrees.tp}: Anneal runs tensor and sequence parallelism apart "
@@ -107,7 +107,7 @@ def _sequence_words(found: rules.Refusal, s: rules.Setup) -> str:
     }[found.rule]
 
 
-def _expert_words(found: rules.Refusal, s: rules.Setup, preset: ModelPreset) -> str:
+def _ep_flag_words(found: rules.Refusal, s: rules.Setup, preset: ModelPreset) -> str:
     d = s.degrees
     choose = f"Choose an --ep that divides both: {', '.join(map(str, found.fits))}."
     flag = f"--tp {d.tp}" if d.tp > 1 else f"--sp {d.sp}"

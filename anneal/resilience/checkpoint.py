@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ __all__ = [
     "save",
     "check",
     "set_rng_state",
+    "step_of_tag",
     "tag_for",
     "to_prune",
     "verified_resume",
@@ -97,6 +99,13 @@ with a dot are never listed as checkpoints)."""
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def step_of_tag(name: str) -> int | None:
+    """The step a tag directory's name says (``tag_for``'s ``stepNNNNNNNN``, any number of
+    digits); None for another name."""
+    named = re.fullmatch(r"step(\d+)", name)
+    return int(named[1]) if named else None
 
 
 def rng_state() -> dict:

@@ -134,7 +134,7 @@ def expert_files(tag_dir: Path, mp_rank: int = 0) -> list[Path]:
     return [f for m, f in sorted(found, key=lambda mf: (int(mf[0][1]), int(mf[0][2])))]
 
 
-def weight_files(tag_dir: Path, tp: int) -> list[Path]:
+def files_holding_weights(tag_dir: Path, tp: int) -> list[Path]:
     """Every file a reader of the weights opens, of all ``tp`` tensor-parallel ranks: model
     states, optimizer states and expert files."""
     read = []

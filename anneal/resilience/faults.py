@@ -34,7 +34,7 @@ from anneal.errors import UserError
 ENV = "ANNEAL_FAULTS"
 log = logging.getLogger(__name__)
 
-_KEYS = {
+_FAULT_KEYS = {
     "nan_loss": {"step", "sample", "rank"},
     "spike": {"step", "sample", "rank", "x"},
     "kill": {"step", "rank"},
@@ -57,17 +57,17 @@ def parse(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         kind, _, rest = item.partition("@")
-        if kind not in _KEYS:
+        if kind not in _FAULT_KEYS:
             raise UserError(
-                f"{ENV}: unknown fault {kind!r} in {item!r}; faults are {', '.join(_KEYS)}."
+                f"{ENV}: unknown fault {kind!r} in {item!r}; faults are {', '.join(_FAULT_KEYS)}."
             )
         fields = {}
         for pair in filter(None, rest.split(":")):
             key, eq, value = pair.partition("=")
-            if not eq or key not in _KEYS[kind]:
+            if not eq or key not in _FAULT_KEYS[kind]:
                 raise UserError(
                     f"{ENV}: {item!r}: expected key=value with keys "
-                    f"{', '.join(sorted(_KEYS[kind]))}, got {pair!r}."
+                    f"{', '.join(sorted(_FAULT_KEYS[kind]))}, got {pair!r}."
                 )
             try:
                 fields[key] = float(value) if key in ("x", "s") else int(value)

@@ -106,17 +106,17 @@ def load(path: Path, *, map_location=None, mmap: bool = False):
 
     check_archive(path)
     try:
-        with _allowed(), warnings.catch_warnings():
+        with _allowing_safe_globals(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol 4 ..."
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any failure to read untrusted bytes is the file's
         raise UserError(
-            f"{path}: torch's weights-only loader refuses it ({refusal(e)}), and loading it any "
-            f"other way could run code, so it is not loaded."
+            f"{path}: torch's weights-only loader refuses it ({unpickler_refusal(e)}), and "
+            f"loading it any other way could run code, so it is not loaded."
         ) from None
 
 
-def refusal(e: Exception) -> str:
+def unpickler_refusal(e: Exception) -> str:
     """What torch's weights-only unpickler refused, from its message; else the exception."""
     text = str(e)
     if "Weights only load failed" in text:
@@ -172,7 +172,7 @@ def loading() -> Iterator[None]:
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
     os.environ.pop(_FORCE_UNSAFE, None)
     try:
-        with _allowed():
+        with _allowing_safe_globals():
             yield
     finally:
         for k, v in saved.items():
@@ -182,7 +182,7 @@ def loading() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _allowed():
+def _allowing_safe_globals():
     """``torch.serialization.safe_globals`` for those of :func:`safe_globals` not yet allowed:
     on leaving, torch's context removes what it added, so a nested one must add nothing that an
     outer one holds."""

@@ -350,8 +350,8 @@ def _main() -> int:
     except pickle.UnpicklingError as e:
         print(
             f"error: {args.input_folder}: torch's weights-only loader refuses one of its files "
-            f"({safeload.refusal(e)}), so it is not converted to a universal checkpoint, and "
-            f"loading it any other way could run code.",
+            f"({safeload.unpickler_refusal(e)}), so it is not converted to a universal "
+            f"checkpoint, and loading it any other way could run code.",
             file=sys.stderr,
         )
         return 2

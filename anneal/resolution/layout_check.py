@@ -19,24 +19,24 @@ def check_layout(ds: dict, preset: ModelPreset, *, world_size: int, source: str)
     if found is None:
         return
     if found.rule == rules.DEGREE_BELOW_ONE:
-        why = f"the {_KEYS[found.degree]} must be at least 1."
+        why = f"the {_DEGREE_KEYS[found.degree]} must be at least 1."
     elif found.degree == "ep" or found.rule == rules.EXPERTS_WITH_TP_SP:
-        why = _expert_words(found, setup, preset, source)
+        why = _expert_key_words(found, setup, preset, source)
     elif found.rule in (rules.TP_GROUPS, rules.TP_HEADS):
-        why = _tensor_words(found, setup, source)
+        why = _tensor_key_words(found, setup, source)
     else:
-        why = _sequence_words(found, setup, preset, source)
+        why = _sequence_key_words(found, setup, preset, source)
     raise UserError(f"{source}: {why}")
 
 
-_KEYS = {
+_DEGREE_KEYS = {
     "tp": "tensor_parallel.autotp_size",
     "sp": "sequence_parallel_size",
     "ep": "expert_parallel.autoep_size",
 }
 
 
-def _tensor_words(found: rules.Refusal, setup: rules.Setup, source: str) -> str:
+def _tensor_key_words(found: rules.Refusal, setup: rules.Setup, source: str) -> str:
     tp, n = setup.degrees.tp, setup.world_size
     fix = f"Set ds.tensor_parallel.autotp_size (now {tp}, from {source} or --set)"
     if found.rule == rules.TP_GROUPS:
@@ -54,7 +54,7 @@ def _tensor_words(found: rules.Refusal, setup: rules.Setup, source: str) -> str:
     )
 
 
-def _sequence_words(
+def _sequence_key_words(
     found: rules.Refusal, setup: rules.Setup, preset: ModelPreset, source: str
 ) -> str:
     sp, tp, n = setup.degrees.sp, setup.degrees.tp, setup.world_size
@@ -111,7 +111,7 @@ def _sequence_words(
     }[found.rule]
 
 
-def _expert_words(
+def _expert_key_words(
     found: rules.Refusal, setup: rules.Setup, preset: ModelPreset, source: str
 ) -> str:
     d, n = setup.degrees, setup.world_size

@@ -42,7 +42,7 @@ def model_preset(model: ModelConfig, vocab_size: int) -> ModelPreset:
         shape["seq_len"] = model.seq_len
     if model.rope_theta:
         shape["rope_theta"] = float(model.rope_theta)
-    preset = dataclasses.replace(preset, **shape, moe=_moe_shape(model, preset))
+    preset = dataclasses.replace(preset, **shape, moe=_overridden_moe(model, preset))
     heads, hidden = preset.num_attention_heads, preset.hidden_size
     if hidden % heads or (hidden // heads) % 2:
         fits = [h for h in range(1, 129) if hidden % h == 0 and hidden // h % 2 == 0]
@@ -67,7 +67,7 @@ MOE_KEYS = {
 """The ``model`` keys that override a sparse preset's ``MoeShape``, and the field each sets."""
 
 
-def _moe_shape(model: ModelConfig, preset: ModelPreset):
+def _overridden_moe(model: ModelConfig, preset: ModelPreset):
     """The preset's sparse shape with this config's overrides (0 and None keep the preset's);
     UserError for an override on a dense preset, or top-k above the experts."""
     given = {

@@ -5,8 +5,9 @@ checkpoint, then the Trainer), building the engine (``engine``: the one call of
 
 from anneal.train.engine import build_engine, resolve_run, setup_process
 from anneal.train.entry import run
+from anneal.train.loss import next_token_loss
 from anneal.train.observers import ExportAfterSave, Observer
-from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
+from anneal.train.step import StepShape, TrainState, train_step, validate
 from anneal.train.trainer import Trainer
 
 __all__ = [

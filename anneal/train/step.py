@@ -29,6 +29,7 @@ from anneal.resilience.preempt import Preemption
 from anneal.resolution.resolve import Launch
 from anneal.train import experts, loss, sequence
 from anneal.train.engine import data_replica
+from anneal.train.loss import next_token_loss
 
 
 @dataclasses.dataclass
@@ -64,11 +65,6 @@ class StepShape:
             memory_per_rank=launch.cfg.train.memory_per_rank,
             moe=launch.preset.moe,
         )
-
-
-next_token_loss = loss.next_token_loss
-"""Mean cross-entropy in fp32 of the model's output (its (B, T, V) logits, or the loss its
-chunked head computed: ``anneal.train.loss``) against (B, T) next tokens."""
 
 
 def _step_collective(

@@ -33,7 +33,8 @@ from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
 from anneal.train.engine import data_replica
-from anneal.train.step import StepShape, TrainState, next_token_loss, train_step, validate
+from anneal.train.loss import next_token_loss
+from anneal.train.step import StepShape, TrainState, train_step, validate
 
 log = logging.getLogger(__name__)
 

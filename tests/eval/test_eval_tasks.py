@@ -20,10 +20,13 @@ from anneal.eval import fewshot
 from anneal.eval.tasks import LOGLIKELIHOOD_TYPES, check_specs, load_tasks
 
 DOCS = [
-    {"q": f"Question {i}?", "choices": [f"yes {i}", f"no {i}", f"maybe {i}"][: 2 + i % 2],
-     "label": i % 2}
+    {
+        "q": f"Question {i}?",
+        "choices": [f"yes {i}", f"no {i}", f"maybe {i}"][: 2 + i % 2],
+        "label": i % 2,
+    }
     for i in range(8)
-]  # fmt: skip
+]
 
 
 def write_task(
@@ -386,9 +389,12 @@ def test_shipped_task_is_not_guessable_by_length(stdlib_data, tmp_path):
     from anneal.eval import next_line
 
     loaded = load_tasks(
-        ["anneal_next_line"], data_dir=stdlib_data, work_dir=tmp_path / "a", num_fewshot=None,
+        ["anneal_next_line"],
+        data_dir=stdlib_data,
+        work_dir=tmp_path / "a",
+        num_fewshot=None,
         limit=None,
-    )  # fmt: skip
+    )
     assert loaded.failed == {}
     task = loaded.tasks["anneal_next_line"]
     rows = list(task.eval_docs)
@@ -400,15 +406,20 @@ def test_shipped_task_is_not_guessable_by_length(stdlib_data, tmp_path):
         assert all(abs(len(c.strip()) - answer) <= 3 for c in row["choices"]), row
     n = len(rows)
     for pick in (max, min):
-        hits = sum(pick(range(4), key=lambda i, r=row: len(r["choices"][i])) == row["label"]
-                   for row in rows)  # fmt: skip
+        hits = sum(
+            pick(range(4), key=lambda i, r=row: len(r["choices"][i])) == row["label"]
+            for row in rows
+        )
         assert abs(hits / n - 0.25) < 0.08, (pick.__name__, hits)
     for label in range(4):
         assert abs(sum(r["label"] == label for r in rows) / n - 0.25) < 0.08
     other = load_tasks(
-        ["anneal_next_line"], data_dir=stdlib_data, work_dir=tmp_path / "b", num_fewshot=None,
+        ["anneal_next_line"],
+        data_dir=stdlib_data,
+        work_dir=tmp_path / "b",
+        num_fewshot=None,
         limit=None,
-    )  # fmt: skip
+    )
     assert other.info == loaded.info
 
 
@@ -417,9 +428,12 @@ def test_shipped_task_needs_code_in_val(tiny_data, tmp_path):
     ``failed`` and loads the rest."""
     good = write_task(tmp_path, "good")
     loaded = load_tasks(
-        ["anneal_next_line", str(good)], data_dir=tiny_data, work_dir=tmp_path / "w",
-        num_fewshot=None, limit=None,
-    )  # fmt: skip
+        ["anneal_next_line", str(good)],
+        data_dir=tiny_data,
+        work_dir=tmp_path / "w",
+        num_fewshot=None,
+        limit=None,
+    )
     assert list(loaded.tasks) == ["good"]
     assert "Python functions" in loaded.failed["anneal_next_line"]
     assert not (tmp_path / "w" / "anneal_next_line.yaml").exists()

@@ -466,9 +466,17 @@ def test_submit_with_watch_tasks_renders_the_watch_job_beside_the_training_job(
     assert code == 0, err
     assert "eval-watch.sbatch" not in plain
     code, out, err = _submit(
-        capsys, tmp_path, tiny_data, "--dry-run", "--watch-tasks", "anneal_next_line",
-        "--watch-limit", "50", "--watch-poll-s", "2.5",
-    )  # fmt: skip
+        capsys,
+        tmp_path,
+        tiny_data,
+        "--dry-run",
+        "--watch-tasks",
+        "anneal_next_line",
+        "--watch-limit",
+        "50",
+        "--watch-poll-s",
+        "2.5",
+    )
     assert code == 0, err
     training, watch_script = out.split(f"# {tmp_path / 'run' / 'eval-watch.sbatch'} would hold:")
     assert training == plain
@@ -498,8 +506,10 @@ def test_the_default_poll_the_help_texts_state_is_the_watchers():
     from launcher.__main__ import build_parser as launcher_parser
 
     said = f"default {watch.DEFAULT_POLL_S:g})"
-    for parser, command, flag in ((build_parser(), "eval", "--poll-s"),
-                                  (launcher_parser(), "submit", "--watch-poll-s")):  # fmt: skip
+    for parser, command, flag in (
+        (build_parser(), "eval", "--poll-s"),
+        (launcher_parser(), "submit", "--watch-poll-s"),
+    ):
         sub = next(a for a in parser._actions if a.dest == "command").choices[command]
         (action,) = [a for a in sub._actions if flag in a.option_strings]
         assert action.help.endswith(said), action.help
@@ -511,20 +521,31 @@ def test_the_default_poll_the_help_texts_state_is_the_watchers():
 def _write_task(root: Path) -> Path:
     """A local multiple-choice task over local JSONL (offline): 8 items of 4 one-word choices."""
     root.mkdir(parents=True)
-    rows = [{"q": f"def f{i}(x):\n    return", "choices": [" x", " 0", " None", " f"], "gold": 0}
-            for i in range(8)]  # fmt: skip
+    rows = [
+        {"q": f"def f{i}(x):\n    return", "choices": [" x", " 0", " None", " f"], "gold": 0}
+        for i in range(8)
+    ]
     (root / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     yaml = root / "watch_mc.yaml"
     yaml.write_text(
-        "\n".join([
-            "task: watch_mc", "dataset_path: json", "dataset_kwargs:",
-            f"  data_files: {{test: {json.dumps(str(root / 'mc.jsonl'))}}}",
-            f"  cache_dir: {json.dumps(str(root / 'hf_cache'))}",
-            "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{q}}"',
-            'doc_to_target: "{{gold}}"', 'doc_to_choice: "{{choices}}"', "metric_list:",
-            "  - {metric: acc, aggregation: mean, higher_is_better: true}",
-        ]) + "\n"
-    )  # fmt: skip
+        "\n".join(
+            [
+                "task: watch_mc",
+                "dataset_path: json",
+                "dataset_kwargs:",
+                f"  data_files: {{test: {json.dumps(str(root / 'mc.jsonl'))}}}",
+                f"  cache_dir: {json.dumps(str(root / 'hf_cache'))}",
+                "test_split: test",
+                "output_type: multiple_choice",
+                'doc_to_text: "{{q}}"',
+                'doc_to_target: "{{gold}}"',
+                'doc_to_choice: "{{choices}}"',
+                "metric_list:",
+                "  - {metric: acc, aggregation: mean, higher_is_better: true}",
+            ]
+        )
+        + "\n"
+    )
     return yaml
 
 
@@ -560,8 +581,11 @@ def _submit_both(slurm, tmp_path: Path, data: Path) -> tuple[Path, str, str]:
     cmd += ["--save-every", "3", "--val-every", "1000", "--set", "train.keep_last=10", *SMALL]
     done = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    train_job, watch_job = [line.split()[-1] for line in done.stdout.splitlines()
-                            if line.startswith("Submitted batch job")]  # fmt: skip
+    train_job, watch_job = [
+        line.split()[-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("Submitted batch job")
+    ]
     return run, train_job, watch_job
 
 
@@ -608,15 +632,22 @@ def test_a_watch_job_beside_a_training_job_on_slurm_scores_each_save_once(
     slurm = two_node_slurm
     run, train_job, watch_job = _submit_both(slurm, tmp_path, stdlib_data)
     ckpt = rundir.checkpoints_dir(run)
-    wait_for(lambda: (ckpt / "step00000003" / MANIFEST).exists(), timeout_s=300,
-             what="the first save", on_timeout=lambda: logs(run))  # fmt: skip
+    wait_for(
+        lambda: (ckpt / "step00000003" / MANIFEST).exists(),
+        timeout_s=300,
+        what="the first save",
+        on_timeout=lambda: logs(run),
+    )
     _plant_damaged(run, ckpt / "step00000003", 4)
     first = rundir.eval_path(run, 3)
     wait_for(first.exists, timeout_s=300, what="the first score", on_timeout=lambda: logs(run))
     first_written = first.stat().st_mtime_ns
     slurm("scancel", watch_job)
-    wait_for(lambda: slurm.job(watch_job).get("JobState") in ("CANCELLED", "COMPLETED"),
-             timeout_s=60, what="the watch job's end")  # fmt: skip
+    wait_for(
+        lambda: slurm.job(watch_job).get("JobState") in ("CANCELLED", "COMPLETED"),
+        timeout_s=60,
+        what="the watch job's end",
+    )
     again = slurm("sbatch", str(run / "eval-watch.sbatch")).split()[-1]
     _all_scored_once(slurm, run, [train_job, again], first, first_written)
     text = (run / "logs" / "eval-node0.log").read_text()  # both watch jobs, appended
@@ -644,10 +675,17 @@ def test_a_preempted_watch_job_is_requeued_and_resumes_on_slurm(
     wait_for(first.exists, timeout_s=300, what="the first score", on_timeout=lambda: logs(run))
     first_written = first.stat().st_mtime_ns
     slurm("scancel", "--signal=USR1", "--batch", watch_job)
-    wait_for(lambda: slurm.job(watch_job).get("Restarts") == "1", timeout_s=120,
-             what="the requeue", on_timeout=lambda: logs(run))  # fmt: skip
-    wait_for(lambda: slurm.job(watch_job).get("JobState") == "PENDING", timeout_s=60,
-             what="the requeued job pending")  # fmt: skip
+    wait_for(
+        lambda: slurm.job(watch_job).get("Restarts") == "1",
+        timeout_s=120,
+        what="the requeue",
+        on_timeout=lambda: logs(run),
+    )
+    wait_for(
+        lambda: slurm.job(watch_job).get("JobState") == "PENDING",
+        timeout_s=60,
+        what="the requeued job pending",
+    )
     time.sleep(2)  # a new credential in another second than the revoked one (test_cluster.py)
     slurm("scontrol", "update", f"jobid={watch_job}", "StartTime=now")
     text = _all_scored_once(slurm, run, [train_job, watch_job], first, first_written)
@@ -672,7 +710,7 @@ def _two_ranks(run: Path, out: Path, *extra: str) -> list[int]:
                 "WORLD_SIZE": "2",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
-            },  # fmt: skip
+            },
         )
         for r in range(2)
     ]

@@ -12,9 +12,8 @@ checks of the source, each also run on a small made-up case to show that it can 
   in a comment of the statement or on the line above it); a call the formatter would wrap
   is the formatter's to wrap.
 
-``BEING_FIXED_*`` hold what other branches of issue 40 are fixing at the same time; the merge
-empties them. An entry of any of these lists that no longer matches the code fails, so that the
-lists only shrink.
+An entry of ``ALLOWED_TWINS`` or ``ALLOWED_PRIVATE_IMPORTS`` that no longer matches the code
+fails, so that the lists only shrink.
 """
 
 from __future__ import annotations
@@ -34,64 +33,16 @@ ALLOWED_TWINS = {
     "build_parser": "the `anneal` command's parser (cli) and a recipe's (cli.recipe)",
     "main": "entry points: `anneal` (cli), a recipe (cli.recipe), the report's child process",
     "load": "a verb read with its module: tokenizer., generate., compare., checkpoint., safeload.",
-    "run": "a verb read with its module: a corpus prepared (data.prepare), a run (train.trainer)",
+    "run": "a verb read with its module: a corpus prepared (data.prepare), a run (train.entry)",
     "save": "a verb read with its module: a figure (plot_style), a checkpoint (checkpoint)",
     "verify": "a verb read with its module: a prepared directory (checks), a tag (manifest)",
     "install": "a verb read with its module: tokenizer_hf., safeload., loss.",
-    "check": "a verb read with its module: eval_watch., memory_ep/sp/tp., checkpoint.",
+    "check": "a verb read with its module: eval_watch., memory_layout., checkpoint.",
 }
 """Public names that may be defined in several modules of anneal/, each with its reason."""
 
-BEING_FIXED_TWINS = {
-    "SPARSE",  # being fixed on another branch (issue 40)
-    "check_checkpoint",  # being fixed on another branch (issue 40)
-    "next_token_loss",  # being fixed on another branch (issue 40)
-    "params_per_gpu",  # being fixed on another branch (issue 40)
-    "refusal",  # being fixed on another branch (issue 40)
-    "_INT64",  # being fixed on another branch (issue 40)
-    "_TAG",  # being fixed on another branch (issue 40)
-    "_allowed",  # being fixed on another branch (issue 40)
-    "_check_names",  # being fixed on another branch (issue 40)
-    "_check_numbers",  # being fixed on another branch (issue 40)
-    "_entry",  # being fixed on another branch (issue 40)
-    "_moe_shape",  # being fixed on another branch (issue 40)
-    "_reusable",  # being fixed on another branch (issue 40)
-    "_shown",  # being fixed on another branch (issue 40)
-    "_unreadable",  # being fixed on another branch (issue 40)
-}
-"""Twins in the areas of the other branches of issue 40: the merge empties this."""
-
 ALLOWED_PRIVATE_IMPORTS: dict[str, str] = {}
 """``"importer <- module.name"`` (``anneal.`` left out) -> why; empty, and meant to stay short."""
-
-BEING_FIXED_PRIVATE_IMPORTS = {
-    # being fixed on another branch (issue 40):
-    "cli.eval_watch <- cli.eval_target._checkpoint_target",
-    "hf.autoep <- hf.reader._Archive",  # being fixed on another branch (issue 40)
-    "hf.autoep <- hf.zero._NOT_A_CHECKPOINT",  # being fixed on another branch (issue 40)
-    "hf.autoep <- hf.zero._load_weights_only",  # being fixed on another branch (issue 40)
-    "hf.autoep <- hf.zero._Piece",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.reader._Archive",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.zero._cut",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.zero._expert_group",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.zero._Layout",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.zero._load_weights_only",  # being fixed on another branch (issue 40)
-    "hf.autoep_zero3 <- hf.zero._Piece",  # being fixed on another branch (issue 40)
-    "hf.zero <- hf.reader._Archive",  # being fixed on another branch (issue 40)
-}
-"""Private imports in the areas of the other branches of issue 40: the merge empties this."""
-
-BEING_FIXED_MODULE_TWINS = {
-    "experts",  # being fixed on another branch (issue 40): resolution/experts.py, train/experts.py
-}
-"""Module names that two packages of anneal/ share, in the other branches' areas."""
-
-BEING_FIXED_FMT_SKIPS = {
-    "bench/bench_eval.py": 2,  # being fixed on another branch (issue 40)
-    "tests/eval/test_eval_tasks.py": 5,  # being fixed on another branch (issue 40)
-    "tests/eval/test_eval_watch.py": 10,  # being fixed on another branch (issue 40)
-}
-"""Files of the other branches of issue 40 -> their ``# fmt: skip``s without a reason."""
 
 SCANNED = ("anneal", "launcher", "recipes", "bench", "scripts")
 """Where the private imports and the ``# fmt: skip``s are looked for (tests/ too for the
@@ -128,22 +79,20 @@ def twins(sources: dict[str, str]) -> dict[str, list[str]]:
     return {name: sorted(ms) for name, ms in sorted(where.items()) if len(ms) > 1}
 
 
-def twin_problems(found: dict[str, list[str]], allowed: dict, being_fixed: dict) -> list[str]:
-    """Each twin neither allowed nor being fixed, each private name allowed, each list entry
-    that is no twin any more."""
+def twin_problems(found: dict[str, list[str]], allowed: dict) -> list[str]:
+    """Each twin not allowed, each private name allowed, each allowance that is no twin any
+    more."""
     problems = [
         f"{name} is defined in {', '.join(ms)}: give each its own name for what it holds, or "
         f"keep one definition and import it"
         for name, ms in found.items()
-        if name not in allowed and name not in being_fixed
+        if name not in allowed
     ]
     problems += [
         f"{n}: a private helper has one home, never an allowance" for n in allowed if n[0] == "_"
     ]
     problems += [
-        f"{n}: on a list but no longer a twin: remove it"
-        for n in [*allowed, *being_fixed]
-        if n not in found
+        f"{n}: on a list but no longer a twin: remove it" for n in allowed if n not in found
     ]
     return problems
 
@@ -189,7 +138,7 @@ def _py_files(*roots: str) -> list[Path]:
 
 
 def test_no_name_is_defined_in_two_modules_of_anneal():
-    assert not twin_problems(twins(_anneal_sources()), ALLOWED_TWINS, BEING_FIXED_TWINS)
+    assert not twin_problems(twins(_anneal_sources()), ALLOWED_TWINS)
 
 
 def module_twins(paths: list[Path]) -> dict[str, list[str]]:
@@ -203,7 +152,7 @@ def module_twins(paths: list[Path]) -> dict[str, list[str]]:
 
 
 def test_no_two_packages_have_a_module_of_the_same_name():
-    assert set(module_twins(_py_files("anneal"))) == BEING_FIXED_MODULE_TWINS
+    assert module_twins(_py_files("anneal")) == {}
 
 
 def test_the_module_name_check_fails_on_made_up_twins():
@@ -231,7 +180,7 @@ def test_the_twin_check_fails_on_made_up_twins():
         "log": ["anneal.a", "anneal.b"],
         "y": ["anneal.b", "anneal.c"],
     }
-    problems = twin_problems(twins(made_up), {"log": "a logger", "_x": "no", "gone": "?"}, {})
+    problems = twin_problems(twins(made_up), {"log": "a logger", "_x": "no", "gone": "?"})
     assert problems == [
         "y is defined in anneal.b, anneal.c: give each its own name for what it holds, or keep "
         "one definition and import it",
@@ -242,7 +191,7 @@ def test_the_twin_check_fails_on_made_up_twins():
 
 def test_no_private_name_is_imported_from_another_module_of_anneal():
     found = {i for p in _py_files(*SCANNED) for i in private_imports(p)}
-    allowed = set(ALLOWED_PRIVATE_IMPORTS) | BEING_FIXED_PRIVATE_IMPORTS
+    allowed = set(ALLOWED_PRIVATE_IMPORTS)
     assert sorted(found - allowed) == []
     assert sorted(allowed - found) == [], "on a list but no longer imported: remove it"
     assert len(ALLOWED_PRIVATE_IMPORTS) <= 5
@@ -271,7 +220,7 @@ def test_fmt_skip_only_on_a_table_aligned_by_hand():
     for p in _py_files(*SCANNED, "tests"):
         if "fmt: skip" in (text := p.read_text()) and (lines := fmt_skips_without_reason(text)):
             found[str(p.relative_to(ROOT))] = len(lines)
-    assert found == BEING_FIXED_FMT_SKIPS
+    assert found == {}
 
 
 def test_the_fmt_skip_check_fails_on_made_up_skips():

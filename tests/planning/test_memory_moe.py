@@ -49,7 +49,7 @@ def work(n_gpus: int, **kw) -> memory.Workload:
 def expert_states(preset, zero, n_gpus: int, ep: int) -> float:
     """One GPU's model-state bytes less those of its dense parameters (ZeRO over n_gpus)."""
     est = memory.estimate(preset, zero, work(n_gpus, ep=ep))
-    dense, _ = memory_ep.params_per_gpu(preset, tp=1, ep=ep)
+    dense, _ = memory_ep.dense_and_expert_params_per_gpu(preset, tp=1, ep=ep)
     return est.model_state - sum(memory.model_state_bytes(dense, zero, n_gpus)[:3])
 
 

@@ -49,7 +49,7 @@ def test_the_weight_files_in_rank_order(tmp_path: Path):
     assert [f.name for f in ds_files.expert_files(tmp_path)] == [names[5], names[4]]
     assert ds_files.expert_file_name(1, 0) == names[4]
     assert ds_files.is_expert_file(names[4]) and not ds_files.is_expert_file(names[0])
-    assert {f.name for f in ds_files.weight_files(tmp_path, 2)} == set(names[:6])
+    assert {f.name for f in ds_files.files_holding_weights(tmp_path, 2)} == set(names[:6])
     with pytest.raises(ds_files.LayoutError, match="not one zero_pp_rank_R file a rank"):
         ds_files.zero3_rank_files(tmp_path)
 
