@@ -17,19 +17,24 @@ holds fewer functions, and a split with fewer than ``MIN_ITEMS`` is refused.
 Files, under the caller's ``work_dir`` (e.g. ``RUN/evals/tasks/``), each written atomically:
 ``anneal_next_line.jsonl`` (``context``, ``choices``, ``label``, ``source``, ``document``,
 ``line``), then ``anneal_next_line.yaml`` (an lm-eval task: multiple choice, 0-shot by default,
-``acc`` and ``acc_norm``; its ``data_files`` is relative to it, and ``load_yaml_config`` makes it
+``acc`` and ``acc_norm``; its ``data_files`` is relative to it, and ``task_config`` makes it
 absolute). The YAML's metadata records ``source_sha256`` (of the val split's entry in
 meta.json, which holds each shard's sha256, of the tokenizer's hashes and of the builder's
-version and settings) and the JSONL's sha256; a later build whose source hash matches reuses
-the files. Ranks that build at once write the same bytes.
+version and settings) and the JSONL's sha256. Every build builds both again and compares them
+byte for byte with the files there: equal files are kept (not rewritten), others are replaced
+(said in a warning), so a file planted or edited under a run directory is never loaded (the
+config handed to lm-eval is the one built in memory). Ranks that build at once write the same
+bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -56,19 +61,39 @@ NEAREST = 24
 """Distractors are drawn among this many candidate lines nearest in length to the answer."""
 SEED = 20261203
 
+log = logging.getLogger(__name__)
+
 _DEF = re.compile(r"^(\s*)(async\s+)?def\s")
 
 
 def build(data_dir: Path, work_dir: Path, *, items: int = ITEMS) -> Path:
-    """The task's YAML under ``work_dir``, built from ``data_dir``'s val split (or the one
-    built before from the same split, reused)."""
+    """The task's YAML under ``work_dir``, built from ``data_dir``'s val split (``_write``)."""
+    return _write(data_dir, work_dir, items=items)[0]
+
+
+def task_config(data_dir: Path, work_dir: Path) -> dict:
+    """The task's config as lm-eval's ``TaskManager.load`` takes it (a dict), from the YAML
+    text built in memory (never read back from ``work_dir``), its data file made absolute (the
+    YAML names it relative to itself, so that the bytes do not depend on where they lie)."""
+    yaml_path, text = _write(data_dir, work_dir, items=ITEMS)
+    cfg = yaml.safe_load(text)
+    files = cfg["dataset_kwargs"]["data_files"]
+    cfg["dataset_kwargs"]["data_files"] = {
+        split: str(yaml_path.parent / name) for split, name in files.items()
+    }
+    return cfg
+
+
+def _write(data_dir: Path, work_dir: Path, *, items: int) -> tuple[Path, str]:
+    """(the YAML's path, its text): both files built every time (about 0.1 s); a file already
+    there is kept only when it holds exactly the bytes built now, and any other (edited,
+    planted, of other data) is replaced with a warning, so nothing under a run directory is
+    loaded as it stands (lm-eval renders a YAML's templates)."""
     prepared = PreparedDir.of(data_dir)
     meta = prepared.meta(splits=("val",))
     source = _source_sha256(prepared, meta, items)
     work_dir = Path(work_dir)
     yaml_path, data_path = work_dir / f"{NAME}.yaml", work_dir / f"{NAME}.jsonl"
-    if _built_before(yaml_path, data_path, source):
-        return yaml_path
     docs = val_documents(prepared, meta)
     rows = make_items(docs, items=items)
     if len(rows) < MIN_ITEMS:
@@ -78,22 +103,31 @@ def build(data_dir: Path, work_dir: Path, *, items: int = ITEMS) -> Path:
             f"split's Python code. Score another task, or prepare data with more code in val."
         )
     data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    text = task_yaml(source, hashlib.sha256(data.encode()).hexdigest(), rows)
     make_dir(work_dir, flag="work_dir")
-    write_atomic(data_path, data)
-    write_atomic(yaml_path, task_yaml(source, hashlib.sha256(data.encode()).hexdigest(), rows))
-    return yaml_path
+    for path, want in ((data_path, data), (yaml_path, text)):  # the data first, then its YAML
+        if not _holds(path, want.encode()):
+            if path.exists() or path.is_symlink():
+                log.warning(
+                    "%s differs from what Anneal builds from %s's val split (edited, or built "
+                    "from other data): replaced",
+                    path,
+                    prepared.path,
+                )
+            write_atomic(path, want)
+    return yaml_path, text
 
 
-def load_yaml_config(yaml_path: Path) -> dict:
-    """The task's config as lm-eval's ``TaskManager.load`` takes it (a dict), its data file
-    made absolute (the YAML names it relative to itself, so that the bytes do not depend on
-    where they lie)."""
-    cfg = yaml.safe_load(Path(yaml_path).read_text())
-    files = cfg["dataset_kwargs"]["data_files"]
-    cfg["dataset_kwargs"]["data_files"] = {
-        split: str(Path(yaml_path).parent / name) for split, name in files.items()
-    }
-    return cfg
+def _holds(path: Path, want: bytes) -> bool:
+    """True when ``path`` is a regular file (not a link, a FIFO or a directory) of exactly the
+    bytes ``want``; read only when its size matches, so nothing hangs or fills memory."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size != len(want):
+            return False
+        return path.read_bytes() == want
+    except OSError:
+        return False
 
 
 def task_yaml(source_sha256: str, data_sha256: str, rows: list[dict]) -> str:
@@ -127,20 +161,6 @@ def _source_sha256(prepared: PreparedDir, meta: dict, items: int) -> str:
         "builder": [BUILDER_VERSION, items, CHOICES, MIN_CHARS, MAX_CHARS, SEED],
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def _built_before(yaml_path: Path, data_path: Path, source: str) -> bool:
-    try:
-        recorded = yaml.safe_load(yaml_path.read_text())["metadata"]
-        data = data_path.read_bytes()
-    except (OSError, yaml.YAMLError, TypeError, KeyError):
-        return False
-    return (
-        isinstance(recorded, dict)
-        and recorded.get("source_sha256") == source
-        and recorded.get("version") == BUILDER_VERSION
-        and recorded.get("data_sha256") == hashlib.sha256(data).hexdigest()
-    )
 
 
 # --- The val split's documents --------------------------------------------------------------

@@ -267,7 +267,7 @@ def _load_spec(spec: str, *, data_dir: Path | None, work_dir: Path) -> dict[str,
             raise UserError(
                 f"task {SHIPPED} is built from the run's prepared data, and none was given."
             )
-        config = next_line.load_yaml_config(next_line.build(data_dir, work_dir))
+        config = next_line.task_config(data_dir, work_dir)
         return TaskManager(include_defaults=False).load(config)["tasks"]
     if is_path_spec(spec):
         path = Path(spec).expanduser()
