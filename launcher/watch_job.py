@@ -38,13 +38,14 @@ def check(ns: argparse.Namespace) -> None:
 
 def script(ns, *, out: Path, device: str, grace: int) -> str:
     """The batch script of the watch job (``slurm.render_watch``), on the training job's
-    partition, account, time limit and grace time, with a rendezvous port of its own."""
+    partition, account, time limit and grace time, with a rendezvous port of its own; its
+    tasks checked (``check_tasks``)."""
     nodes = 1 if ns.watch_nodes is None else ns.watch_nodes
     gpus = 1 if ns.watch_gpus_per_node is None else ns.watch_gpus_per_node
     for flag, value in (("--watch-nodes", nodes), ("--watch-gpus-per-node", gpus)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1.")
-    return render_watch(
+    text = render_watch(
         job_name=f"anneal-eval-{out.name}",
         nodes=nodes,
         gpus_per_node=gpus,
@@ -61,6 +62,24 @@ def script(ns, *, out: Path, device: str, grace: int) -> str:
         poll_s=ns.watch_poll_s,
         master_port=ns.master_port + 1 if ns.master_port < 65535 else ns.master_port - 1,
     )
+    check_tasks(ns.watch_tasks)
+    return text
+
+
+def check_tasks(tasks: str) -> None:
+    """The watch job's tasks checked as ``anneal eval`` checks them when the job starts
+    (``anneal.eval.tasks.check_specs``: a generation task, a missing YAML, a template that
+    reaches into Python are refused here, before anything is written); each task YAML that
+    runs Python is said. Relative paths are from this directory, the job's working directory."""
+    from anneal.eval.tasks import check_specs
+
+    specs = [s.strip() for s in tasks.split(",") if s.strip()]
+    try:
+        notes = check_specs(specs)
+    except UserError as e:
+        raise UserError(f"--watch-tasks: {e}") from None
+    for note in notes:
+        print(f"--watch-tasks: {note}")
 
 
 WATCH_SCRIPT = "eval-watch.sbatch"

@@ -23,6 +23,8 @@ from anneal.files import write_atomic
 
 DEFAULT_BATCH_SIZE = 16
 """Requests per forward call on each data-parallel replica."""
+MAX_EVAL_COUNT = 10**12
+"""The largest step, limit, shot count or batch size taken (a step of a run, a task's items)."""
 
 
 def add_commands(sub) -> None:
@@ -43,12 +45,22 @@ def add_commands(sub) -> None:
         help="run directory, RUN/checkpoints/<tag>, or a Hugging Face model directory",
     )
     p.add_argument("--tasks", required=True, help="comma list of task names or YAML paths")
-    p.add_argument("--step", type=int, help="the run's checkpoint saved at this step")
-    p.add_argument("--limit", type=int, help="score at most this many items of each task")
-    p.add_argument("--num-fewshot", type=int, help="demonstrations per item (task's default)")
+    p.add_argument(
+        "--step", type=_bounded_count("--step", 0), help="the run's checkpoint saved at this step"
+    )
+    p.add_argument(
+        "--limit",
+        type=_bounded_count("--limit", 1),
+        help="score at most this many items of each task",
+    )
+    p.add_argument(
+        "--num-fewshot",
+        type=_bounded_count("--num-fewshot", 0),
+        help="demonstrations per item (task's default)",
+    )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=_bounded_count("--batch-size", 1),
         default=DEFAULT_BATCH_SIZE,
         help=f"requests per forward call on each data-parallel replica ({DEFAULT_BATCH_SIZE})",
     )
@@ -75,14 +87,14 @@ def add_commands(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from anneal.dist import shutdown, single_process_env
+    from anneal.dist import print0, shutdown, single_process_env
     from anneal.eval.tasks import check_specs
     from anneal.train.engine import setup_process
 
     specs = _specs(args.tasks)
-    _check_counts(args)
     eval_watch.check(args)
-    check_specs(specs)  # before any process group or engine
+    for note in check_specs(specs):  # before any process group or engine
+        print0(note)  # a task YAML that runs Python
     overrides = _ds_overrides(args.set)
     saved_env, root = dict(os.environ), logging.getLogger()
     saved_log = (list(root.handlers), root.level)  # setup_process replaces the root handlers
@@ -192,15 +204,23 @@ def _specs(tasks: str) -> list[str]:
     return specs
 
 
-def _check_counts(args: argparse.Namespace) -> None:
-    for flag, value, low in (
-        ("--step", args.step, 0),
-        ("--limit", args.limit, 1),
-        ("--num-fewshot", args.num_fewshot, 0),
-        ("--batch-size", args.batch_size, 1),
-    ):
-        if value is not None and value < low:
-            raise UserError(f"{flag} {value}: give a whole number of at least {low}.")
+def _bounded_count(flag: str, low: int):
+    """``type`` of a whole-number flag: ``low`` to ``MAX_EVAL_COUNT``, checked as argparse reads it
+    (a UserError, one paragraph), so no later slice or range sees a number it cannot take."""
+
+    def count(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or not low <= number <= MAX_EVAL_COUNT:
+            raise UserError(
+                f"{flag} {value[:40]}: give a whole number from {low} to {MAX_EVAL_COUNT:,}."
+            )
+        return number
+
+    count.__name__ = "count"
+    return count
 
 
 def _ds_overrides(items: list[str]) -> list[str]:

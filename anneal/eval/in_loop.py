@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from anneal import rundir
-from anneal.dist import all_gather, barrier, rank
+from anneal.dist import all_gather, barrier, print0, rank
 from anneal.errors import UserError
 
 TOKENS_PER_ITEM = 213
@@ -29,7 +29,8 @@ ITEMS_PER_TASK = 4_135
 def check_launch(launch) -> None:
     """Before anything starts (the launcher's pre-flight and every rank): ``train.eval_tasks``
     on a layout the evaluator cannot run in lockstep, and task specs that cannot load
-    (``anneal.eval.tasks.check_specs``), are one paragraph each (UserError)."""
+    (``anneal.eval.tasks.check_specs``), are one paragraph each (UserError); each task YAML
+    that runs Python is said (rank 0)."""
     specs = launch.cfg.train.eval_tasks
     if not specs:
         return
@@ -45,9 +46,11 @@ def check_launch(launch) -> None:
     from anneal.eval.tasks import check_specs
 
     try:
-        check_specs(specs)
+        notes = check_specs(specs)
     except UserError as e:  # the same on every rank, so said once
         raise UserError(f"train.eval_tasks: {e}", every_rank=True) from None
+    for note in notes:  # a task YAML that runs Python
+        print0(f"train.eval_tasks: {note}")
 
 
 def passes(*, start_step: int, max_steps: int, every: int) -> int:

@@ -81,17 +81,24 @@ def is_path_spec(spec: str) -> bool:
 # --- Before launch --------------------------------------------------------------------------
 
 
-def check_specs(specs: Sequence[str]) -> None:
+def check_specs(specs: Sequence[str]) -> list[str]:
     """Refuse, before launch, a spec that cannot be scored: a missing YAML path, a file that is
-    not a task YAML, a generation task, an unknown lm-eval name (which builds lm-eval's index,
-    7-26 s, only when a bare name is given). The shipped task's data is checked at load."""
-    names = []
+    not a task YAML (or not plain bounded YAML, or with a template that reaches into Python:
+    ``anneal.eval.task_files``), a generation task, an unknown lm-eval name (which builds
+    lm-eval's index, 7-26 s, only when a bare name is given). The shipped task's data is
+    checked at load. Returns one line per Python file a task YAML runs, for the launch to
+    print."""
+    from anneal.eval import task_files
+
+    names, notes = [], []
     for spec in specs:
         if not isinstance(spec, str) or not spec.strip():
             raise UserError(f"task spec {spec!r}: give a task name or the path of a task YAML.")
         if spec == SHIPPED:
             continue
         if is_path_spec(spec):
+            if Path(spec).expanduser().exists():  # a missing one: _check_path says so
+                notes += task_files.inspect(spec)  # before lm-eval reads it
             _check_path(spec)
         else:
             names.append(spec)
@@ -99,6 +106,7 @@ def check_specs(specs: Sequence[str]) -> None:
         index = _default_manager().task_index
         for name in names:
             _check_name(name, index)
+    return notes
 
 
 def _check_path(spec: str) -> None:
@@ -233,7 +241,11 @@ def load_tasks(
     """Every task of ``specs``, ready for ``lm_eval.evaluator.evaluate``; what fails to load is
     in ``failed`` (never raised). ``data_dir`` is the run's prepared data (for the shipped task,
     built under ``work_dir``, a directory the caller owns). Deterministic: every rank that
-    calls it gets the same tasks, documents and few-shot demonstrations."""
+    calls it gets the same tasks, documents and few-shot demonstrations. lm-eval renders their
+    templates in a sandbox (``anneal.eval.task_files.sandbox_templates``)."""
+    from anneal.eval.task_files import sandbox_templates
+
+    sandbox_templates()
     loaded = LoadedTasks(tasks={}, info={}, failed={})
     for spec in specs:
         try:
@@ -271,21 +283,29 @@ def _load_spec(spec: str, *, data_dir: Path | None, work_dir: Path) -> dict[str,
         return TaskManager(include_defaults=False).load(config)["tasks"]
     if is_path_spec(spec):
         path = Path(spec).expanduser()
-        if path.is_dir():
-            manager = TaskManager(include_path=str(path), include_defaults=False)
-            return manager.load(manager.all_subtasks)["tasks"]
-        return TaskManager(include_defaults=False).load(str(path))["tasks"]
+        try:
+            if path.is_dir():
+                manager = TaskManager(include_path=str(path), include_defaults=False)
+                return manager.load(manager.all_subtasks)["tasks"]
+            return TaskManager(include_defaults=False).load(str(path))["tasks"]
+        except Exception:  # a broken line of a local data file: named, else lm-eval's error
+            from anneal.eval.task_files import check_data_files
+
+            check_data_files(path)
+            raise
     return _default_manager().load(spec)["tasks"]
 
 
 def _prepare(spec: str, task, *, num_fewshot: int | None, limit: int | None) -> dict:
     """Check ``task``'s output type, apply ``num_fewshot`` as ``simple_evaluate`` does, seed
     and guard its few-shot sampler; its ``info``."""
-    from anneal.eval import fewshot
+    from anneal.eval import fewshot, task_files
 
     output_type = task.get_config("output_type") or getattr(task, "OUTPUT_TYPE", None)
     if output_type not in LOGLIKELIHOOD_TYPES:
         raise UserError(_output_type_refusal(spec, task.get_config("task"), output_type))
+    if is_path_spec(spec):  # the user's own documents: every answer among its choices
+        task_files.check_targets(spec, task)
     config_sha256 = config_hash(task)
     if num_fewshot is not None:
         if task.get_config("num_fewshot") == 0:
