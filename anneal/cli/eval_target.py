@@ -136,7 +136,8 @@ def checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> T
     """A run's checkpoint: its model and ds_config from the run's config.json, its files
     checked as the export checks them (listed, weights-only loadable), its tokenizer."""
     from anneal.files import sha256_file
-    from anneal.hf.source import preset_from_record, tokenizer_dir
+    from anneal.hf.source import preset_from_record
+    from anneal.hf.source import tokenizer_dir as find_tokenizer
     from anneal.resolution.ds import find_ds_config, load_ds_config
 
     record = rundir.read_record(run_dir, section="model")
@@ -148,6 +149,7 @@ def checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> T
         ds_source = str(find_ds_config(ds_config))
         ds = load_ds_config(ds_source)
     data_dir = data or _data_dir(record)
+    tokenizer_dir = _loadable_tokenizer(find_tokenizer(record, manifest, tokenizer))
     return Target(
         source="checkpoint",
         preset=preset,
@@ -155,7 +157,7 @@ def checkpoint_target(run_dir, tag_dir, *, out, ds_config, tokenizer, data) -> T
         ds_source=ds_source,
         step=manifest["step"],
         tokens=manifest.get("tokens"),
-        tokenizer_dir=tokenizer_dir(record, manifest, tokenizer),
+        tokenizer_dir=tokenizer_dir,
         data_dir=data_dir,
         results_dir=Path(out) if out else Path(run_dir),
         run_dir=Path(run_dir),
@@ -209,6 +211,18 @@ def _check_files(tag_dir: Path, manifest: dict) -> None:
         raise UserError(f"{e} Nothing was scored.", every_rank=True) from None
 
 
+def _loadable_tokenizer(tokenizer_dir: Path) -> Path:
+    """``tokenizer_dir`` once its tokenizer loads as scoring loads it, before any engine: a
+    class that exists only as the directory's code (``auto_map``) is refused here, never run."""
+    from anneal.eval.lm import load_tokenizer
+
+    try:
+        load_tokenizer(tokenizer_dir)
+    except UserError as e:
+        raise UserError(f"{e} Nothing was scored.", every_rank=True) from None
+    return tokenizer_dir
+
+
 def _hf_target(directory: Path, *, out, ds_config, data) -> Target:
     """A Hugging Face directory (an Anneal export, or any Llama-shaped model that
     ``--init-from`` accepts): checked by ``anneal.hf.load``; step and tokens from an export's
@@ -226,6 +240,7 @@ def _hf_target(directory: Path, *, out, ds_config, data) -> Target:
         )
     preset = pretrained_preset(directory, data_vocab=0, model=ModelConfig())
     ds_source = str(find_ds_config(ds_config or DEFAULT_HF_DS_CONFIG))
+    _loadable_tokenizer(Path(directory))
     marker = read_marker(directory) or {}
     step = marker.get("step") if isinstance(marker.get("step"), int) else 0
     tokens = marker.get("tokens") if isinstance(marker.get("tokens"), int) else None

@@ -66,8 +66,11 @@ def unsupported_layout(tensor_parallel: int, sequence_parallel: int) -> str | No
 def load_tokenizer(tokenizer_dir: Path):
     """The Hugging Face tokenizer in ``tokenizer_dir`` (tokenizer.json and its config, as every
     prepared directory and export holds), as HFLM loads it from the export: AutoTokenizer,
-    never running the directory's own code."""
+    never running the directory's own code (a class named only in its ``auto_map`` is a
+    UserError)."""
     from transformers import AutoTokenizer
+
+    from anneal.data.tokenizer_hf import remote_code_refused
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer_dir = Path(tokenizer_dir)
@@ -77,7 +80,13 @@ def load_tokenizer(tokenizer_dir: Path):
             f"as lm-eval's HFLM does. A directory prepared by `anneal data prepare` or written "
             f"by `anneal export` has one; prepare the data again with this Anneal."
         )
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    except (ValueError, OSError) as e:  # a class only in auto_map: one paragraph, nothing run
+        refused = remote_code_refused(str(tokenizer_dir), e)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 class EngineLM(TemplateLM):
