@@ -8,7 +8,7 @@ engine; a broken JSONL line and an answer out of range name their file and line;
 before writing anything. Each: no marker file, one paragraph, nothing hangs.
 
 The Hugging Face directory scored here is ``tests/hf/test_init_from.py``'s tiny Llama (about
-1 s to make); ``anneal eval`` runs in this process on a world of one.
+3 s to make, once for the module); ``anneal eval`` runs in this process on a world of one.
 """
 
 from __future__ import annotations
