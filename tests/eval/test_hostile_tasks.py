@@ -186,12 +186,15 @@ def test_an_alias_bomb_is_refused_fast(tmp_path, capsys):
 
 
 def test_a_yaml_naming_python_runs_when_named_and_the_launch_says_so(
-    hf_model, tmp_path, capsys, offline
+    hf_model, tiny_data, tmp_path, capsys, offline
 ):
     """``process_docs: !function utils.shout`` beside a ``utils.py``: ``anneal eval`` scores
     it (exit 0, its documents processed by the function) and prints that the YAML runs Python
-    from that file; a YAML that brings it in by ``include:`` is named too, as is a function of
-    an installed module."""
+    from that file, as does a run's start with it in ``train.eval_tasks``; a YAML that brings
+    it in by ``include:`` is named too, as is a function of an installed module."""
+    from anneal.eval import in_loop
+    from tests.conftest import resolve_tiny
+
     tasks = tmp_path / "tasks"
     spec = write_task(tasks, "coded", extra="process_docs: !function utils.shout\n")
     (tasks / "utils.py").write_text(
@@ -205,6 +208,11 @@ def test_a_yaml_naming_python_runs_when_named_and_the_launch_says_so(
     [scores] = (out / "evals").glob("step-*.json")
     assert "coded" in json.loads(scores.read_text())["tasks"]
     assert rendered(load([spec], tmp_path / "w").tasks["coded"])[0] == "QUESTION 0?"
+    args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data)]
+    in_loop.check_launch(resolve_tiny([*args, "--set", f"train.eval_tasks={spec}"], world_size=1))
+    assert (
+        f"train.eval_tasks: {spec} runs Python from {tasks / 'utils.py'}" in capsys.readouterr().out
+    )
 
     wrapper = tmp_path / "other" / "wrapper.yaml"
     wrapper.parent.mkdir()
