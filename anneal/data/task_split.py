@@ -45,7 +45,7 @@ from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import TOKEN_BYTES, PreparedDir
 from anneal.data.readers import Problems
 from anneal.data.sources import Source, parse_inputs
-from anneal.data.units import arrow_files, source_files, unit_list
+from anneal.data.units import input_files, listing_sha256, unit_list
 from anneal.errors import UserError
 from anneal.files import make_dir, sha256_file, write_atomic
 
@@ -122,36 +122,6 @@ def check_tasks(tasks: int) -> None:
         raise UserError(f"--tasks {tasks}: give 1 to {MAX_TASKS:,} tasks.")
 
 
-def input_files(source: Source, cfg: PrepareConfig) -> list[list]:
-    """[path, size, mtime_ns] of every file ``source`` reads: the inputs as the plan saw them."""
-    if source.kind == "hub":
-        raise UserError(
-            f"--input {source.spec}: a dataset read through the Hugging Face hub cannot be split "
-            f"into tasks (each task would download or stream it again). Save it to disk first "
-            f"(datasets' save_to_disk) and give that directory, or prepare it on one node "
-            f"without --tasks."
-        )
-    if source.kind == "arrow":
-        paths = arrow_files(Path(source.path), source)
-    else:
-        paths = [p for p, _ in source_files(source, cfg.read)]
-    files = []
-    for p in paths:
-        st = p.stat()
-        files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
-    return files
-
-
-def listing_sha256(units: dict) -> str:
-    """The hash of every unit (its source, reader, part and bytes), in order: a task that lists
-    other units than the plan did would write parts that do not fit together."""
-    h = hashlib.sha256()
-    for source in sorted(units):
-        for u in units[source]:
-            h.update(repr((u.source, u.label, u.reader, u.part, u.nbytes)).encode())
-    return h.hexdigest()
-
-
 def task_ranges(sizes: list[int], tasks: int) -> list[list[int]]:
     """[start, end) of the global unit indices of each task: contiguous, about equal input
     bytes. A unit goes to the task in whose share of the bytes its first byte falls; with more
@@ -223,7 +193,7 @@ def check_same(plan: dict, cfg: PrepareConfig, tasks: int | None, *, parts: Path
 def check_inputs(plan: dict, cfg: PrepareConfig, sources: list[Source], *, parts: Path) -> None:
     """Every input file as the plan saw it: the same paths, sizes and mtimes."""
     for s, recorded in zip(sources, plan["inputs"], strict=True):
-        now = input_files(s, cfg)
+        now = input_files(s, cfg.read)
         if now == recorded["files"]:
             continue
         before = {f[0]: f[1:] for f in recorded["files"]}
@@ -267,7 +237,7 @@ def make_split(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
         else:
             return plan, False
     problems = Problems(cfg.read.on_error)
-    inputs = [{"source": s.index, "files": input_files(s, cfg)} for s in sources]
+    inputs = [{"source": s.index, "files": input_files(s, cfg.read)} for s in sources]
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     created = not parts.exists()
     make_dir(parts, flag="--out")
