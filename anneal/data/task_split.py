@@ -365,5 +365,36 @@ def load_split(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[S
             f"Anneal, or another reader of a format). Run every step with the same Anneal, or "
             f"start over with --force on the plan step. Nothing was written."
         )
+    check_ranges(plan, sum(map(len, units.values())), parts=parts)  # lists: no hub source
     check_tokenizer(plan, parts)
     return plan, plan_sha, sources, units
+
+
+def check_ranges(plan: dict, n_units: int, *, parts: Path) -> None:
+    """The plan's ``ranges`` as the plan step cuts them (``task_ranges``): one [start, end) per
+    task, each from where the one before ended, from unit 0 to the last. Overlapping ranges
+    would pack some units twice (and count their input bytes twice), a gap would lose some."""
+    ranges, tasks = plan.get("ranges"), plan["settings"]["tasks"]
+    if not isinstance(ranges, list) or len(ranges) != tasks:
+        why = f"it holds {json.dumps(ranges)[:40]} for {tasks} tasks"
+    else:
+        why, end = None, 0
+        for t, r in enumerate(ranges):
+            whole = isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+            if not whole or r[1] < r[0]:
+                why = f"task {t}'s range {json.dumps(r)[:40]} is no [start, end) of units"
+            elif r[0] != end:
+                how = "overlaps" if r[0] < end else "leaves a gap after"
+                why = f"task {t}'s units {r} {how} task {t - 1}'s {ranges[t - 1]}"
+            if why:
+                break
+            end = r[1]
+        if why is None and end != n_units:
+            why = f"the ranges end at unit {end}, and the inputs cut into {n_units:,} units"
+    if why:
+        raise UserError(
+            f"{parts / SPLIT_FILE}: its task ranges are not the plan step's: {why}. Each work "
+            f"unit belongs to exactly one task, in order, so that the parts fit together and "
+            f"every byte is counted once. Start over: the plan step with --force replaces "
+            f"{parts}. Nothing was written."
+        )

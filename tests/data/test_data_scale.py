@@ -11,8 +11,8 @@ nothing lost (the parts and an earlier --out stay as they were): a merge with ta
 (named), a part made under another plan, a part whose bytes changed (its sha256) or whose file
 was cut short, a task or merge run with other flags than the plan's, the plan step run again
 with other flags (unless --force, which replaces only the parts directory it made), an input
-changed since the plan; a task that died leaves nothing that looks complete, and its rerun
-replaces what it left.
+changed since the plan, a plan whose task ranges overlap, leave a gap or do not cover the
+units; a task that died leaves nothing that looks complete, and its rerun replaces what it left.
 """
 
 from __future__ import annotations
@@ -387,6 +387,43 @@ def test_an_input_changed_since_the_plan_is_refused(planned, corpus, capsys):
     finally:  # as the plan saw it (its size and mtime), for the module's other tests
         web.write_text(text)
         os.utime(web, ns=(was.st_atime_ns, was.st_mtime_ns))
+
+
+@pytest.mark.parametrize("edit", ["overlap", "gap", "short", "count", "not units"])
+def test_a_plan_whose_ranges_do_not_cut_the_units_once_is_refused(planned, capsys, edit):
+    """plan.json's ``ranges`` edited (issue 41, point 8): task 1's range moved one unit into
+    task 0's (on 7ec025f that plan was accepted: the merge counted those units' input bytes
+    twice), or one unit past its end, the last range ending short, a range missing, a range
+    that is no pair of unit indices. A task and the merge refuse, naming plan.json and the
+    ranges; the parts and --out stay as they were."""
+    args, out, parts = planned
+    path = parts / "plan.json"
+    plan = json.loads(path.read_text())
+    r = plan["ranges"]
+    assert r[0][0] == 0 and 1 <= r[1][0] < r[1][1]
+    was = [list(x) for x in r]
+    words = {
+        "overlap": f"task 1's units [{r[1][0] - 1}, {r[1][1]}] overlaps task 0's {r[0]}",
+        "gap": f"task 1's units [{r[1][0] + 1}, {r[1][1]}] leaves a gap after task 0's {r[0]}",
+        "short": f"the ranges end at unit {r[2][1] - 1}, and the inputs cut into {r[2][1]} units",
+        "count": f"it holds {json.dumps(r[:2])} for 3 tasks",
+        "not units": 'task 1\'s range [1, "9"] is no [start, end) of units',
+    }[edit]
+    if edit in ("overlap", "gap"):
+        r[1][0] += -1 if edit == "overlap" else 1
+    elif edit == "short":
+        r[2][1] -= 1
+    elif edit == "count":
+        del r[2]
+    else:
+        r[1] = [1, "9"]
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    before = tree(parts)
+    for step in (["--task", "1"], ["--merge"]):
+        err = refused(capsys, *args, *step)
+        assert f"{path}: its task ranges are not the plan step's: {words}." in err, (err, was)
+        assert "the plan step with --force replaces" in err
+    assert tree(parts) == before and not out.exists()
 
 
 def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys, monkeypatch):
