@@ -12,7 +12,8 @@ nothing lost (the parts and an earlier --out stay as they were): a merge with ta
 was cut short, a task or merge run with other flags than the plan's, the plan step run again
 with other flags (unless --force, which replaces only the parts directory it made), an input
 changed since the plan, a plan whose task ranges overlap, leave a gap or do not cover the
-units; a task that died leaves nothing that looks complete, and its rerun replaces what it left.
+units; a task that died leaves nothing that looks complete, and its rerun replaces what it left;
+a second process on a task that one runs is refused and the first completes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -456,6 +458,64 @@ def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys
     monkeypatch.undo()
     assert main(["data", "prepare", *args, "--task", "1"]) == 0
     assert json.loads((parts / "task-00001.done.json").read_text())["host"] == socket.gethostname()
+    assert main(["data", "prepare", *args, "--merge"]) == 0
+
+
+HELD = """
+import pathlib, sys, time
+import anneal.data.part as part
+real, go = part.pack_units, pathlib.Path(sys.argv[1])
+def waits(*args, **kwargs):  # holds task 1 (its lock taken) until the test says go
+    (go.parent / "packing").touch()
+    deadline = time.time() + 60
+    while not go.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    return real(*args, **kwargs)
+part.pack_units = waits
+from anneal.cli import main
+sys.exit(main(["data", "prepare", *sys.argv[2:]]))
+"""
+
+
+def test_a_second_process_on_a_running_task_is_refused_and_the_first_finishes(
+    planned, capsys, tmp_path
+):
+    """Task 1 run by a process held while it packs (its lock taken), and meanwhile by this
+    one (issue 41, point 8; on 7ec025f this one packed and won, and the first died on an
+    OSError traceback at its rename): this one exits 2 with one paragraph naming the holder's
+    pid, and leaves no file; the first then completes, its part and marker whole (the marker's
+    sha256 of part.json), and the merge takes it. About 4 s (a second Python process)."""
+    args, out, parts = planned
+    (parts / "task-00001.done.json").unlink()
+    shutil.rmtree(parts / "task-00001")
+    go = tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-c", HELD, str(go), *args, "--task", "1"],
+        cwd=os.getcwd(),
+        env={**env(), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "packing").exists() and first.poll() is None:
+            assert time.time() < deadline, "the first process never reached packing"
+            time.sleep(0.02)
+        assert first.poll() is None, first.communicate()
+        before = tree(parts)
+        err = refused(capsys, *args, "--task", "1")
+        assert "task 1 is being run by another process now" in err
+        assert f"pid {first.pid}" in err and "Nothing was written" in err
+        assert tree(parts) == before
+    finally:
+        go.touch()
+        _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    done = json.loads((parts / "task-00001.done.json").read_text())
+    part = parts / "task-00001" / "part.json"
+    assert hashlib.sha256(part.read_bytes()).hexdigest() == done["part_sha256"]
+    assert not list(parts.glob("task-00001.partial-*"))
     assert main(["data", "prepare", *args, "--merge"]) == 0
 
 
