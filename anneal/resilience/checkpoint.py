@@ -256,7 +256,7 @@ def check_loaded_state(tag_dir: Path, manifest: dict, client: dict) -> None:
     files of another step, would otherwise continue from the files' step (a branch from a
     later one has nothing left to train and exits 0)."""
     diffs = [
-        f"{key} {manifest[key]} there, {client.get(key)} in the state"
+        f"{key} {str(manifest[key])[:40]} there, {str(client.get(key))[:40]} in the state"
         for key in ("step", "tokens")
         if manifest.get(key) is not None and client.get(key) != manifest[key]
     ]
@@ -265,8 +265,8 @@ def check_loaded_state(tag_dir: Path, manifest: dict, client: dict) -> None:
             f"checkpoint {tag_dir}: the training state loaded from its files is not the one its "
             f"{MANIFEST} records ({'; '.join(diffs)}): the manifest was edited, or the files "
             f"come from another checkpoint, and the run would go on from another step than the "
-            f"one it chose; it stops before any step from there. Resume (or branch) from a checkpoint as "
-            f"its run saved it, or restore this one.",
+            f"one it chose; it stops before any step from there. Resume (or branch) from a "
+            f"checkpoint as its run saved it, or restore this one.",
             every_rank=True,
         )
 
