@@ -365,12 +365,12 @@ def load_split(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[S
             f"Anneal, or another reader of a format). Run every step with the same Anneal, or "
             f"start over with --force on the plan step. Nothing was written."
         )
-    check_ranges(plan, sum(map(len, units.values())), parts=parts)  # lists: no hub source
+    check_task_ranges(plan, sum(map(len, units.values())), parts=parts)  # lists: no hub source
     check_tokenizer(plan, parts)
     return plan, plan_sha, sources, units
 
 
-def check_ranges(plan: dict, n_units: int, *, parts: Path) -> None:
+def check_task_ranges(plan: dict, n_units: int, *, parts: Path) -> None:
     """The plan's ``ranges`` as the plan step cuts them (``task_ranges``): one [start, end) per
     task, each from where the one before ended, from unit 0 to the last. Overlapping ranges
     would pack some units twice (and count their input bytes twice), a gap would lose some."""
