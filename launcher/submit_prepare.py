@@ -94,7 +94,7 @@ def plan_left(cfg, tasks: int) -> tuple[bool, list[int]]:
 
 def cmd_submit_prepare(ns, prepare_args: list[str]) -> int:
     from anneal.cli.data import prepare_options
-    from anneal.data import task_split
+    from anneal.data import task_split, units
     from anneal.data.prepare import check_config, claim_out, config
     from anneal.data.sources import parse_inputs
 
@@ -105,7 +105,7 @@ def cmd_submit_prepare(ns, prepare_args: list[str]) -> int:
     check_config(cfg)
     sources = parse_inputs(list(cfg.inputs))
     for s in sources:
-        task_split.input_files(s, cfg)  # refuses what cannot be split (a hub dataset)
+        units.input_files(s, cfg.read)  # refuses what cannot be split (a hub dataset)
     claim_out(cfg, sources)
     need_plan, left = plan_left(cfg, ns.tasks)
     parts = task_split.parts_dir(cfg.out).resolve()

@@ -15,6 +15,8 @@ shards of the one-node layout.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -62,13 +64,54 @@ def read_done(parts: Path, task: int) -> dict | None:
 
 def run_task(cfg: PrepareConfig, task: int, tasks: int) -> dict:
     """Step 2: task ``task`` of ``tasks``. Returns its completion marker; a task already
-    complete under this plan is not run again (``"again": False``)."""
-    from anneal.data.prepare import cpu_seconds, default_workers
-
+    complete under this plan is not run again (``"again": False``). One process at a time runs
+    a task (``task_lock``); a second one is refused and changes nothing."""
     plan, plan_sha, sources, units = load_split(cfg, tasks)
     if not 0 <= task < tasks:
         raise UserError(f"--task {task}: give 0 to {tasks - 1} (--tasks {tasks}).")
     parts = parts_dir(cfg.out)
+    with task_lock(parts, task):
+        return _run_locked(cfg, task, plan, plan_sha, sources, units, parts)
+
+
+@contextlib.contextmanager
+def task_lock(parts: Path, task: int):
+    """Holds ``OUT.parts/.task-0000I.lock`` (``flock``, which the kernel releases when the
+    process ends, however it ends; over NFS through its lock manager) while task I runs, its
+    host and pid written in it. UserError, naming them, when another process holds it: two
+    runs of one task would remove each other's part and marker."""
+    path = parts / f".{task_dir(parts, task).name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # a link, a directory: not what this command made
+        raise UserError(
+            f"--task {task}: {path} cannot be opened as the task's lock ({e.strerror}). Remove "
+            f"it (it is made afresh) and run the task again. Nothing was written."
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            said = os.pread(fd, 200, 0).decode(errors="replace")
+            holder = "".join(c for c in said.strip() if c.isprintable()) or "unknown"
+            raise UserError(
+                f"--task {task}: task {task} is being run by another process now ({holder}; "
+                f"it holds {path}). One process runs a task at a time: wait for it (a rerun "
+                f"then says the task is complete already), or stop it and run the task again. "
+                f"Nothing was written."
+            ) from None
+        except OSError as e:  # a file system without locks (some Lustre mounts)
+            log.warning("%s cannot be locked (%s): run each task once", path, e.strerror)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run_locked(cfg: PrepareConfig, task: int, plan, plan_sha, sources, units, parts) -> dict:
+    from anneal.data.prepare import cpu_seconds, default_workers
+
     done = read_done(parts, task)
     if done is not None and done.get("plan_sha256") == plan_sha:
         log.info("task %d is complete already (%s): not run again", task, done_file(parts, task))

@@ -45,7 +45,7 @@ from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import TOKEN_BYTES, PreparedDir
 from anneal.data.readers import Problems
 from anneal.data.sources import Source, parse_inputs
-from anneal.data.units import arrow_files, source_files, unit_list
+from anneal.data.units import input_files, listing_sha256, unit_list
 from anneal.errors import UserError
 from anneal.files import make_dir, sha256_file, write_atomic
 
@@ -122,36 +122,6 @@ def check_tasks(tasks: int) -> None:
         raise UserError(f"--tasks {tasks}: give 1 to {MAX_TASKS:,} tasks.")
 
 
-def input_files(source: Source, cfg: PrepareConfig) -> list[list]:
-    """[path, size, mtime_ns] of every file ``source`` reads: the inputs as the plan saw them."""
-    if source.kind == "hub":
-        raise UserError(
-            f"--input {source.spec}: a dataset read through the Hugging Face hub cannot be split "
-            f"into tasks (each task would download or stream it again). Save it to disk first "
-            f"(datasets' save_to_disk) and give that directory, or prepare it on one node "
-            f"without --tasks."
-        )
-    if source.kind == "arrow":
-        paths = arrow_files(Path(source.path), source)
-    else:
-        paths = [p for p, _ in source_files(source, cfg.read)]
-    files = []
-    for p in paths:
-        st = p.stat()
-        files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
-    return files
-
-
-def listing_sha256(units: dict) -> str:
-    """The hash of every unit (its source, reader, part and bytes), in order: a task that lists
-    other units than the plan did would write parts that do not fit together."""
-    h = hashlib.sha256()
-    for source in sorted(units):
-        for u in units[source]:
-            h.update(repr((u.source, u.label, u.reader, u.part, u.nbytes)).encode())
-    return h.hexdigest()
-
-
 def task_ranges(sizes: list[int], tasks: int) -> list[list[int]]:
     """[start, end) of the global unit indices of each task: contiguous, about equal input
     bytes. A unit goes to the task in whose share of the bytes its first byte falls; with more
@@ -223,7 +193,7 @@ def check_same(plan: dict, cfg: PrepareConfig, tasks: int | None, *, parts: Path
 def check_inputs(plan: dict, cfg: PrepareConfig, sources: list[Source], *, parts: Path) -> None:
     """Every input file as the plan saw it: the same paths, sizes and mtimes."""
     for s, recorded in zip(sources, plan["inputs"], strict=True):
-        now = input_files(s, cfg)
+        now = input_files(s, cfg.read)
         if now == recorded["files"]:
             continue
         before = {f[0]: f[1:] for f in recorded["files"]}
@@ -267,7 +237,7 @@ def make_split(cfg: PrepareConfig, tasks: int) -> tuple[dict, bool]:
         else:
             return plan, False
     problems = Problems(cfg.read.on_error)
-    inputs = [{"source": s.index, "files": input_files(s, cfg)} for s in sources]
+    inputs = [{"source": s.index, "files": input_files(s, cfg.read)} for s in sources]
     units = {s.index: unit_list(s, cfg.read, problems) for s in sources}
     created = not parts.exists()
     make_dir(parts, flag="--out")
@@ -395,5 +365,36 @@ def load_split(cfg: PrepareConfig, tasks: int | None) -> tuple[dict, str, list[S
             f"Anneal, or another reader of a format). Run every step with the same Anneal, or "
             f"start over with --force on the plan step. Nothing was written."
         )
+    check_task_ranges(plan, sum(map(len, units.values())), parts=parts)  # lists: no hub source
     check_tokenizer(plan, parts)
     return plan, plan_sha, sources, units
+
+
+def check_task_ranges(plan: dict, n_units: int, *, parts: Path) -> None:
+    """The plan's ``ranges`` as the plan step cuts them (``task_ranges``): one [start, end) per
+    task, each from where the one before ended, from unit 0 to the last. Overlapping ranges
+    would pack some units twice (and count their input bytes twice), a gap would lose some."""
+    ranges, tasks = plan.get("ranges"), plan["settings"]["tasks"]
+    if not isinstance(ranges, list) or len(ranges) != tasks:
+        why = f"it holds {json.dumps(ranges)[:40]} for {tasks} tasks"
+    else:
+        why, end = None, 0
+        for t, r in enumerate(ranges):
+            whole = isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+            if not whole or r[1] < r[0]:
+                why = f"task {t}'s range {json.dumps(r)[:40]} is no [start, end) of units"
+            elif r[0] != end:
+                how = "overlaps" if r[0] < end else "leaves a gap after"
+                why = f"task {t}'s units {r} {how} task {t - 1}'s {ranges[t - 1]}"
+            if why:
+                break
+            end = r[1]
+        if why is None and end != n_units:
+            why = f"the ranges end at unit {end}, and the inputs cut into {n_units:,} units"
+    if why:
+        raise UserError(
+            f"{parts / SPLIT_FILE}: its task ranges are not the plan step's: {why}. Each work "
+            f"unit belongs to exactly one task, in order, so that the parts fit together and "
+            f"every byte is counted once. Start over: the plan step with --force replaces "
+            f"{parts}. Nothing was written."
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import glob
+import hashlib
 import json
 import os
 import sysconfig
@@ -231,3 +232,34 @@ def unit_list(source: Source, opts: ReadOptions, problems: Problems) -> list[Uni
 def units_of(units: list[Unit] | Callable) -> Iterator[Unit]:
     """The units of a :func:`unit_list`, from the start."""
     return iter(units()) if callable(units) else iter(units)
+
+
+def input_files(source: Source, opts: ReadOptions) -> list[list]:
+    """[path, size, mtime_ns] of every file ``source`` reads: the inputs as the plan of a
+    preparation in tasks saw them (``anneal.data.task_split``); a hub dataset is refused."""
+    if source.kind == "hub":
+        raise UserError(
+            f"--input {source.spec}: a dataset read through the Hugging Face hub cannot be split "
+            f"into tasks (each task would download or stream it again). Save it to disk first "
+            f"(datasets' save_to_disk) and give that directory, or prepare it on one node "
+            f"without --tasks."
+        )
+    if source.kind == "arrow":
+        paths = arrow_files(Path(source.path), source)
+    else:
+        paths = [p for p, _ in source_files(source, opts)]
+    files = []
+    for p in paths:
+        st = p.stat()
+        files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
+    return files
+
+
+def listing_sha256(units: dict) -> str:
+    """The hash of every unit (its source, reader, part and bytes), in order: a task that lists
+    other units than the plan did would write parts that do not fit together."""
+    h = hashlib.sha256()
+    for source in sorted(units):
+        for u in units[source]:
+            h.update(repr((u.source, u.label, u.reader, u.part, u.nbytes)).encode())
+    return h.hexdigest()

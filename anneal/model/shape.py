@@ -53,7 +53,7 @@ class MoeShape:
             return None
         return cls(
             num_experts=experts,
-            top_k=int(doc.get("num_experts_per_tok", 1)),
+            top_k=doc.get("num_experts_per_tok", 1),  # checked by preset_from_dict
             expert_intermediate_size=int(
                 doc.get("moe_intermediate_size") or doc.get("intermediate_size")
             ),
@@ -144,6 +144,8 @@ def preset_from_dict(
     if isinstance(doc.get("head_dim"), int) and "head_size" not in model:
         model["head_size"] = doc["head_dim"]  # a Hugging Face config.json's name
     model["moe"] = MoeShape.from_dict(doc)
+    if model["moe"] is not None:
+        _check_top_k(model["moe"], doc, source=source, prefix=prefix, hint=hint)
     for key in SHAPE_SIZES:
         v = model.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -163,3 +165,25 @@ def preset_from_dict(
             f"{prefix}num_key_value_heads {kv} do not divide. {hint}".rstrip()
         )
     return ModelPreset(**model)
+
+
+def _check_top_k(moe: MoeShape, doc: dict, *, source: str, prefix: str, hint: str) -> None:
+    """UserError naming ``source`` and the key unless each token goes to 1 to ``num_experts``
+    experts: a top-0 router trains a model without its experts, and DeepSpeed's AutoEP refuses
+    a top-k above the experts only once its engine is built (a ValueError on every rank)."""
+    experts, k = moe.num_experts, moe.top_k
+    run_doc = isinstance(doc.get("moe"), dict)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise UserError(
+            f"{source}: no integer {prefix}moe.num_experts ({str(experts)[:40]}); a sparse "
+            f"model has at least one expert per layer. {hint}".rstrip()
+        )
+    if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= experts:
+        return
+    key = f"{prefix}{'moe.top_k' if run_doc else 'num_experts_per_tok'}"
+    raise UserError(
+        f"{source}: {key} is {str(k)[:40]}, but each token is routed to top-k of its layer's "
+        f"{experts} experts, so k is a whole number from 1 to {experts} (with 0 the model "
+        f"would train without its experts; above {experts} DeepSpeed's AutoEP fails when its "
+        f"engine starts). Set {key} to one of 1..{experts}. {hint}".rstrip()
+    )

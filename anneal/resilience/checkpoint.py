@@ -82,6 +82,7 @@ __all__ = [
     "rng_state",
     "save",
     "check",
+    "check_loaded_state",
     "set_rng_state",
     "step_of_tag",
     "tag_for",
@@ -242,9 +243,32 @@ def load(
             )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}.")
+    check_loaded_state(tag_dir, manifest, client)
     rngs = client["rng"]
     set_rng_state(rngs[rank() % len(rngs)])
     return client
+
+
+def check_loaded_state(tag_dir: Path, manifest: dict, client: dict) -> None:
+    """UserError (every rank) unless the state DeepSpeed loaded holds the step and tokens that
+    the manifest records. Resume chooses a checkpoint, and a cooldown branch its start and its
+    length, by the manifest's step; a manifest edited to agree with a renamed tag, over the
+    files of another step, would otherwise continue from the files' step (a branch from a
+    later one has nothing left to train and exits 0)."""
+    diffs = [
+        f"{key} {str(manifest[key])[:40]} there, {str(client.get(key))[:40]} in the state"
+        for key in ("step", "tokens")
+        if manifest.get(key) is not None and client.get(key) != manifest[key]
+    ]
+    if diffs:
+        raise UserError(
+            f"checkpoint {tag_dir}: the training state loaded from its files is not the one its "
+            f"{MANIFEST} records ({'; '.join(diffs)}): the manifest was edited, or the files "
+            f"come from another checkpoint, and the run would go on from another step than the "
+            f"one it chose; it stops before any step from there. Resume (or branch) from a "
+            f"checkpoint as its run saved it, or restore this one.",
+            every_rank=True,
+        )
 
 
 def check(tag_dir: Path) -> None:

@@ -11,8 +11,9 @@ nothing lost (the parts and an earlier --out stay as they were): a merge with ta
 (named), a part made under another plan, a part whose bytes changed (its sha256) or whose file
 was cut short, a task or merge run with other flags than the plan's, the plan step run again
 with other flags (unless --force, which replaces only the parts directory it made), an input
-changed since the plan; a task that died leaves nothing that looks complete, and its rerun
-replaces what it left.
+changed since the plan, a plan whose task ranges overlap, leave a gap or do not cover the
+units; a task that died leaves nothing that looks complete, and its rerun replaces what it left;
+a second process on a task that one runs is refused and the first completes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -389,6 +391,43 @@ def test_an_input_changed_since_the_plan_is_refused(planned, corpus, capsys):
         os.utime(web, ns=(was.st_atime_ns, was.st_mtime_ns))
 
 
+@pytest.mark.parametrize("edit", ["overlap", "gap", "short", "count", "not units"])
+def test_a_plan_whose_ranges_do_not_cut_the_units_once_is_refused(planned, capsys, edit):
+    """plan.json's ``ranges`` edited (issue 41, point 8): task 1's range moved one unit into
+    task 0's (on 7ec025f that plan was accepted: the merge counted those units' input bytes
+    twice), or one unit past its end, the last range ending short, a range missing, a range
+    that is no pair of unit indices. A task and the merge refuse, naming plan.json and the
+    ranges; the parts and --out stay as they were."""
+    args, out, parts = planned
+    path = parts / "plan.json"
+    plan = json.loads(path.read_text())
+    r = plan["ranges"]
+    assert r[0][0] == 0 and 1 <= r[1][0] < r[1][1]
+    was = [list(x) for x in r]
+    words = {
+        "overlap": f"task 1's units [{r[1][0] - 1}, {r[1][1]}] overlaps task 0's {r[0]}",
+        "gap": f"task 1's units [{r[1][0] + 1}, {r[1][1]}] leaves a gap after task 0's {r[0]}",
+        "short": f"the ranges end at unit {r[2][1] - 1}, and the inputs cut into {r[2][1]} units",
+        "count": f"it holds {json.dumps(r[:2])} for 3 tasks",
+        "not units": 'task 1\'s range [1, "9"] is no [start, end) of units',
+    }[edit]
+    if edit in ("overlap", "gap"):
+        r[1][0] += -1 if edit == "overlap" else 1
+    elif edit == "short":
+        r[2][1] -= 1
+    elif edit == "count":
+        del r[2]
+    else:
+        r[1] = [1, "9"]
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    before = tree(parts)
+    for step in (["--task", "1"], ["--merge"]):
+        err = refused(capsys, *args, *step)
+        assert f"{path}: its task ranges are not the plan step's: {words}." in err, (err, was)
+        assert "the plan step with --force replaces" in err
+    assert tree(parts) == before and not out.exists()
+
+
 def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys, monkeypatch):
     """A task killed after renaming its part but before its marker, and one killed while
     packing (its partial directory, its process gone): the merge counts it missing; the next run
@@ -419,6 +458,64 @@ def test_a_task_that_died_leaves_nothing_complete_and_runs_again(planned, capsys
     monkeypatch.undo()
     assert main(["data", "prepare", *args, "--task", "1"]) == 0
     assert json.loads((parts / "task-00001.done.json").read_text())["host"] == socket.gethostname()
+    assert main(["data", "prepare", *args, "--merge"]) == 0
+
+
+HELD = """
+import pathlib, sys, time
+import anneal.data.part as part
+real, go = part.pack_units, pathlib.Path(sys.argv[1])
+def waits(*args, **kwargs):  # holds task 1 (its lock taken) until the test says go
+    (go.parent / "packing").touch()
+    deadline = time.time() + 60
+    while not go.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    return real(*args, **kwargs)
+part.pack_units = waits
+from anneal.cli import main
+sys.exit(main(["data", "prepare", *sys.argv[2:]]))
+"""
+
+
+def test_a_second_process_on_a_running_task_is_refused_and_the_first_finishes(
+    planned, capsys, tmp_path
+):
+    """Task 1 run by a process held while it packs (its lock taken), and meanwhile by this
+    one (issue 41, point 8; on 7ec025f this one packed and won, and the first died on an
+    OSError traceback at its rename): this one exits 2 with one paragraph naming the holder's
+    pid, and leaves no file; the first then completes, its part and marker whole (the marker's
+    sha256 of part.json), and the merge takes it. About 4 s (a second Python process)."""
+    args, out, parts = planned
+    (parts / "task-00001.done.json").unlink()
+    shutil.rmtree(parts / "task-00001")
+    go = tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-c", HELD, str(go), *args, "--task", "1"],
+        cwd=os.getcwd(),
+        env={**env(), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "packing").exists() and first.poll() is None:
+            assert time.time() < deadline, "the first process never reached packing"
+            time.sleep(0.02)
+        assert first.poll() is None, first.communicate()
+        before = tree(parts)
+        err = refused(capsys, *args, "--task", "1")
+        assert "task 1 is being run by another process now" in err
+        assert f"pid {first.pid}" in err and "Nothing was written" in err
+        assert tree(parts) == before
+    finally:
+        go.touch()
+        _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    done = json.loads((parts / "task-00001.done.json").read_text())
+    part = parts / "task-00001" / "part.json"
+    assert hashlib.sha256(part.read_bytes()).hexdigest() == done["part_sha256"]
+    assert not list(parts.glob("task-00001.partial-*"))
     assert main(["data", "prepare", *args, "--merge"]) == 0
 
 

@@ -332,6 +332,27 @@ def test_init_from_takes_router_weights_and_refuses_expert_shapes(moe_dir, moe_d
         resolve(moe_dir, moe_data, tmp_path / "r", *STAGE1, "--set", "model.num_experts=8")
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_init_from_a_top_k_outside_its_experts_is_refused_before_launch(
+    moe_dir, moe_data, tmp_path, top_k
+):
+    """config.json's ``num_experts_per_tok`` 0 (on 7ec025f: trained without its experts) or
+    above its 4 experts (there: DeepSpeed's ValueError traceback when the engine starts): one
+    paragraph naming the file and the key, before anything is written."""
+    from tests.hf.test_init_from import resolve
+
+    model = tmp_path / "m"
+    shutil.copytree(moe_dir, model)
+    doc = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**doc, "num_experts_per_tok": top_k}))
+    with pytest.raises(UserError) as caught:
+        resolve(model, moe_data, tmp_path / "run", *STAGE1)
+    message = str(caught.value)
+    assert message.startswith(f"--init-from {model}/config.json: num_experts_per_tok is {top_k}")
+    assert "one of 1..4" in message and "\n" not in message
+    assert not (tmp_path / "run").exists()
+
+
 def _config_only(tmp_path: Path, config) -> Path:
     config.save_pretrained(str(tmp_path / "m"))
     return tmp_path / "m"

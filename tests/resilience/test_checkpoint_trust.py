@@ -8,6 +8,9 @@
   load) and DeepSpeed's universal converter (run on the planted files directly, without the
   check in front of it). The marker file the payload would touch never appears, and each
   refusal is one paragraph naming the file.
+- A checkpoint whose files hold another step than its manifest (a tag renamed over another,
+  the manifest's step, tag and tokens edited to agree) is refused once its state is loaded,
+  on the branch, ``--resume`` and rewind paths (issue 41), rather than trained from there.
 - A resume on another number of ranks writes its universal conversion under the resuming run
   (the source checkpoint, another run's, hashes the same before and after); the conversion has
   a manifest, and a cached file zeroed after it was written is found and the conversion made
@@ -23,6 +26,7 @@ checkpoint is the session's shared run).
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -121,6 +125,47 @@ def _wsd(run: Path) -> Path:
     doc["ds_config"]["scheduler"]["params"]["cos_min_ratio"] = 0.0
     (run / "config.json").write_text(json.dumps(doc))
     return run
+
+
+def test_a_checkpoint_whose_files_hold_another_step_is_refused_once_loaded(
+    engine, tiny_run, tiny_data, tmp_path
+):
+    """Issue 41, point 8: a WSD parent whose step00000002 was renamed step00000001 over the
+    real one, its manifest's step, tag and tokens edited to agree (the sizes and hashes still
+    hold, so it is intact and verifies). A cooldown branch from it resolves to S = 1 and one
+    step (train.max_steps 2); on 7ec025f the load gave step 2's state, the loop had nothing to
+    train and the run exited 0. Now the load itself refuses, for the branch, for ``--resume``
+    of it and for a guard rewind to it: one paragraph naming both steps; the parent unchanged."""
+    _, eng = engine
+    run = _wsd(copy_run(tiny_run, tmp_path / "run"))
+    ckpts = run / "checkpoints"
+    tag = ckpts / "step00000001"
+    tokens_at_1 = checkpoint.read_manifest(tag)["tokens"]
+    shutil.rmtree(tag)
+    (ckpts / TAG).rename(tag)
+    manifest = json.loads((tag / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["tokens"] != tokens_at_1
+    manifest.update(step=1, tag=tag.name, tokens=tokens_at_1)
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    (ckpts / "latest").write_text(tag.name)
+    assert checkpoint.verify(tag) == []
+    before = tree(run)
+
+    args = ["--out", str(tmp_path / "b"), "--data", str(tiny_data), *SMALL]
+    args += ["--cooldown-from", str(run), "--set", "optim.cooldown_tokens=500"]
+    branch = resolve_tiny(args, world_size=1)
+    assert (branch.resume_from, branch.cooldown.step, branch.cfg.train.max_steps) == (tag, 1, 2)
+    guard = Guard(branch.cfg.guard, run_dir=tmp_path / "g", resuming=False)
+    loads = (
+        lambda: resume(eng, branch.resume_from, tmp_path / "b" / "checkpoints"),  # the branch
+        lambda: resume(eng, tag, tmp_path / "new" / "checkpoints"),  # --resume PATH
+        lambda: guard.load_before_spike(eng, ckpts, spike_step=2, spike_end=32, samples_per_step=8),
+    )
+    for load in loads:
+        with pytest.raises(UserError) as e:
+            load()
+        one_paragraph(e.value, str(tag), "step 1 there, 2 in the state", f"tokens {tokens_at_1}")
+    assert tree(run) == before
 
 
 @pytest.mark.parametrize("kind", planted.KINDS)
