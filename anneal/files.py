@@ -239,12 +239,13 @@ def confined(directory: Path, name: object, *, where: str) -> Path:
     return directory / name
 
 
-def read_regular(path: Path, *, limit: int) -> bytes:
+def read_regular(path: Path, *, limit: int, head: bool = False) -> bytes:
     """The bytes of ``path``, a file of someone else's that may hold anything: opened without
     following a link and without blocking (a FIFO planted under the name would hang a plain
-    ``open``), and read only when it is a regular file of at most ``limit`` bytes. ValueError
-    saying what it is otherwise (a link, a FIFO, a device, a directory, too big); OSError when
-    it cannot be opened (FileNotFoundError: it is not there)."""
+    ``open``), and read only when it is a regular file of at most ``limit`` bytes (``head``:
+    of any size, its first ``limit`` bytes). ValueError saying what it is otherwise (a link, a
+    FIFO, a device, a directory, too big); OSError when it cannot be opened
+    (FileNotFoundError: it is not there)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
@@ -255,15 +256,15 @@ def read_regular(path: Path, *, limit: int) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ValueError("not a regular file (a FIFO, a device, a socket or a directory)")
-        if info.st_size > limit:
+        if info.st_size > limit and not head:
             raise ValueError(f"{info.st_size:,} bytes, more than the {limit:,} it may hold")
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(limit + 1)
     finally:
         os.close(fd)
-    if len(data) > limit:
+    if len(data) > limit and not head:
         raise ValueError(f"more than the {limit:,} bytes it may hold")
-    return data
+    return data[:limit]
 
 
 def real_dir(root: Path, *names: str, make: bool = False) -> Path:

@@ -140,7 +140,7 @@ def write_eval(run_dir: str | Path, doc: dict) -> Path:
 
 def read_eval(run_dir: str | Path, step: int) -> dict | None:
     """``evals/step-<step>.json`` if ``write_eval`` wrote it (of that step, with tasks), or None."""
-    return _eval(eval_path(run_dir, step), step)[0]
+    return _eval_doc(eval_path(run_dir, step), step)[0]
 
 
 def read_evals(run_dir: str | Path) -> list[dict]:
@@ -151,7 +151,7 @@ def read_evals(run_dir: str | Path) -> list[dict]:
     for path in directory.iterdir() if directory.is_dir() else []:
         if (m := _EVAL_FILE.fullmatch(path.name)) is None:
             continue
-        doc, why = _eval(path, int(m[1]))
+        doc, why = _eval_doc(path, int(m[1]))
         if doc is not None:
             found.append((int(m[1]), doc))
         else:
@@ -159,7 +159,7 @@ def read_evals(run_dir: str | Path) -> list[dict]:
     return [doc for _, doc in sorted(found, key=lambda t: t[0])]
 
 
-def _eval(path: Path, step: int) -> tuple[dict | None, str]:
+def _eval_doc(path: Path, step: int) -> tuple[dict | None, str]:
     try:
         doc = loads_bounded(read_regular(path, limit=1 << 23), max_depth=8)
     except (OSError, ValueError) as e:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from anneal.cli import main
+from anneal.eval.results import SAMPLES_MARK
 from tests.conftest import BIN, ROOT, SMALL, env, free_port, run_process, run_recipe
 from tests.eval.test_eval_lm import assert_same_scores, per_request, write_tasks
 
@@ -85,7 +86,9 @@ def assert_as_hflm(results_dir: Path, samples_file: Path, reference: dict) -> No
     within 1e-4, acc and acc_norm exactly (``results_dir/evals/step-N.json``)."""
     doc = json.loads((results_dir / "evals" / f"step-{STEPS}.json").read_text())
     assert doc["failed"] == {} and set(doc["tasks"]) == set(TASKS), doc["failed"]
-    ours = {**doc, "samples": json.loads(samples_file.read_text())}
+    written = json.loads(samples_file.read_text())
+    assert written["anneal"] == SAMPLES_MARK and written["step"] == doc["step"]
+    ours = {**doc, "samples": written["samples"]}
     assert_same_scores(ours, reference, TASKS)
     assert per_request(ours)["tiny_mc_a"]  # compared something
 

@@ -153,3 +153,117 @@ def test_a_planted_huge_score_wins_nothing_in_compare(tmp_path, capsys, caplog):
     assert rc == 0 and "1e+308" not in out and "inf" not in out
     assert "  hellaswag acc_norm  0.4 ± 0.01   0.43 ± 0.01*" in out.splitlines()
     assert caplog.text.count(f"{path}: skipped") == 1
+
+
+# -- anneal eval --out and --samples (issue 41, point 4) ---------------------------------------
+# ``anneal eval`` (``anneal.cli.evaluate.run_eval``) calls these three checks on its Target,
+# after finding the checkpoint and before any engine is built; here they get a Target as
+# ``anneal.cli.eval_target.checkpoint_target`` makes it, over a hand-made run.
+
+
+def _scoring(run: Path, out: Path | None = None, *, data: Path | None = None):
+    from anneal.eval.score import Target
+
+    tag = rundir.checkpoints_dir(run) / "step00000002"
+    tag = tag if tag.is_dir() else save(run, 2)
+    return Target(
+        source="checkpoint",
+        preset=None,
+        ds_config={},
+        ds_source="",
+        step=2,
+        tokens=2000,
+        tokenizer_dir=data or run / "tokenizer",
+        data_dir=data,
+        results_dir=out or run,
+        run_dir=run,
+        tag_dir=tag,
+        manifest_sha256="0" * 64,
+    )
+
+
+def _claimed(target, *, force: bool = False, samples: Path | None = None) -> None:
+    """What ``run_eval`` checks before the engine, in its order."""
+    results.check_out(target)
+    results.check_results_file(target, force=force)
+    if samples is not None:
+        results.check_samples_file(samples, force=force, target=target)
+
+
+def test_out_is_never_another_run_a_checkpoint_an_input_or_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """``--out OTHER_RUN --force`` (which replaced the other run's in-loop score of the step),
+    ``--out OTHER_RUN`` without a collision (which filed the scores under it), ``--out .``,
+    ``--out RUN/checkpoints``, another run's checkpoint and the run's prepared data: each one
+    paragraph; nothing is written. A new directory, the run itself, and a directory of this
+    run's earlier scores are fine."""
+    run, other, data = tmp_path / "run", tmp_path / "other", tmp_path / "data"
+    start_run(run, max_steps=2)
+    start_run(other, max_steps=2)
+    data.mkdir()
+    save(run, 2)
+    their_tag = save(other, 2)
+    results.write(other, {"step": 2, "tokens": 7, "source": "loop", "tasks": {}, "failed": {}})
+    (tmp_path / "work").mkdir()
+    before = tree(tmp_path)
+    monkeypatch.chdir(tmp_path / "work")
+    for out, says in [
+        (other, "a run or its checkpoints, and one run's scores are never filed"),
+        (their_tag, "a run or its checkpoints"),
+        (Path("."), "working directory, one of its parents"),
+        (run / "checkpoints", "lies inside the run"),
+        (tmp_path, "working directory, one of its parents"),
+        (data, "which this command reads"),
+    ]:
+        for force in (False, True):
+            with pytest.raises(UserError, match=says) as e:
+                _claimed(_scoring(run, out, data=data), force=force)
+            assert "\n" not in str(e.value) and e.value.every_rank
+        assert tree(tmp_path) == before
+    _claimed(_scoring(run, tmp_path / "new"))
+    _claimed(_scoring(run, run))  # --out RUN: the run's own evals/, as without --out
+
+
+def test_force_replaces_only_this_runs_own_document_of_the_step(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "scores"
+    start_run(run, max_steps=2)
+    target = _scoring(run, out)
+    theirs = {"step": 2, "tokens": 7, "source": "checkpoint", "tasks": {}, "failed": {}}
+    results.write(out, {**theirs, "checkpoint": str(tmp_path / "b" / "checkpoints" / "step2")})
+    with pytest.raises(UserError, match="replaces only this run's own scores of step 2"):
+        _claimed(target, force=True)
+    results.write(out, {**theirs, "checkpoint": str(target.tag_dir)})  # this run's: replaced
+    _claimed(target, force=True)
+    results.write(run, {**theirs, "source": "loop", "checkpoint": None})  # in place: the run's
+    _claimed(_scoring(run), force=True)
+
+
+def test_samples_replaces_only_a_samples_file_and_never_writes_into_a_checkpoint(tmp_path):
+    """``--samples FILE --force`` over a user's ``{}`` (which it replaced), a JSON object of
+    lists, a FIFO (read without blocking) or a link: refused; over what ``samples_text``
+    wrote: allowed; a ``--samples`` path inside the checkpoint scored, another checkpoint or
+    the prepared data: refused, with or without --force."""
+    run, data = tmp_path / "run", tmp_path / "data"
+    start_run(run, max_steps=2)
+    data.mkdir()
+    target = _scoring(run, tmp_path / "scores", data=data)
+    mine = tmp_path / "mine.json"
+    for text in ("{}", '{"notes": ["a", "b"]}'):
+        mine.write_text(text)
+        with pytest.raises(UserError, match="the file exists") as e:
+            _claimed(target, force=True, samples=mine)
+        assert "\n" not in str(e.value)
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "link.json").symlink_to(mine)
+    for path in (tmp_path / "fifo.json", tmp_path / "link.json"):
+        with pytest.raises(UserError, match="the file exists"):
+            _claimed(target, force=True, samples=path)
+    ours = tmp_path / "samples.json"
+    ours.write_text(results.samples_text(2, {"t": [{"doc_id": 0}]}))
+    _claimed(target, force=True, samples=ours)
+    for inside in (target.tag_dir / "s.json", run / "checkpoints" / "s.json", data / "s.json"):
+        for force in (False, True):
+            with pytest.raises(UserError, match="which anneal eval reads and never writes"):
+                _claimed(target, force=force, samples=inside)
+    assert mine.read_text() == '{"notes": ["a", "b"]}'
