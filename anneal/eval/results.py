@@ -99,9 +99,8 @@ def _resolved_path(path) -> Path:
 
 def _scored_in_place(target) -> bool:
     """Whether ``target``'s scores go into its own run (no ``--out``, or ``--out RUN``)."""
-    return target.run_dir is not None and _resolved_path(target.results_dir) == _resolved_path(
-        target.run_dir
-    )
+    run = target.run_dir
+    return run is not None and _resolved_path(target.results_dir) == _resolved_path(run)
 
 
 def _inputs(target) -> list[Path]:
@@ -112,11 +111,11 @@ def _inputs(target) -> list[Path]:
     return [Path(p) for p in found if p is not None]
 
 
-def _in_a_checkpoint(path: Path) -> Path | None:
-    """The run that ``path`` is (``anneal.rundir.holds_run``), or the checkpoints directory or
-    checkpoint (a manifest) that it is or lies in; None for none."""
+def _in_a_checkpoint(path: Path, *, or_run: bool = True) -> Path | None:
+    """The run that ``path`` is (``anneal.rundir.holds_run``; with ``or_run``), or the
+    checkpoints directory or checkpoint (a manifest) that it is or lies in; None for none."""
     real = _resolved_path(path)
-    if real.is_dir() and holds_run(real):
+    if or_run and real.is_dir() and holds_run(real):
         return real
     for p in [real, *real.parents]:
         if p.name == rundir.CHECKPOINTS or (p / MANIFEST).is_file():
@@ -207,7 +206,8 @@ def check_samples_file(path: Path, *, force: bool, target) -> None:
     checkpoints, the prepared data, the tokenizer, a Hugging Face directory) and is new, or
     (with ``--force``) a file that an earlier ``--samples`` wrote (``SAMPLES_MARK``, first)."""
     inside = [i for i in _inputs(target) if _resolved_path(path).is_relative_to(_resolved_path(i))]
-    if inside or (inside := [p for p in [_in_a_checkpoint(path.parent)] if p is not None]):
+    held = _in_a_checkpoint(path.parent, or_run=False)
+    if inside or (inside := [held] if held is not None else []):
         raise UserError(
             f"--samples {path}: lies inside {inside[0]}, which anneal eval reads and never writes "
             f"into. Give a path outside the checkpoints and the inputs.",

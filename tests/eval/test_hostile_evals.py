@@ -112,9 +112,14 @@ def test_only_step_tags_are_scored_and_only_marked_pins_are_removed(tmp_path, ca
     assert watch.PIN_MARK == ".anneal-pin"
 
 
+PLANTED = {"fifo": 100, "deep": 101, "huge": 102, "string": 103, "ansi": 104}
+"""Each planted ``evals/step-N.json``, by its step."""
+
+
 def _plant(run: Path, kind: str) -> Path:
-    """``evals/step-100.json`` of ``kind``, beside a good document of step 50."""
-    path = rundir.eval_path(run, 100)
+    """``evals/step-N.json`` of ``kind`` (``PLANTED``)."""
+    step = PLANTED[kind]
+    path = rundir.eval_path(run, step)
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "deep":
@@ -122,21 +127,31 @@ def _plant(run: Path, kind: str) -> Path:
     else:
         metrics = {"huge": {"acc": 1e308}, "string": {"acc": "0.9"}}.get(kind, {"acc": 0.5})
         name = "\x1b[31mhellaswag\x1b[0m" if kind == "ansi" else "hellaswag"
-        path.write_text(json.dumps(doc(100, {name: task({**metrics, "acc_stderr": 0.01})})))
+        path.write_text(json.dumps(doc(step, {name: task({**metrics, "acc_stderr": 0.01})})))
     return path
 
 
-@pytest.mark.parametrize("kind", ["fifo", "deep", "huge", "string", "ansi"])
-def test_a_planted_score_document_is_skipped_with_a_warning(tmp_path, capsys, caplog, kind):
+def test_planted_score_documents_are_skipped_with_one_warning_each(tmp_path, capsys, caplog):
+    """Beside a good document of step 50: a FIFO, 100,000 nested ``[``, a score of 1e308, a
+    string score and a task name with ANSI escapes, each an ``evals/step-N.json``. ``anneal
+    report``, ``anneal plot`` and the end of a training run (after its last save) read past
+    them: exit 0, one warning naming each, no escape or 1e308 on the terminal, the good score
+    shown, the charts drawn. In one run, to keep it to about 4 s."""
     run = add_evals(good_run(tmp_path / "run"), [doc(50, {"hellaswag": task({"acc": 0.3})})])
-    path = _plant(run, kind)
-    assert [d["step"] for d in rundir.read_evals(run)] in ([50], [50, 100])
+    paths = [_plant(run, kind) for kind in PLANTED]
+    assert [d["step"] for d in rundir.read_evals(run)] == [50, 102, 103, 104]  # values: below
+    caplog.clear()
     rc, out, err = cli(capsys, "report", run)
     assert rc == 0 and "\x1b" not in out + err and "1e+308" not in out
-    assert "acc 0.3 at step 50" in out
-    assert f"{path}: skipped, not a score document anneal eval writes" in caplog.text
+    assert "downstream hellaswag" in out and "acc 0.3 at step 50" in out
+    for path in paths:
+        assert caplog.text.count(f"{path}: skipped, not a score document anneal eval writes") == 1
     rc, out, err = cli(capsys, "plot", run)
     assert rc == 0 and (run / "plots" / "downstream.png").is_file()
+    from anneal.observe.report import end_of_run
+
+    end_of_run(run)
+    assert (run / "report.txt").read_text().endswith("  no problems\n")
 
 
 def test_a_planted_huge_score_wins_nothing_in_compare(tmp_path, capsys, caplog):
@@ -242,8 +257,9 @@ def test_force_replaces_only_this_runs_own_document_of_the_step(tmp_path):
 def test_samples_replaces_only_a_samples_file_and_never_writes_into_a_checkpoint(tmp_path):
     """``--samples FILE --force`` over a user's ``{}`` (which it replaced), a JSON object of
     lists, a FIFO (read without blocking) or a link: refused; over what ``samples_text``
-    wrote: allowed; a ``--samples`` path inside the checkpoint scored, another checkpoint or
-    the prepared data: refused, with or without --force."""
+    wrote, or a new file in the run directory: allowed; a ``--samples`` path inside the
+    checkpoint scored, the run's checkpoints or the prepared data: refused, with or without
+    --force."""
     run, data = tmp_path / "run", tmp_path / "data"
     start_run(run, max_steps=2)
     data.mkdir()
@@ -262,6 +278,7 @@ def test_samples_replaces_only_a_samples_file_and_never_writes_into_a_checkpoint
     ours = tmp_path / "samples.json"
     ours.write_text(results.samples_text(2, {"t": [{"doc_id": 0}]}))
     _claimed(target, force=True, samples=ours)
+    _claimed(target, samples=run / "samples.json")  # beside the run's files: a new file
     for inside in (target.tag_dir / "s.json", run / "checkpoints" / "s.json", data / "s.json"):
         for force in (False, True):
             with pytest.raises(UserError, match="which anneal eval reads and never writes"):
