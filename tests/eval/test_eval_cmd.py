@@ -280,6 +280,27 @@ def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys)
     assert notes.read_text() == "my notes\n" and not existing.exists()
 
 
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
+def test_out_another_run_and_samples_over_a_users_file_are_refused(trained, tmp_path, capsys):
+    """Issue 41 through the command: ``--out OTHER_RUN --force`` (another run's in-loop score
+    of the step there) and ``--samples FILE --force`` over a user's ``{}`` are one paragraph,
+    exit 2, before any engine; the files are left as they were."""
+    from tests.conftest import tree
+
+    other = copy_run(trained, tmp_path / "other_parent")
+    theirs = other / "evals" / f"step-{STEPS}.json"
+    theirs.parent.mkdir()
+    theirs.write_text(json.dumps({"step": STEPS, "source": "loop", "tasks": {}, "failed": {}}))
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    before = tree(tmp_path)
+    err = refused(trained["run"], trained, capsys, "--out", str(other), "--force")
+    assert "one run's scores are never filed under another's" in err
+    err = refused(trained["run"], trained, capsys, "--samples", str(mine), "--force")
+    assert "the file exists" in err and "only such a file" in err
+    assert tree(tmp_path) == before
+
+
 def test_the_scoring_config_has_no_optimizer_and_one_sample_per_replica():
     """A run's ds_config made to score on 4 ranks at tensor-parallel degree 2: no optimizer
     and no scheduler (their "auto" values with them), a batch of 1 per data-parallel replica
