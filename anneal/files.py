@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -236,6 +237,57 @@ def confined(directory: Path, name: object, *, where: str) -> Path:
             f"from Anneal: use another one, or restore it from where it came."
         )
     return directory / name
+
+
+def read_regular(path: Path, *, limit: int, head: bool = False) -> bytes:
+    """The bytes of ``path``, a file of someone else's that may hold anything: opened without
+    following a link and without blocking (a FIFO planted under the name would hang a plain
+    ``open``), and read only when it is a regular file of at most ``limit`` bytes (``head``:
+    of any size, its first ``limit`` bytes). ValueError saying what it is otherwise (a link, a
+    FIFO, a device, a directory, too big); OSError when it cannot be opened
+    (FileNotFoundError: it is not there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        if os.path.islink(path):
+            raise ValueError("a link, not a file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, a device, a socket or a directory)")
+        if info.st_size > limit and not head:
+            raise ValueError(f"{info.st_size:,} bytes, more than the {limit:,} it may hold")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit and not head:
+        raise ValueError(f"more than the {limit:,} bytes it may hold")
+    return data[:limit]
+
+
+def real_dir(root: Path, *names: str, make: bool = False) -> Path:
+    """``root/names[0]/names[1]/...``, where a command writes or deletes under ``root`` (a
+    run directory): each of them a real directory of ``root``, never a link (through which a
+    removal would reach another directory) nor a file; made when missing with ``make``
+    (returned even when missing without it). A UserError naming the path and the fix
+    otherwise. ``root`` itself is what the user named, and may be a link."""
+    from anneal.errors import UserError
+
+    path = Path(root)
+    for name in names:
+        path = path / name
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            kind = f"a link to {os.readlink(path)}" if path.is_symlink() else "a file"
+            raise UserError(
+                f"{path}: {kind}, where Anneal keeps a directory of its own under {root}. "
+                f"Anneal never writes or deletes through a link (that would reach another "
+                f"directory) nor over a file it did not make: move it away, and run again."
+            )
+        if make and not path.exists():
+            make_dir(path, flag=str(root))
+    return path
 
 
 def is_matplotlib_png(path: Path) -> bool:

@@ -6,8 +6,7 @@ its ``config.json``, the one reader of its ``metrics.jsonl``, and a launch's wri
 RUN/
   config.json      the resolved run config and ds_config, as launched (write_config; read as an
                    anneal.run_record.RunRecord by read_record and record_or_empty)
-  metrics.jsonl    one JSON object per line (anneal.observe.metrics writes it; read_metrics reads
-  it)
+  metrics.jsonl    one JSON object per line (anneal.observe.metrics writes, read_metrics reads)
   guard.json       the spike guard's record (anneal.resilience.guard)
   checkpoints/     <tag>/ + latest (anneal.resilience.checkpoint)
   evals/step-<N>.json  downstream scores of step N (anneal.eval.results; write_eval, read_eval(s))
@@ -29,7 +28,8 @@ import time
 from pathlib import Path
 
 from anneal.errors import UserError
-from anneal.files import is_matplotlib_png, make_dir, write_atomic
+from anneal.files import is_matplotlib_png, make_dir, read_regular, real_dir, write_atomic
+from anneal.json_values import loads_bounded
 from anneal.run_record import RunRecord
 
 CONFIG = "config.json"
@@ -49,8 +49,7 @@ PREVIOUS = "previous-"
 RUN_FILES = (CONFIG, METRICS, GUARD, CHECKPOINTS, PLOTS, REPORT, TB, HF, HEARTBEAT, EVALS, "wandb")
 """What a run writes into its directory, and what ``--restart`` moves to ``previous-<time>/``.
 The launcher's files (forecast.json, .deepspeed_env, hostfile, submit.sbatch, eval-watch.sbatch,
-logs/) and the
-live ``preempt/`` stay where they are."""
+logs/) and the live ``preempt/`` stay where they are."""
 MARKS = (CONFIG, METRICS, GUARD)
 """Files whose presence shows that a run has been in a directory (as does a checkpoint)."""
 LAUNCHER_FILES = (
@@ -132,40 +131,43 @@ def eval_path(run_dir: str | Path, step: int) -> Path:
 
 
 def write_eval(run_dir: str | Path, doc: dict) -> Path:
-    """``evals/step-<N>.json`` of ``doc["step"]`` (``anneal.eval.results``'), replaced whole."""
-    make_dir(evals_dir(run_dir))
-    path = eval_path(run_dir, doc["step"])
+    """``evals/step-<N>.json`` of ``doc["step"]`` (``anneal.eval.results``'), replaced whole;
+    ``evals/`` a real directory of the run (``anneal.files.real_dir``), never a link."""
+    path = real_dir(run_dir, EVALS, make=True) / f"step-{doc['step']}.json"
     write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n", durable=True)
     return path
 
 
 def read_eval(run_dir: str | Path, step: int) -> dict | None:
     """``evals/step-<step>.json`` if ``write_eval`` wrote it (of that step, with tasks), or None."""
-    path = eval_path(run_dir, step)
-    try:
-        doc = None if path.is_symlink() else json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("step") == step and "tasks" in doc else None
+    return _eval_doc(eval_path(run_dir, step), step)[0]
 
 
 def read_evals(run_dir: str | Path) -> list[dict]:
-    """The run's ``evals/step-<N>.json`` by step ([] without any); a non-object: UserError."""
+    """The run's ``evals/step-<N>.json`` by step ([] without any), read as files from elsewhere:
+    one that is not a document of its step (a FIFO, a link, over 8 MiB or 8 levels, not JSON)
+    is skipped with a warning naming it (its values: ``anneal.observe.downstream``)."""
     found, directory = [], evals_dir(run_dir)
     for path in directory.iterdir() if directory.is_dir() else []:
         if (m := _EVAL_FILE.fullmatch(path.name)) is None:
             continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"{path}: cannot read it as JSON ({e}). anneal eval writes it whole; remove "
-                f"it and score that checkpoint again (anneal eval {run_dir} --step {m[1]})."
-            ) from None
-        if not isinstance(doc, dict):
-            raise UserError(f"{path}: not a JSON object; remove it and score the step again.")
-        found.append((int(m[1]), doc))
+        doc, why = _eval_doc(path, int(m[1]))
+        if doc is not None:
+            found.append((int(m[1]), doc))
+        else:
+            log.warning("%s: skipped, not a score document anneal eval writes (%s)", path, why)
     return [doc for _, doc in sorted(found, key=lambda t: t[0])]
+
+
+def _eval_doc(path: Path, step: int) -> tuple[dict | None, str]:
+    try:
+        doc = loads_bounded(read_regular(path, limit=1 << 23), max_depth=8)
+    except (OSError, ValueError) as e:
+        return None, getattr(e, "strerror", None) or str(e)[:200]
+    ours = isinstance(doc, dict) and type(doc.get("step")) is int and doc["step"] == step
+    if ours and isinstance(doc.get("tasks"), dict):
+        return doc, ""
+    return None, f"not a JSON object of step {step} with its tasks"
 
 
 # -- config.json ---------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ tensor-parallel degree through ``--set ds.tensor_parallel.autotp_size``), scores
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
@@ -119,7 +118,13 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
     on every rank, the tasks scored, the document written by rank 0. Collective."""
     from anneal.cli.eval_target import find_target
     from anneal.dist import is_main_process
-    from anneal.eval.results import check_results_file, check_samples_file, write_results
+    from anneal.eval.results import (
+        check_out,
+        check_results_file,
+        check_samples_file,
+        samples_text,
+        write_results,
+    )
     from anneal.eval.score import score_target
     from anneal.train.engine import data_replica
 
@@ -131,9 +136,10 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
         tokenizer=Path(args.tokenizer) if args.tokenizer else None,
         data=Path(args.data) if args.data else None,
     )
+    check_out(target)
     check_results_file(target, force=args.force)
     if args.samples:
-        check_samples_file(Path(args.samples), force=args.force)
+        check_samples_file(Path(args.samples), force=args.force, target=target)
     engine = target_engine(target, overrides)
     doc = score_target(
         engine,
@@ -149,8 +155,7 @@ def run_eval(args: argparse.Namespace, specs: list[str], overrides: list[str]):
     if is_main_process():
         write_results(target, doc)
         if args.samples:
-            text = json.dumps(samples, default=str, sort_keys=True)
-            write_atomic(Path(args.samples), text + "\n")
+            write_atomic(Path(args.samples), samples_text(doc["step"], samples))
     return doc, target
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from anneal import rundir
 from anneal.dist import all_gather, barrier, print0, rank
 from anneal.errors import UserError
+from anneal.files import real_dir
 
 TOKENS_PER_ITEM = 213
 """Forward tokens per task item in the forecast, all its choices together: the issue's 0-shot
@@ -104,7 +105,7 @@ class InLoop:
                 return load_tasks(
                     train.eval_tasks,
                     data_dir=Path(launch.cfg.data.path),
-                    work_dir=rundir.evals_dir(launch.out) / "tasks",
+                    work_dir=real_dir(launch.out, rundir.EVALS, "tasks"),  # never a link
                     num_fewshot=None,
                     limit=train.eval_tasks_limit or None,
                 )

@@ -17,13 +17,17 @@ Which tag directories of ``RUN/checkpoints/`` are due (``survey``, rank 0, witho
   restarted watcher looks at it again (put a good copy back first).
 - **due**: the rest, oldest first.
 
-Before a due checkpoint is read, its files are pinned: hard-linked into
-``RUN/evals/.reading/<tag>/`` (``pin``). The run's keep-last pruning may delete the tag at any
-time; once pinned, its bytes stay until the scoring is over. A tag deleted before it was pinned
-is skipped with a warning that says so. Where the file system has no hard links, the tag is read
-in place, and a deletion during the scoring skips it the same way. The pinned copy is verified
-against every hash of its manifest (``anneal.resilience.manifest.verify``, the ranks sharing the
-files), and only then scored.
+Only tags named ``stepNNNNNNNN`` are looked at (another name, ``Documents`` say, is left alone).
+Before a due checkpoint is read, its files are pinned: hard-linked into a new directory
+``RUN/evals/.reading/<tag>/`` (``pin``), marked as a watcher's by a ``.anneal-pin`` file written
+into it first. ``evals/`` and ``evals/.reading`` must be real directories of the run, never links
+(``anneal.files.real_dir``): the watcher deletes only pinned directories it made, and, at its
+start, a killed watcher's (a real directory named for a tag, holding the mark). The run's keep-last
+pruning may delete the tag at any time; once pinned, its bytes stay until the scoring is over. A
+tag deleted before it was pinned is skipped with a warning that says so. Where the file system has
+no hard links, the tag is read in place, and a deletion during the scoring skips it the same way.
+The pinned copy is verified against every hash of its manifest
+(``anneal.resilience.manifest.verify``, the ranks sharing the files), and only then scored.
 
 The watcher ends when the run has finished (a checkpoint at the ``run.train.max_steps`` of the
 run's ``config.json``, read again on every poll, is scored or skipped) or at ``until_step``.
@@ -47,7 +51,7 @@ from pathlib import Path
 from anneal import rundir
 from anneal.dist import all_gather, is_main_process, print0
 from anneal.errors import UserError
-from anneal.files import confined
+from anneal.files import confined, real_dir
 from anneal.resilience import preempt
 from anneal.resilience.checkpoint import step_of_tag
 from anneal.resilience.manifest import MANIFEST, missing_files, read_manifest, verify
@@ -56,6 +60,8 @@ log = logging.getLogger(__name__)
 
 READING = ".reading"
 """``RUN/evals/.reading/<tag>/``: the pinned files of the checkpoint being scored."""
+PIN_MARK = ".anneal-pin"
+"""Written first into each pinned directory: a watcher made it, and a later one may remove it."""
 DEFAULT_POLL_S = 60.0
 """How often the watcher looks for new checkpoints (``--poll-s``)."""
 
@@ -103,11 +109,12 @@ def _state(tag_dir: Path, run_dir: Path) -> Tag:
 
 
 def survey(run_dir: Path) -> list[Tag]:
-    """Every tag directory of ``RUN/checkpoints`` (not ``.superseded``), by name (tags are
-    ``stepNNNNNNNN``, so oldest first). A tag removed while it is looked at is left out."""
+    """Every tag directory of ``RUN/checkpoints`` named ``stepNNNNNNNN`` (``step_of_tag``; not
+    ``.superseded``, nor a folder of another name), by name (oldest first). A tag removed
+    while it is looked at is left out."""
     ckpt_dir = rundir.checkpoints_dir(run_dir)
     try:
-        names = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
+        names = sorted(p.name for p in ckpt_dir.iterdir() if step_of_tag(p.name) is not None)
     except FileNotFoundError:
         return []
     found = []
@@ -122,13 +129,27 @@ def survey(run_dir: Path) -> list[Tag]:
     return found
 
 
-def pin(tag_dir: Path, pin_root: Path) -> Path:
-    """Hard links to the manifest and every file it lists, under ``pin_root/<tag>``; the pinned
-    directory. ``Gone`` when the tag (or a file of it) vanished first; ``tag_dir`` itself where
-    the file system makes no hard links. Rank 0 only."""
-    dest = pin_root / tag_dir.name
-    shutil.rmtree(dest, ignore_errors=True)
+def pin_root(run_dir: Path, *, make: bool = True) -> Path:
+    """``RUN/evals/.reading``: both real directories of the run (made when missing with
+    ``make``), never links; a UserError otherwise (``anneal.files.real_dir``)."""
+    return real_dir(run_dir, rundir.EVALS, READING, make=make)
+
+
+def pin(tag_dir: Path, root: Path) -> Path:
+    """Hard links to the manifest and every file it lists, under a new directory ``root/<tag>``
+    (marked ``PIN_MARK``); the pinned directory. ``Gone`` when the tag (or a file of it)
+    vanished first; ``tag_dir`` itself where the file system makes no hard links; a UserError
+    when ``root/<tag>`` is there already (not this watcher's). Rank 0 only."""
+    dest = root / tag_dir.name
     try:
+        dest.mkdir()
+    except FileExistsError:
+        raise UserError(
+            f"{dest}: is there already and is not this watcher's, so nothing is pinned over it. "
+            f"Move it away, and start the watcher again to score {tag_dir.name}."
+        ) from None
+    try:
+        (dest / PIN_MARK).write_text(f"{os.getpid()}\n")
         manifest = read_manifest(tag_dir)
         if manifest is None:
             raise Gone(tag_dir.name)
@@ -140,12 +161,39 @@ def pin(tag_dir: Path, pin_root: Path) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         raise Gone(tag_dir.name) from None
     except OSError as e:
+        shutil.rmtree(dest, ignore_errors=True)
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
-        shutil.rmtree(dest, ignore_errors=True)
-        log.info("%s: no hard links here (%s): reading the checkpoint in place", pin_root, e)
+        log.info("%s: no hard links here (%s): reading the checkpoint in place", root, e)
         return tag_dir
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
     return dest
+
+
+def clear_pins(run_dir: Path) -> None:
+    """Rank 0, at the start: remove what a killed watcher pinned, each a real directory of
+    ``RUN/evals/.reading`` named for a tag and holding ``PIN_MARK``; anything else there is
+    left alone. A UserError when ``evals/`` or ``.reading`` is a link or a file."""
+    root = pin_root(run_dir, make=False)
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        mark = entry / PIN_MARK
+        ours = step_of_tag(entry.name) is not None and not entry.is_symlink() and entry.is_dir()
+        if ours and mark.is_file() and not mark.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            log.warning("%s: not a watcher's pinned checkpoint: left alone", entry)
+
+
+def _drop_empty(run_dir: Path) -> None:
+    """``RUN/evals/.reading`` removed when it is empty (and still a real directory)."""
+    try:
+        root = pin_root(run_dir, make=False)
+    except UserError:
+        return
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
 
 
 def _exists(pinned: str) -> bool:
@@ -235,14 +283,18 @@ class Watcher:
     def handle(self, tag: Tag) -> None:
         """Collective: pin, verify and score one due tag (or skip it, saying why)."""
         ckpt_dir = rundir.checkpoints_dir(self.run_dir)
-        pin_root = rundir.evals_dir(self.run_dir) / READING
-        pinned = None
+        root = pinned = refused = None
         if is_main_process():
             try:
-                pinned = str(pin(ckpt_dir / tag.name, pin_root))
+                root = pin_root(self.run_dir)
+                pinned = str(pin(ckpt_dir / tag.name, root))
             except Gone:
                 pass
-        pinned = all_gather(pinned)[0]
+            except UserError as e:  # a link where evals/ was, or a directory in the way
+                refused = str(e)
+        pinned, refused = all_gather((pinned, refused))[0]
+        if refused is not None:
+            return self._skip(tag.name, refused)
         if pinned is None:
             return self._gone(tag.name)
         try:
@@ -263,7 +315,7 @@ class Watcher:
                 return None
             self.scored.append(tag.step)
         finally:
-            if is_main_process() and Path(pinned).parent == pin_root:
+            if is_main_process() and Path(pinned).parent == root:  # made by pin() above
                 shutil.rmtree(pinned, ignore_errors=True)
         return None
 
@@ -275,14 +327,19 @@ class Watcher:
         """Until the end: "finished" (the target step is handled) or "preempted" (a signal;
         the caller exits 75). Between polls, sleeps ``poll_s`` in slices of at most 1 s, and
         wakes early on this rank's signal."""
-        pin_root = rundir.evals_dir(self.run_dir) / READING
+        refused = None
         if is_main_process():
-            shutil.rmtree(pin_root, ignore_errors=True)  # a killed watcher's pins
+            try:
+                clear_pins(self.run_dir)
+            except UserError as e:
+                refused = str(e)
+        if (refused := all_gather(refused)[0]) is not None:
+            raise UserError(refused, every_rank=True)
         try:
             return self._loop(stop, sleep)
         finally:
-            if is_main_process() and pin_root.is_dir() and not any(pin_root.iterdir()):
-                pin_root.rmdir()
+            if is_main_process():
+                _drop_empty(self.run_dir)
 
     def _loop(self, stop: Stop | None, sleep: Callable[[float], None]) -> str:
         while True:

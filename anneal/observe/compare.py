@@ -75,7 +75,8 @@ def load(paths: list[Path]) -> list[RunScores]:
         (label, p, rundir.read_record(p), _metrics_rows(p))
         for label, p in zip(labels, paths, strict=True)
     ]
-    first = {label: downstream.read_scores(p, rows) for label, p, _, rows in read}
+    docs = {label: downstream.documents(p, rows) for label, p, _, rows in read}
+    first = {label: downstream.read_scores(p, rows, docs=docs[label]) for label, p, _, rows in read}
     tasks = {t.task for scores in first.values() for t in scores}
     metric = {
         task: downstream.main_metric(
@@ -89,7 +90,7 @@ def load(paths: list[Path]) -> list[RunScores]:
             p,
             record,
             _final_validation(rows),
-            {t.task: t for t in downstream.read_scores(p, rows, metrics=metric)},
+            {t.task: t for t in downstream.read_scores(p, rows, metrics=metric, docs=docs[label])},
         )
         for label, p, record, rows in read
     ]

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from anneal import rundir
-from anneal.json_values import is_number
+from anneal.json_values import is_finite_number, is_number, is_printable_name
 
 log = logging.getLogger(__name__)
 
@@ -140,27 +140,69 @@ def _from_rows(rows: list[dict]) -> dict[int, dict]:
 
 def documents(run_dir: Path, rows: list[dict]) -> list[dict]:
     """The run's scorings by step: its evals/ documents, and a document made from the eval
-    metrics rows for each step that has none. A damaged document is a UserError naming it
-    (``rundir.read_evals``); one without an integer step is left out, with a warning."""
+    metrics rows for each step that has none. A document that ``rundir.read_evals`` or
+    ``value_problem`` refuses is left out, with one warning naming it."""
     docs = {}
     for doc in rundir.read_evals(run_dir):
-        step = _count_or_none(doc.get("step"))
-        if step is None:
-            log.warning("%s: a document without an integer step, left out", run_dir)
+        if why := value_problem(doc):
+            path = rundir.eval_path(run_dir, doc["step"])
+            log.warning("%s: skipped, not a score document anneal eval writes (%s)", path, why)
             continue
-        docs[step] = doc
+        docs[doc["step"]] = doc
     for step, doc in _from_rows(rows).items():
+        if why := value_problem(doc):
+            log.warning("%s: eval row of step %d skipped (%s)", rundir.METRICS, step, why)
+            continue
         docs.setdefault(step, doc)
     return [docs[s] for s in sorted(docs)]
 
 
+RATES = ("acc", "acc_norm", "exact_match")
+"""Metrics (and their stderrs) that are fractions, in [0, 1]."""
+LARGEST = 1e15
+"""Any other metric's bound either way: a perplexity past it is no score (1e308 breaks an axis)."""
+
+
+def value_problem(doc: dict) -> str | None:
+    """What in a scoring's values a table or chart cannot show (None: nothing): a task or
+    metric name that is not printable (an ANSI escape would reach the terminal), a metric that
+    is not a finite number within its range (``RATES``, ``LARGEST``), a ``chance`` outside
+    [0, 1], a ``tokens`` that is not a count, a ``failed`` reason that is not printable text
+    (newlines aside: the report puts it on one line)."""
+    if doc.get("tokens") is not None and _count_or_none(doc["tokens"]) is None:
+        return f"tokens {ascii(doc['tokens'])[:40]} is not a count"
+    for task, entry in doc["tasks"].items():
+        metrics = entry.get("metrics") if isinstance(entry, dict) else None
+        if not is_printable_name(task) or not isinstance(metrics, dict):
+            return f"task {ascii(task)[:60]}: not a printable name with its metrics"
+        chance = entry.get("chance")
+        if chance is not None and not (is_finite_number(chance) and 0 <= chance <= 1):
+            return f"task {task}: chance {ascii(chance)[:40]} is not in [0, 1]"
+        for name, x in metrics.items():
+            rate = str(name).partition("/")[0].removesuffix("_stderr") in RATES
+            low, high = (0, 1) if rate else (-LARGEST, LARGEST)
+            if not (is_printable_name(name) and is_finite_number(x) and low <= x <= high):
+                return f"task {task}: {ascii(name)[:40]} {ascii(x)[:40]} not in [{low:g}, {high:g}]"
+    failed = doc.get("failed", {})
+    if not isinstance(failed, dict) or not all(
+        is_printable_name(k) and is_printable_name(" ".join(str(v).split()), limit=4000)
+        for k, v in failed.items()
+    ):
+        return "failed: task names and reasons that are not printable text"
+    return None
+
+
 def read_scores(
-    run_dir: Path, rows: list[dict], *, metrics: dict[str, str] | None = None
+    run_dir: Path,
+    rows: list[dict],
+    *,
+    metrics: dict[str, str] | None = None,
+    docs: list[dict] | None = None,
 ) -> list[TaskScores]:
     """Each task's main metric over the run (``metrics`` picks a task's metric instead), by
     task name. ``rows``: the run's metrics rows (its train rows give a scoring's tokens when
-    the document has none)."""
-    docs = documents(Path(run_dir), rows)
+    the document has none); ``docs``: its ``documents``, when read already."""
+    docs = documents(Path(run_dir), rows) if docs is None else docs
     tokens_at = {r.get("step"): r.get("tokens") for r in rows if r.get("kind") == "train"}
     names: dict[str, set[str]] = {}
     for doc in docs:

@@ -37,7 +37,7 @@ def plot_run(
     """``anneal plot RUN``: loss.png, lr.png, grad_norm.png, throughput.png in ``RUN/plots``,
     val_sources.png for a blend, expert_load.png and moe_balance.png for a sparse model (a
     run with moe rows), downstream.png when the run has downstream scores (a damaged
-    ``evals/`` document is a UserError; with ``keep_others`` a warning, and no such chart).
+    ``evals/`` document left out, with a warning).
 
     A file there that Anneal did not write is a UserError (``claim_pngs``), before anything is
     drawn; with ``keep_others`` (the end of a run) it is kept, its chart is not drawn, and a
@@ -69,7 +69,7 @@ def plot_run(
         top_k = (record.model.get("moe") or {}).get("top_k")
         charts["expert_load.png"] = lambda p: moe_plots.draw_expert_load(plt, c, balance, p, name)
         charts["moe_balance.png"] = lambda p: moe_plots.draw_balance(plt, c, train, p, name, top_k)
-    tasks = _downstream(run_dir, rows, keep_others=keep_others)
+    tasks = downstream.read_scores(run_dir, rows)
     if downstream.drawable(tasks):
         theirs = _parent_downstream(record)
         charts["downstream.png"] = lambda p: downstream.draw(plt, c, tasks, p, name, theirs)
@@ -94,20 +94,6 @@ def plot_run(
     plt, style, c = pyplot(dark)
     with plt.rc_context(style):
         return [draw(out_dir / n) for n, draw in charts.items() if out_dir / n not in kept]
-
-
-def _downstream(run_dir: Path, rows: list[dict], *, keep_others: bool) -> list:
-    """The run's downstream scores (``anneal.observe.downstream``). A damaged document: a
-    UserError, or with ``keep_others`` (the end of a run) a warning and none."""
-    from anneal.errors import UserError
-
-    try:
-        return downstream.read_scores(run_dir, rows)
-    except UserError as e:
-        if not keep_others:
-            raise
-        log.warning("no downstream chart: %s", e)
-        return []
 
 
 def _parent_downstream(record: RunRecord) -> list:

@@ -192,17 +192,12 @@ def throughput_signal(train: list[dict]) -> Signal:
 def downstream_signals(run_dir: Path, rows: list[dict]) -> list[Signal]:
     """One signal per downstream task (``anneal.observe.downstream``): its latest score with
     its stderr and step, a problem when it fell (``downstream.RULE``) or the latest scoring
-    did not score it. A damaged evals/ document is one problem signal that names it."""
-    from anneal.errors import UserError
+    did not score it. A damaged evals/ document is left out, with a warning that names it."""
     from anneal.observe import downstream
 
     means = f"holds or rises ({downstream.RULE})"
-    try:
-        tasks = downstream.read_scores(run_dir, rows)
-    except UserError as e:
-        return [Signal("downstream", PROBLEM, str(e), means)]
     out = []
-    for t in tasks:
+    for t in downstream.read_scores(run_dir, rows):
         name = f"downstream {t.task}"
         if not t.scores:
             out.append(Signal(name, PROBLEM, f"never scored: {t.failed}", means))

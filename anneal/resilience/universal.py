@@ -29,7 +29,7 @@ import torch
 
 from anneal.dist import barrier, is_main_process
 from anneal.errors import UserError
-from anneal.files import write_atomic
+from anneal.files import real_dir, write_atomic
 from anneal.resilience import safeload
 from anneal.resilience.manifest import HASH, MANIFEST, damaged_files, file_hash, read_manifest
 from anneal.resilience.universal_stages import either_stage
@@ -41,6 +41,9 @@ CACHE = ".universal"
 FORMAT = 2
 """A conversion's format (its manifest's ``format``): 2 since ``either_stage``; an older one is
 made again, not reused."""
+MARK = ".anneal-conversion"
+"""Written into a conversion's temporary folder when it is made (and kept in the finished
+one): ``prune_run`` removes a ``.<name>.tmp`` folder only when it holds this file."""
 PEAK_FACTOR = 3.5
 """The free space a conversion needs, in checkpoint sizes (``check_space``)."""
 
@@ -122,7 +125,8 @@ def to_universal(tag_dir: Path, ckpt_dir: Path) -> Path:
             _remove(out)
         tmp = out.with_name(f".{out.name}.tmp")
         _remove(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True)
+        (tmp / MARK).write_text(f"a conversion of {tag_dir}, being made\n")
         _convert(tag_dir, tmp)
         _write_manifest(tmp, source=tag_dir, source_sha256=src)
         tmp.rename(out)
@@ -177,19 +181,18 @@ def prune_run(run_dir: Path, *, everything: bool = False, dry_run: bool = False)
     a conversion of a checkpoint older than the run's newest intact one (``--resume auto``
     takes that), a conversion whose source is gone, and a temporary folder a conversion that
     died left behind; with ``everything``, every conversion (a resume at another layout makes
-    it again). Only what Anneal made there is touched: a folder with a conversion manifest, or
-    a hidden ``.<name>.tmp``. Refused while a job holds the folder (``reading``)."""
+    it again). Only a run is pruned (its config.json reads as a run's), through no link
+    (``checkpoints/`` and ``.universal`` real directories of it, ``anneal.files.real_dir``),
+    and only what Anneal made there is touched: a folder with a conversion manifest, or a
+    hidden ``.<name>.tmp`` holding ``MARK``. Refused while a job holds the folder
+    (``reading``)."""
     from anneal import rundir
     from anneal.resilience.resume import intact_checkpoints
 
-    ckpt_dir = rundir.checkpoints_dir(run_dir)
-    cache = ckpt_dir / CACHE
-    if not rundir.config_path(run_dir).is_file():
-        raise UserError(
-            f"{run_dir}: not a run directory (no {rundir.CONFIG}). Give the --out directory of "
-            f"a run; its universal conversions are under checkpoints/{CACHE}/."
-        )
-    if cache.is_symlink() or not cache.is_dir():
+    rundir.read_record(run_dir)  # a run's config.json, or one paragraph
+    cache = real_dir(run_dir, rundir.CHECKPOINTS, CACHE)
+    ckpt_dir = cache.parent
+    if not cache.is_dir():
         return []
     intact = intact_checkpoints(ckpt_dir)
     newest = read_manifest(intact[-1])["step"] if intact else None
@@ -221,7 +224,7 @@ def _verdict(out: Path, newest: int | None, everything: bool) -> dict | None:
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink())
     entry = {"path": str(out), "bytes": size}
     if out.name.startswith("."):
-        if not out.name.endswith(".tmp"):
+        if not out.name.endswith(".tmp") or not _marked(out):
             return None
         return {**entry, "removed": True, "why": "left by a conversion that did not finish"}
     manifest = read_manifest(out)
@@ -237,6 +240,11 @@ def _verdict(out: Path, newest: int | None, everything: bool) -> dict | None:
     else:
         return {**entry, "removed": False, "why": "a resume at another layout reuses it"}
     return {**entry, "removed": True, "why": why}
+
+
+def _marked(out: Path) -> bool:
+    """Whether ``out`` holds ``MARK`` as a file (not a link): a conversion's folder."""
+    return (out / MARK).is_file() and not (out / MARK).is_symlink()
 
 
 def check_space(tag_dir: Path, ckpt_dir: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from anneal.cli import main
+from anneal.eval.results import SAMPLES_MARK
 from tests.conftest import BIN, ROOT, SMALL, env, free_port, run_process, run_recipe
 from tests.eval.test_eval_lm import assert_same_scores, per_request, write_tasks
 
@@ -85,7 +86,9 @@ def assert_as_hflm(results_dir: Path, samples_file: Path, reference: dict) -> No
     within 1e-4, acc and acc_norm exactly (``results_dir/evals/step-N.json``)."""
     doc = json.loads((results_dir / "evals" / f"step-{STEPS}.json").read_text())
     assert doc["failed"] == {} and set(doc["tasks"]) == set(TASKS), doc["failed"]
-    ours = {**doc, "samples": json.loads(samples_file.read_text())}
+    written = json.loads(samples_file.read_text())
+    assert written["anneal"] == SAMPLES_MARK and written["step"] == doc["step"]
+    ours = {**doc, "samples": written["samples"]}
     assert_same_scores(ours, reference, TASKS)
     assert per_request(ours)["tiny_mc_a"]  # compared something
 
@@ -275,6 +278,27 @@ def test_an_existing_evals_file_is_kept_without_force(trained, tmp_path, capsys)
     for force in ([], ["--force"]):  # --samples FILE: a file there is never replaced
         assert "the file exists" in refused(run, trained, capsys, "--samples", str(notes), *force)
     assert notes.read_text() == "my notes\n" and not existing.exists()
+
+
+@pytest.mark.slow  # the module's trained run and export: about 17 s once
+def test_out_another_run_and_samples_over_a_users_file_are_refused(trained, tmp_path, capsys):
+    """Issue 41 through the command: ``--out OTHER_RUN --force`` (another run's in-loop score
+    of the step there) and ``--samples FILE --force`` over a user's ``{}`` are one paragraph,
+    exit 2, before any engine; the files are left as they were."""
+    from tests.conftest import tree
+
+    other = copy_run(trained, tmp_path / "other_parent")
+    theirs = other / "evals" / f"step-{STEPS}.json"
+    theirs.parent.mkdir()
+    theirs.write_text(json.dumps({"step": STEPS, "source": "loop", "tasks": {}, "failed": {}}))
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    before = tree(tmp_path)
+    err = refused(trained["run"], trained, capsys, "--out", str(other), "--force")
+    assert "one run's scores are never filed under another's" in err
+    err = refused(trained["run"], trained, capsys, "--samples", str(mine), "--force")
+    assert "the file exists" in err and "only such a file" in err
+    assert tree(tmp_path) == before
 
 
 def test_the_scoring_config_has_no_optimizer_and_one_sample_per_replica():

@@ -241,11 +241,12 @@ def test_the_report_lists_each_tasks_latest_score_and_flags_a_fall(tmp_path, cap
     assert wiki.status == PROBLEM and "above its best earlier 40 at step 50" in wiki.detail
 
 
-def test_a_task_that_did_not_score_and_a_damaged_document_are_problems(tmp_path, capsys):
+def test_a_task_that_did_not_score_and_a_damaged_document_are_problems(tmp_path, capsys, caplog):
     """A task the latest scoring did not score (its document's ``failed``) is a problem with the
     reason, as is one never scored; a task scored once is n/a (nothing to compare). A document
-    that is not JSON is one problem signal naming it: the report is still written, while
-    `anneal plot` refuses with one paragraph and the end of a run draws the other charts."""
+    that is not JSON is left out with a warning naming it (issue 41: a file from elsewhere),
+    and the step's metrics row stands in for it: the report, `anneal plot` and the end of a
+    run draw what there is."""
     from anneal.observe.report import PROBLEM, UNKNOWN, end_of_run, health
 
     run = good_run(tmp_path / "run")
@@ -271,15 +272,14 @@ def test_a_task_that_did_not_score_and_a_damaged_document_are_problems(tmp_path,
     assert piqa.status == UNKNOWN and "one scoring" in piqa.detail
 
     (once / "evals" / "step-100.json").write_text('{"step": 100, "tasks": ')
-    [bad] = [s for s in health(once) if s.name.startswith("downstream")]
-    assert bad.status == PROBLEM and "step-100.json: cannot read it as JSON" in bad.detail
+    [row] = [s for s in health(once) if s.name.startswith("downstream")]
+    assert row.name == "downstream piqa" and "at step 100" in row.detail  # its metrics row
+    assert "step-100.json: skipped, not a score document anneal eval writes" in caplog.text
     rc, _, err = cli(capsys, "plot", once)
-    assert rc == 2 and "step-100.json: cannot read it as JSON" in err
+    assert rc == 0 and (once / "plots" / "downstream.png").is_file()
     end_of_run(once)
-    assert (once / "report.txt").read_text().endswith("  1 problem(s)\n")
-    assert (once / "plots" / "loss.png").is_file() and not (
-        once / "plots" / "downstream.png"
-    ).exists()
+    assert (once / "report.txt").read_text().endswith("  no problems\n")
+    assert (once / "plots" / "loss.png").is_file()
 
 
 def branch(run: Path, parent: Path, *, val_loss: float, hs: float, arc: float) -> Path:
@@ -367,12 +367,13 @@ def test_compare_refuses_what_is_not_two_runs(tmp_path, capsys):
     assert tree(tmp_path) == before
 
 
-def test_documents_from_elsewhere_never_break_the_plot_or_the_report(tmp_path, capsys):
+def test_documents_from_elsewhere_never_break_the_plot_or_the_report(tmp_path, capsys, caplog):
     """evals/ documents edited by hand or written by something else: tasks that are not an
     object, metrics that are strings, booleans, NaN or infinite, a chance that is a string, a
-    step that is not a count, a task name with a newline and a ``$`` (Matplotlib's math).
-    What is not a finite number is left out; `anneal plot` and `anneal report` print no
-    traceback, the report's lines stay one per signal, and the good scores still show."""
+    step that is not a count, a task name with a newline; each such document is left out with
+    a warning naming it. A task name with a ``$`` (Matplotlib's math) is drawn as text.
+    `anneal plot` and `anneal report` print no traceback, the report's lines stay one per
+    signal, and the good scores still show."""
     run = good_run(tmp_path / "run")
     evals = run / "evals"
     evals.mkdir()
@@ -389,15 +390,17 @@ def test_documents_from_elsewhere_never_break_the_plot_or_the_report(tmp_path, c
             },
             "failed": ["a", "list"],
         },
-        "step-40.json": doc(40, {"bad\nname $x^$": task({"acc": 0.45, "acc_stderr": 0.01})}),
+        "step-40.json": doc(40, {"name $x^$": task({"acc": 0.45, "acc_stderr": 0.01})}),
     }
     for name, body in odd.items():
         (evals / name).write_text(json.dumps(body))
     rc, out, err = cli(capsys, "report", run)
     assert rc == 0, err
     lines = out.splitlines()
-    [line] = [ln for ln in lines if "bad name $x^$" in ln]
-    assert "healthy  acc 0.45 ± 0.01 at step 40 (chance 0.25); best earlier 0.4 at step 30" in line
+    [line] = [ln for ln in lines if "name $x^$" in ln]
+    assert "n/a      acc 0.45 ± 0.01 at step 40 (chance 0.25); one scoring" in line
+    for step in (10, 20, 30):
+        assert f"step-{step}.json: skipped, not a score document" in caplog.text
     assert not any("weird" in ln or "listed" in ln or " x " in ln for ln in lines)
     assert lines[-1] == "  no problems"
     rc, out, err = cli(capsys, "plot", run)

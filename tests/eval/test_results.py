@@ -31,7 +31,7 @@ def test_written_read_back_and_only_such_a_document(tmp_path):
 
 
 def test_an_existing_file_is_replaced_only_with_force_and_only_when_ours(tmp_path):
-    target = SimpleNamespace(results_dir=tmp_path, step=3)
+    target = SimpleNamespace(results_dir=tmp_path, step=3, run_dir=tmp_path, hf_dir=None)
     results.check_results_file(target, force=False)  # nothing there
     results.write(tmp_path, doc(3))
     with pytest.raises(UserError, match="step 3 is scored already"):

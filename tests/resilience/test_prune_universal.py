@@ -41,16 +41,19 @@ def _tree(root: Path) -> dict[str, bytes]:
 @pytest.fixture
 def run(tmp_path) -> Path:
     """A run with checkpoints at steps 4 and 8, conversions of both and of another run's step
-    2, a conversion's leftover temporary folder, and a folder Anneal did not make."""
+    2, a conversion's leftover temporary folder (marked as ``to_universal`` marks it), and a
+    folder Anneal did not make."""
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
     (run / "config.json").parent.mkdir(parents=True)
-    (run / "config.json").write_text("{}\n")
+    (run / "config.json").write_text('{"run": {}}\n')
     old, new = _checkpoint(ckpt, 4), _checkpoint(ckpt, 8)
     other = _checkpoint(tmp_path / "other" / "checkpoints", 2)
     for source in (old, new, other):
         _conversion(ckpt, source)
-    (ckpt / universal.CACHE / ".step00000012-0123456789abcdef.tmp" / "zero").mkdir(parents=True)
+    leftover = ckpt / universal.CACHE / ".step00000012-0123456789abcdef.tmp"
+    (leftover / "zero").mkdir(parents=True)
+    (leftover / universal.MARK).write_text("a conversion, being made\n")  # as to_universal
     (ckpt / universal.CACHE / "notes").mkdir()
     (ckpt / universal.CACHE / "notes" / "mine.txt").write_text("keep me\n")
     return run
@@ -126,10 +129,10 @@ def test_prune_refuses_what_is_not_a_run(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     assert main(["checkpoint", "prune-universal", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert "not a run directory" in err and str(tmp_path / "x") in err
+    assert "not an Anneal run directory" in err and str(tmp_path / "x") in err
     run = tmp_path / "fresh"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({}))
+    (run / "config.json").write_text(json.dumps({"run": {}}))
     assert main(["checkpoint", "prune-universal", str(run)]) == 0
     assert "no universal conversions" in capsys.readouterr().out
     assert os.listdir(run) == ["config.json"]
