@@ -23,7 +23,7 @@ import pytest
 
 from anneal.cli import main
 from anneal.eval.results import SAMPLES_MARK
-from tests.conftest import BIN, ROOT, SMALL, env, free_port, run_process, run_recipe
+from tests.conftest import ROOT, SMALL, env, launch, run_process, run_recipe
 from tests.eval.test_eval_lm import assert_same_scores, per_request, write_tasks
 
 STEPS = 6
@@ -73,9 +73,10 @@ def reference(trained) -> dict:
 
 
 def anneal_eval(target: Path, specs: list[str], *extra: str, ranks: int) -> None:
-    """``anneal eval`` on ``ranks`` processes through DeepSpeed's runner (``--module``)."""
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
-    cmd += ["--no_local_rank", "--module", "anneal.cli", "eval", str(target)]
+    """``anneal eval`` on ``ranks`` processes (tests/scripts/ranks.py; the deepspeed runner's
+    ``--no_local_rank --module`` form, which the docs give, runs in
+    tests/eval/test_eval_watch.py's Slurm jobs)."""
+    cmd = launch(ranks, "-m", "anneal.cli", "eval", str(target))
     cmd += ["--tasks", ",".join(specs), "--batch-size", "4", *extra]
     e = {**env(), "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run_process(cmd, timeout_s=300, check=True, cwd=ROOT, env=e)

@@ -33,7 +33,7 @@ import torch
 from anneal.errors import UserError
 from anneal.eval.lm import EngineLM, unsupported_layout
 from anneal.eval.score import rng_restored, score
-from tests.conftest import BIN, ROOT, SMALL, env, free_port, resolve_tiny, run_process
+from tests.conftest import ROOT, SMALL, env, launch, resolve_tiny, run_process
 
 MAX_LENGTH = 64  # SMALL's seq_len: the model's context
 TRAIN_STEPS = 30
@@ -369,7 +369,7 @@ LOCKSTEP_OVERRIDES = [
 
 @pytest.mark.slow
 def test_two_ranks_call_forward_alike_and_score_as_one_replica(tiny_data, tmp_path):
-    """ZeRO-3 on 2 ranks (tests/scripts/eval_lockstep.py, through the deepspeed runner): the
+    """ZeRO-3 on 2 ranks (tests/scripts/eval_lockstep.py, on 2 ranks): the
     model's forward runs as many times on both ranks while the batches are split over the two
     replicas (5 requests of a task: one replica has no row in the last batch and runs the
     padding row), and both ranks return the document that one replica scoring every row
@@ -377,9 +377,8 @@ def test_two_ranks_call_forward_alike_and_score_as_one_replica(tiny_data, tmp_pa
     on 2 cores)."""
     names = write_tasks(tmp_path / "tasks")
     prefix = tmp_path / "out.json"
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += [str(ROOT / "tests/scripts/eval_lockstep.py"), str(prefix), str(tmp_path / "tasks")]
-    cmd += [str(tiny_data), str(tmp_path / "run"), *LOCKSTEP_OVERRIDES]
+    cmd = launch(2, str(ROOT / "tests/scripts/eval_lockstep.py"), str(prefix))
+    cmd += [str(tmp_path / "tasks"), str(tiny_data), str(tmp_path / "run"), *LOCKSTEP_OVERRIDES]
     e = {**env(), "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run_process(cmd, timeout_s=180, check=True, cwd=ROOT, env=e)
     ranks = [json.loads(Path(f"{prefix}.{r}").read_text()) for r in (0, 1)]

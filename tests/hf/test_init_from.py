@@ -21,16 +21,14 @@ import json
 import math
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers  # noqa: F401 - at collection, as the suite's other model tests do
 
-from anneal.dist import free_port
 from anneal.errors import UserError
-from tests.conftest import ROOT, env, run_process
+from tests.conftest import ROOT, env, launch, run_process
 
 VOCAB = 300  # the tokenizer's ids (tiny_data's byte-level vocabulary)
 SEQ = 64
@@ -451,7 +449,7 @@ from anneal.train import run
 from tests.hf.test_init_from import TRAINED_AT, anneal_step0, recipe_args, transformers_loss
 
 init_distributed(600)
-pairs, out = json.loads(sys.argv[-2]), Path(sys.argv[-1])  # after the runner's --local_rank
+pairs, out = json.loads(sys.argv[-2]), Path(sys.argv[-1])  # the last two: after any --local_rank
 rows = []
 for kind, (model_dir, data) in pairs.items():
     theirs = transformers_loss(Path(model_dir), Path(data)) if rank() == 0 else None
@@ -471,7 +469,7 @@ shutdown()
 
 @pytest.fixture(scope="module")
 def two_ranks(models, model_data, tmp_path_factory) -> dict:
-    """One launch of 2 ranks (the deepspeed runner) that computes each model's step-0
+    """One launch of 2 ranks (tests/scripts/ranks.py) that computes each model's step-0
     validation loss at ZeRO-1, 2 and 3, then trains each two steps with the recipe's defaults
     (``recipes/continue_pretraining.py``: WSD, its LR) at the stage of ``TRAINED_AT``: the
     rows (kind, stage, Anneal's loss, transformers') and the run directories."""
@@ -479,11 +477,9 @@ def two_ranks(models, model_data, tmp_path_factory) -> dict:
     script = out / "two_ranks.py"
     script.write_text(TWO_RANKS)
     pairs = {k: [str(v), str(model_data[k])] for k, v in models.items()}
-    deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
     env_ = {**env(), "OMP_NUM_THREADS": "1"}
-    args = [json.dumps(pairs), str(out)]
-    proc = run_process([*cmd, *args], timeout_s=600, check=True, cwd=ROOT, env=env_)
+    cmd = launch(2, str(script), json.dumps(pairs), str(out))
+    proc = run_process(cmd, timeout_s=600, check=True, cwd=ROOT, env=env_)
     line = next(x for x in proc.stdout.splitlines() if "ROWS " in x)
     return {"rows": json.loads(line.split("ROWS ", 1)[1]), "out": out, "log": proc.stderr}
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from anneal.resilience import checkpoint
-from tests.conftest import BIN, ROOT, SMALL, env, free_port, kill_tree, read_metrics, run_recipe
+from tests.conftest import ROOT, SMALL, env, kill_tree, launch, read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -38,15 +38,7 @@ def _args(data, out):
 
 def _kill_after_step(args, run_dir, step: int, timeout_s: float = 400) -> None:
     """Start the 2-rank job and SIGKILL its whole process group once ``step`` is logged."""
-    cmd = [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "recipes/pretrain_tiny.py",
-        *args,
-    ]
+    cmd = launch(2, "recipes/pretrain_tiny.py", *args)
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
