@@ -39,6 +39,15 @@ INTERNAL_VALUE_ERRORS = {
     ("anneal/data/stream.py", "TokenStream.__init__"): (
         "rank and world size come from torch.distributed, never from the user"
     ),
+    ("anneal/files.py", "read_regular"): (
+        "caught by its callers (rundir._eval_doc: a warning naming the score document; "
+        "eval.results' --samples check: a UserError naming the file), "
+        "test_planted_score_documents_are_skipped_with_one_warning_each"
+    ),
+    ("anneal/json_values.py", "loads_bounded"): (
+        "caught by its one caller, rundir._eval_doc, which skips the document with a warning "
+        "naming it (test_planted_score_documents_are_skipped_with_one_warning_each)"
+    ),
     ("anneal/hf/weight_files.py", "_entry"): (
         "caught by its one caller, safetensors_header, which raises a UserError naming the "
         "file (test_init_from's damaged and truncated weight files)"
