@@ -11,7 +11,8 @@ weight decay 0 after the load (DeepSpeed 0.19.8's ZeRO-3 universal load copies t
 group's hyperparameters into every group, and shares one Adam step counter between
 sub-groups, which would show in the losses). A 2 -> 1 resume then goes back to 2 ranks from
 its own save (converted again: DeepSpeed #7546) and matches again, the AdamW state too at
-ZeRO-1/2: that leg is the 1 -> 2 case. About 45 s a case here (75 s in `make test-all`), each
+ZeRO-2: that leg is the 1 -> 2 case (at ZeRO-1, whose optimizer state and universal load are
+ZeRO-2's, the case stops after 2 -> 1). About 35 s a case here (80 s in `make test-all`), each
 three launches and two conversions, and 10 s for each stage's reference.
 ZeRO-2 -> ZeRO-3 -> ZeRO-2 on 2 ranks matches the same way; a move to no ZeRO is refused
 before anything starts and leaves the run's files as they were."""
@@ -80,7 +81,7 @@ def assert_same_adam_state_at_3n(run_dir, ref_dir):
 @pytest.mark.parametrize("stage", [3, 2, 1])
 def test_resume_on_another_number_of_ranks(stdlib_data, tmp_path, tmp_path_factory, stage):
     """2 ranks at ``stage`` to step N, 1 rank to 2N, 2 ranks to 3N: 2 -> 1 and then 1 -> 2
-    from a save made after a universal load (#7546)."""
+    from a save made after a universal load (#7546); at ZeRO-1, 2 -> 1 only."""
     before, after = 2, 1
     ref_dir = reference(stdlib_data, tmp_path_factory, stage)
     ref = {r["step"]: r for r in read_metrics(ref_dir, "train")}
@@ -118,6 +119,8 @@ def test_resume_on_another_number_of_ranks(stdlib_data, tmp_path, tmp_path_facto
     else:  # on one rank, as the reference: the same files
         tag = f"step{2 * N:08d}"
         assert_same_zero3_state(tmp_path / "checkpoints" / tag, ref_dir / "checkpoints" / tag)
+    if stage == 1:  # ZeRO-1's optimizer state is ZeRO-2's (the same partitions, the same
+        return  # universal load): the way back is run at ZeRO-2 and ZeRO-3, not a third time
     # Back to the first layout from the step-2N checkpoint, saved after a universal load
     # (DeepSpeed #7546: after a ZeRO-3 load with load_universal on, the next save held rank 0's
     # model states only and the converters failed on it): it converts and resumes again.
