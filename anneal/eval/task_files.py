@@ -23,12 +23,12 @@ lm-eval's own named tasks are read from the installed package, trusted as the pa
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 
 import yaml
 
 from anneal.errors import UserError
+from anneal.files import read_regular
 
 MAX_YAML_BYTES = 1 << 20
 """Bytes of one task YAML at most (lm-eval's largest shipped YAML is a few kB)."""
@@ -85,23 +85,17 @@ def _inspect_file(spec: str, path: Path, *, seen: set[Path]) -> list[str]:
 
 
 def _compose(spec: str, path: Path) -> yaml.Node:
-    """The YAML node tree of ``path``, read within the bounds."""
+    """The YAML node tree of ``path`` (resolved: no link left to follow), read within the
+    bounds by ``files.read_regular``, which opens a FIFO without blocking."""
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(
-                f"task spec {spec}: {path} is not a regular file (a FIFO, a device or a "
-                f"directory). Give the path of a task YAML file."
-            )
-        with open(path, "rb") as f:
-            data = f.read(MAX_YAML_BYTES + 1)
+        data = read_regular(path, limit=MAX_YAML_BYTES)
     except OSError as e:
         raise UserError(f"task spec {spec}: {path} cannot be read ({e.strerror}).") from None
-    if len(data) > MAX_YAML_BYTES:
+    except ValueError as e:  # a FIFO, a device or a directory, or over the bound
         raise UserError(
-            f"task spec {spec}: {path} holds more than {MAX_YAML_BYTES:,} bytes; a task YAML "
-            f"is a few kB (the documents go in its data files). Give the task's YAML."
-        )
+            f"task spec {spec}: {path}: {e}. Give the path of a task YAML file: a few kB (the "
+            f"documents go in its data files)."
+        ) from None
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         root = yaml.compose(data, Loader=loader)
