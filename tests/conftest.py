@@ -493,14 +493,12 @@ def run_recipe(
 
 
 def launch(ranks: int, *command: str, runner: str = "ranks") -> list[str]:
-    """The command that starts ``command`` (a script and its arguments, or ``-m MODULE ...``)
-    on ``ranks`` local ranks through ``runner`` ("ranks" or "deepspeed": ``run_recipe`` says
-    which test takes which)."""
+    """The command that starts ``command`` (a script and its arguments; ``-m MODULE ...`` too
+    with the "ranks" runner) on ``ranks`` local ranks through ``runner`` ("ranks" or
+    "deepspeed": ``run_recipe`` says which test takes which)."""
     if runner == "ranks":
         return [sys.executable, str(ROOT / "tests" / "scripts" / "ranks.py"), str(ranks), *command]
     if runner == "deepspeed":
-        if command[0] == "-m":
-            command = ("--no_local_rank", "--module", *command[1:])
         port = str(free_port())
         return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port, *command]
     raise ValueError(f"runner={runner!r}: expected 'ranks' or 'deepspeed'")
