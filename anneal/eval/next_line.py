@@ -34,7 +34,6 @@ import json
 import logging
 import random
 import re
-import stat
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +42,7 @@ import yaml
 from anneal.data import tokenizer
 from anneal.data.prepared_dir import PreparedDir, prepare_again
 from anneal.errors import UserError
-from anneal.files import make_dir, write_atomic
+from anneal.files import make_dir, read_regular, write_atomic
 
 NAME = "anneal_next_line"
 BUILDER_VERSION = 1
@@ -120,13 +119,11 @@ def _write(data_dir: Path, work_dir: Path, *, items: int) -> tuple[Path, str]:
 
 def _holds(path: Path, want: bytes) -> bool:
     """True when ``path`` is a regular file (not a link, a FIFO or a directory) of exactly the
-    bytes ``want``; read only when its size matches, so nothing hangs or fills memory."""
+    bytes ``want``: ``files.read_regular`` reads no more than that many, so nothing hangs or
+    fills memory."""
     try:
-        st = path.lstat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size != len(want):
-            return False
-        return path.read_bytes() == want
-    except OSError:
+        return read_regular(path, limit=len(want)) == want
+    except (OSError, ValueError):
         return False
 
 

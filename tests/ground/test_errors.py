@@ -42,7 +42,7 @@ INTERNAL_VALUE_ERRORS = {
     ("anneal/files.py", "read_regular"): (
         "caught by its callers (rundir._eval_doc: a warning naming the score document; "
         "eval.results' --samples check and eval.task_files' YAML read: a UserError naming the "
-        "file), "
+        "file; eval.next_line's comparison: False, the file rebuilt), "
         "test_planted_score_documents_are_skipped_with_one_warning_each"
     ),
     ("anneal/json_values.py", "loads_bounded"): (
