@@ -28,7 +28,7 @@ demo: $(STAMP) data/stdlib/meta.json
 	$(BIN)/python scripts/demo.py
 
 # `make test` leaves out the tests marked slow (end-to-end drills: real Slurm, ssh, crash,
-# world size, long runs); `make test-all` (CI) runs everything, as two pytest sessions side by
+# world size, long runs); `make test-all` (CI) runs everything, as three pytest sessions side by
 # side (tests/shards.py; `make test SLOW=1` runs it all in one). How long each takes:
 # docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a slow
 # one is seen.
@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 $(if $(SLOW),,-m "not slow") tests
 
 test-all: $(STAMP)
-	$(BIN)/python tests/shards.py 2 -q --durations=10 tests
+	$(BIN)/python tests/shards.py 3 -q --durations=10 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check anneal launcher recipes tests bench scripts

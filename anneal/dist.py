@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import sys
+from pathlib import Path
 
 # DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op ("deepspeed_shm_comm") in
 # every process that initializes distributed, taking torch's extension lock file for the build
@@ -56,10 +58,34 @@ def shutdown() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local MASTER_PORT), chosen below
+    the kernel's ephemeral range. A port the kernel hands out (``bind`` to 0) comes from that
+    range, which every outgoing connection also draws from: in the seconds between this call and
+    rank 0's store binding it, a gloo or store connection of another job on the host took it
+    (EADDRINUSE, seen with two test sessions side by side). Below the range only another such
+    choice can collide, and it picks at random among thousands."""
+    low = _ephemeral_low()
+    below = range(_FIRST_PORT, low)
+    tries = random.SystemRandom().sample(below, 64) if len(below) > 64 else []
+    for port in [*tries, 0]:  # 0: the kernel's choice, where nothing below the range is free
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+_FIRST_PORT = 20000  # above the well-known and most services' ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), 32768 where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def world_of_one_env() -> dict[str, str]:

@@ -60,51 +60,52 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
-# ``make test-all`` (tests/shards.py) runs the suite as two pytest sessions side by side: on 2
-# cores one session keeps them about 1.4 busy (ranks wait on each other, processes start), two
-# keep them 1.8 busy. Shard 1 takes every fast test (and the shared runs) and the slow files
-# that read the shared runs; the other slow files go, heaviest first, to the shard with the
-# least so far, by these weights: seconds of each file's slow tests with two sessions running
-# (`make test-all --durations=0`, 2026-12-04, the second of two runs), the fast tests together
-# as one; a file not listed weighs DEFAULT_WEIGHT_S. The tests marked ``alone`` (peak memory
-# measured against the estimate: another session's load moved a TP=2 rank's peak from 790 to
-# 492 MiB) run after the shards, in a session of their own.
+# ``make test-all`` (tests/shards.py) runs the suite as three pytest sessions side by side, each
+# process of them on one thread: on 2 cores the ranks of a run wait on each other, processes
+# start, the cluster drills wait on Slurm and ssh, and a third session fills those gaps. Shard 1
+# takes every fast test (and the shared runs) and the slow files that read the shared runs; the
+# other slow files go, heaviest first, to the shard with the least so far, by these weights:
+# seconds of each file's slow tests (`tests/shards.py 2 --durations=0` on 2026-12-07, beside
+# other work on the machine, load 7-12: the sizes relative to each other are what counts), the
+# fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S. The tests marked
+# ``alone`` (peak memory measured against the estimate: another session's load moved a TP=2
+# rank's peak from 790 to 492 MiB) run after the shards, in a session of their own.
 SHARD_WEIGHTS_S = {
-    "<fast>": 210,  # the fast tests: shard 1's wall time less its slow tests
-    "test_bench_smoke.py": 435,  # 480 s before bench_train's and bench_sp's smoke were cut
-    "test_world_size.py": 267,  # with the ZeRO-1 case of its own (185 s without)
-    "test_cluster.py": 195,
-    "test_tensor_parallel.py": 145,
-    "test_resume.py": 122,
-    "test_eval_loop.py": 85,
-    "test_export.py": 84,
-    "test_moe_parallel.py": 110,  # 10 launches with ZeRO-3 (91 s alone; 63 s with 6)
-    "test_sequence_parallel.py": 76,
-    "test_docs_commands.py": 74,
-    "test_eval_watch.py": 70,
-    "test_bench_gpu.py": 66,
-    "test_crash_recovery.py": 64,
-    "test_eval_cmd.py": 59,
-    "test_recipes.py": 53,
-    "test_launcher.py": 47,
-    "test_guard.py": 42,
-    "test_scaling_sweep.py": 39,
-    "test_data_learning.py": 38,
-    "test_moe_hf.py": 12,  # its EP=2 exports now in test_moe_parallel
-    "test_wsd.py": 33,
-    "test_bad_input.py": 32,
-    "test_validation_sources.py": 32,
-    "test_eval_lm.py": 31,
-    "test_init_from.py": 29,
-    "test_cooldown.py": 27,
-    "test_planner.py": 26,
-    "test_bench_train.py": 24,
-    "test_data_scale_slurm.py": 21,
-    "test_loss.py": 20,
-    "test_export_every_save.py": 17,
-    "test_rank_death.py": 16,
-    "test_stale_state.py": 11,
-    "test_eval_tasks.py": 8,
+    "<fast>": 250,  # the fast tests' durations together
+    "test_bench_smoke.py": 601,
+    "test_world_size.py": 563,
+    "test_cluster.py": 296,
+    "test_tensor_parallel.py": 253,
+    "test_docs_commands.py": 181,
+    "test_resume.py": 179,
+    "test_export.py": 150,
+    "test_eval_watch.py": 148,
+    "test_moe_parallel.py": 147,
+    "test_sequence_parallel.py": 141,
+    "test_eval_loop.py": 139,
+    "test_bench_gpu.py": 119,
+    "test_wsd.py": 110,
+    "test_eval_cmd.py": 104,
+    "test_crash_recovery.py": 101,
+    "test_guard.py": 79,
+    "test_eval_lm.py": 74,
+    "test_planner.py": 66,
+    "test_launcher.py": 64,
+    "test_recipes.py": 63,
+    "test_bad_input.py": 62,
+    "test_data_learning.py": 53,
+    "test_init_from.py": 50,
+    "test_scaling_sweep.py": 50,
+    "test_bench_train.py": 45,
+    "test_export_every_save.py": 39,
+    "test_rank_death.py": 30,
+    "test_cooldown.py": 29,
+    "test_loss.py": 28,
+    "test_validation_sources.py": 28,
+    "test_data_scale_slurm.py": 19,
+    "test_moe_hf.py": 17,
+    "test_eval_tasks.py": 15,
+    "test_stale_state.py": 10,
 }
 DEFAULT_WEIGHT_S = 30
 # Files whose slow tests share something outside the session go to one shard together: all

@@ -3,12 +3,13 @@ tests/conftest.py says which tests each takes), shard 1's output as it comes, th
 it; then the tests marked ``alone`` (they measure the machine) in one more session, on their
 own; and the exit status of the worst.
 
-    .venv/bin/python tests/shards.py 2 -q --durations=10 tests
+    .venv/bin/python tests/shards.py 3 -q --durations=10 tests
 
 Each session gets its own ``--basetemp`` in one temporary directory, removed when every session
 passed and kept (its path printed) when one failed. On 2 cores one session keeps them about 1.4
-busy (the ranks of a run wait on each other, processes start); two keep them 1.8 busy, so the
-whole suite takes about a quarter less. Ctrl-C or SIGTERM stops every session with its
+busy (the ranks of a run wait on each other, processes start, the cluster drills wait on Slurm);
+more sessions fill those gaps. Where the sessions are at least as many as the cores, each
+process computes on one thread (``one_thread``). Ctrl-C or SIGTERM stops every session with its
 processes.
 """
 
@@ -26,6 +27,17 @@ from pathlib import Path
 NO_TESTS = 5  # pytest's exit status when a session selected nothing
 
 
+def one_thread(n: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` for every process of a shard, where N shards fill the cores:
+    without it the pytest process and a 1-rank run each compute on every core (torch's
+    default; the recipe splits the cores only between the ranks of its own launch), so two
+    shards ran twice as many spinning threads as there are cores. A value the caller set is
+    kept."""
+    if "OMP_NUM_THREADS" in os.environ or n < (os.cpu_count() or 1):
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
+
+
 def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
         print("usage: tests/shards.py N [pytest arguments...]", file=sys.stderr)
@@ -35,7 +47,7 @@ def main(argv: list[str]) -> int:
     procs, logs, started = [], [], time.monotonic()
     for i in range(1, n + 1):
         log = None if i == 1 else (tmp / f"shard{i}.log").open("w+")
-        env = {**os.environ, "ANNEAL_TEST_SHARD": f"{i}/{n}"}
+        env = {**os.environ, "ANNEAL_TEST_SHARD": f"{i}/{n}", **one_thread(n)}
         cmd = [sys.executable, "-m", "pytest", *args, "--basetemp", str(tmp / f"shard{i}")]
         procs.append(
             subprocess.Popen(

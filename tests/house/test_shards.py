@@ -51,8 +51,9 @@ def test_the_shards_partition_the_suite(n):
         assert len(homes) == 1, group
 
 
-def test_two_shards_carry_about_the_same_weight():
-    shards = [_shard_of(suite(), f"{i}/2") for i in (1, 2)]
+@pytest.mark.parametrize("n", [2, 3])  # 3: what `make test-all` runs
+def test_the_shards_carry_about_the_same_weight(n):
+    shards = [_shard_of(suite(), f"{i}/{n}") for i in range(1, n + 1)]
     loads = [
         sum(
             SHARD_WEIGHTS_S.get(name, DEFAULT_WEIGHT_S)
@@ -62,7 +63,20 @@ def test_two_shards_carry_about_the_same_weight():
     ]
     loads[0] += SHARD_WEIGHTS_S["<fast>"]
     heaviest = max(SHARD_WEIGHTS_S.values())
-    assert abs(loads[0] - loads[1]) <= heaviest / 2, loads
+    assert max(loads) - min(loads) <= heaviest / 2, loads
+
+
+def test_a_shard_computes_on_one_thread_where_the_shards_fill_the_cores(monkeypatch):
+    """OMP_NUM_THREADS=1 for each process of a shard when there are at least as many shards as
+    cores (torch's default is every core, in each of them); a value the caller set is kept."""
+    from tests.shards import one_thread
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert one_thread(3) == one_thread(2) == {"OMP_NUM_THREADS": "1"}
+    assert one_thread(1) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert one_thread(3) == {}
 
 
 @pytest.mark.parametrize("spec", ["0/2", "3/2", "1", "a/b"])
