@@ -21,7 +21,7 @@ import torch
 from anneal.resilience import checkpoint
 from anneal.resilience.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption, start_time
 from anneal.train.observers import Observer
-from launcher import slurm
+from launcher import slurm, watch_job
 
 
 class Events(Observer):
@@ -240,3 +240,58 @@ def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("template", ["multinode", "eval_watch"])
+def test_a_child_that_ends_inside_the_trap_is_seen_with_its_own_status(tmp_path, template):
+    """The fake deepspeed sends the batch shell SIGUSR1 and exits 75 (preempted) at once, so it
+    is gone while the trap still runs: the script reads 75, not the 138 (128 + SIGUSR1) of the
+    wait the trap cut short, and requeues. Under load in `make test-all` the trap drill above
+    failed this way (``training exited 138``), which on a cluster would be a preempted job that
+    is never requeued."""
+    run_dir, bin_dir, slurm_dir = tmp_path / "run", tmp_path / "venv" / "bin", tmp_path / "slurm"
+    for d in (run_dir / "preempt", bin_dir, slurm_dir):
+        d.mkdir(parents=True)
+    requeued = tmp_path / "requeued"
+    fakes = {
+        bin_dir / "python": "#!/bin/sh\nexit 0\n",
+        bin_dir / "deepspeed": f"#!/bin/sh\nkill -USR1 $PPID\nexit {PREEMPTED_EXIT_CODE}\n",
+        slurm_dir / "srun": '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
+        slurm_dir / "scontrol": f'#!/bin/sh\n[ "$2" = hostnames ] && echo node1\n'
+        f'[ "$1" = requeue ] && echo "$2" > {requeued}\nexit 0\n',
+    }
+    for path, text in fakes.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    job = dict(
+        job_name="t",
+        nodes=1,
+        gpus_per_node=1,
+        gpus=False,
+        partition="debug",
+        time="00:10:00",
+        account=None,
+        grace_s=120,
+        workdir=tmp_path,
+        python=str(bin_dir / "python"),
+    )
+    script = tmp_path / "submit.sbatch"
+    if template == "multinode":
+        text = slurm.render_sbatch(
+            **job, run_dir=run_dir, recipe="recipes/pretrain_tiny.py", recipe_args=[]
+        )
+    else:
+        text = watch_job.render_watch(tasks="anneal_next_line", limit=None, run_dir=run_dir, **job)
+    script.write_text(text)
+    env = {
+        "PATH": f"{slurm_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "41",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NODEID": "0",
+    }
+    done = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    out = done.stdout + done.stderr
+    assert f"exited {PREEMPTED_EXIT_CODE} at" in out, out
+    assert requeued.read_text().strip() == "41", out
