@@ -20,7 +20,7 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
-from anneal.model import ModelPreset, active_params, count_params, human_count
+from anneal.model import ModelPreset, active_params, count_params, describe_split, human_count
 from anneal.resilience import checkpoint
 from anneal.resolution import cooldown, expert_layout, parallel
 from anneal.resolution import ds as ds_config
@@ -143,6 +143,8 @@ class Launch:
             lines.insert(
                 1, expert_layout.describe_experts(ds, self.preset, world_size=self.world_size)
             )
+        if self.cfg.optim.optimizer == "muon":
+            lines.append(describe_split(self.preset, scale=self.cfg.optim.muon_scale))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         return "\n".join(lines)
 

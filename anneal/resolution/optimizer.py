@@ -1,0 +1,109 @@
+"""The optimizer a launch runs: ``optim.optimizer`` (adamw | muon) written into the ds_config's
+``optimizer`` section, Muon's values resolved, and what Muon cannot run with refused before
+launch (issue 42; docs/training.md, "Muon").
+
+Under ``muon`` the section becomes DeepSpeed's ``{"type": "Muon", "params": {...}}``
+(``MuonWithAuxAdam``): ``muon_lr`` and ``adam_lr`` filled where the file says ``"auto"`` or
+leaves them out (the Muon half's from ``optim.muon_lr``, else ``optim.lr``; the Adam half's
+from the resolved ``lr``), ``momentum`` (0.95) and ``ns_method`` ("gram") written out, and at
+ZeRO-3 ``zero_optimization.reduce_scatter`` set false, which DeepSpeed's Muon needs ("Muon and
+reduce scatter cannot be used together"): the user never has to write it. The LR each Muon
+matrix takes and which parameters take Muon are ``anneal.model.muon``'s.
+
+Refused, each with one paragraph: a file that says Muon beside ``optim.optimizer=adamw`` (two
+answers to one question), Muon's keys under AdamW, Muon with ZeRO offload, with tensor
+parallelism (AutoTP shards a matrix and DeepSpeed runs Newton-Schulz on each shard alone:
+another update) and with Ulysses (at ZeRO-3 it needs ``reduce_scatter``, which Muon refuses).
+A Muon LR of 0, a momentum outside [0, 1) and an unknown ``ns_method`` are refused by the
+schema's ranges (``anneal.config.ds_schema.RANGES``).
+"""
+
+from __future__ import annotations
+
+from anneal.config.ds_schema import degrees, value_or_auto
+from anneal.config.run import AUTO, OptimConfig
+from anneal.errors import UserError
+
+MUON_ONLY_KEYS = ("muon_lr", "adam_lr", "momentum", "ns_method")
+"""``optimizer.params`` keys that only DeepSpeed's Muon takes."""
+MUON_DEFAULTS = {"momentum": 0.95, "ns_method": "gram"}
+"""DeepSpeed's own defaults (``MuonWithAuxAdam``), written out so that config.json shows them."""
+
+
+def resolve_optimizer(cfg: dict, notes: dict[str, str], *, optim: OptimConfig, source: str):
+    """Write ``optim.optimizer`` into the resolved ds_config ``cfg`` (in place; its
+    ``optimizer.params.lr`` already resolved), with a note per value filled in."""
+    section = cfg["optimizer"]
+    params = section.setdefault("params", {})
+    file_muon = section["type"].lower() == "muon"
+    if optim.optimizer == "adamw":
+        if file_muon:
+            raise UserError(
+                f'{source}: optimizer.type is "Muon" but the run\'s optim.optimizer is adamw: '
+                f"two answers to one question. Pick Muon with --set optim.optimizer=muon (a "
+                f'file of type "AdamW" serves both), or write "type": "AdamW" in the file.'
+            )
+        extra = [k for k in MUON_ONLY_KEYS if k in params]
+        if extra:
+            raise UserError(
+                f"{source}: optimizer.params.{extra[0]} is Muon's, and this run's optimizer is "
+                f"AdamW, which would refuse it at engine start. Drop the key, or run Muon: "
+                f"--set optim.optimizer=muon."
+            )
+        return
+    _check_runs_with_muon(cfg, source)
+    section["type"] = "Muon"
+    notes["optimizer.type"] = "Muon (optim.optimizer=muon; anneal/model/muon.py splits the params)"
+    muon_lr = optim.muon_lr if optim.muon_lr is not None else optim.lr
+    muon_from = "muon_lr" if optim.muon_lr is not None else "lr"
+    for key, value, how in (
+        ("muon_lr", muon_lr, f"optim.{muon_from}, {optim.muon_scale} scale"),
+        ("adam_lr", params["lr"], "optimizer.params.lr"),
+    ):
+        if value_or_auto(params, (key,)) == AUTO:
+            params[key] = value
+            notes[f"optimizer.params.{key}"] = f"{value:g} ({how})"
+        else:
+            notes[f"optimizer.params.{key}"] = f"{params[key]:g} (ds_config)"
+    for key, value in MUON_DEFAULTS.items():
+        params.setdefault(key, value)
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("stage", 0) == 3:
+        zero["reduce_scatter"] = False
+        notes["zero_optimization.reduce_scatter"] = "false (DeepSpeed's Muon at ZeRO-3 needs it)"
+
+
+def _check_runs_with_muon(cfg: dict, source: str) -> None:
+    """Refuse the layouts Muon does not run with here (the module's docstring says why)."""
+    zero = cfg.get("zero_optimization", {})
+    offload = [
+        key
+        for key in ("offload_optimizer", "offload_param")
+        if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
+    ]
+    d = degrees(cfg)
+    why = None
+    if offload:
+        why = (
+            f"zero_optimization.{offload[0]} moves the optimizer's work to the "
+            f"{zero[offload[0]]['device']}, where DeepSpeed 0.19.8 runs Muon's Newton-Schulz on "
+            f"the host and Anneal has not tested it. Use a ds_config without offload "
+            f"(zero3_bf16.json)"
+        )
+    elif d.tp > 1:
+        why = (
+            f"tensor_parallel.autotp_size is {d.tp}: AutoTP shards each matrix and DeepSpeed "
+            f"runs Newton-Schulz on each shard alone, which is another update than the whole "
+            f"matrix's. Use data parallelism with ZeRO (--set ds.tensor_parallel.autotp_size=1)"
+        )
+    elif d.sp > 1:
+        why = (
+            f"sequence_parallel_size is {d.sp}: Ulysses at ZeRO-3 needs reduce_scatter, which "
+            f"DeepSpeed's Muon refuses, and Anneal has not tested it at ZeRO-2. Use --set "
+            f"ds.sequence_parallel_size=1"
+        )
+    if why:
+        raise UserError(
+            f"{source}: optim.optimizer=muon cannot run with this layout: {why}, or keep this "
+            f"layout with --set optim.optimizer=adamw."
+        )
