@@ -132,3 +132,55 @@ def muon_param_groups(
             }
         )
     return groups
+
+
+def muon_shapes(preset: ModelPreset) -> list[tuple[int, ...]]:
+    """The layer shape of every parameter on Muon: each layer's q, k, v, o and MLP matrices, a
+    sparse model's experts as (experts, rows, cols); a Hugging Face architecture's read off its
+    model on the meta device."""
+    if preset.hf_config is not None:
+        return _hf_muon_shapes(preset)
+    h, q = preset.hidden_size, preset.num_attention_heads * preset.head_dim
+    kv = preset.num_key_value_heads * preset.head_dim
+    layer = [(q, h), (kv, h), (kv, h), (h, q)]
+    if preset.moe is None:
+        i = preset.intermediate_size
+        layer += [(i, h), (i, h), (h, i)]
+    else:
+        e, i = preset.moe.num_experts, preset.moe.expert_intermediate_size
+        layer += [(e, i, h), (e, i, h), (e, h, i)]
+    return layer * preset.num_hidden_layers
+
+
+def _hf_muon_shapes(preset: ModelPreset) -> list[tuple[int, ...]]:
+    import torch
+
+    from anneal.model.build import build_model
+
+    with torch.device("meta"):
+        model = build_model(preset)
+    return [
+        tuple(p.shape) for name, p in model.named_parameters() if takes_muon(name, tuple(p.shape))
+    ]
+
+
+def newton_schulz_flops(preset: ModelPreset) -> int:
+    """FLOPs of one optimizer step's Newton-Schulz over every Muon matrix, once (ZeRO shares the
+    matrices out among the ranks): ``NS_STEPS x (4 n^2 m + 2 n^3)`` for an (n x m) matrix,
+    n <= m, the quintic iteration's three matmuls (X X^T, A A, B X); per expert for a sparse
+    model's experts. DeepSpeed's default ``gram`` variant does fewer where m > n; this is the
+    ``standard`` count, an upper bound."""
+    total = 0
+    for shape in muon_shapes(preset):
+        batch = math.prod(shape[:-2])
+        n, m = sorted(shape[-2:])
+        total += batch * NS_STEPS * (4 * n * n * m + 2 * n**3)
+    return total
+
+
+def step_flops_per_token(preset: ModelPreset, *, tokens_per_step: int, ds_config: dict) -> float:
+    """What a token adds to a step's FLOPs beyond the model's (``flops_per_token``): Muon's
+    Newton-Schulz spread over the step's tokens under ``"type": "Muon"``, else 0."""
+    if ds_config.get("optimizer", {}).get("type", "").lower() != "muon":
+        return 0.0
+    return newton_schulz_flops(preset) / tokens_per_step

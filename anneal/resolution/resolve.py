@@ -22,7 +22,7 @@ from anneal.errors import UserError
 from anneal.files import claim_output
 from anneal.model import ModelPreset, active_params, count_params, describe_split, human_count
 from anneal.resilience import checkpoint
-from anneal.resolution import cooldown, expert_layout, parallel
+from anneal.resolution import cooldown, expert_layout, optimizer, parallel
 from anneal.resolution import ds as ds_config
 from anneal.resolution.preset import model_preset
 from anneal.run_record import RunRecord
@@ -258,6 +258,7 @@ def _check_resume_target(launch: Launch) -> None:
         tag_dir, launch.preset, world_size=launch.world_size, zero_stage=stage, layout=launch.layout
     )
     manifest = checkpoint.read_manifest(tag_dir) or {}
+    optimizer.check_muon_resume(tag_dir, manifest, launch.ds_config, launch.layout, stage)
     change = parallel.describe_resume_change(tag_dir, manifest, launch.layout, stage=stage)
     if change:
         saved = rundir.record_or_empty(rundir.of_checkpoint(tag_dir)).ds_config

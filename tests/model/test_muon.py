@@ -133,3 +133,25 @@ def test_groups_hold_one_half_each_with_their_lr_and_decay():
         assert all(p.shape[-1] == cols and p.dim() == 2 for p in g["params"])
     seen = [id(p) for g in groups for p in g["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
+
+
+def test_newton_schulz_flops_are_torchs_count_of_the_iteration():
+    """``newton_schulz_flops`` of a one-layer model against torch's FLOP counter run over
+    DeepSpeed's own (eager) quintic iteration on every Muon matrix of it."""
+    import torch
+    from deepspeed.runtime.zero.muon import original_muon
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from anneal.model.muon import NS_STEPS, muon_shapes, newton_schulz_flops
+
+    preset = dataclasses.replace(SMALL_DENSE, num_hidden_layers=1)
+    iterate = getattr(
+        original_muon.zeropower_via_newtonschulz5,
+        "_torchdynamo_orig_callable",
+        original_muon.zeropower_via_newtonschulz5,
+    )
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for shape in muon_shapes(preset):
+            iterate(torch.randn(*shape), steps=NS_STEPS)
+    assert newton_schulz_flops(preset) == counter.get_total_flops()
