@@ -127,3 +127,36 @@ def test_one_step_keeps_one_buffer_on_muon_and_two_moments_on_adamw(engine_and_l
         keys = set(inner.state[flat])
         want = {"momentum_buffer"} if group["use_muon"] else {"exp_avg", "exp_avg_sq", "step"}
         assert keys == want, (group["name"], keys)
+
+
+def test_a_sparse_models_experts_take_muon_and_its_router_adamw(tiny_data, tmp_path, world_of_one):
+    """AutoEP's engine (EP=1, ZeRO-2) under Muon: its fused experts ``w1``, ``w2``, ``w3``
+    (experts x rows x cols, ``is_expert_group``) tagged Muon, its router and everything else
+    DeepSpeed would tag Muon by shape but that is no hidden matrix, AdamW; one step runs and
+    leaves a momentum buffer on the experts' group."""
+    import torch
+
+    from anneal.train.engine import build_engine
+    from anneal.train.loss import next_token_loss
+    from tests.train.test_moe import _resolve
+
+    launch = _resolve(tiny_data, tmp_path / "run", *sets("optim.optimizer=muon"))
+    engine = build_engine(launch)
+    named = dict(engine.module.named_parameters())
+    experts = [n for n in named if ".experts." in n]
+    routers = [n for n in named if ".router." in n or n.endswith("mlp.gate.weight")]
+    assert experts and routers
+    assert all(named[n].use_muon and named[n].dim() == 3 for n in experts)
+    assert all(getattr(named[n], "is_expert_group", False) for n in experts)
+    assert not any(named[n].use_muon for n in routers)
+    x = torch.randint(
+        0, launch.preset.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0)
+    )
+    out = engine(input_ids=x[:, :-1])
+    engine.backward(next_token_loss(out.logits, x[:, 1:]))
+    engine.step()
+    inner = engine.optimizer.optimizer
+    muon_groups = [g for g in inner.param_groups if g["use_muon"]]
+    assert muon_groups and all(
+        "momentum_buffer" in inner.state[g["params"][0]] for g in muon_groups
+    )

@@ -136,3 +136,24 @@ def test_a_spike_rewinds_a_muon_run_and_halves_its_lr(runs, tiny_data, tmp_path)
     for step in range(STOP + 1, STEPS + 1):
         assert rows[step]["lr"] == pytest.approx(0.5 * schedule[step]["lr"], rel=1e-12), step
     assert rows[STEPS]["loss"] < rows[1]["loss"]
+
+
+def test_export_of_a_muon_checkpoint_is_unchanged(runs, tmp_path):
+    """``anneal export``'s library call on the ZeRO-2 and ZeRO-3 runs' last checkpoints: each
+    verifies (its logits against the checkpoint's own weights), and the two exports' weights
+    agree as the runs' losses do."""
+    from safetensors.torch import load_file
+
+    from anneal.hf.export import export
+
+    weights = {}
+    for stage in (2, 3):
+        out = tmp_path / f"hf{stage}"
+        export(runs["full"][stage], out=out, dtype="fp32")
+        weights[stage] = {
+            k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+    assert sorted(weights[2]) == sorted(weights[3]) and weights[2]
+    for name, a in weights[2].items():
+        b = weights[3][name]
+        assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item() + 1e-6, name
