@@ -220,12 +220,13 @@ class MemoryEstimate:
 def optimizer_bytes_per_param(zero: ZeroSetup, *, muon: bool = False) -> int:
     """Optimizer state per parameter: the fp32 master weight (4) and AdamW's two fp32 moments
     (8), or on Muon's half its one momentum buffer, which DeepSpeed 0.19.8 keeps in the
-    gradient's dtype at ZeRO-2 and the communication dtype at ZeRO-3 (2 bytes under bf16; read
-    off its code, not measured here) and in fp32 otherwise (checked against a checkpoint's
-    optimizer files: tests/train/test_muon.py)."""
+    gradient's dtype at ZeRO-1/2 and the communication dtype at ZeRO-3: 2 bytes under bf16
+    (read off its code, not measured here: no GPU; 4 at ZeRO-1 with ``data_types.
+    grad_accum_dtype`` fp32, which this estimate does not read), 4 in fp32 (checked against a
+    checkpoint's optimizer files: tests/train/test_muon_layouts.py)."""
     if not muon:
         return 12
-    return 4 + (2 if zero.bf16 and zero.stage in (2, 3) else 4)
+    return 4 + (2 if zero.bf16 and zero.stage >= 1 else 4)
 
 
 def model_state_bytes(
