@@ -14,9 +14,11 @@ per-parameter slices could not carry as they are.) Anneal refuses a Muon resume 
 conversion before anything starts (``anneal.resolution.optimizer.check_muon_resume``;
 docs/training.md, "Muon").
 
-    python bench/repro/muon_universal.py [--stage 1|2|3]      (one process, CPU, gloo; ~20 s)
+    python bench/repro/muon_universal.py [--stage 1|2|3]  (one process, CPU, gloo; about 90 s
+                                                        here, most of it torch.compile)
 
-Seen with DeepSpeed 0.19.8, torch 2.13.0 (CPU).
+Seen with DeepSpeed 0.19.8, torch 2.13.0 (CPU), 2026-12-07, at ZeRO-2 and ZeRO-3: ``KeyError:
+'exp_avg'``.
 """
 
 from __future__ import annotations
