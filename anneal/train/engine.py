@@ -25,7 +25,7 @@ from anneal.model import (
 )
 from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
-from anneal.train.muon_engine import eager_newton_schulz, muon_tags
+from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -137,12 +137,12 @@ def _initialize(**kwargs):
 
 def _optimizer_groups(model, opt_params: dict, launch: Launch) -> list[dict]:
     """AdamW's decay / no-decay groups; under Muon (``opt_params`` has ``muon_lr``, which the
-    resolution writes) Muon's beside them (``anneal.model.muon``), its Newton-Schulz eager on a
-    CPU (``eager_newton_schulz``)."""
+    resolution writes) Muon's beside them (``anneal.model.muon``), its Newton-Schulz eager and
+    in fp32 on a CPU (``cpu_newton_schulz``)."""
     if "muon_lr" not in opt_params:
         return param_groups(model, weight_decay=opt_params["weight_decay"])
     if launch.device_type == "cpu":
-        eager_newton_schulz()
+        cpu_newton_schulz()
     return muon_param_groups(
         model.named_parameters(),
         weight_decay=opt_params.get("weight_decay", 0.0),

@@ -105,9 +105,9 @@ def test_deepspeeds_own_update_is_near_rms_0_2(ns_method):
     import torch
     from deepspeed.runtime.zero.muon import original_muon
 
-    from anneal.train.muon_engine import eager_newton_schulz
+    from anneal.train.muon_engine import cpu_newton_schulz
 
-    eager_newton_schulz()  # compiled, the first calls take seconds on a CPU
+    cpu_newton_schulz()  # compiled, the first calls take seconds on a CPU
     for rows, cols in [(64, 64), (176, 64), (64, 176)]:
         g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
         update = original_muon.muon_update(

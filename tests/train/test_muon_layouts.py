@@ -6,7 +6,8 @@ momentum buffers, AdamW's moments, the fp32 masters) equals that run's, bitwise 
 tests/resilience/test_resume.py). The optimizer state in a checkpoint's files, per parameter of
 each half, is the estimator's (``anneal.planning.memory.optimizer_bytes_per_param``): 8 bytes
 on Muon's half, 12 on AdamW's (fp32). A spike rewinds a Muon run and halves the LR of both
-halves (``guard.lr_scale``). Seven 2-rank launches and one of 1 rank, about 80 s here.
+halves (``guard.lr_scale``). Seven 2-rank launches and one of 1 rank: 201 s here with the
+machine loaded (load average 8 on 2 cores, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -157,3 +158,25 @@ def test_export_of_a_muon_checkpoint_is_unchanged(runs, tmp_path):
     for name, a in weights[2].items():
         b = weights[3][name]
         assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item() + 1e-6, name
+
+
+def test_a_muon_resume_elsewhere_or_with_adamw_is_refused_before_launch(runs, tiny_data, tmp_path):
+    """On 1 rank, or at ZeRO-3, a checkpoint saved by 2 ranks at ZeRO-2 would go through
+    DeepSpeed's universal checkpoint, which does not convert Muon's state
+    (bench/repro/muon_universal.py); with AdamW, the state is another optimizer's. Each is
+    one paragraph before anything is written."""
+    from tests.conftest import refused_tiny
+
+    tag = runs["full"][2] / "checkpoints" / f"step{STEPS:08d}"
+    for stage, ranks in ((2, 1), (3, 2)):
+        out = tmp_path / f"moved{stage}{ranks}"
+        args = [*_args(tiny_data, out, stage), "--resume", str(tag)]
+        text = refused_tiny(args, world_size=ranks)
+        assert "a Muon run saved on 2 rank" in text and "KeyError" in text, text
+        assert "muon_universal.py" in text and not out.exists()
+    adamw = [
+        "optim.optimizer=adamw" if a == "optim.optimizer=muon" else a
+        for a in _args(tiny_data, tmp_path / "adamw", 2)
+    ]
+    text = refused_tiny([*adamw, "--resume", str(tag)], world_size=2)
+    assert "saved with optimizer Muon and this launch runs AdamW" in text
