@@ -125,7 +125,7 @@ def main() -> None:
     steps, seeds = args.steps, [int(s) for s in args.seeds.split(",")]
     lrs, ds_lrs = (
         [float(x) for x in args.lrs.split(",")],
-        [float(x) for x in args.ds_lrs.split(",")],
+        [float(x) for x in args.ds_lrs.split(",") if x],
     )
     if args.smoke:
         steps, seeds, lrs, ds_lrs = 3, [0], [3e-3], []
