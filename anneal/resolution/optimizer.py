@@ -10,14 +10,15 @@ ZeRO-3 ``zero_optimization.reduce_scatter`` set false, which DeepSpeed's Muon ne
 reduce scatter cannot be used together"): the user never has to write it. The LR each Muon
 matrix takes and which parameters take Muon are ``anneal.model.muon``'s.
 
-``gradient_clipping`` is written 0 (off) under Muon. DeepSpeed 0.19.8 runs Newton-Schulz
-before it takes the global norm at ZeRO-1, 2 and 3, so the norm it clips by is that of Muon's
-orthogonalized updates beside the Adam half's gradients: about sqrt(sum of min(rows, cols) x
-the update scale squared) whatever the gradients, far above any threshold set for gradients,
-so a threshold of 1 would divide every step, the Adam half's too, by that norm
-(docs/training.md, "Muon", has the measurement). A Muon update's size is fixed by its
-orthogonalization and its LR, which is what clipping guards for AdamW. The train row's
-``grad_norm`` is still DeepSpeed's norm, over those updates.
+``gradient_clipping`` is written 0 (off) under Muon with ZeRO. DeepSpeed 0.19.8 runs
+Newton-Schulz before it takes the global norm at ZeRO-1, 2 and 3 (without ZeRO, inside the
+optimizer's step, after the clip of the gradients, which is kept there), so the norm it
+clips by is that of Muon's orthogonalized updates beside the Adam half's gradients, set by the
+matrices' sizes whatever the gradients: 62.7 to 67 in the sweep of bench/bench_muon.py, where
+AdamW's gradient norm was 0.55 to 2.7. A threshold of 1 would divide every step, the Adam
+half's too, by that norm (docs/training.md, "Muon beside AdamW"). A Muon update's size is
+fixed by its orthogonalization and its LR, which is what clipping guards for AdamW. The train
+row's ``grad_norm`` is still DeepSpeed's norm, over those updates.
 
 Refused, each with one paragraph: a file that says Muon beside ``optim.optimizer=adamw`` (two
 answers to one question), Muon's keys under AdamW, Muon with ZeRO offload, with tensor
@@ -83,7 +84,7 @@ def resolve_optimizer(cfg: dict, notes: dict[str, str], *, optim: OptimConfig, s
             notes[f"optimizer.params.{key}"] = f"{params[key]:g} (ds_config)"
     for key, value in MUON_DEFAULTS.items():
         params.setdefault(key, value)
-    if cfg.get("gradient_clipping", 0):
+    if cfg.get("gradient_clipping", 0) and cfg.get("zero_optimization", {}).get("stage", 0):
         notes["gradient_clipping"] = (
             f"0 (the file's {cfg['gradient_clipping']:g} is off under Muon: DeepSpeed 0.19.8 "
             f"takes the clipping norm over Muon's orthogonalized updates, not the gradients)"

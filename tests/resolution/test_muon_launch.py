@@ -108,3 +108,22 @@ def test_an_unknown_choice_is_refused_where_set_is_read(tiny_data, tmp_path, ite
 
     with pytest.raises(UserError, match=match):
         resolve_tiny(_args(tiny_data, tmp_path / "run", *sets(item)), world_size=1)
+
+
+def test_clipping_is_off_with_zero_and_kept_without(tiny_data, tmp_path):
+    """DeepSpeed clips by the norm after Newton-Schulz with ZeRO (docs/training.md, "Muon
+    beside AdamW"), by the gradients' without it."""
+    for stage, want in ((1, 0.0), (3, 0.0), (0, 1.0)):
+        launch = resolve_tiny(
+            _args(
+                tiny_data,
+                tmp_path / f"z{stage}",
+                *MUON,
+                *sets(f"ds.zero_optimization.stage={stage}"),
+            ),
+            world_size=1,
+        )
+        assert launch.ds_config["gradient_clipping"] == want, stage
+        assert ("gradient_clipping = 0 (the file's 1 is off under Muon" in launch.describe()) == (
+            want == 0.0
+        )
