@@ -75,7 +75,8 @@ SHARD_WEIGHTS_S = {
     "test_world_size.py": 267,  # with the ZeRO-1 case of its own (185 s without)
     "test_cluster.py": 195,
     "test_tensor_parallel.py": 145,
-    "test_resume.py": 122,
+    "test_resume.py": 180,  # + its Muon case: 86 s alone at load 8 (2026-12-07)
+    "test_muon_layouts.py": 150,  # 8 launches: 201 s alone at load 8 (2026-12-07)
     "test_eval_loop.py": 85,
     "test_export.py": 84,
     "test_moe_parallel.py": 110,  # 10 launches with ZeRO-3 (91 s alone; 63 s with 6)
