@@ -40,6 +40,7 @@ TAKES_DATA = {
     "bench_moe.py",
     "bench_moe_balance.py",
     "bench_moe_dense.py",
+    "bench_muon.py",
     "bench_train.py",
 }
 

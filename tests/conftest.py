@@ -74,10 +74,11 @@ SHARD_WEIGHTS_S = {
     "<fast>": 250,  # the fast tests' durations together
     "test_bench_smoke.py": 601,
     "test_world_size.py": 563,
+    "test_muon_layouts.py": 225,  # 8 launches: 201 s alone at load 8 (2026-12-07)
     "test_cluster.py": 296,
     "test_tensor_parallel.py": 253,
     "test_docs_commands.py": 181,
-    "test_resume.py": 179,
+    "test_resume.py": 266,  # + its Muon case (86 s alone at load 8 on 2026-12-07)
     "test_export.py": 150,
     "test_eval_watch.py": 148,
     "test_moe_parallel.py": 147,

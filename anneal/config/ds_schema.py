@@ -21,6 +21,8 @@ from anneal.errors import UserError
 from anneal.json_values import INT64_MAX, is_number
 
 Num = (int, float)
+NS_METHODS = ("gram", "standard")
+"""DeepSpeed 0.19.8's Newton-Schulz variants for Muon (``optimizer.params.ns_method``)."""
 Auto = "auto-or-int"
 AutoNum = "auto-or-number"
 _OFFLOAD = {
@@ -84,6 +86,11 @@ DS_SCHEMA: dict[str, Any] = {
             "torch_adam": bool,
             "adam_w_mode": bool,
             "fused": bool,
+            # DeepSpeed's Muon (anneal/resolution/optimizer.py): "auto" LRs come from the run.
+            "muon_lr": AutoNum,
+            "adam_lr": AutoNum,
+            "momentum": Num,
+            "ns_method": str,
         },
     },
     "scheduler": {
@@ -174,6 +181,16 @@ RANGES: dict[tuple[str, ...], tuple[Any, str]] = {
     ("optimizer", "params", "betas"): (
         lambda v: len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v),
         "two numbers in [0, 1), e.g. [0.9, 0.95]",
+    ),
+    ("optimizer", "params", "muon_lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
+    ("optimizer", "params", "adam_lr"): (lambda v: v > 0, 'a number above 0, or "auto"'),
+    ("optimizer", "params", "momentum"): (
+        lambda v: 0 <= v < 1,
+        "in [0, 1): Muon's momentum (0.95 is DeepSpeed's and Moonlight's)",
+    ),
+    ("optimizer", "params", "ns_method"): (
+        lambda v: v in NS_METHODS,
+        f"one of {', '.join(NS_METHODS)}: DeepSpeed's Newton-Schulz variants",
     ),
     ("optimizer", "params", "eps"): (lambda v: v >= 0, "0 or a small positive number (1e-8)"),
     ("optimizer", "params", "weight_decay"): (lambda v: v >= 0, "0 or a positive number"),

@@ -118,6 +118,18 @@ class OptimConfig:
     """A cooldown branch (``--cooldown-from``): tokens over which the LR decays from the parent's
     at the branch step to the floor, in ``decay_shape``; the branch ends after
     ceil(cooldown_tokens / tokens per step) steps (docs/training.md, "Cooldown branches")."""
+    # Muon beside AdamW (issue 42; docs/training.md, "Muon"; anneal/model/muon.py).
+    optimizer: str = "adamw"
+    """adamw | muon. muon: the hidden matrices step with Muon (momentum orthogonalized by
+    Newton-Schulz, DeepSpeed's MuonWithAuxAdam), the rest (embeddings, output head, norms,
+    biases, MoE router) with AdamW; ``anneal.model.muon`` decides which is which."""
+    muon_lr: float | None = None
+    """muon: the Muon half's peak LR; None ("auto"): ``lr``, which the RMS-matched update
+    (``muon_scale = "rms"``) makes mean what it means for AdamW."""
+    muon_scale: str = "rms"
+    """muon: rms (each matrix's update scaled to RMS 0.2, an AdamW update's: Moonlight, arXiv
+    2502.16982, as OLMo-core's rms_norm; AdamW's LR carries over) | deepspeed (DeepSpeed's own
+    sqrt(max(1, rows/cols)), whose LRs are about 0.02)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

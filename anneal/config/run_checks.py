@@ -42,6 +42,8 @@ _CHOICES = {
     ("train", "loss"): ("chunked", "plain"),
     ("optim", "schedule"): SCHEDULES,
     ("optim", "decay_shape"): DECAY_SHAPES,
+    ("optim", "optimizer"): ("adamw", "muon"),
+    ("optim", "muon_scale"): ("rms", "deepspeed"),
 }
 _PATHS = {("data", "path"), ("model", "init_from"), ("train", "cooldown_from")}
 """The keys that hold a path: never empty, never longer than the file system takes."""
@@ -183,6 +185,10 @@ _RANGES: dict[str, tuple[Any, str]] = {
     "optim.min_lr_ratio": (
         lambda v: 0 <= v <= 1,
         'a share of the peak LR between 0 and 1, or "auto" (the schedule\'s default)',
+    ),
+    "optim.muon_lr": (
+        lambda v: 0 < v <= 100,
+        'a finite number above 0 (the Muon half\'s peak LR), or "auto" (optim.lr)',
     ),
     "optim.cooldown_tokens": (
         lambda v: v >= 0,

@@ -14,6 +14,7 @@ from anneal.model.build import (
     qwen3_moe_config,
 )
 from anneal.model.counts import active_params, count_params, flops_per_token, human_count
+from anneal.model.muon import describe_split, muon_param_groups, takes_muon
 from anneal.model.presets import PRESETS, PRETRAINED, get_preset
 from anneal.model.shape import (
     NOMINAL_VOCAB,
@@ -38,6 +39,9 @@ __all__ = [
     "hf_model_config",
     "human_count",
     "init_weights_",
+    "describe_split",
+    "muon_param_groups",
+    "takes_muon",
     "is_decayed",
     "llama_config",
     "model_class",

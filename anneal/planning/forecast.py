@@ -5,6 +5,9 @@ the end of the run at an assumed MFU (``--mfu``)::
 
     step_s = flops_per_token x tokens_per_step / (mfu x peak_flops x world_size)
 
+(under Muon, flops_per_token gains its Newton-Schulz FLOPs per step / tokens_per_step:
+``anneal.model.muon.newton_schulz_flops``)
+
 Time to the end is ``step_s x`` the steps left, plus the in-loop downstream scorings
 (``train.eval_tasks``): their forward tokens at a third of the training FLOPs per token (no
 backward), at the same MFU::
@@ -30,6 +33,7 @@ from pathlib import Path
 from anneal.config.ds_schema import degrees
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, flops_per_token
+from anneal.model.muon import step_flops_per_token
 from anneal.planning import memory
 
 log = logging.getLogger(__name__)
@@ -88,10 +92,11 @@ def make(
         ),
     )
     flops = flops_per_token(preset, seq_len=preset.seq_len)
+    ns = step_flops_per_token(preset, tokens_per_step=tokens_per_step, ds_config=ds_config)
     per_s = mfu * peak_flops * world_size
     return Forecast(
         memory_bytes_per_gpu=est.total,
-        step_s=flops * tokens_per_step / per_s,
+        step_s=(flops + ns) * tokens_per_step / per_s,
         eval_tokens=eval_tokens,
         eval_s=flops / 3 * eval_tokens / per_s,
         remaining_steps=max(0, max_steps - start_step),

@@ -35,6 +35,7 @@ from anneal.errors import UserError
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, count_params  # noqa: F401 (memory.count_params)
 from anneal.model.layout_rules import offloads
+from anneal.model.muon import muon_shapes
 from anneal.planning import memory_ep, memory_layout, memory_sp
 from anneal.planning.memory_activations import (  # noqa: F401 (memory.saved_tensors, ...)
     activation_bytes,
@@ -89,6 +90,9 @@ class ZeroSetup:
     reduce_scatter: bool = True
     """``zero_optimization.reduce_scatter`` (DeepSpeed's default: on): Ulysses at ZeRO-3 needs
     it (``anneal.model.layout_rules``, as the launch checks)."""
+    muon: bool = False
+    """``optimizer.type`` Muon: its half keeps one momentum buffer where AdamW keeps two moments
+    (``optimizer_bytes_per_param``)."""
     offload_section: bool = False
     """An ``offload_optimizer`` or ``offload_param`` section, whatever its device (``none``
     included): DeepSpeed's AutoEP takes either as offload (``layout_rules.offloads``)."""
@@ -109,6 +113,7 @@ class ZeroSetup:
             torch_adam=bool(ds.get("optimizer", {}).get("params", {}).get("torch_adam", False)),
             reduce_scatter=bool(zero.get("reduce_scatter", True)),
             offload_section=offloads(ds),
+            muon=ds.get("optimizer", {}).get("type", "").lower() == "muon",
             **{
                 field: int(zero.get(key, DS_DEFAULTS[key]))
                 for field, key in (
@@ -212,10 +217,25 @@ class MemoryEstimate:
         }
 
 
-def model_state_bytes(params: int, zero: ZeroSetup, n_gpus: int) -> tuple[int, int, int, int]:
-    """(weights, gradients, optimizer state) bytes on each GPU, and bytes per GPU on the host."""
+def optimizer_bytes_per_param(zero: ZeroSetup, *, muon: bool = False) -> int:
+    """Optimizer state per parameter: the fp32 master weight (4) and AdamW's two fp32 moments
+    (8), or on Muon's half its one momentum buffer, which DeepSpeed 0.19.8 keeps in the
+    gradient's dtype at ZeRO-1/2 and the communication dtype at ZeRO-3: 2 bytes under bf16
+    (read off its code, not measured here: no GPU; 4 at ZeRO-1 with ``data_types.
+    grad_accum_dtype`` fp32, which this estimate does not read), 4 in fp32 (checked against a
+    checkpoint's optimizer files: tests/train/test_muon_layouts.py)."""
+    if not muon:
+        return 12
+    return 4 + (2 if zero.bf16 and zero.stage >= 1 else 4)
+
+
+def model_state_bytes(
+    params: int, zero: ZeroSetup, n_gpus: int, *, muon: bool = False
+) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer state) bytes on each GPU, and bytes per GPU on the host;
+    ``muon``: the parameters are on Muon's half."""
     w_bytes, g_bytes = (2, 2) if zero.bf16 else (4, 4)
-    opt_bytes = 12  # fp32 master weights + Adam m and v
+    opt_bytes = optimizer_bytes_per_param(zero, muon=muon)
     p, n = params, n_gpus
     weights = w_bytes * p / n if zero.stage == 3 else w_bytes * p
     grads = g_bytes * p / n if zero.stage >= 2 else g_bytes * p
@@ -257,9 +277,12 @@ def estimate(
     p = dense + experts
     n = work.n_gpus // work.tp  # the data-parallel group ZeRO partitions over
     n_experts = work.n_gpus // work.ep  # the expert-data-parallel group, the experts' (memory_ep)
-    states = [model_state_bytes(dense, zero, n)]
+    on_muon = min(dense, muon_dense_params(preset)) if zero.muon else 0
+    states = [model_state_bytes(dense - on_muon, zero, n)]
+    if on_muon:
+        states.append(model_state_bytes(on_muon, zero, n, muon=True))
     if experts:
-        states.append(model_state_bytes(experts, zero, n_experts))
+        states.append(model_state_bytes(experts, zero, n_experts, muon=zero.muon))
     weights, grads, optimizer, host = (sum(column) for column in zip(*states, strict=True))
     value_bytes = 2 if zero.bf16 else 4
 
@@ -306,3 +329,9 @@ def estimate(
 
 def format_bytes(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
+
+
+def muon_dense_params(preset: ModelPreset) -> int:
+    """The parameters on Muon other than a sparse model's experts (``anneal.model.muon``)."""
+    shapes = muon_shapes(preset)
+    return sum(math.prod(shape) for shape in shapes if len(shape) == 2)

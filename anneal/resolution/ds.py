@@ -85,8 +85,11 @@ def load_ds_config(path: str | Path) -> dict:
                 raise UserError(f"{source}: missing required key {'.'.join(key_path)!r}.")
             node = node[k]
     opt = cfg["optimizer"]["type"]
-    if opt.lower() not in ("adamw", "adam"):
-        raise UserError(f"{source}: optimizer.type {opt!r} is not supported; use AdamW.")
+    if opt.lower() not in ("adamw", "adam", "muon"):
+        raise UserError(
+            f"{source}: optimizer.type {opt!r} is not supported; use AdamW (Muon: --set "
+            f"optim.optimizer=muon with this file as it is)."
+        )
     if cfg["scheduler"]["type"] != "WarmupCosineLR":
         raise UserError(
             f"{source}: scheduler.type must be 'WarmupCosineLR', got {cfg['scheduler']['type']!r}."

@@ -35,6 +35,7 @@ from anneal.config.ds_schema import value_or_auto
 from anneal.config.run import AUTO, OptimConfig
 from anneal.config.schedule import DEFAULT_FLOOR
 from anneal.errors import UserError
+from anneal.resolution.optimizer import resolve_optimizer
 
 
 class Notes(dict):
@@ -299,6 +300,7 @@ def resolve_ds_config(
     run = _Run(source=source, optim=optim, optim_set=frozenset(optim_set))
     batch = _resolve_batch(cfg, notes, run, data_parallel_size=data_parallel_size, seq_len=seq_len)
     _resolve_lr(cfg, notes, run)
+    resolve_optimizer(cfg, notes, optim=optim, source=source)
     _resolve_schedule(
         cfg,
         notes,

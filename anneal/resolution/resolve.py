@@ -20,9 +20,9 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
-from anneal.model import ModelPreset, active_params, count_params, human_count
+from anneal.model import ModelPreset, active_params, count_params, describe_split, human_count
 from anneal.resilience import checkpoint
-from anneal.resolution import cooldown, expert_layout, parallel
+from anneal.resolution import cooldown, expert_layout, optimizer, parallel
 from anneal.resolution import ds as ds_config
 from anneal.resolution.preset import model_preset
 from anneal.run_record import RunRecord
@@ -143,6 +143,8 @@ class Launch:
             lines.insert(
                 1, expert_layout.describe_experts(ds, self.preset, world_size=self.world_size)
             )
+        if self.cfg.optim.optimizer == "muon":
+            lines.append(describe_split(self.preset, scale=self.cfg.optim.muon_scale))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         return "\n".join(lines)
 
@@ -256,6 +258,7 @@ def _check_resume_target(launch: Launch) -> None:
         tag_dir, launch.preset, world_size=launch.world_size, zero_stage=stage, layout=launch.layout
     )
     manifest = checkpoint.read_manifest(tag_dir) or {}
+    optimizer.check_muon_resume(tag_dir, manifest, launch.ds_config, launch.layout, stage)
     change = parallel.describe_resume_change(tag_dir, manifest, launch.layout, stage=stage)
     if change:
         saved = rundir.record_or_empty(rundir.of_checkpoint(tag_dir)).ds_config

@@ -15,9 +15,17 @@ from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.eval import in_loop
-from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
+from anneal.model import (
+    build_model,
+    hf_model_config,
+    init_weights_,
+    model_class,
+    muon_param_groups,
+    param_groups,
+)
 from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
+from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
@@ -62,7 +70,7 @@ def build_engine(launch: Launch):
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
     engine = _initialize(
         model=model,
-        model_parameters=param_groups(model, weight_decay=opt_params["weight_decay"]),
+        model_parameters=_optimizer_groups(model, opt_params, launch),
         config=engine_config,
         lr_scheduler=lambda opt: WarmupDecay(opt, schedule),
         mpu=mpu,
@@ -117,13 +125,31 @@ def _build_model(preset, ds: dict, mpu):
 
 def _initialize(**kwargs):
     """``deepspeed.initialize``, called here and nowhere else in Anneal; the engine. A sparse
-    model's AutoEP runs under ``experts.autoep_registry_fix`` (its transformers 5 repair)."""
+    model's AutoEP runs under ``experts.autoep_registry_fix`` (its transformers 5 repair), and
+    every engine under ``muon_tags`` (Muon's halves by ``anneal.model.muon``)."""
     import deepspeed
 
     sparse = kwargs["config"].get("expert_parallel", {}).get("enabled", False)
-    with experts.autoep_registry_fix() if sparse else contextlib.nullcontext():
+    with experts.autoep_registry_fix() if sparse else contextlib.nullcontext(), muon_tags():
         engine, *_ = deepspeed.initialize(**kwargs)
     return engine
+
+
+def _optimizer_groups(model, opt_params: dict, launch: Launch) -> list[dict]:
+    """AdamW's decay / no-decay groups; under Muon (``opt_params`` has ``muon_lr``, which the
+    resolution writes) Muon's beside them (``anneal.model.muon``), its Newton-Schulz eager and
+    in fp32 on a CPU (``cpu_newton_schulz``)."""
+    if "muon_lr" not in opt_params:
+        return param_groups(model, weight_decay=opt_params["weight_decay"])
+    if launch.device_type == "cpu":
+        cpu_newton_schulz()
+    return muon_param_groups(
+        model.named_parameters(),
+        weight_decay=opt_params.get("weight_decay", 0.0),
+        adam_lr=opt_params["adam_lr"],
+        muon_lr=opt_params["muon_lr"],
+        scale=launch.cfg.optim.muon_scale,
+    )
 
 
 def _tensor_parallel_groups(tp: int):

@@ -25,6 +25,7 @@ from anneal.errors import UserError
 from anneal.eval.in_loop import InLoop
 from anneal.hardware import device_peak_flops
 from anneal.model import count_params, flops_per_token
+from anneal.model.muon import step_flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
@@ -82,7 +83,10 @@ class Trainer:
         self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
         self.mfu = Mfu(
-            flops_per_token=flops_per_token(launch.preset, seq_len=launch.seq_len),
+            flops_per_token=flops_per_token(launch.preset, seq_len=launch.seq_len)
+            + step_flops_per_token(  # Muon's Newton-Schulz
+                launch.preset, tokens_per_step=launch.tokens_per_step, ds_config=launch.ds_config
+            ),
             peak_flops=device_peak_flops(engine.device),
             world_size=world_size(),
         )
