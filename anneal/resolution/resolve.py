@@ -20,11 +20,11 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
-from anneal.model import ModelPreset, active_params, count_params, human_count
+from anneal.model import Attention, ModelPreset, active_params, count_params, human_count
 from anneal.resilience import checkpoint
 from anneal.resolution import cooldown, expert_layout, parallel
 from anneal.resolution import ds as ds_config
-from anneal.resolution.preset import model_preset
+from anneal.resolution.preset import launch_attention, model_preset
 from anneal.run_record import RunRecord
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -58,6 +58,8 @@ class Launch:
     notes: list[str]
     cooldown: cooldown.Cooldown | None = None
     """A cooldown branch's start (``anneal.resolution.cooldown``); None for any other run."""
+    attention: Attention = Attention()
+    """The attention the model trains with, and its documents (``data.document_mask``)."""
 
     @property
     def seq_len(self) -> int:
@@ -122,6 +124,7 @@ class Launch:
                 "data_parallel_size": self.layout.data_parallel,
                 "expert_parallel_size": self.layout.expert_parallel,
                 "device": self.device_type,
+                "attention": self.attention.implementation,
             },
         }
 
@@ -144,6 +147,7 @@ class Launch:
                 1, expert_layout.describe_experts(ds, self.preset, world_size=self.world_size)
             )
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
+        lines.append(self.attention.describe())
         return "\n".join(lines)
 
 
@@ -231,6 +235,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         meta=meta,
         notes=notes,
         cooldown=branch,
+        attention=launch_attention(cfg, ds, meta=meta, device_type=device_type, layout=layout),
     )
     if resume_from is not None:
         _check_resume_target(launch)
