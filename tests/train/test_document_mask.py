@@ -18,6 +18,7 @@ import dataclasses
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from anneal.model.attention import Attention
 from anneal.train import loss
 from anneal.train.sequence import documents_sdpa
 from anneal.train.step import model_inputs
-from tests.conftest import resolve_tiny, sets
+from tests.conftest import PARALLEL_SHAPE, read_metrics, resolve_tiny, run_recipes, sets
 
 EOS, VOCAB = 1, 300
 ENGINE = types.SimpleNamespace(sequence_parallel_size=1)  # what model_inputs reads of one
@@ -151,3 +152,120 @@ def test_the_launch_resolves_prints_and_records_it(tiny_data, tmp_path):
     del older["run"]["data"]["document_mask"]  # written before the setting existed
     assert config_differences(older, off.config_document()) == []
     assert config_differences(older, doc) == ["run.data.document_mask: False -> True"]
+
+
+# -- slow: the real engine, real processes -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """A prepared corpus of 3,000 short documents (one to three words, about 9 tokens each,
+    byte-level vocabulary), so that every window of 32 tokens holds several boundaries."""
+    from anneal.data.prepare import prepare
+
+    words = "the quick brown fox jumps over a lazy dog while seven ducks watch".split()
+    docs = [" ".join(words[i % 11 : i % 11 + 1 + i % 3]) for i in range(3000)]
+    src = tmp_path_factory.mktemp("docs_src") / "text.txt"
+    src.write_text("\n\n".join(docs))
+    out = tmp_path_factory.mktemp("docs_prep") / "data"
+    prepare(inputs=[str(src)], out=out, vocab_size=300, progress=False)
+    from anneal.data.stream import PackedSplit
+
+    split = PackedSplit(out, "train", seq_len=32)
+    windows = torch.from_numpy(np.stack([split.window(j) for j in range(split.n_windows)]))
+    assert ((windows[:, :-1] == EOS).sum(1) >= 2).float().mean() > 0.9
+    return out
+
+
+STEPS_MASKED = 6
+
+
+def _masked(data, out, *, layout: str, stage: int, ranks: int, extra=()) -> dict:
+    """6 steps of 4 samples (micro-batch 2; accumulation 2 at data-parallel 1) at sequence 32
+    with ``data.document_mask=true``, validated at the last, saved at steps 3 and 6."""
+    args = [
+        *("--out", str(out), "--data", str(data), "--max-steps", str(STEPS_MASKED + 1)),
+        *("--val-every", str(STEPS_MASKED), "--save-every", "3"),
+        *sets(
+            f"train.stop_at_step={STEPS_MASKED}",
+            *PARALLEL_SHAPE,
+            "ds.gradient_accumulation_steps=2",
+            f"ds.zero_optimization.stage={stage}",
+            layout,
+            "data.document_mask=true",
+        ),
+        *extra,
+    ]
+    return dict(args=args, ranks=ranks)
+
+
+@pytest.fixture(scope="module")
+def masked_runs(short_docs, tmp_path_factory):
+    """With masking on: SP=1 x TP=1 on 1 rank (the reference, ZeRO-2), Ulysses SP=2 on 2 ranks
+    (ZeRO-3), AutoTP TP=2 on 2 ranks (ZeRO-2), then the SP=2 run resumed from its step-3
+    checkpoint: four launches, two at a time."""
+    tmp = tmp_path_factory.mktemp("masked")
+    first = {
+        "ref": _masked(
+            short_docs, tmp / "ref", layout="ds.sequence_parallel_size=1", stage=2, ranks=1
+        ),
+        "sp2": _masked(
+            short_docs, tmp / "sp2", layout="ds.sequence_parallel_size=2", stage=3, ranks=2
+        ),
+        "tp2": _masked(
+            short_docs, tmp / "tp2", layout="ds.tensor_parallel.autotp_size=2", stage=2, ranks=2
+        ),
+    }
+    tag = tmp / "sp2" / "checkpoints" / "step00000003"
+    resumed = _masked(
+        short_docs,
+        tmp / "resumed",
+        layout="ds.sequence_parallel_size=2",
+        stage=3,
+        ranks=2,
+        extra=["--resume", str(tag)],
+    )
+    done = dict(zip(first, run_recipes(list(first.values())), strict=True))
+    done["resumed"] = run_recipes([resumed])[0]
+    return tmp, done
+
+
+def _train_rows(out) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out, "train")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sp2", "tp2"])
+def test_masked_runs_at_sp2_and_tp2_equal_the_run_on_one_rank(masked_runs, name):
+    """Slow (4 launches). Per-step losses and gradient norms within 1e-5 relative of the
+    1-rank run with masking on, and its validation loss and bits per byte: under Ulysses the
+    mask stays whole across the all-to-all (a mask lost there gives other losses), under AutoTP
+    each rank's heads get it. The launch printed the attention and recorded the setting."""
+    tmp, done = masked_runs
+    ref, run = _train_rows(tmp / "ref"), _train_rows(tmp / name)
+    assert sorted(ref) == sorted(run) == list(range(1, STEPS_MASKED + 1))
+    for step in ref:
+        for key in ("loss", "grad_norm"):
+            assert run[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
+    val_ref, val = read_metrics(tmp / "ref", "val")[-1], read_metrics(tmp / name, "val")[-1]
+    for key in ("val_loss", "val_bpb"):
+        assert val[key] == pytest.approx(val_ref[key], rel=1e-5), key
+    config = json.loads((tmp / name / "config.json").read_text())
+    assert config["run"]["data"]["document_mask"] is True
+    assert config["launch"]["attention"] == "sdpa"
+    assert "attention sdpa, documents masked" in done[name].stdout
+
+
+@pytest.mark.slow
+def test_masked_resume_is_exact(masked_runs):
+    """Slow (shares ``masked_runs``): steps 4-6 after resuming the SP=2 run's step-3 checkpoint
+    are bitwise those of the run that went on."""
+    tmp, done = masked_runs
+    full, resumed = _train_rows(tmp / "sp2"), _train_rows(tmp / "resumed")
+    assert sorted(resumed) == list(range(4, STEPS_MASKED + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    val_full, val_resumed = (read_metrics(tmp / n, "val")[-1] for n in ("sp2", "resumed"))
+    assert val_resumed["val_loss"] == val_full["val_loss"]
+    assert f"resumed from {tmp / 'sp2' / 'checkpoints' / 'step00000003'}" in done["resumed"].stdout
