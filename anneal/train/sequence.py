@@ -13,6 +13,13 @@ keeps its own slice of each (``shard``), where DeepSpeed's data-loader adapter r
 rank and exchanges the samples. The slice comes with its ``position_ids``, which the Ulysses
 attention gathers so that the causal mask and RoPE see global positions.
 
+With ``data.document_mask`` the positions are those of the documents (they restart after each
+end-of-text token), each rank's slice keeps its own, and the mask stays whole across the
+exchange: Ulysses drops the mask transformers built for the slice and gathers the positions of
+the whole sequence, from which the core attention it wraps (``documents_sdpa``) builds the
+documents' block-causal mask again, for the whole sequence and this rank's heads; flash-attn's
+varlen kernel reads the gathered positions itself.
+
 The loss: each rank's loss is the mean over its slice. The group's loss is the token-weighted
 mean of those, and the slices hold equal token counts (the sequence divides by N and Anneal's
 packed windows ignore no token), so it is their plain mean; every rank's mean enters the step's
