@@ -238,7 +238,7 @@ def validate(
         real = [max(j, 0) for j in windows]  # -1: padding, weight 0
         x, y = val.batch(real)
         x, y = x.to(device), y.to(device)
-        inputs, y = model_inputs(engine, x, y, attention)  # Ulysses: each rank adds its slice's
+        inputs, y = model_inputs(engine, x, y, attention)  # Ulysses: each rank sums its slice
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         with loss.targets(engine.module, y, per_token=True):
             nats = loss.token_nats(engine(**inputs).logits, y)
