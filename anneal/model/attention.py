@@ -17,8 +17,8 @@ With ``data.document_mask`` each token attends only within its document
   rows cannot be made one (DeepSpeed's Ulysses attention takes fixed shapes), so there it is
   chosen only at a micro-batch of one.
 - ``sdpa`` everywhere else: transformers builds a boolean block-causal mask (B, 1, T, T) from
-  the position ids, and SDPA runs its kernel that takes a mask. On a CPU that is the math SDPA
-  always runs; on a GPU it leaves the flash kernel for the memory-efficient one.
+  the position ids, and SDPA runs a kernel that takes a mask: on a GPU the memory-efficient
+  one in place of the flash kernel.
 
 Eager attention is exact too, and is what tests compare SDPA with; Anneal does not train with
 it (Ulysses refuses it, and it holds the full attention matrix).
@@ -78,7 +78,7 @@ def choose_attention(
     assert eos_id is not None, "document masking needs the data's end-of-text id"
     masked = "a boolean block-causal mask built from the position ids"
     if device_type != "cuda":
-        return Attention(eos_id=eos_id, reason=f"{masked} (on a CPU SDPA runs its math kernel)")
+        return Attention(eos_id=eos_id, reason=f"{masked}, on a CPU")
     slower = f"{masked}: SDPA leaves its flash kernel for the memory-efficient one"
     if not flash_attn_installed:
         return Attention(eos_id=eos_id, reason=f"{slower} (pip install flash-attn to avoid it)")
