@@ -9,11 +9,17 @@ and how much of the corpus a window's mask touches (the windows that hold a boun
     .venv/bin/python bench/bench_docmask.py [--steps 120] [--seeds 0,1,2] [--report F]
     .venv/bin/python bench/bench_docmask.py --smoke        (CI: 2 steps, one seed, nothing kept)
     .venv/bin/python bench/bench_docmask.py --long-context [--steps 4]
+    .venv/bin/python bench/bench_docmask.py --kernel [--steps 30]
 
 ``--long-context``: masking on at 4096 tokens, many short documents (about 9 tokens each, a
 corpus made here), micro shapes (hidden 64, 2 layers, 4 heads), Ulysses SP=2 on 2 CPU ranks
 against SP=1 on 1 rank at the same 2 samples a step (ZeRO-2): the largest relative difference of
 the per-step losses and of the validation loss.
+
+``--kernel``: what the mask itself costs where it applies, in one process: the tiny model's
+forward and backward on a micro-batch of 4 x 256 tokens whose every window holds a boundary
+(the stdlib val windows that do), without position ids (as off) and with the documents'
+positions (the mask), alternating, ``--steps`` times each; the median seconds of each.
 """
 
 from __future__ import annotations
@@ -138,6 +144,34 @@ def long_context(work: Path, *, steps: int) -> dict:
     }
 
 
+def kernel(data: Path, *, steps: int) -> dict:
+    """The mask's own cost on one micro-batch (module docstring)."""
+    import numpy as np
+    import torch
+
+    from anneal.data.documents import document_positions
+    from anneal.data.prepared_dir import PreparedDir
+    from anneal.data.stream import PackedSplit
+    from anneal.model import build_model, get_preset, init_weights_
+
+    split = PackedSplit(data, "val", seq_len=SEQ_LEN)
+    eos = PreparedDir(data).eos_id(PreparedDir(data).meta())
+    windows = [split.window(j)[:-1] for j in range(split.n_windows)]
+    x = torch.from_numpy(np.stack([w for w in windows if (w == eos).any()][:MICRO]))
+    model = build_model(get_preset("tiny").with_vocab(split.vocab_size))
+    init_weights_(model, std=0.02, seed=0)
+    inputs = {"off": {"input_ids": x}, "on": {"input_ids": x}}
+    inputs["on"]["position_ids"] = document_positions(x, eos)
+    times = {"off": [], "on": []}
+    for _ in range(steps + 2):  # the first two of each: warmup, left out
+        for side, given in inputs.items():
+            t0 = time.perf_counter()
+            model(**given, labels=x).loss.backward()
+            times[side].append(time.perf_counter() - t0)
+    median = {side: statistics.median(t[2:]) for side, t in times.items()}
+    return {"median_s": median, "on_over_off": median["on"] / median["off"], "steps": steps}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, help="default 120; 4 with --long-context")
@@ -146,7 +180,12 @@ def main() -> None:
     p.add_argument("--report", help="write the runs and the differences here, as markdown")
     p.add_argument("--smoke", action="store_true", help="2 steps, one seed, nothing kept")
     p.add_argument("--long-context", action="store_true", help="SP=2 against SP=1 at 4096")
+    p.add_argument("--kernel", action="store_true", help="the mask's cost on one micro-batch")
     args = p.parse_args()
+    if args.kernel:
+        found = kernel(ensure_data(args.data), steps=args.steps or 30)
+        print(json.dumps({"bench": "docmask_kernel", **found}))
+        return
     if args.long_context:
         with tempfile.TemporaryDirectory(prefix="bench-docmask-long-") as tmp:
             found = long_context(Path(tmp), steps=args.steps or 4)
