@@ -240,6 +240,7 @@ def _config_figures(doc: dict) -> dict:
         active_params=active_params(doc["model"]),
         flops_per_token=flops_per_token(doc["model"]),
         mem_estimate_gib=round(memory_estimate_gib(doc), 2),
+        attention=doc.get("launch", {}).get("attention", "sdpa"),  # anneal.model.attention
     )
 
 

@@ -46,6 +46,9 @@ class Row:
     """A file in recipes/; empty: pretrain_{preset}.py (a sparse preset's is pretrain_moe_*)."""
     extra: tuple = ()
     """More ``--set`` overrides of the row's shape (e.g. fewer layers than the preset's)."""
+    document_mask: bool = False
+    """``data.document_mask``: attention stays inside each document; such a row is named after
+    its unmasked twin plus ``-docmask`` (``gpu_table.mask_pairs`` compares the two)."""
     gpu: str = "h100"
     """The smallest GPU (``anneal.hardware.GPUS``) the row is sized for by Anneal's memory
     estimate: on a GPU with less memory ``bench_gpu`` skips it, saying so."""
@@ -69,6 +72,8 @@ class Row:
         ]
         if self.optimizer == "torch-fused":
             sets.append("ds.optimizer.params.fused=true")
+        if self.document_mask:
+            sets.append("data.document_mask=true")
         return sets + list(self.extra)
 
     def command(self, python: str, *, data: Path, out: Path, cpu: bool, inject=()) -> list[str]:
@@ -123,7 +128,7 @@ def gpu_rows() -> list[Row]:
                         timeout_s=timeout,
                     )
                 )
-    return rows + moe_rows() + _long_context_rows() + _extra_rows()
+    return rows + moe_rows() + _long_context_rows() + document_mask_rows(rows) + _extra_rows()
 
 
 def moe_rows() -> list[Row]:
@@ -205,6 +210,19 @@ def _long_context_rows() -> list[Row]:
     return [
         Row(name="1b-z1-ckpt-32k", **base),
         Row(name="1b-z1-ckpt-32k-plainloss", loss="plain", **base),
+    ]
+
+
+def document_mask_rows(rows: list[Row]) -> list[Row]:
+    """The optional rows with ``data.document_mask`` on, each the twin of an unmasked row: 1b
+    ZeRO-1 at 2048 tokens, and at 32K (its twin among the long-context rows). The cost of
+    masking is the pair's difference in tokens/s: nothing beyond the kernel where flash-attn is
+    installed (its varlen kernel), the memory-efficient SDPA kernel with a mask where it is not
+    (the attention the launch chose is in the row's log: ``describe()``)."""
+    twins = {r.name: r for r in [*rows, *_long_context_rows()]}
+    return [
+        dataclasses.replace(twins[name], name=f"{name}-docmask", document_mask=True, optional=True)
+        for name in ("1b-z1-nockpt", "1b-z1-ckpt-32k")
     ]
 
 

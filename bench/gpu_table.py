@@ -70,6 +70,7 @@ def reading(results: list[dict], *, cpu: bool) -> str:
             f"{100 * LLM_FOUNDRY_1B_MFU:.1f}% for 1B on H100)."
         )
     parts += loss_pairs(ok)
+    parts += mask_pairs(ok)
     parts += sparse_rows(ok)
     if failed:
         parts.append(f"Rows that did not finish: {', '.join(failed)} (reasons in the table).")
@@ -104,6 +105,26 @@ def loss_pairs(ok: list[dict]) -> list[str]:
             f"peak {chunked['peak_mem_gib']:.1f} GiB against {plain['peak_mem_gib']:.1f} GiB "
             f"({saved:+.1f} GiB saved), {chunked['tokens_per_s']:,.0f} against "
             f"{plain['tokens_per_s']:,.0f} tokens/s ({100 * (speed - 1):+.1f}%)."
+        )
+    return parts
+
+
+def mask_pairs(ok: list[dict]) -> list[str]:
+    """What document masking costs, for each measured pair of rows that differ only in it
+    (``NAME`` and ``NAME-docmask``)."""
+    by_name = {r["name"]: r for r in ok}
+    parts = []
+    for masked in ok:
+        plain = by_name.get(masked["name"].removesuffix("-docmask"))
+        if not masked.get("document_mask") or plain is None or plain is masked:
+            continue
+        speed = masked["tokens_per_s"] / plain["tokens_per_s"]
+        parts.append(
+            f"Document masking at sequence {plain['seq_len']} ({masked['name']}, attention "
+            f"{masked.get('attention', '?')}): "
+            f"{masked['tokens_per_s']:,.0f} against {plain['tokens_per_s']:,.0f} tokens/s "
+            f"({100 * (speed - 1):+.1f}%; goal: at most 4% slower with a varlen kernel), peak "
+            f"{masked['peak_mem_gib']:.1f} against {plain['peak_mem_gib']:.1f} GiB."
         )
     return parts
 

@@ -36,6 +36,7 @@ DEFAULT_DATA = ROOT / "data" / "stdlib"
 TAKES_DATA = {
     "bench_checkpoint.py",
     "bench_demo.py",
+    "bench_docmask.py",
     "bench_eval.py",
     "bench_moe.py",
     "bench_moe_balance.py",

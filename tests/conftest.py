@@ -75,6 +75,7 @@ SHARD_WEIGHTS_S = {
     "test_bench_smoke.py": 601,
     "test_world_size.py": 563,
     "test_muon_layouts.py": 225,  # 8 launches: 201 s alone at load 8 (2026-12-07)
+    "test_document_mask.py": 150,  # 4 launches: 100 s at load 7-8 (2026-12-07)
     "test_cluster.py": 296,
     "test_tensor_parallel.py": 253,
     "test_docs_commands.py": 181,

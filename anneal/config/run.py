@@ -82,6 +82,11 @@ class DataConfig:
     """Prepared data directory (``anneal data prepare``)."""
     prefetch_batches: int = 4
     """Micro-batches read ahead of the model by a background thread."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed window: position ids restart after
+    every end-of-text token and no token attends across one (training and validation alike;
+    docs/training.md, "Documents in a packed window"). Off: every token attends to the whole
+    window before it, as Anneal always trained (an older run resumes unchanged)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,11 +361,15 @@ _LAYOUT_KEYS = {
 resubmitted on fewer nodes) and, while ``ds_config.train_batch_size`` holds, the run does not."""
 
 
+_ADDED_KEYS = {"run.data.document_mask": False}
+"""Keys an older Anneal did not write, and the value an older run trained with."""
+
+
 def config_differences(old: dict, new: dict) -> list[str]:
     """Keys whose values differ between two resolved ``config.json`` documents. The split of
     the global batch into micro-batches and accumulation steps counts only with another global
     batch: a run resumed on another number of ranks keeps its global batch."""
-    a, b = _under_new_names(_flatten(old)), _under_new_names(_flatten(new))
+    a, b = (_ADDED_KEYS | _under_new_names(_flatten(doc)) for doc in (old, new))
     same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
     diffs = []
     for key in sorted(set(a) | set(b)):

@@ -112,6 +112,13 @@ class PreparedDir:
             return None
         return meta if isinstance(meta, dict) else None
 
+    def eos_id(self, meta: dict) -> int:
+        """The id that ends each document of the shards: meta.json's ``eos_id``, or, in a
+        directory prepared before meta.json recorded it, the saved tokenizer's."""
+        from anneal.data.tokenizer import load
+
+        return meta["eos_id"] if "eos_id" in meta else load(self.path).eos_id
+
     def token_bytes(self, *, mmap_mode: str | None = None) -> np.ndarray:
         """``token_bytes.npy``: the UTF-8 bytes of each id (one entry per id)."""
         return np.load(self.token_bytes_file, mmap_mode=mmap_mode)

@@ -3,6 +3,7 @@ model built from a shape with its init and AdamW groups (``build``), and its par
 counts (``counts``). Dense presets are Llama-style; the sparse ones are Qwen3-MoE decoders.
 Nothing here imports DeepSpeed or reads the rank."""
 
+from anneal.model.attention import Attention
 from anneal.model.build import (
     build_model,
     hf_model_config,
@@ -29,6 +30,7 @@ __all__ = [
     "PRESETS",
     "PRETRAINED",
     "SHAPE_SIZES",
+    "Attention",
     "ModelPreset",
     "MoeShape",
     "active_params",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from anneal.model.attention import SDPA
 from anneal.model.shape import ModelPreset
 
 if TYPE_CHECKING:  # torch is imported where it is used: presets and counts are read by
@@ -88,11 +89,12 @@ def model_class(config):
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def build_model(preset: ModelPreset) -> nn.Module:
+def build_model(preset: ModelPreset, *, attention: str = SDPA) -> nn.Module:
     """A freshly constructed causal LM (LlamaForCausalLM for a dense preset,
-    Qwen3MoeForCausalLM for a sparse one) in fp32 with SDPA attention."""
+    Qwen3MoeForCausalLM for a sparse one) in fp32 with ``attention`` (transformers'
+    ``attn_implementation``: the launch's choice, ``anneal.model.attention``; SDPA by default)."""
     cfg = hf_model_config(preset)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention
     return model_class(cfg)(cfg)
 
 

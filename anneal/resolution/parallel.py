@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from anneal import rundir
 from anneal.config.ds_schema import degrees
 from anneal.errors import UserError
-from anneal.resilience.manifest import moves_stage, saved_zero_stage
+from anneal.model import ModelPreset
+from anneal.resilience.manifest import MANIFEST, moves_stage, read_manifest, saved_zero_stage
 from anneal.resolution.layout_check import check_layout
 
 
@@ -261,3 +263,51 @@ def describe_batch(ds: dict, here: Layout, *, saved_batch) -> str:
         f"the global batch CHANGES from {saved_batch} to {batch} samples ({split}), as this "
         f"launch's batch settings say; {keep}"
     )
+
+
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+"""The model fields that decide the shape of its weights (a checkpoint loads only into these)."""
+
+
+def check_checkpoint_fits(
+    tag_dir: Path,
+    preset: ModelPreset,
+    *,
+    world_size: int,
+    zero_stage: int,
+    layout: Layout,
+) -> None:
+    """The checkpoint to resume must hold weights of this run's shape (from its manifest, or
+    the config.json of the run that wrote it), at a layout it can be resumed at (the
+    tensor-parallel degree it was saved at; its ZeRO stage family; without ZeRO or with tensor
+    parallelism, as many ranks): all are refused here, before anything is written, rather than
+    inside DeepSpeed's load."""
+    manifest = read_manifest(tag_dir) or {}
+    saved, source = manifest.get("model"), tag_dir / MANIFEST
+    if not isinstance(saved, dict):
+        run_dir = rundir.of_checkpoint(tag_dir)
+        record = rundir.record_or_empty(run_dir)
+        source, saved = record.path, record.doc.get("model")
+    if isinstance(saved, dict):
+        diffs = [
+            f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"
+            for key in SHAPE_KEYS
+            if key in saved and saved[key] != getattr(preset, key)
+        ]
+        if diffs:
+            raise UserError(
+                f"--resume {tag_dir}: the checkpoint holds a model of another shape "
+                f"({'; '.join(diffs)}; as recorded in {source}), so its weights cannot load "
+                f"into this run's. Resume with the model settings of that run (--set "
+                f"model.hidden_size=... as {source} says; vocab_size comes from --data), or "
+                f"start a new run in a new --out."
+            )
+    check_resume_layout(tag_dir, manifest, layout, stage=zero_stage)
+    check_resume_stage(tag_dir, manifest, stage=zero_stage, world_size=world_size)

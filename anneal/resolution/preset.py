@@ -1,15 +1,19 @@
 """The model a launch trains: the preset named by the run's ``model`` section with its shape
 overrides and the data's vocabulary, or, with ``--init-from``, the Hugging Face checkpoint's
-own architecture (``anneal.hf.load.pretrained_preset``)."""
+own architecture (``anneal.hf.load.pretrained_preset``); and its attention
+(``launch_attention``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from anneal.config.run import ModelConfig
+from anneal.config.run import ModelConfig, RunConfig
+from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.model import ModelPreset, get_preset
+from anneal.model.attention import Attention, choose_attention, flash_attn_installed
+from anneal.resolution.parallel import Layout
 
 
 def model_preset(model: ModelConfig, vocab_size: int) -> ModelPreset:
@@ -55,6 +59,24 @@ def model_preset(model: ModelConfig, vocab_size: int) -> ModelPreset:
             f"to a multiple of {2 * heads} (e.g. {near})."
         )
     return preset
+
+
+def launch_attention(
+    cfg: RunConfig, ds: dict, *, meta: dict, device_type: str, layout: Layout
+) -> Attention:
+    """The attention this launch trains with (``anneal.model.attention.choose_attention``):
+    with ``data.document_mask``, the data's end-of-text id and the fastest kernel that masks
+    on ``device_type`` with what is installed here."""
+    mask = cfg.data.document_mask
+    return choose_attention(
+        document_mask=mask,
+        eos_id=PreparedDir(cfg.data.path).eos_id(meta) if mask else None,
+        device_type=device_type,
+        half_precision=any(ds.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")),
+        flash_attn_installed=device_type == "cuda" and flash_attn_installed(),
+        sequence_parallel=layout.sequence_parallel,
+        micro_batch=ds["train_micro_batch_size_per_gpu"],
+    )
 
 
 MOE_KEYS = {

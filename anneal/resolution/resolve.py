@@ -20,23 +20,21 @@ from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
 from anneal.files import claim_output
-from anneal.model import ModelPreset, active_params, count_params, describe_split, human_count
+from anneal.model import (
+    Attention,
+    ModelPreset,
+    active_params,
+    count_params,
+    describe_split,
+    human_count,
+)
 from anneal.resilience import checkpoint
 from anneal.resolution import cooldown, expert_layout, optimizer, parallel
 from anneal.resolution import ds as ds_config
-from anneal.resolution.preset import model_preset
+from anneal.resolution.preset import launch_attention, model_preset
 from anneal.run_record import RunRecord
 
 DEVICE_TYPES = ("cpu", "cuda")
-SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
-"""The model fields that decide the shape of its weights (a checkpoint loads only into these)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +56,8 @@ class Launch:
     notes: list[str]
     cooldown: cooldown.Cooldown | None = None
     """A cooldown branch's start (``anneal.resolution.cooldown``); None for any other run."""
+    attention: Attention = Attention()
+    """The attention the model trains with, and its documents (``data.document_mask``)."""
 
     @property
     def seq_len(self) -> int:
@@ -122,6 +122,7 @@ class Launch:
                 "data_parallel_size": self.layout.data_parallel,
                 "expert_parallel_size": self.layout.expert_parallel,
                 "device": self.device_type,
+                "attention": self.attention.implementation,
             },
         }
 
@@ -146,6 +147,7 @@ class Launch:
         if self.cfg.optim.optimizer == "muon":
             lines.append(describe_split(self.preset, scale=self.cfg.optim.muon_scale))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
+        lines.append(self.attention.describe())
         return "\n".join(lines)
 
 
@@ -233,6 +235,7 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         meta=meta,
         notes=notes,
         cooldown=branch,
+        attention=launch_attention(cfg, ds, meta=meta, device_type=device_type, layout=layout),
     )
     if resume_from is not None:
         _check_resume_target(launch)
@@ -254,7 +257,7 @@ def _check_resume_target(launch: Launch) -> None:
         tag_dir, data_dir=data_dir, tokenizer_sha256=launch.meta.get("tokenizer_sha256")
     )
     stage = launch.zero_stage
-    check_checkpoint_fits(
+    parallel.check_checkpoint_fits(
         tag_dir, launch.preset, world_size=launch.world_size, zero_stage=stage, layout=launch.layout
     )
     manifest = checkpoint.read_manifest(tag_dir) or {}
@@ -359,40 +362,3 @@ def _read_run_record(out: Path) -> RunRecord | None:
             f'"run" section), so a run will not write over it. Choose a new --out, or move '
             f"that file away."
         ) from None
-
-
-def check_checkpoint_fits(
-    tag_dir: Path,
-    preset: ModelPreset,
-    *,
-    world_size: int,
-    zero_stage: int,
-    layout: parallel.Layout,
-) -> None:
-    """The checkpoint to resume must hold weights of this run's shape (from its manifest, or
-    the config.json of the run that wrote it), at a layout it can be resumed at (the
-    tensor-parallel degree it was saved at; its ZeRO stage family; without ZeRO or with tensor
-    parallelism, as many ranks): all are refused here, before anything is written, rather than
-    inside DeepSpeed's load."""
-    manifest = checkpoint.read_manifest(tag_dir) or {}
-    saved, source = manifest.get("model"), tag_dir / checkpoint.MANIFEST
-    if not isinstance(saved, dict):
-        run_dir = rundir.of_checkpoint(tag_dir)
-        record = rundir.record_or_empty(run_dir)
-        source, saved = record.path, record.doc.get("model")
-    if isinstance(saved, dict):
-        diffs = [
-            f"{key} {saved[key]!r} there, {getattr(preset, key)!r} here"
-            for key in SHAPE_KEYS
-            if key in saved and saved[key] != getattr(preset, key)
-        ]
-        if diffs:
-            raise UserError(
-                f"--resume {tag_dir}: the checkpoint holds a model of another shape "
-                f"({'; '.join(diffs)}; as recorded in {source}), so its weights cannot load "
-                f"into this run's. Resume with the model settings of that run (--set "
-                f"model.hidden_size=... as {source} says; vocab_size comes from --data), or "
-                f"start a new run in a new --out."
-            )
-    parallel.check_resume_layout(tag_dir, manifest, layout, stage=zero_stage)
-    parallel.check_resume_stage(tag_dir, manifest, stage=zero_stage, world_size=world_size)

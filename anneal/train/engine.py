@@ -23,6 +23,7 @@ from anneal.model import (
     muon_param_groups,
     param_groups,
 )
+from anneal.model.attention import SDPA
 from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
 from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
@@ -52,7 +53,7 @@ def build_engine(launch: Launch):
     preset = launch.preset
     # DeepSpeed's process groups for AutoTP, or for Ulysses (which also swaps the attention)
     mpu = _tensor_parallel_groups(launch.layout.tensor_parallel) or sequence.register(launch)
-    model, gather = _build_model(preset, ds, mpu)
+    model, gather = _build_model(preset, ds, mpu, attention=launch.attention.implementation)
     if preset.init_from is None:
         init_weights_(
             model, std=preset.initializer_range, seed=launch.cfg.train.seed, gather=gather
@@ -62,7 +63,7 @@ def build_engine(launch: Launch):
 
         load_pretrained_(model, Path(preset.init_from["path"]), gather=gather)
     if launch.layout.sequence_parallel > 1:
-        sequence.check_model(model)
+        sequence.check_model(model, launch.attention.implementation)
     if launch.cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt_params = ds["optimizer"]["params"]
@@ -105,13 +106,14 @@ def build_scoring_engine(preset, ds: dict, *, tensor_parallel: int, load_weights
     return engine
 
 
-def _build_model(preset, ds: dict, mpu):
+def _build_model(preset, ds: dict, mpu, *, attention: str = SDPA):
     """(the model, ``gather``): partitioned at construction under ZeRO-3, where ``gather(params)``
-    makes a module's parameters whole and writable on rank 0 (None otherwise)."""
+    makes a module's parameters whole and writable on rank 0 (None otherwise); with
+    ``attention`` (the launch's, ``anneal.model.attention``; a scoring engine's is SDPA)."""
     import deepspeed
 
     if ds.get("zero_optimization", {}).get("stage", 0) != 3:
-        return build_model(preset), None
+        return build_model(preset, attention=attention), None
     # Import transformers' model code (and torch._dynamo with it) before zero.Init patches
     # tensor construction; importing it inside fails with a dynamo signature mismatch.
     model_class(hf_model_config(preset))
@@ -119,7 +121,7 @@ def _build_model(preset, ds: dict, mpu):
     # (under Ulysses: the sequence-data-parallel group, all ranks)
     dp_group = _partition_group(mpu)
     with deepspeed.zero.Init(config_dict_or_path=ds, data_parallel_group=dp_group, mpu=mpu):
-        model = build_model(preset)
+        model = build_model(preset, attention=attention)
     return model, lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 

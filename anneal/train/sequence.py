@@ -13,6 +13,13 @@ keeps its own slice of each (``shard``), where DeepSpeed's data-loader adapter r
 rank and exchanges the samples. The slice comes with its ``position_ids``, which the Ulysses
 attention gathers so that the causal mask and RoPE see global positions.
 
+With ``data.document_mask`` the positions are those of the documents (they restart after each
+end-of-text token), each rank's slice keeps its own, and the mask stays whole across the
+exchange: Ulysses drops the mask transformers built for the slice and gathers the positions of
+the whole sequence, from which the core attention it wraps (``documents_sdpa``) builds the
+documents' block-causal mask again, for the whole sequence and this rank's heads; flash-attn's
+varlen kernel reads the gathered positions itself.
+
 The loss: each rank's loss is the mean over its slice. The group's loss is the token-weighted
 mean of those, and the slices hold equal token counts (the sequence divides by N and Anneal's
 packed windows ignore no token), so it is their plain mean; every rank's mean enters the step's
@@ -40,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from anneal.model import hf_model_config
+from anneal.model.attention import SDPA
 from anneal.resolution.resolve import Launch
 
 
@@ -52,12 +60,18 @@ def register(launch: Launch):
     if sp == 1:
         return None
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    attention = launch.attention.implementation
     config = hf_model_config(launch.preset)
-    config._attn_implementation = ATTENTION  # as anneal.model.build_model builds it
+    config._attn_implementation = attention  # as anneal.train.engine builds the model
+    if launch.attention.document_mask and attention == SDPA:
+        # Ulysses drops the mask transformers built for the slice; the core it wraps builds
+        # the documents' mask again from the whole sequence's positions
+        ALL_ATTENTION_FUNCTIONS[SDPA] = documents_sdpa
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=types.SimpleNamespace(config=config),  # a model's config suffices
-        core_attn_implementation=ATTENTION,
+        core_attn_implementation=attention,
         sequence_parallel_size=sp,
         micro_batch_size=launch.micro_batch,
         seq_length=launch.seq_len,
@@ -65,30 +79,54 @@ def register(launch: Launch):
     )
 
 
-ATTENTION = "sdpa"
-"""The attention Anneal trains with (``anneal.model.build_model``), and so the one the Ulysses
-wrapper replaces; DeepSpeed refuses eager attention under Ulysses."""
+def documents_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with the documents' block-causal mask built from the
+    position ids of the whole sequence (Ulysses gathers them before the core attention runs):
+    the same boolean mask transformers builds without Ulysses (``masking_utils``: a token
+    attends to the tokens before it, itself included, in its own document), here for this
+    rank's heads over the whole sequence. Without a restart of the positions: SDPA's causal
+    flag, as transformers leaves it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    positions = kwargs.get("position_ids")
+    if attention_mask is None and positions is not None:
+        documents = find_packed_sequence_indices(positions)  # (B, T) or None
+        if documents is not None:
+            t = torch.arange(positions.size(-1), device=query.device)
+            causal = t[:, None] >= t[None, :]  # (T, T)
+            same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+            attention_mask = (same & causal)[:, None]  # (B, 1, T, T)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def check_model(model) -> None:
+def check_model(model, attention: str) -> None:
     """The model must run the attention that ``register`` replaced (an internal invariant:
-    Anneal builds every model with SDPA)."""
+    ``anneal.train.engine`` builds it with the launch's)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    assert impl == ATTENTION, f"sequence parallelism needs {ATTENTION} attention, got {impl}"
+    assert impl == attention, f"sequence parallelism needs {attention} attention, got {impl}"
 
 
-def shard(engine, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, torch.Tensor]:
+def shard(
+    engine, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[dict, torch.Tensor]:
     """(the engine's keyword inputs, the targets) of this rank's part of a micro-batch x, y
-    (B, T): without sequence parallelism all of it; with N ranks a group, slice r of N along
-    the sequence, (B, T / N), with its global positions."""
+    (B, T) and its ``positions`` (B, T; None: 0 .. T-1 in each row, and without sequence
+    parallelism no position ids at all, as Anneal always ran): without sequence parallelism
+    all of it; with N ranks a group, slice r of N along the sequence, (B, T / N), with its
+    positions in the whole sequence."""
     sp = engine.sequence_parallel_size
     if sp == 1:
-        return {"input_ids": x}, y
+        inputs = (
+            {"input_ids": x} if positions is None else {"input_ids": x, "position_ids": positions}
+        )
+        return inputs, y
     r = dist.get_rank(group=engine.seq_parallel_group)
     n = x.size(1) // sp
     cut = slice(r * n, (r + 1) * n)
-    positions = torch.arange(r * n, (r + 1) * n, device=x.device).repeat(x.size(0), 1)
-    inputs = {"input_ids": x[:, cut].contiguous(), "position_ids": positions}
+    if positions is None:
+        positions = torch.arange(x.size(1), device=x.device).repeat(x.size(0), 1)
+    inputs = {"input_ids": x[:, cut].contiguous(), "position_ids": positions[:, cut].contiguous()}
     return inputs, y[:, cut].contiguous()
 
 

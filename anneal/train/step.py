@@ -21,10 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from anneal.data.documents import document_positions
 from anneal.data.stream import PackedSplit, TokenStream, validation_windows
 from anneal.dist import world_size
 from anneal.hardware import GiB, peak_memory_bytes
-from anneal.model import MoeShape
+from anneal.model import Attention, MoeShape
 from anneal.resilience.preempt import Preemption
 from anneal.resolution.resolve import Launch
 from anneal.train import experts, loss, sequence
@@ -56,6 +57,9 @@ class StepShape:
     """``train.memory_per_rank``: every rank's memory in the row too (``memory_fields``)."""
     moe: MoeShape | None = None
     """A sparse model's shape (its router's loss weights; ``anneal.train.experts``)."""
+    attention: Attention = Attention()
+    """The launch's attention: with ``data.document_mask``, the positions of the documents
+    (``model_inputs``)."""
 
     @classmethod
     def of(cls, launch: Launch) -> StepShape:
@@ -64,6 +68,7 @@ class StepShape:
             tokens_per_step=launch.tokens_per_step,
             memory_per_rank=launch.cfg.train.memory_per_rank,
             moe=launch.preset.moe,
+            attention=launch.attention,
         )
 
 
@@ -119,6 +124,22 @@ def memory_fields(per_rank_bytes: list[float], *, per_rank: bool = False) -> dic
     return fields | {"mem_gib": gib} if per_rank else fields
 
 
+def model_inputs(
+    engine, x: torch.Tensor, y: torch.Tensor, attention: Attention | None
+) -> tuple[dict, torch.Tensor]:
+    """(the engine's keyword inputs, the targets) of a micro-batch x, y (B, T): with
+    ``data.document_mask`` the position ids of its documents (``anneal.data.documents``), the
+    rows made one where the kernel reads documents only so (``Attention.flat_batch``); under
+    Ulysses this rank's slice of each (``anneal.train.sequence.shard``). Without masking the
+    inputs are what Anneal always gave the model."""
+    if attention is None or not attention.document_mask:
+        return sequence.shard(engine, x, y)
+    positions = document_positions(x, attention.eos_id)
+    if attention.flat_batch:  # (1, B x T): each row starts a document at position 0
+        x, y, positions = x.reshape(1, -1), y.reshape(1, -1), positions.reshape(1, -1)
+    return sequence.shard(engine, x, y, positions)
+
+
 def train_step(
     engine,
     stream: TokenStream,
@@ -145,7 +166,7 @@ def train_step(
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        inputs, y = sequence.shard(engine, x, y)  # Ulysses: this rank's slice, its positions
+        inputs, y = model_inputs(engine, x, y, shape.attention)  # Ulysses: this rank's slice
         if router is not None:
             router.before_forward()
         with loss.targets(engine.module, y):  # train.loss=chunked: no full logits
@@ -188,12 +209,19 @@ def train_step(
 
 @torch.no_grad()
 def validate(
-    engine, val: PackedSplit, token_bytes: np.ndarray, *, n_samples: int, micro_batch: int
+    engine,
+    val: PackedSplit,
+    token_bytes: np.ndarray,
+    *,
+    n_samples: int,
+    micro_batch: int,
+    attention: Attention | None = None,
 ) -> dict:
     """Loss on ``n_samples`` fixed held-out windows (chosen per source: ``validation_windows``),
     ``micro_batch`` at a time; bits per UTF-8 byte so tokenizers compare. With more than one
     source the row adds each source's ``val_loss/<key>`` and ``val_bpb/<key>`` (``source_keys``;
-    sources without a window left out)."""
+    sources without a window left out). ``attention``: the run's, so that validation masks
+    the documents as training does (``model_inputs``)."""
     engine.eval()
     device = engine.device
     byte_table = torch.from_numpy(token_bytes).to(device, torch.float64)
@@ -210,10 +238,11 @@ def validate(
         real = [max(j, 0) for j in windows]  # -1: padding, weight 0
         x, y = val.batch(real)
         x, y = x.to(device), y.to(device)
-        inputs, y = sequence.shard(engine, x, y)  # Ulysses: each rank adds its slice's sums
+        inputs, y = model_inputs(engine, x, y, attention)  # Ulysses: each rank sums its slice
         weight = torch.tensor([float(j >= 0) for j in windows], dtype=torch.float64, device=device)
         with loss.targets(engine.module, y, per_token=True):
-            nats = loss.token_nats(engine(**inputs).logits, y)  # (B, T)
+            nats = loss.token_nats(engine(**inputs).logits, y)
+        nats, y = nats.reshape(len(windows), -1), y.reshape(len(windows), -1)  # (B, T): rows apart
         per_window = torch.stack(  # (B, 3): nats, tokens, bytes
             [nats.double().sum(1), torch.full_like(weight, y.size(1)), byte_table[y].sum(1)], 1
         )

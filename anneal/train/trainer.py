@@ -256,6 +256,7 @@ class Trainer:
             self.data.token_bytes,
             n_samples=self.cfg.train.val_samples,
             micro_batch=self.launch.micro_batch,
+            attention=self.launch.attention,
         )
         self.last_val = {**row, "step": self.state.step}
         self.observers.on_val(self.last_val)

@@ -108,6 +108,7 @@ def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
         assert "expert_parallel" not in ds
     assert plan.cfg.model.activation_checkpointing is row.ckpt
     assert plan.cfg.train.loss == row.loss
+    assert plan.attention.document_mask is row.document_mask
     assert plan.micro_batch == row.micro
     assert plan.micro_batch * plan.grad_accum * row.seq_len == row.global_tokens
     assert plan.cfg.train.val_samples == 0  # no validation pass among the measured steps
@@ -290,6 +291,31 @@ def test_the_table_reads_the_32k_pair_apart_from_the_2048_figures():
     assert lines[3].startswith("| 1b-z1-ckpt-32k | 1b | 1 | on | 32768 | chunked |")
     assert lines[4].startswith("| 1b-z1-ckpt-32k-plainloss | 1b | 1 | on | 32768 | plain |")
     assert "| 1 x 4 |" in lines[3]
+
+
+def test_document_mask_rows_are_twins_of_unmasked_rows_and_read_as_a_pair():
+    """The optional -docmask rows (1b ZeRO-1 at 2048 and at 32K) differ from their twins in
+    ``data.document_mask`` alone; the reading compares each pair's tokens/s."""
+    rows = gpu_rows.gpu_rows()
+    by_name = {r.name: r for r in rows}
+    masked = [r for r in rows if r.document_mask]
+    assert [r.name for r in masked] == ["1b-z1-nockpt-docmask", "1b-z1-ckpt-32k-docmask"]
+    for r in masked:
+        twin = by_name[r.name.removesuffix("-docmask")]
+        assert dataclasses.replace(twin, name=r.name, document_mask=True, optional=True) == r
+        cmd, twin_cmd = (
+            x.command("py", data=Path("d"), out=Path("o"), cpu=False) for x in (r, twin)
+        )
+        at = cmd.index("data.document_mask=true")
+        assert cmd[at - 1] == "--set" and cmd[: at - 1] + cmd[at + 1 :] == twin_cmd
+    on = _result(by_name["1b-z1-nockpt-docmask"], tokens_per_s=57_600, peak=40.5, mfu=0.37)
+    off = _result(by_name["1b-z1-nockpt"], tokens_per_s=60_000, peak=40.0, mfu=0.39)
+    text = gpu_table.reading([off, {**on, "attention": "flash_attention_2"}], cpu=False)
+    assert (
+        "Document masking at sequence 2048 (1b-z1-nockpt-docmask, attention flash_attention_2): "
+        "57,600 against 60,000 tokens/s (-4.0%; goal: at most 4% slower with a varlen kernel), "
+        "peak 40.5 against 40.0 GiB." in text
+    )
 
 
 def test_a_row_past_its_timeout_is_killed_with_its_whole_session(tmp_path):

@@ -19,9 +19,9 @@ is one clear UserError before anything starts (a world, sequence length or head 
 not divide, SP with TP, ZeRO-1, ZeRO-3 without reduce_scatter, a sliding-window model, a resume
 at another SP degree); recipes/long_context_1b.py resolves on the GPU path at 8 and 16 GPUs (its
 own defaults, as tests/resolution/test_recipes.py resolves the pretrain recipes). Anneal trains
-every
-model with SDPA (``anneal.model.build_model``) and has no setting for eager attention, which
-DeepSpeed's Ulysses refuses."""
+with SDPA (or, masking documents on a GPU with flash-attn, its varlen kernel:
+``anneal.model.attention``) and has no setting for eager attention, which DeepSpeed's Ulysses
+refuses. Masked runs under Ulysses: tests/train/test_document_mask.py."""
 
 from __future__ import annotations
 

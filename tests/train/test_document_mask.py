@@ -1,0 +1,271 @@
+"""Document masking (``data.document_mask``) through Anneal's own step code on plain
+transformers models, in this process (no launch): a document B's logits and per-token losses
+(the chunked loss's per-token nats, as validation reads them) are bitwise the same whether A or
+another document A' of the same length precedes it in the window, for every attention
+implementation Anneal can build on a CPU (eager and SDPA), and equal those of B alone in a
+window of its own, the reference (within 1e-6); a sparse model's within 1e-6 (its experts batch
+both documents' tokens); without masking they are not (the test can fail). Masking off gives
+the model exactly the inputs Anneal always gave it. The rows of a micro-batch made one row
+(flash-attn's varlen input) give the same logits as the rows apart. Under Ulysses the core
+attention that rebuilds the documents' mask from the gathered positions
+(``sequence.documents_sdpa``) equals transformers' own masked SDPA. The launch resolves the
+setting, prints it and records it; an older run's config.json (no such key) compares equal to
+masking off."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from anneal.config.run import config_differences
+from anneal.model import build_model, get_preset, init_weights_
+from anneal.model.attention import Attention
+from anneal.train import loss
+from anneal.train.sequence import documents_sdpa
+from anneal.train.step import model_inputs
+from tests.conftest import PARALLEL_SHAPE, read_metrics, resolve_tiny, run_recipes, sets
+
+EOS, VOCAB = 1, 300
+ENGINE = types.SimpleNamespace(sequence_parallel_size=1)  # what model_inputs reads of one
+MASKED = Attention(eos_id=EOS)
+
+
+def _model(preset_name: str, attention: str):
+    preset = get_preset(preset_name).with_vocab(VOCAB)
+    preset = dataclasses.replace(preset, hidden_size=64, num_hidden_layers=2, seq_len=64)
+    model = build_model(preset, attention=attention)
+    init_weights_(model, std=0.02, seed=3)
+    return model.eval()
+
+
+def _windows():
+    """Two windows of 64 tokens (+1 for the targets): A, EOS, B and A', EOS, B, with A and A'
+    of 30 tokens that differ everywhere; B starts at index 31 in both."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(2, VOCAB, (30,), generator=g), torch.randint(2, VOCAB, (34,), generator=g)
+    other = (a + 7 - 2) % (VOCAB - 2) + 2  # A': every token another one, none EOS
+    rows = torch.stack([torch.cat([d, torch.tensor([EOS]), b]) for d in (a, other)])
+    return rows[:, :-1], rows[:, 1:], b
+
+
+def _outputs(model, x, y, attention):
+    """(logits, per-token nats) of the model through Anneal's step code."""
+    inputs, targets = model_inputs(ENGINE, x, y, attention)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        loss.install(model, chunk_tokens=7)
+        with loss.targets(model, targets, per_token=True):
+            nats = loss.token_nats(model(**inputs).logits, targets)
+    model.get_output_embeddings().anneal_loss.targets = None
+    return logits, nats
+
+
+def _within_1e6(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "preset, attention", [("tiny", "eager"), ("tiny", "sdpa"), ("tiny-moe", "sdpa")]
+)
+def test_a_document_does_not_see_the_one_before_it(preset, attention):
+    """Each window a micro-batch of its own, so that B's tokens take the same places in every
+    kernel (the chunked loss's chunks included). The sparse model routes the tokens of both
+    documents through the same experts, whose matmuls then see another number of rows: equal
+    within 1e-6 there (1.8e-7 measured on logits of about 0.7), not bitwise."""
+    model = _model(preset, attention)
+    x, y, b = _windows()
+    (la, na), (lo, no) = (_outputs(model, x[i : i + 1], y[i : i + 1], MASKED) for i in (0, 1))
+    same = torch.equal if preset == "tiny" else _within_1e6
+    assert same(la[0, 31:], lo[0, 31:])
+    assert same(na[0, 31:], no[0, 31:])
+    assert not torch.allclose(na[0, 30], no[0, 30])  # the EOS sees its own document
+    logits, _ = _outputs(model, x, y, MASKED)  # and in one micro-batch of both
+    assert same(logits[0, 31:], logits[1, 31:])
+    with torch.no_grad():  # the reference: B alone, plain transformers, no position ids
+        alone = model(input_ids=b[None, :-1]).logits[0]
+    assert _within_1e6(la[0, 31:], alone)
+    unmasked, _ = _outputs(model, x, y, None)
+    assert (unmasked[0, 31:] - unmasked[1, 31:]).abs().max() > 1e-3  # A leaks into B
+
+
+def test_masking_off_gives_the_model_what_it_always_got():
+    x, y, _ = _windows()
+    for off in (None, Attention()):
+        inputs, targets = model_inputs(ENGINE, x, y, off)
+        assert inputs.keys() == {"input_ids"} and inputs["input_ids"] is x and targets is y
+    model = _model("tiny", "sdpa")
+    logits, _ = _outputs(model, x, y, Attention())
+    with torch.no_grad():
+        assert torch.equal(logits, model(input_ids=x).logits)
+
+
+def test_the_rows_made_one_row_give_the_same_logits():
+    """flash-attn reads documents only from a batch of one row: B x T as one row, each window
+    starting a document at position 0, is the same computation (here with SDPA's mask)."""
+    model = _model("tiny", "sdpa")
+    x, y, _ = _windows()
+    rows, _ = _outputs(model, x, y, MASKED)
+    one, nats = _outputs(model, x, y, dataclasses.replace(MASKED, flat_batch=True))
+    assert one.shape == (1, 2 * 64, VOCAB) and nats.shape == (1, 2 * 64)
+    assert _within_1e6(one.view(rows.shape), rows)
+
+
+def test_ulysses_core_rebuilds_transformers_mask():
+    """What the core attention gets under Ulysses (no mask, the whole sequence's positions)
+    gives transformers' own masked SDPA output: the same boolean mask, rebuilt."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import create_causal_mask
+
+    from anneal.data.documents import document_positions
+
+    model = _model("tiny", "sdpa")
+    x, _, _ = _windows()
+    positions = document_positions(x, EOS)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
+    attn = model.model.layers[0].self_attn
+    embeds = torch.zeros(2, 64, 64)
+    mask = create_causal_mask(model.config, embeds, None, None, position_ids=positions)
+    want, _ = sdpa_attention_forward(attn, q, k, v, mask)
+    got, _ = documents_sdpa(attn, q, k, v, None, position_ids=positions)
+    assert torch.equal(got, want)
+    plain = torch.arange(64).repeat(2, 1)  # no restart: SDPA's causal flag, as transformers
+    got, _ = documents_sdpa(attn, q, k, v, None, position_ids=plain)
+    assert torch.equal(got, sdpa_attention_forward(attn, q, k, v, None)[0])
+
+
+def test_the_launch_resolves_prints_and_records_it(tiny_data, tmp_path):
+    args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data)]
+    launch = resolve_tiny([*args, *sets("data.document_mask=true")], world_size=1)
+    assert launch.attention == Attention(eos_id=EOS, reason=launch.attention.reason)
+    assert "attention sdpa, documents masked (each ends at id 1" in launch.describe()
+    doc = launch.config_document()
+    assert doc["run"]["data"]["document_mask"] is True and doc["launch"]["attention"] == "sdpa"
+    off = resolve_tiny(args, world_size=1)
+    assert off.attention == Attention() and "no document masking" in off.describe()
+    older = json.loads(json.dumps(off.config_document()))
+    del older["run"]["data"]["document_mask"]  # written before the setting existed
+    assert config_differences(older, off.config_document()) == []
+    assert config_differences(older, doc) == ["run.data.document_mask: False -> True"]
+
+
+# -- slow: the real engine, real processes -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """A prepared corpus of 3,000 short documents (one to three words, about 9 tokens each,
+    byte-level vocabulary), so that every window of 32 tokens holds several boundaries."""
+    from anneal.data.prepare import prepare
+
+    words = "the quick brown fox jumps over a lazy dog while seven ducks watch".split()
+    docs = [" ".join(words[i % 11 : i % 11 + 1 + i % 3]) for i in range(3000)]
+    src = tmp_path_factory.mktemp("docs_src") / "text.txt"
+    src.write_text("\n\n".join(docs))
+    out = tmp_path_factory.mktemp("docs_prep") / "data"
+    prepare(inputs=[str(src)], out=out, vocab_size=300, progress=False)
+    from anneal.data.stream import PackedSplit
+
+    split = PackedSplit(out, "train", seq_len=32)
+    windows = torch.from_numpy(np.stack([split.window(j) for j in range(split.n_windows)]))
+    assert ((windows[:, :-1] == EOS).sum(1) >= 2).float().mean() > 0.9
+    return out
+
+
+STEPS_MASKED = 6
+
+
+def _masked(data, out, *, layout: str, stage: int, ranks: int, extra=()) -> dict:
+    """6 steps of 4 samples (micro-batch 2; accumulation 2 at data-parallel 1) at sequence 32
+    with ``data.document_mask=true``, validated at the last, saved at steps 3 and 6."""
+    args = [
+        *("--out", str(out), "--data", str(data), "--max-steps", str(STEPS_MASKED + 1)),
+        *("--val-every", str(STEPS_MASKED), "--save-every", "3"),
+        *sets(
+            f"train.stop_at_step={STEPS_MASKED}",
+            *PARALLEL_SHAPE,
+            "ds.gradient_accumulation_steps=2",
+            f"ds.zero_optimization.stage={stage}",
+            layout,
+            "data.document_mask=true",
+        ),
+        *extra,
+    ]
+    return dict(args=args, ranks=ranks)
+
+
+@pytest.fixture(scope="module")
+def masked_runs(short_docs, tmp_path_factory):
+    """With masking on: SP=1 x TP=1 on 1 rank (the reference, ZeRO-2), Ulysses SP=2 on 2 ranks
+    (ZeRO-3), AutoTP TP=2 on 2 ranks (ZeRO-2), then the SP=2 run resumed from its step-3
+    checkpoint: four launches, two at a time."""
+    tmp = tmp_path_factory.mktemp("masked")
+    first = {
+        "ref": _masked(
+            short_docs, tmp / "ref", layout="ds.sequence_parallel_size=1", stage=2, ranks=1
+        ),
+        "sp2": _masked(
+            short_docs, tmp / "sp2", layout="ds.sequence_parallel_size=2", stage=3, ranks=2
+        ),
+        "tp2": _masked(
+            short_docs, tmp / "tp2", layout="ds.tensor_parallel.autotp_size=2", stage=2, ranks=2
+        ),
+    }
+    tag = tmp / "sp2" / "checkpoints" / "step00000003"
+    resumed = _masked(
+        short_docs,
+        tmp / "resumed",
+        layout="ds.sequence_parallel_size=2",
+        stage=3,
+        ranks=2,
+        extra=["--resume", str(tag)],
+    )
+    done = dict(zip(first, run_recipes(list(first.values())), strict=True))
+    done["resumed"] = run_recipes([resumed])[0]
+    return tmp, done
+
+
+def _train_rows(out) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out, "train")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sp2", "tp2"])
+def test_masked_runs_at_sp2_and_tp2_equal_the_run_on_one_rank(masked_runs, name):
+    """Slow (4 launches). Per-step losses and gradient norms within 1e-5 relative of the
+    1-rank run with masking on, and its validation loss and bits per byte: under Ulysses the
+    mask stays whole across the all-to-all (a mask lost there gives other losses), under AutoTP
+    each rank's heads get it. The launch printed the attention and recorded the setting."""
+    tmp, done = masked_runs
+    ref, run = _train_rows(tmp / "ref"), _train_rows(tmp / name)
+    assert sorted(ref) == sorted(run) == list(range(1, STEPS_MASKED + 1))
+    for step in ref:
+        for key in ("loss", "grad_norm"):
+            assert run[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
+    val_ref, val = read_metrics(tmp / "ref", "val")[-1], read_metrics(tmp / name, "val")[-1]
+    for key in ("val_loss", "val_bpb"):
+        assert val[key] == pytest.approx(val_ref[key], rel=1e-5), key
+    config = json.loads((tmp / name / "config.json").read_text())
+    assert config["run"]["data"]["document_mask"] is True
+    assert config["launch"]["attention"] == "sdpa"
+    assert "attention sdpa, documents masked" in done[name].stdout
+
+
+@pytest.mark.slow
+def test_masked_resume_is_exact(masked_runs):
+    """Slow (shares ``masked_runs``): steps 4-6 after resuming the SP=2 run's step-3 checkpoint
+    are bitwise those of the run that went on."""
+    tmp, done = masked_runs
+    full, resumed = _train_rows(tmp / "sp2"), _train_rows(tmp / "resumed")
+    assert sorted(resumed) == list(range(4, STEPS_MASKED + 1))
+    for step in resumed:
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    val_full, val_resumed = (read_metrics(tmp / n, "val")[-1] for n in ("sp2", "resumed"))
+    assert val_resumed["val_loss"] == val_full["val_loss"]
+    assert f"resumed from {tmp / 'sp2' / 'checkpoints' / 'step00000003'}" in done["resumed"].stdout
