@@ -25,12 +25,18 @@ from anneal.config.run import (
 )
 from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
+from anneal.model.presets import PRETRAINED
 
 
 def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description=f"Pretrain the {preset} preset with "
+        description=(
+            "Continue pretraining the Hugging Face model of --init-from DIR"
+            if preset == PRETRAINED
+            else f"Pretrain the {preset} preset"
+        )
+        + " with "
         "DeepSpeed. Run with `deepspeed [--num_gpus N | --hostfile F] "
         f"{prog} ...` or plain `python {prog}` (one process).",
     )

@@ -303,6 +303,10 @@ def draw(plt, c, tasks, path: Path, name: str, parent: list[TaskScores] | None =
         ax.set_xlabel("tokens seen")
     left = len(drawable(tasks)) - len(shown)
     more = f" ({len(shown)} of {len(shown) + left} tasks; anneal report lists all)" if left else ""
+    if failed := [_text(t.task) for t in tasks if t.failed]:
+        more += (
+            f"\ndid not score at the latest scoring: {', '.join(failed)} (anneal report says why)"
+        )
     fig.suptitle(f"{name}: downstream tasks{more}")
     return save(fig, path)
 

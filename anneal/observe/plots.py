@@ -348,7 +348,7 @@ def _plot_val_sources(plt, c, train, val, sources, path, name) -> Path:
             if pts:  # the line style as a keyword only: a format string too would clash
                 style = dict(color=c["clip"], ls="--") if label == "total" else dict(ls="-")
                 ax.plot(*zip(*pts, strict=True), marker="o", lw=1.5, ms=3, label=label, **style)
-        ax.set_ylabel(f"dev {metric[4:]} ({unit})")
+        ax.set_ylabel(f"val {metric[4:]} ({unit})")
         ax.set_xscale("log")
         ax.grid(alpha=0.4, which="both")
     axes[0].set_title(f"{name}: validation per source")
