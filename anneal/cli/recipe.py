@@ -236,9 +236,20 @@ def format_summary(s: dict) -> str:
     def f(v, fmt):
         return format(v, fmt) if v is not None else "n/a"
 
+    last = s.get("max_steps")
+    steps = f"steps {s['step']}" + (
+        f" of {last} (stopped early: the same command resumes)" if last and s["step"] < last else ""
+    )
+    if s["val_loss"] is not None:
+        val = f"val loss {s['val_loss']:.4f}, val bpb {f(s['val_bpb'], '.4f')}"
+        val += f" (at step {s['val_step']})" if s.get("val_step") not in (None, s["step"]) else ""
+    elif s.get("val_every") is not None:
+        every = f"every {s['val_every']} steps and " if s["val_every"] else ""
+        val = f"val loss not measured yet ({every}after the last step)"
+    else:
+        val = "val loss n/a (no val split)"
     return (
-        f"\n== summary ==\nsteps {s['step']}, tokens {s['tokens']:,}\n"
-        f"final train loss {f(s['train_loss'], '.4f')}, val loss {f(s['val_loss'], '.4f')}, "
-        f"val bpb {f(s['val_bpb'], '.4f')}\n"
+        f"\n== summary ==\n{steps}, tokens {s['tokens']:,}\n"
+        f"final train loss {f(s['train_loss'], '.4f')}, {val}\n"
         f"throughput {f(s['tokens_per_s'], ',.0f')} tokens/s\nrun directory {s['run_dir']}"
     )

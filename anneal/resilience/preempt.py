@@ -175,7 +175,8 @@ class Preemption(SignalFlag):
             path=str(tag_dir),
         )
         log.warning(
-            "preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue",
+            "preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue. To go on, run the "
+            "same command again (a scheduler's requeue does): it resumes from that checkpoint.",
             name,
             tag_dir,
             save_s,

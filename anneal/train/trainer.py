@@ -87,6 +87,7 @@ class Trainer:
             world_size=world_size(),
         )
         self.last_train, self.last_val = None, None
+        self.last_checkpoint: Path | None = None
         self.tasks = None  # train.eval_tasks, loaded at the start (anneal.eval.in_loop)
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
@@ -152,6 +153,8 @@ class Trainer:
                     self.preempt()
             if self.state.step >= self.cfg.train.max_steps:
                 self.observers.on_end()
+            else:
+                print0(self.stopped_line())
         except UserError:
             raise
         except Exception as e:
@@ -291,6 +294,7 @@ class Trainer:
             keep_every=train.keep_every,
             model=dataclasses.asdict(self.launch.preset),
         )
+        self.last_checkpoint = Path(tag_dir)
         self.observers.on_event(step, "checkpoint", path=str(tag_dir))
         self.observers.on_checkpoint(tag_dir)
 
@@ -304,11 +308,25 @@ class Trainer:
             events=self.observers,
         )
 
+    def stopped_line(self) -> str:
+        """What a stop before the last step (``train.stop_at_step``) says: where, what it
+        saved, and how to go on, so that it never reads like a crash."""
+        train, step = self.cfg.train, self.state.step
+        saved = f"checkpoint {self.last_checkpoint} written" if self.last_checkpoint else "saved"
+        return (
+            f"stopped at step {step} of {train.max_steps} (train.stop_at_step={train.stop_at_step})"
+            f": {saved}. To go on, run the same command again without train.stop_at_step (or "
+            f"with a later one): it resumes from that checkpoint."
+        )
+
     def summary(self) -> dict:
-        train, val = self.last_train or {}, self.last_val or {}
+        train, val = self.last_train or {}, self.last_val or self._earlier_val()
         return {
             "run_dir": str(self.launch.out),
             "step": self.state.step,
+            "max_steps": self.cfg.train.max_steps,
+            "val_step": val.get("step"),
+            "val_every": self.cfg.train.val_every if self.data.val is not None else None,
             "tokens": self.state.tokens,
             "train_loss": train.get("loss"),
             "tokens_per_s": train.get("tokens_per_s"),
@@ -316,6 +334,14 @@ class Trainer:
             "val_bpb": val.get("val_bpb"),
             "params": count_params(self.launch.preset),
         }
+
+    def _earlier_val(self) -> dict:
+        """The run's last validation row when this process ran none (it resumed after it, and
+        stopped before the next): the summary shows it with its step, not "n/a"."""
+        if rank() != 0 or not rundir.metrics_path(self.launch.out).is_file():
+            return {}
+        rows = rundir.read_metrics(self.launch.out, "val")
+        return rows[-1] if rows else {}
 
 
 def _due(step: int, every: int, last: int) -> bool:
