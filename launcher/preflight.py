@@ -94,10 +94,12 @@ def resolve(cfg, overrides, *, world_size: int, device_type: str):
     """``anneal.resolution.resolve.resolve_launch``: the ranks' own resolution, for this world size,
     and their check of the in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
     from anneal.eval.in_loop import check_launch
+    from anneal.resolution.batch_share import check_batch_share
     from anneal.resolution.resolve import resolve_launch
 
     launch = resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
     check_launch(launch)
+    check_batch_share(launch)
     return launch
 
 

@@ -16,13 +16,15 @@ from anneal.config.schedule import WarmupDecay
 from anneal.dist import init_distributed, setup_logging, world_size
 from anneal.eval import in_loop
 from anneal.model import build_model, hf_model_config, init_weights_, model_class, param_groups
+from anneal.resolution.batch_share import check_batch_share
 from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
 
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
     """Resolve this launch for the live world and device (see ``anneal.resolution.resolve``), and
-    check its in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
+    check its in-loop tasks (``anneal.eval.in_loop.check_launch``) and its batch against its
+    train split (``anneal.resolution.batch_share``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
@@ -34,6 +36,7 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
     in_loop.check_launch(launch)  # train.eval_tasks: a layout or spec they cannot run with
+    check_batch_share(launch)  # a batch that is a large share of the train split
     return launch
 
 

@@ -73,9 +73,15 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
         raise
 
 
+ROUTINE_NOTES = ("resume: ",)
+"""Notes of what the docs call routine (a resume at another layout: docs/resilience.md), logged
+as INFO; every other note is a WARNING (something the user did not ask for)."""
+
+
 def log_notes(notes: Sequence[str], *, rank: int) -> None:
     """What the launch changed or decided that the user did not write (``Launch.notes``), once:
     every rank resolves the same launch, so rank 0 says it for all."""
     if rank == 0:
         for note in notes:
-            log.warning(note)
+            routine = note.startswith(ROUTINE_NOTES)
+            log.log(logging.INFO if routine else logging.WARNING, note)

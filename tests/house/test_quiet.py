@@ -77,14 +77,17 @@ def test_the_filters_hide_only_the_known_messages():
 
 def test_launch_notes_are_logged_by_rank_0_only(caplog):
     """Every rank resolves the same launch; its notes (a batch rounded up, fp32 on a CPU, a
-    cooldown branch) are logged once, by rank 0, as warnings."""
-    notes = ["global batch rounded up", "cooldown branch of runs/p"]
+    cooldown branch) are logged once, by rank 0, as warnings; a resume at another layout, the
+    routine path of docs/resilience.md, as INFO (issue 46, point 8)."""
+    notes = ["global batch rounded up", "cooldown branch of runs/p", "resume: step4 was saved on"]
     with caplog.at_level(logging.INFO, logger="anneal.train.entry"):
         log_notes(notes, rank=1)
         assert caplog.records == []
         log_notes(notes, rank=0)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", n) for n in notes
+        ("WARNING", notes[0]),
+        ("WARNING", notes[1]),
+        ("INFO", notes[2]),
     ]
 
 
