@@ -11,10 +11,19 @@ shows; docs/observability.md, "What else it prints"):
 - torch's FutureWarnings that ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are
   deprecated: DeepSpeed's ZeRO calls them (attributed to ``torch.distributed.c10d_logger``, the
   wrapper in between), Anneal does not.
+- lm-evaluation-harness's INFO lines (its loggers under ``lm_eval``: "Building contexts",
+  "Running loglikelihood requests", ...): Anneal prints each scoring's own lines; lm-eval's
+  warnings and errors still show.
+- tqdm's progress bars where stderr is not a terminal (a log file, a pipe, Slurm's output):
+  there a bar is a stream of carriage returns (lm-eval draws one per task and request type).
+  ``TQDM_DISABLE=1`` is set for this process and its children, unless already set; Anneal's
+  own bars, drawn only on a terminal, say ``disable=False`` and are not affected.
 """
 
 import logging
+import os
 import re
+import sys
 import warnings
 
 DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU."
@@ -35,3 +44,6 @@ warnings.filterwarnings(
     category=FutureWarning,
     module=re.escape("torch.distributed.c10d_logger") + r"\Z",
 )
+logging.getLogger("lm_eval").setLevel(logging.WARNING)
+if not (sys.stderr is not None and sys.stderr.isatty()):
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when it is imported

@@ -59,7 +59,7 @@ def build_engine(launch: Launch):
     if launch.layout.sequence_parallel > 1:
         sequence.check_model(model)
     if launch.cfg.model.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     opt_params = ds["optimizer"]["params"]
     schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
@@ -199,3 +199,9 @@ def _share_cpu_threads() -> None:
         return
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def checkpoint_activations(model) -> None:
+    """transformers' activation checkpointing, non-reentrant, through its current name
+    (``gradient_checkpointing_enable`` is a deprecated alias that warns on every run)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
