@@ -26,6 +26,7 @@ from anneal.eval.in_loop import InLoop
 from anneal.hardware import device_peak_flops
 from anneal.model import count_params, flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
+from anneal.planning import measured_rate
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption
@@ -191,6 +192,7 @@ class Trainer:
                 start_step=start,
                 tokens_per_step=self.shape.tokens_per_step,
                 events=self.observers,
+                rate=self._rate_key(),
             ),
             observers.LiveView(
                 out, cfg=self.cfg, start_step=start, config_doc=self.launch.config_document()
@@ -209,6 +211,13 @@ class Trainer:
                 step=start,
                 events=self.observers,
             )
+
+    def _rate_key(self) -> tuple[str, float] | None:
+        """On a CPU: the shape under which the measured rate is kept, and FLOPs per token."""
+        if self.launch.device_type != "cpu":
+            return None
+        flops = flops_per_token(self.launch.preset, seq_len=self.launch.seq_len)
+        return measured_rate.shape_key(self.launch), flops
 
     def step(self) -> dict:
         row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)

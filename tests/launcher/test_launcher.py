@@ -259,7 +259,7 @@ def test_dry_run_prints_the_exact_command(tiny_data, tmp_path, capsys, monkeypat
         f"--out {out} --data {tiny_data} --max-steps 10" in printed
     )
     assert "NCCL_DEBUG=INFO" in printed and "hf_secret" not in printed
-    assert "forecast:" in printed and "per GPU" in printed
+    assert "forecast:" in printed and "per process" in printed and "per GPU" not in printed
     assert not out.exists()
 
 
