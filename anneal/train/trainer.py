@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.planning import measured_rate
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
-from anneal.resilience.preempt import Preemption
+from anneal.resilience.preempt import Preemption, StopMidStep
 from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
@@ -89,14 +90,18 @@ class Trainer:
         )
         self.last_train, self.last_val = None, None
         self.last_checkpoint: Path | None = None
+        self.stopped_at_position: int | None = None  # set by a stop inside a step (step())
         self.tasks = None  # train.eval_tasks, loaded at the start (anneal.eval.in_loop)
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
 
     def state_dict(self) -> dict:
+        data = self.stream.state_dict()
+        if self.stopped_at_position is not None:  # a step dropped at a micro-batch boundary
+            data = {**data, "position": self.stopped_at_position}
         return {
             **self.state.state_dict(),
-            "data": self.stream.state_dict(),
+            "data": data,
             "guard": self.guard.state_dict(),
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
             "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
@@ -220,7 +225,12 @@ class Trainer:
         return measured_rate.shape_key(self.launch), flops
 
     def step(self) -> dict:
-        row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
+        start = self.stream.position
+        try:
+            row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
+        except StopMidStep:  # one process, signalled inside the step: the step is dropped
+            self.stopped_at_position = start  # its samples are read again on resume
+            self.preempt()
         row["mfu"] = self.mfu(row["tokens_per_s"])
         self.last_train = row
         return row
@@ -294,6 +304,7 @@ class Trainer:
         """A checkpoint of this step, then the ``checkpoint`` event and ``on_checkpoint``."""
         train, step = self.cfg.train, self.state.step
         self.exports.wait()  # the previous export reads its tag; keep-K may remove it now
+        started = time.perf_counter()
         tag_dir = checkpoint.save(
             self.engine,
             rundir.checkpoints_dir(self.launch.out),
@@ -304,6 +315,7 @@ class Trainer:
             model=dataclasses.asdict(self.launch.preset),
         )
         self.last_checkpoint = Path(tag_dir)
+        self.preemption.last_save_s = time.perf_counter() - started  # a stop's estimate
         self.observers.on_event(step, "checkpoint", path=str(tag_dir))
         self.observers.on_checkpoint(tag_dir)
 
