@@ -1,6 +1,6 @@
 """Anneal: LLM pretraining on DeepSpeed.
 
-Importing it quiets two messages of the libraries below it that say nothing an Anneal run can
+Importing it quiets some messages of the libraries below it that say nothing an Anneal run can
 act on, and nothing else (each matched by its exact text, so any other warning of theirs still
 shows; docs/observability.md, "What else it prints"):
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from anneal.files import write_atomic
 from anneal.json_values import is_finite_number
 
-FILE = "measured_rate.json"
+RATE_FILE = "measured_rate.json"
 MIN_STEPS = 3
 """Train rows a run needs (the first, which warms up, left out) before its rate is kept."""
 
@@ -29,7 +29,7 @@ MIN_STEPS = 3
 def cache_file() -> Path:
     """Where the rates are kept: the CPU peak's cache folder (``anneal.hardware``)."""
     home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return home / "anneal" / FILE
+    return home / "anneal" / RATE_FILE
 
 
 def shape_key(launch) -> str:
