@@ -21,6 +21,7 @@ from anneal.config.run_checks import check_ranges
 from anneal.dist import print0, rank
 from anneal.resilience import checkpoint
 from anneal.resilience.guard import Guard
+from anneal.resilience.preempt import Preempted
 from anneal.rundir import RunDir
 from anneal.train.engine import build_engine, resolve_run, setup_process
 from anneal.train.trainer import Data, Trainer
@@ -68,6 +69,8 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     run_dir = RunDir.for_launch(launch)
     try:
         return Trainer(launch, engine, guard, run_dir, data).train(client, resumed)
+    except Preempted:  # stopped inside the first step: its checkpoint (step 0) is kept
+        raise
     except BaseException:
         run_dir.undo()
         raise
