@@ -100,6 +100,10 @@ RULES = [
         pattern=r"^deepspeed --num_gpus 2 recipes/pretrain_moe_tiny\.py ", given=STDLIB, add=TRAIN
     ),
     Rule(
+        pattern=r"^python recipes/continue_pretraining\.py --init-from models/tiny",
+        add=("--max-steps", "2"),
+    ),
+    Rule(
         pattern=r"^deepspeed --num_gpus 8 recipes/continue_pretraining\.py ",
         skip="8 GPUs and models/Qwen2.5-7B, a download; tests/hf/test_init_from.py trains from "
         "a small Hugging Face model",
