@@ -149,3 +149,29 @@ def test_activation_checkpointing_is_turned_on_without_transformers_deprecation(
         checkpoint_activations(model)
     assert [str(w.message) for w in caught if w.category is FutureWarning] == []
     assert model.is_activation_checkpointing
+
+
+AUTOEP = r"""
+import logging
+import anneal
+from deepspeed.utils import logger
+logging.basicConfig(level=logging.INFO)
+logger.warning("autoep_size=1 means every rank owns all experts with no AllToAll. AutoEP ...")
+logger.warning("another DeepSpeed warning")
+kernels = logging.getLogger("deepspeed.moe.ep_kernels")
+kernels.info("Triton not available; using pure-PyTorch CPU fallback for permutation ...")
+kernels.info("another ep_kernels line")
+"""
+
+
+def test_a_sparse_runs_autoep_notices_are_left_out():
+    """Issue 46, point 7 (the tiny MoE journey): DeepSpeed AutoEP's notice that autoep_size=1
+    keeps every expert on every rank, and its kernels' that a CPU has no Triton, each by its
+    exact text and logger; the same loggers' other lines still show."""
+    done = subprocess.run(
+        [sys.executable, "-c", AUTOEP], capture_output=True, text=True, cwd=ROOT, env=env()
+    )
+    out = done.stdout + done.stderr  # DeepSpeed's logger writes to stdout
+    assert done.returncode == 0, out
+    assert "autoep_size=1" not in out and "Triton not available" not in out
+    assert "another DeepSpeed warning" in out and "another ep_kernels line" in out
