@@ -1,6 +1,6 @@
 """Anneal: LLM pretraining on DeepSpeed.
 
-Importing it quiets two messages of the libraries below it that say nothing an Anneal run can
+Importing it quiets some messages of the libraries below it that say nothing an Anneal run can
 act on, and nothing else (each matched by its exact text, so any other warning of theirs still
 shows; docs/observability.md, "What else it prints"):
 
@@ -11,13 +11,31 @@ shows; docs/observability.md, "What else it prints"):
 - torch's FutureWarnings that ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are
   deprecated: DeepSpeed's ZeRO calls them (attributed to ``torch.distributed.c10d_logger``, the
   wrapper in between), Anneal does not.
+- DeepSpeed AutoEP's two notices on a sparse model (``DEEPSPEED_AUTOEP_NOTICES``): that
+  ``autoep_size=1`` keeps every expert on every rank, and that without Triton a CPU loops over
+  the experts. Anneal's own layout line says both.
+- lm-evaluation-harness's INFO lines (its loggers under ``lm_eval``: "Building contexts",
+  "Running loglikelihood requests", ...): Anneal prints each scoring's own lines; lm-eval's
+  warnings and errors still show.
+- tqdm's progress bars where stderr is not a terminal (a log file, a pipe, Slurm's output):
+  there a bar is a stream of carriage returns (lm-eval draws one per task and request type).
+  ``TQDM_DISABLE=1`` is set for this process and its children, unless already set; Anneal's
+  own bars, drawn only on a terminal, say ``disable=False`` and are not affected.
 """
 
 import logging
+import os
 import re
+import sys
 import warnings
 
 DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU."
+DEEPSPEED_AUTOEP_NOTICES = {
+    "DeepSpeed": "autoep_size=1 means every rank owns all experts with no AllToAll.",
+    "deepspeed.moe.ep_kernels": "Triton not available; using pure-PyTorch CPU fallback for ",
+}
+"""A sparse model's two notices from DeepSpeed's AutoEP, by logger: the degree 1 that Anneal
+chose and says in its layout line, and the loop over experts a CPU runs (docs/moe.md)."""
 TORCH_DEPRECATIONS = (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 )
@@ -27,11 +45,21 @@ def _not_the_cpu_notice(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(DEEPSPEED_CPU_NOTICE)
 
 
+def _not_an_autoep_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(DEEPSPEED_AUTOEP_NOTICES.get(record.name, "\0"))
+
+
 if _not_the_cpu_notice not in logging.getLogger("DeepSpeed").filters:
     logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_notice)
+for _name in DEEPSPEED_AUTOEP_NOTICES:
+    if _not_an_autoep_notice not in logging.getLogger(_name).filters:
+        logging.getLogger(_name).addFilter(_not_an_autoep_notice)
 warnings.filterwarnings(
     "ignore",
     message=TORCH_DEPRECATIONS,
     category=FutureWarning,
     module=re.escape("torch.distributed.c10d_logger") + r"\Z",
 )
+logging.getLogger("lm_eval").setLevel(logging.WARNING)
+if not (sys.stderr is not None and sys.stderr.isatty()):
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when it is imported

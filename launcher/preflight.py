@@ -94,10 +94,12 @@ def resolve(cfg, overrides, *, world_size: int, device_type: str):
     """``anneal.resolution.resolve.resolve_launch``: the ranks' own resolution, for this world size,
     and their check of the in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
     from anneal.eval.in_loop import check_launch
+    from anneal.resolution.batch_share import check_batch_share
     from anneal.resolution.resolve import resolve_launch
 
     launch = resolve_launch(cfg, overrides, world_size=world_size, device_type=device_type)
     check_launch(launch)
+    check_batch_share(launch)
     return launch
 
 
@@ -197,9 +199,10 @@ def preflight(
     launch = resolve(cfg, overrides, world_size=world_size, device_type=device_type)
     ckpt = checkpoint_bytes(launch)
     check_disk(Path(launch.out), need_bytes=2 * ckpt)
-    mfu = DEFAULT_MFU[device_type] if mfu is None else mfu
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu}: a fraction of peak in (0, 1]; 40% is --mfu 0.4.")
+    peak = peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host)
+    mfu, mfu_source = _mfu(launch, mfu, peak=peak, device_type=device_type)
     start = 0
     if launch.resume_from is not None:
         from anneal.resilience import checkpoint
@@ -213,9 +216,11 @@ def preflight(
         max_steps=launch.cfg.train.max_steps,
         start_step=start,
         mfu=mfu,
-        peak_flops=peak_flops(device_type, gpu=gpu, ranks_per_host=ranks_per_host),
+        peak_flops=peak,
         activation_checkpointing=launch.cfg.model.activation_checkpointing,
         eval_tokens=forecast_tokens(launch.cfg.train, start_step=start),
+        device_type=device_type,
+        mfu_source=mfu_source,
     )
     return Preflight(
         launch=launch,
@@ -224,6 +229,19 @@ def preflight(
         checkpoint_bytes=ckpt,
         forecast=fc,
     )
+
+
+def _mfu(launch, given: float | None, *, peak: float, device_type: str) -> tuple[float, str]:
+    """(MFU, where it comes from) for the forecast: ``--mfu``; on a CPU, the rate a run of the
+    same shape measured on this machine (``anneal.planning.measured_rate``); else assumed."""
+    from anneal.planning import measured_rate
+
+    if given is not None:
+        return given, "--mfu"
+    if device_type == "cpu" and (known := measured_rate.recall(measured_rate.shape_key(launch))):
+        rate, run = known
+        return rate / peak, f"measured here by {run}"
+    return DEFAULT_MFU[device_type], ""
 
 
 def resume_notes(pre: Preflight) -> list[str]:

@@ -60,9 +60,10 @@ def prepare_in_tasks(cfg, args: argparse.Namespace) -> int:
     empty = sum(1 for a, b in plan["ranges"] if a == b)
     print(
         f"{'wrote' if made else 'kept (same flags and inputs)'} the plan of {args.tasks} tasks: "
-        f"{parts / 'plan.json'}, {units:,} work units, {plan['units']['bytes'] / 1e6:,.1f} MB, "
+        f"{parts / 'plan.json'}, {units:,} work unit{'s' if units != 1 else ''}, "
+        f"{plan['units']['bytes'] / 1e6:,.1f} MB, "
         f"tokenizer {plan['tokenizer']['sha256'][:12]}..."
-        + (f"; {empty} tasks get no unit (more tasks than units)" if empty else "")
+        + (f"; {empty} of the tasks get no unit (more tasks than units)" if empty else "")
     )
     print(
         f"next: the same command with --task I for I in 0..{args.tasks - 1} (in any order, "
@@ -80,7 +81,8 @@ def _task(cfg, args, parts) -> int:
         print(f"task {args.task} of {args.tasks}: complete already ({where}); not run again")
         return 0
     print(
-        f"task {args.task} of {args.tasks}: {done['units']:,} units, "
+        f"task {args.task} of {args.tasks}: {done['units']:,} "
+        f"unit{'s' if done['units'] != 1 else ''}, "
         f"{done['input_bytes'] / 1e6:,.1f} MB, {done['tokens']:,} tokens in {done['seconds']} s "
         f"({done['workers']} worker{'s' if done['workers'] != 1 else ''}) -> {where}"
     )

@@ -244,16 +244,19 @@ def _ds_overrides(items: list[str]) -> list[str]:
 def _print_summary(doc: dict, target) -> None:
     """One line per task and metric, then the tasks that failed (rank 0)."""
     from anneal.dist import print0
+    from anneal.observe.downstream import RATES
 
     where = target.tag_dir or target.hf_dir
     lines = [f"scored {where} (step {doc['step']}) in {doc.get('seconds') or 0:.1f} s"]
-    lines.append(f"{'task':<28} {'metric':<16} {'value':>12} {'stderr':>12}")
+    lines.append(f"{'task':<28} {'metric':<16} {'value':>12} {'stderr':>12} {'chance':>8}")
     for task, entry in sorted(doc.get("tasks", {}).items()):
-        metrics = entry["metrics"]
+        metrics, chance = entry["metrics"], entry.get("chance")
         for name in sorted(m for m in metrics if not m.endswith("_stderr")):
             err = metrics.get(f"{name}_stderr")
             shown = f"{err:>12.6g}" if err is not None else f"{'':>12}"
-            lines.append(f"{task:<28} {name:<16} {metrics[name]:>12.6g} {shown}")
+            rate = name in RATES and chance is not None  # chance is a rate's
+            shown += f" {chance:>8.3g}" if rate else ""
+            lines.append(f"{task:<28} {name:<16} {metrics[name]:>12.6g} {shown}".rstrip())
     for task, why in sorted(doc.get("failed", {}).items()):
         lines.append(f"{task:<28} failed: {why}")
     print0("\n".join(lines))

@@ -25,12 +25,18 @@ from anneal.config.run import (
 )
 from anneal.config.run_checks import apply_overrides
 from anneal.errors import UserError
+from anneal.model.presets import PRETRAINED
 
 
 def build_parser(prog: str, *, preset: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description=f"Pretrain the {preset} preset with "
+        description=(
+            "Continue pretraining the Hugging Face model of --init-from DIR"
+            if preset == PRETRAINED
+            else f"Pretrain the {preset} preset"
+        )
+        + " with "
         "DeepSpeed. Run with `deepspeed [--num_gpus N | --hostfile F] "
         f"{prog} ...` or plain `python {prog}` (one process).",
     )
@@ -230,9 +236,20 @@ def format_summary(s: dict) -> str:
     def f(v, fmt):
         return format(v, fmt) if v is not None else "n/a"
 
+    last = s.get("max_steps")
+    steps = f"steps {s['step']}" + (
+        f" of {last} (stopped early: the same command resumes)" if last and s["step"] < last else ""
+    )
+    if s["val_loss"] is not None:
+        val = f"val loss {s['val_loss']:.4f}, val bpb {f(s['val_bpb'], '.4f')}"
+        val += f" (at step {s['val_step']})" if s.get("val_step") not in (None, s["step"]) else ""
+    elif s.get("val_every") is not None:
+        every = f"every {s['val_every']} steps and " if s["val_every"] else ""
+        val = f"val loss not measured yet ({every}after the last step)"
+    else:
+        val = "val loss n/a (no val split)"
     return (
-        f"\n== summary ==\nsteps {s['step']}, tokens {s['tokens']:,}\n"
-        f"final train loss {f(s['train_loss'], '.4f')}, val loss {f(s['val_loss'], '.4f')}, "
-        f"val bpb {f(s['val_bpb'], '.4f')}\n"
+        f"\n== summary ==\n{steps}, tokens {s['tokens']:,}\n"
+        f"final train loss {f(s['train_loss'], '.4f')}, {val}\n"
         f"throughput {f(s['tokens_per_s'], ',.0f')} tokens/s\nrun directory {s['run_dir']}"
     )

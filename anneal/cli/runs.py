@@ -70,7 +70,10 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps([s.to_dict() for s in signals]))
     else:
         print(report.format_table(signals, run_dir=Path(args.run)))
-    return 1 if args.strict and any(s.status == report.PROBLEM for s in signals) else 0
+    problems = any(s.status == report.PROBLEM for s in signals)
+    if problems and not args.strict and not args.json:  # the exit status is a choice: say it
+        print("  (exit status 0: a problem is a finding; `--strict` exits 1 when there is one)")
+    return 1 if args.strict and problems else 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -206,7 +209,11 @@ def _add_report(sub) -> None:
     )
     rep.add_argument("run", metavar="RUN", type=path, help="run directory")
     rep.add_argument("--json", action="store_true", help="print one JSON list")
-    rep.add_argument("--strict", action="store_true", help="exit 1 when a signal is a problem")
+    rep.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a signal is a problem (default: exit 0, problems or not)",
+    )
     rep.set_defaults(func=_report)
 
 

@@ -122,8 +122,24 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             if not parsed:
                 raise UserError(f"{where}: the path is empty (an unset shell variable?). Give one.")
             check_path_length(parsed, flag=f"--set {given}")
+        _check_override(where, key, parsed, before=getattr(sections[section], field))
         sections[section] = dataclasses.replace(sections[section], **{field: parsed})
     return dataclasses.replace(cfg, **sections)
+
+
+def _check_override(where: str, key: str, value, *, before) -> None:
+    """A number given with ``--set`` outside its key's range (``_RANGES``) is refused here,
+    where the value it would replace (the recipe's, not the dataclass default) is known."""
+    if key not in _RANGES or key in FLAGS or not isinstance(value, int | float):
+        return  # a flag's key: check_ranges names the flag
+    ok, want = _RANGES[key]
+    finite = math.isfinite(value) and abs(value) <= INT64_MAX
+    if not (finite and ok(value)) and not isinstance(value, bool):
+        raise UserError(
+            f"{key} is {value!r}: it must be {want}{'' if finite else ', and a finite number'}. "
+            f"Give --set {key}=VALUE with such a value, or drop {where} to keep the value it "
+            f"replaces ({before!r})."
+        )
 
 
 def optim_keys_set(overrides: list[str]) -> frozenset[str]:

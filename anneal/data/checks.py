@@ -15,7 +15,7 @@ import numpy as np
 
 from anneal import rundir
 from anneal.data import tokenizer
-from anneal.data.prepared_dir import SPLITS, PreparedDir, prepare_again
+from anneal.data.prepared_dir import SPLITS, PreparedDir, how_to_prepare, prepare_again
 from anneal.errors import UserError
 from anneal.files import sha256_file
 
@@ -51,8 +51,7 @@ def check_prepared(data: Path | PreparedDir) -> dict:
         if partials:
             hint += f"; {partials[0].name} is an interrupted prepare"
         raise UserError(
-            f"--data {data_dir}: not a prepared data directory ({hint}). Prepare one with "
-            f"`anneal data prepare --input stdlib --out {data_dir}`."
+            f"--data {data_dir}: not a prepared data directory ({hint}). {how_to_prepare(data_dir)}"
         )
     redo = prepare_again(data_dir)
     meta = prepared.meta()

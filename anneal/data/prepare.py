@@ -168,7 +168,13 @@ def _make_partial(out: Path) -> Path:
                 f"prepare will not use or delete it. Move it away, or choose another --out."
             )
         shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:  # /proc, /sys, a read-only mount: check_creatable cannot tell them all
+        raise UserError(
+            f"--out {out}: cannot create a directory there ({e.strerror or e}). Choose a place "
+            f"you can write to."
+        ) from None
     (partial / PARTIAL_MARKER).write_text(f"anneal data prepare, pid {os.getpid()}\n")
     return partial
 

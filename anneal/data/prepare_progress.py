@@ -26,6 +26,7 @@ class Progress:
             self._bar = tqdm(
                 total=total_bytes,
                 desc="tokenize+pack",
+                disable=False,  # a terminal: drawn whatever TQDM_DISABLE says (anneal/__init__)
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1000,

@@ -198,6 +198,28 @@ class PreparedDir:
         return changes
 
 
+def how_to_prepare(data_dir: Path) -> str:
+    """The end of a message about a directory that is not prepared: a directory that holds
+    files (most likely the user's raw corpus) is prepared into a new one beside it, never into
+    itself (prepare refuses a directory that is not empty); a missing or empty one is prepared
+    in place."""
+    data_dir = Path(data_dir)
+    try:
+        holds_files = data_dir.is_dir() and any(data_dir.iterdir())
+    except OSError:
+        holds_files = False
+    if holds_files:
+        new = data_dir.with_name(f"{data_dir.name}-prepared")
+        return (
+            f"If it holds your text, prepare it into a new directory: `anneal data prepare "
+            f"--input {data_dir} --out {new}`, then give {new}."
+        )
+    return (
+        f"Prepare one with `anneal data prepare --input YOUR_TEXT --out {data_dir}` "
+        f"(`--input stdlib` for the embedded demo corpus)."
+    )
+
+
 def prepare_again(data_dir: Path) -> str:
     """The end of a message about a damaged directory: how to prepare it again."""
     return f"Prepare it again with `anneal data prepare --input ... --out {data_dir} --force`."
@@ -264,8 +286,8 @@ def read_meta(data_dir: Path, *, splits: tuple[str, ...] = SPLITS) -> dict:
         meta = json.loads(meta_path.read_bytes())
     except FileNotFoundError:
         raise UserError(
-            f"{meta_path}: missing, so {data_dir} is not a prepared data directory. Prepare "
-            f"one with `anneal data prepare --input stdlib --out {data_dir}`."
+            f"{meta_path}: missing, so {data_dir} is not a prepared data directory. "
+            f"{how_to_prepare(data_dir)}"
         ) from None
     except (OSError, ValueError, RecursionError) as e:
         raise UserError(

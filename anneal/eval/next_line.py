@@ -40,6 +40,7 @@ import numpy as np
 import yaml
 
 from anneal.data import tokenizer
+from anneal.data.prepare_config import PrepareConfig
 from anneal.data.prepared_dir import PreparedDir, prepare_again
 from anneal.errors import UserError
 from anneal.files import make_dir, read_regular, write_atomic
@@ -99,7 +100,9 @@ def _write(data_dir: Path, work_dir: Path, *, items: int) -> tuple[Path, str]:
         raise UserError(
             f"{prepared.path}: its val split holds {len(rows)} Python functions usable for "
             f"{NAME} (at least {MIN_ITEMS} are needed): the task is built from the val "
-            f"split's Python code. Score another task, or prepare data with more code in val."
+            f"split's Python code. Prepare the data again with a larger share held out for "
+            f"validation (`anneal data prepare ... --val-fraction 0.1`; the default is "
+            f"{PrepareConfig.val_fraction:g}), or with more Python code, or score another task."
         )
     data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
     text = task_yaml(source, hashlib.sha256(data.encode()).hexdigest(), rows)

@@ -66,6 +66,7 @@ def read_hf_config(directory: Path) -> dict:
             "writes it (config.json and model.safetensors).",
         )
     check_links(directory)
+    _refuse_an_anneal_run(directory)
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -86,6 +87,24 @@ def read_hf_config(directory: Path) -> dict:
     _check_dtype(directory, doc)
     _check_activation(directory, doc)
     return doc
+
+
+def _refuse_an_anneal_run(directory: Path) -> None:
+    """An Anneal run directory (its config.json and checkpoints/), or one of its checkpoints
+    (``RUN/checkpoints/stepN``), is refused with the export that makes a model of it."""
+    from anneal import rundir
+    from anneal.resilience.checkpoint import step_of_tag
+
+    tag = directory.parent.name == rundir.CHECKPOINTS and step_of_tag(directory.name) is not None
+    run = rundir.of_checkpoint(directory) if tag else directory
+    if tag or (directory / rundir.CONFIG).is_file() and rundir.checkpoints_dir(run).is_dir():
+        raise _error(
+            directory,
+            f"an Anneal run{' checkpoint' if tag else ''}, not a Hugging Face model directory. "
+            f"Export it to one first: `anneal export {run}{f' --tag {directory.name}' * tag} "
+            f'--out MODEL_DIR`, then give --init-from MODEL_DIR (docs/observability.md, "Export '
+            f'to Hugging Face").',
+        )
 
 
 def _check_architecture(directory: Path, doc: dict) -> None:

@@ -36,13 +36,13 @@ log = logging.getLogger(__name__)
 _TAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def _tags(ckpt_dir: Path) -> str:
+def _tags(ckpt_dir: Path, *, leave_out: str = "") -> str:
     """The intact tags of ``ckpt_dir``, for a message (one whose manifest is refused is left
-    out)."""
+    out, and ``leave_out``: the tag the message refuses)."""
     names = []
     for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
         try:
-            if p.is_dir() and not p.name.startswith(".") and checkpoint.is_intact(p):
+            if p.name != leave_out and p.is_dir() and p.name[:1] != "." and checkpoint.is_intact(p):
                 names.append(p.name)
         except UserError:
             pass
@@ -202,7 +202,7 @@ def check_for_export(tag_dir: Path, manifest: dict) -> None:
             f"{tag_dir}: {len(bad)} file(s) differ from the sizes and xxh3 hashes in its "
             f"manifest.json ({', '.join(bad)}): bit rot, a torn copy or a change after the "
             f"save. Nothing was exported. Export an older tag (--tag; intact by size: "
-            f"{_tags(tag_dir.parent)}), or copy the checkpoint again."
+            f"{_tags(tag_dir.parent, leave_out=tag_dir.name)}), or copy the checkpoint again."
         )
     try:
         safeload.check_checkpoint(tag_dir)

@@ -46,6 +46,8 @@ class Row:
     name: str
     lower_is_better: bool
     scores: dict[str, Score]
+    failed: tuple[str, ...] = ()
+    """The labels of the runs whose latest scoring did not score this task."""
 
     def best(self) -> list[str]:
         """The labels of the runs with the best score (more than one on a tie)."""
@@ -124,7 +126,8 @@ def table_rows(runs: list[RunScores]) -> list[Row]:
         metric = next(r.tasks[task].metric for r in runs if task in r.tasks)
         latest = {r.label: _latest(r.tasks.get(task)) for r in runs}
         scores = {label: s for label, s in latest.items() if s is not None}
-        rows.append(Row(f"{task} {metric}", downstream.lower_is_better(metric), scores))
+        failed = tuple(r.label for r in runs if task in r.tasks and r.tasks[task].failed)
+        rows.append(Row(f"{task} {metric}", downstream.lower_is_better(metric), scores, failed))
     return rows
 
 
@@ -134,7 +137,7 @@ def _latest(t: TaskScores | None) -> Score | None:
 
 def format_compare(runs: list[RunScores]) -> str:
     """The runs' lineage, the table (the best of each row marked ``*``) and who wins on what."""
-    rows = [row for row in table_rows(runs) if row.scores]
+    rows = [row for row in table_rows(runs) if row.scores or row.failed]
     lines = [f"compare {len(runs)} runs: {_parentage(runs)}"]
     width = max(len(r.label) for r in runs)
     for r in runs:
@@ -156,13 +159,19 @@ def format_compare(runs: list[RunScores]) -> str:
         "score otherwise"
     )
     lines += [f"  {line}" for line in wins(rows, [r.label for r in runs])]
+    lines += [
+        f"  {label}: {row.name.rpartition(' ')[0]} did not score at its latest scoring "
+        f"(anneal report {next(r.path for r in runs if r.label == label)} says why)"
+        for row in rows
+        for label in row.failed
+    ]
     return "\n".join(lines)
 
 
 def _cell(row: Row, run: RunScores) -> str:
     score = row.scores.get(run.label)
     if score is None:
-        return MISSING
+        return "failed" if run.label in row.failed else MISSING
     shown = f"{score.value:.4f}" if row.name in VALIDATION else downstream.show(score)
     text = shown + ("*" if run.label in row.best() else "")
     newest = max((s.step for t in run.tasks.values() for s in t.scores), default=score.step)
@@ -173,26 +182,37 @@ def wins(rows: list[Row], labels: list[str]) -> list[str]:
     """One line per run: the rows it is best on, a tie, a win within ``CLEAR_WIN_STDERR``
     stderr of the runner-up, or a row that only it has, said so."""
     won: dict[str, list[str]] = {label: [] for label in labels}
+    said: dict[str, list[str]] = {label: [] for label in labels}  # each with its own clause
     for row in rows:
         best = row.best()
         for label in best:
-            won[label].append(row.name + _how(row, label, best))
-    return [f"{label} wins on {', '.join(won[label]) or 'nothing'}" for label in labels]
+            how = _how(row, label, best)
+            if how:
+                said[label].append(how)
+            else:
+                won[label].append(row.name)
+    return [
+        f"{label} wins on {', '.join(won[label]) or 'nothing'}"
+        + "".join(f"; {h}" for h in said[label])
+        for label in labels
+    ]
 
 
 def _how(row: Row, label: str, best: list[str]) -> str:
+    """A best that is not a plain win, as a clause of its own about that row alone (empty: a
+    plain win): the only run with the row, a tie, or a lead within the stderr."""
     others = [k for k in row.scores if k not in best]
     if len(row.scores) == 1:
-        return " (the only one with it)"
+        return f"only it has {row.name}"
     if len(best) > 1:
-        return f" (tied with {', '.join(k for k in best if k != label)})"
+        return f"ties on {row.name} with {', '.join(k for k in best if k != label)}"
     pick = min if row.lower_is_better else max
     runner = pick(others, key=lambda k: row.scores[k].value)
     a, b = row.scores[label], row.scores[runner]
     if a.stderr is None or b.stderr is None:
         return ""
     if abs(a.value - b.value) <= CLEAR_WIN_STDERR * math.hypot(a.stderr, b.stderr):
-        return f" (within {CLEAR_WIN_STDERR:g} stderr of {runner}: no clear win)"
+        return f"no clear win on {row.name} (within {CLEAR_WIN_STDERR:g} stderr of {runner})"
     return ""
 
 
@@ -203,6 +223,8 @@ def _parentage(runs: list[RunScores]) -> str:
     }
     if len(parents) == 1 and None not in parents:
         return f"cooldown branches of {parents.pop()}"
+    if parents == {None}:
+        return "none of them a cooldown branch; compared as they are"
     return "not all cooldown branches of one parent; compared as they are"
 
 

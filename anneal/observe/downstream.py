@@ -161,6 +161,9 @@ RATES = ("acc", "acc_norm", "exact_match")
 """Metrics (and their stderrs) that are fractions, in [0, 1]."""
 LARGEST = 1e15
 """Any other metric's bound either way: a perplexity past it is no score (1e308 breaks an axis)."""
+MAX_FAILED_CHARS = 4000
+"""A failed task's reason is shown whole up to this length (``value_problem``'s bound): its end
+is usually the fix (the report wraps it; it never cuts a line)."""
 
 
 def value_problem(doc: dict) -> str | None:
@@ -185,7 +188,7 @@ def value_problem(doc: dict) -> str | None:
                 return f"task {task}: {ascii(name)[:40]} {ascii(x)[:40]} not in [{low:g}, {high:g}]"
     failed = doc.get("failed", {})
     if not isinstance(failed, dict) or not all(
-        is_printable_name(k) and is_printable_name(" ".join(str(v).split()), limit=4000)
+        is_printable_name(k) and is_printable_name(" ".join(str(v).split()), limit=MAX_FAILED_CHARS)
         for k, v in failed.items()
     ):
         return "failed: task names and reasons that are not printable text"
@@ -240,7 +243,7 @@ def _failed(doc: dict) -> dict[str, str]:
     failed = doc.get("failed")
     if not isinstance(failed, dict):
         return {}
-    return {_one_line(k, 80): _one_line(v, 200) for k, v in failed.items()}
+    return {_one_line(k, 80): _one_line(v, MAX_FAILED_CHARS) for k, v in failed.items()}
 
 
 def _one_line(text, limit: int) -> str:
@@ -300,6 +303,10 @@ def draw(plt, c, tasks, path: Path, name: str, parent: list[TaskScores] | None =
         ax.set_xlabel("tokens seen")
     left = len(drawable(tasks)) - len(shown)
     more = f" ({len(shown)} of {len(shown) + left} tasks; anneal report lists all)" if left else ""
+    if failed := [_text(t.task) for t in tasks if t.failed]:
+        more += (
+            f"\ndid not score at the latest scoring: {', '.join(failed)} (anneal report says why)"
+        )
     fig.suptitle(f"{name}: downstream tasks{more}")
     return save(fig, path)
 

@@ -40,6 +40,10 @@ IMBALANCE_MAX_MEAN = 2.0
 # The judged stretch: the last quarter of the moe rows (at least one), the end of the run, once
 # the router has had time to learn; an imbalance early in a run from scratch is expected.
 JUDGED_SHARE = 0.25
+# A verdict waits for evidence, as the validation loss's does (2 validations): the judged
+# stretch must hold this many moe rows (a run of at least 5), else the signal is n/a. One row
+# of a short run's untrained router said "PROBLEM" where docs/moe.md calls it expected.
+MIN_JUDGED_ROWS = 2
 MEGATRON = (
     "Megatron-Core's README: dropless MoE 'suffers from a severe load imbalance issue when the "
     "router is under-trained'"
@@ -155,6 +159,21 @@ def judged(moe: list[dict]) -> list[dict]:
     return moe[-max(1, math.ceil(len(moe) * JUDGED_SHARE)) :]
 
 
+def _too_few(name: str, moe: list[dict], means: str) -> Signal | None:
+    """n/a, saying what it waits for, while the judged stretch holds under ``MIN_JUDGED_ROWS``."""
+    if not moe:
+        return Signal(name, UNKNOWN, "no moe rows", means)
+    rows = judged(moe)
+    if len(rows) >= MIN_JUDGED_ROWS:
+        return None
+    wait = (
+        f"{_stretch(moe)}: too few to judge; a verdict needs "
+        f"{MIN_JUDGED_ROWS} in the last quarter of the run (an untrained router's imbalance "
+        f"is expected early)"
+    )
+    return Signal(name, UNKNOWN, wait, means)
+
+
 def _stretch(rows: list[dict]) -> str:
     first = rows[0]["step"] - steps(rows[0]) + 1
     return f"steps {first}-{rows[-1]['step']} ({len(rows)} moe row(s))"
@@ -164,8 +183,8 @@ def collapse_signal(moe: list[dict]) -> Signal:
     """A problem when an expert's share stays below ``COLLAPSED_SHARE`` of uniform in every
     judged moe row; it names each such layer and expert."""
     means = f"every expert keeps >= {COLLAPSED_SHARE:.0%} of its uniform share"
-    if not moe:
-        return Signal("experts", UNKNOWN, "no moe rows", means)
+    if waiting := _too_few("experts", moe, means):
+        return waiting
     rows = judged(moe)
     per_row = [shares(r["counts"]) for r in rows]
     collapsed = []
@@ -187,8 +206,8 @@ def imbalance_signal(moe: list[dict]) -> Signal:
     """A problem when a layer's max/mean load stays above ``IMBALANCE_MAX_MEAN`` in every
     judged moe row; it names each such layer and its busiest expert over the stretch."""
     means = f"max/mean load near 1, not above {IMBALANCE_MAX_MEAN:g} for long"
-    if not moe:
-        return Signal("expert balance", UNKNOWN, "no moe rows", means)
+    if waiting := _too_few("expert balance", moe, means):
+        return waiting
     rows = judged(moe)
     ratios = [[_max_mean(layer) for layer in r["counts"]] for r in rows]
     worst_layer = max(range(len(ratios[-1])), key=lambda i: ratios[-1][i])

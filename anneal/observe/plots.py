@@ -1,5 +1,5 @@
 """A run's charts (``anneal plot RUN``, and the end of every run): loss against tokens with
-the dev loss and the random baseline, the learning rate planned and applied, the gradient norm
+the val loss and the random baseline, the learning rate planned and applied, the gradient norm
 with the guard's events, and throughput with MFU, all read from ``RUN/metrics.jsonl``; and,
 when the run has downstream scores (``RUN/evals/``), each task's against tokens
 (``downstream``); a sparse model's expert load and router balance (``moe_plots``).
@@ -151,7 +151,7 @@ def _plot_parent(ax, c, parent, key: str, *, x: str = "step") -> None:
             lw=1,
             ms=3,
             alpha=0.7,
-            label=f"{label} {'dev loss' if key == 'val_loss' else key}",
+            label=f"{label} {'val loss' if key == 'val_loss' else key}",
         )
 
 
@@ -174,7 +174,7 @@ def _plot_loss(plt, c, train, val, record, path, name, parent=None) -> Path:
     vy = [r["val_loss"] for r in val if isinstance(r.get("val_loss"), int | float)]
     pts = [(a, b) for a, b in zip(vx, vy, strict=True) if a]
     if pts:
-        ax.plot(*zip(*pts, strict=True), "o-", color=c["second"], lw=1.5, ms=4, label="dev loss")
+        ax.plot(*zip(*pts, strict=True), "o-", color=c["second"], lw=1.5, ms=4, label="val loss")
     vocab = record.vocab_size
     if vocab:
         ax.axhline(
@@ -348,7 +348,7 @@ def _plot_val_sources(plt, c, train, val, sources, path, name) -> Path:
             if pts:  # the line style as a keyword only: a format string too would clash
                 style = dict(color=c["clip"], ls="--") if label == "total" else dict(ls="-")
                 ax.plot(*zip(*pts, strict=True), marker="o", lw=1.5, ms=3, label=label, **style)
-        ax.set_ylabel(f"dev {metric[4:]} ({unit})")
+        ax.set_ylabel(f"val {metric[4:]} ({unit})")
         ax.set_xscale("log")
         ax.grid(alpha=0.4, which="both")
     axes[0].set_title(f"{name}: validation per source")

@@ -67,6 +67,7 @@ class ProgressBar:
                 desc=self._step(start_step) + " ",
                 file=self.stream,
                 bar_format="{desc}{bar:20}| {postfix}",
+                disable=False,  # a terminal: drawn whatever TQDM_DISABLE says (anneal/__init__)
                 dynamic_ncols=True,
                 leave=False,
             )

@@ -4,7 +4,7 @@
 signal             healthy                   problem
 =================  ========================  ===============================
 train loss         falls steadily            flat near the random baseline
-dev loss           falls, then stabilizes    rises while train loss falls
+val loss           falls, then stabilizes    rises while train loss falls
 grad norm          finite, bounded           NaN or repeated huge spikes
 tokens/s           stable for a config       sudden drop or data stall
 downstream <task>  holds or rises            fell by > 2 stderr, or failed
@@ -25,6 +25,7 @@ import logging
 import math
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 from anneal import rundir
@@ -38,8 +39,8 @@ log = logging.getLogger("anneal.observe.report")  # the same name when run as __
 # Train loss counts as "near the baseline" above this share of ln(V): a model that has learned
 # only unigram frequencies is already well below it (stdlib corpus: ~0.6 ln V).
 NEAR_BASELINE = 0.9
-# Dev loss "rises" when its last value is this much (relative) above its best so far.
-DEV_RISE = 0.02
+# Val loss "rises" when its last value is this much (relative) above its best so far.
+VAL_RISE = 0.02
 # A grad-norm spike: this many times the median of the previous SPIKE_WINDOW steps; "repeated"
 # means at least SPIKES_REPEATED of them.
 SPIKE_FACTOR = 5.0
@@ -49,6 +50,9 @@ SPIKES_REPEATED = 3
 # the data loader "stalls" when it holds the step this share of the time (median).
 TPUT_DROP = 0.5
 DATA_STALL = 0.10
+# The report's lines wrap at this many characters, between words: a long detail (a failed
+# task's reason and its fix) goes on under its own column, never cut.
+REPORT_WIDTH = 100
 
 
 def _window(values: list[float], share: float = 0.1) -> int:
@@ -78,18 +82,18 @@ def train_loss_signal(train: list[dict], vocab_size: int | None) -> Signal:
     return Signal("train loss", HEALTHY, detail, means)
 
 
-def dev_loss_signal(
+def val_loss_signal(
     val: list[dict], train: list[dict], *, why: str = "overfitting or a data leak"
 ) -> Signal:
-    """``why``: what a dev loss that rises while the train loss falls suggests."""
+    """``why``: what a validation loss that rises while the train loss falls suggests."""
     means = "falls, then stabilizes"
     points = [(r["step"], r["val_loss"]) for r in val if is_finite_number(r.get("val_loss"))]
     if len(points) < 2:
-        return Signal("dev loss", UNKNOWN, f"{len(points)} validation(s); need 2", means)
+        return Signal("val loss", UNKNOWN, f"{len(points)} validation(s); need 2", means)
     best_step, best = min(points, key=lambda p: p[1])
     last_step, last = points[-1]
     detail = f"best {best:.3f} at step {best_step}, last {last:.3f} at step {last_step}"
-    if last > best * (1 + DEV_RISE) and last_step > best_step:
+    if last > best * (1 + VAL_RISE) and last_step > best_step:
         span = [
             r["loss"]
             for r in train
@@ -99,25 +103,25 @@ def dev_loss_signal(
         falling = span and statistics.fmean(span[-k:]) < statistics.fmean(span[:k])
         if falling:
             return Signal(
-                "dev loss",
+                "val loss",
                 PROBLEM,
                 f"rises while train loss falls ({why}): {detail}",
                 means,
             )
-        return Signal("dev loss", PROBLEM, f"rises (> {DEV_RISE:.0%} above best): {detail}", means)
-    return Signal("dev loss", HEALTHY, detail, means)
+        return Signal("val loss", PROBLEM, f"rises (> {VAL_RISE:.0%} above best): {detail}", means)
+    return Signal("val loss", HEALTHY, detail, means)
 
 
 def source_signals(val: list[dict], train: list[dict]) -> list[Signal]:
-    """The dev-loss signal of each source of a blend (``val_loss/<source>``), with its last bits
+    """The val-loss signal of each source of a blend (``val_loss/<source>``), with its last bits
     per byte: the total can fall while one source rises (is being forgotten)."""
     out = []
     for source in rundir.val_sources(val):
         rows = [{"step": r["step"], "val_loss": r.get(f"val_loss/{source}")} for r in val]
-        signal = dev_loss_signal(rows, train, why="this source is being forgotten")
+        signal = val_loss_signal(rows, train, why="this source is being forgotten")
         bpb = [r[f"val_bpb/{source}"] for r in val if is_finite_number(r.get(f"val_bpb/{source}"))]
         detail = signal.detail + (f"; last {bpb[-1]:.3f} bits/byte" if bpb else "")
-        out.append(dataclasses.replace(signal, name=f"dev loss {source}", detail=detail))
+        out.append(dataclasses.replace(signal, name=f"val loss {source}", detail=detail))
     return out
 
 
@@ -225,7 +229,7 @@ def downstream_signals(run_dir: Path, rows: list[dict]) -> list[Signal]:
 
 
 def health(run_dir: Path) -> list[Signal]:
-    """The four signals of a run directory, one dev-loss signal per source of a blend, one
+    """The four signals of a run directory, one val-loss signal per source of a blend, one
     per downstream task and a sparse model's two (UserError if it has no train rows yet)."""
     rows = rundir.read_metrics(run_dir, trained=True)
     train = [r for r in rows if r.get("kind") == "train"]
@@ -235,7 +239,7 @@ def health(run_dir: Path) -> list[Signal]:
     vocab, clip = record.vocab_size, record.gradient_clipping
     return [
         train_loss_signal(train, vocab),
-        dev_loss_signal(val, train),
+        val_loss_signal(val, train),
         grad_norm_signal(train, events, clip),
         throughput_signal(train),
         *source_signals(val, train),
@@ -254,7 +258,15 @@ def format_table(signals: list[Signal], *, run_dir: Path | None = None) -> str:
 
         lines += [f"  {line}" for line in lineage(Path(run_dir))]
     for s in signals:
-        lines.append(f"  {s.name:<{width}}  {marks[s.status]:<7}  {s.detail}")
+        head = f"  {s.name:<{width}}  {marks[s.status]:<7}  "
+        lines += textwrap.wrap(
+            s.detail or "-",
+            width=max(REPORT_WIDTH, len(head) + 40),
+            initial_indent=head,
+            subsequent_indent=" " * len(head),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
     n_bad = sum(s.status == PROBLEM for s in signals)
     lines.append(f"  {n_bad} problem(s)" if n_bad else "  no problems")
     return "\n".join(lines)

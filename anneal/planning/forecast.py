@@ -55,6 +55,11 @@ class Forecast:
     """Forward tokens of the downstream scorings left in the run (``anneal.eval.in_loop``)."""
     eval_s: float = 0.0
     """Their time."""
+    device_type: str = "cuda"
+    """Where the ranks run: on a CPU the memory is per process, not per GPU."""
+    mfu_source: str = ""
+    """Where ``mfu`` comes from: "--mfu", a run of the same shape on this machine
+    (``anneal.planning.measured_rate``), or "" (assumed: ``anneal.hardware.DEFAULT_MFU``)."""
 
     @property
     def remaining_s(self) -> float:
@@ -76,6 +81,8 @@ def make(
     peak_flops: float,
     activation_checkpointing: bool = False,
     eval_tokens: int = 0,
+    device_type: str = "cuda",
+    mfu_source: str = "",
 ) -> Forecast:
     micro, d = ds_config["train_micro_batch_size_per_gpu"], degrees(ds_config)
     est = memory.estimate(
@@ -103,6 +110,8 @@ def make(
         mfu=mfu,
         peak_flops=peak_flops,
         world_size=world_size,
+        device_type=device_type,
+        mfu_source=mfu_source,
     )
 
 
@@ -118,12 +127,18 @@ def format_duration(seconds: float) -> str:
 
 
 def describe(f: Forecast) -> str:
+    cpu = f.device_type == "cpu"
+    where = "per process" if cpu else "per GPU"
+    devices = ("process" if f.world_size == 1 else "processes") if cpu else "devices"
+    source = f.mfu_source or "assumed, docs/planning.md"
+    if cpu and not f.mfu_source:
+        source += "; a CPU run keeps its measured rate for the next forecast of its shape"
     return (
-        f"forecast: {memory.format_bytes(f.memory_bytes_per_gpu)} per GPU "
+        f"forecast: {memory.format_bytes(f.memory_bytes_per_gpu)} {where} "
         f"(anneal/planning/memory.py); "
         f"{f.step_s:.3g} s per step and {format_duration(f.remaining_s)} for the "
         f"{f.remaining_steps} steps left at MFU {f.mfu:.0%} of {f.peak_flops / 1e12:.3g} TFLOP/s "
-        f"x {f.world_size} devices"
+        f"x {f.world_size} {devices} ({source})"
         + (
             f", of which {format_duration(f.eval_s)} scoring train.eval_tasks (about "
             f"{f.eval_tokens:,} forward tokens)"

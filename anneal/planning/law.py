@@ -94,7 +94,13 @@ class ChinchillaFit:
         return (self.A * (1 + self.alpha / self.beta) / (loss - self.E)) ** (1 / self.alpha)
 
     def check_reachable(self, loss: float) -> None:
-        if not math.isfinite(loss) or loss <= self.E:
+        if not math.isfinite(loss):
+            raise UserError(
+                f"--target-loss {loss}: not a finite number. Give the final loss you want in "
+                f"nats/token, above the {self.name} fit's irreducible E = {self.E:.4f} (e.g. "
+                f"--target-loss {self.E + 0.5:.2f})."
+            )
+        if loss <= self.E:
             raise UserError(
                 f"--target-loss {loss}: impossible under the {self.name} fit, whose "
                 f"irreducible loss is E = {self.E:.4f} nats/token; no model size or amount "

@@ -44,6 +44,22 @@ def parse_rule(text: str) -> float:
     return ratio
 
 
+PLAN_RANGES = {"--params": (1e3, 1e14), "--tokens": (1e3, 1e16), "--flops": (1e9, 1e30)}
+"""The budgets a plan answers, (low, high): below, no transformer (1e3 parameters) or not one
+batch (1e3 tokens); above, 50x the largest model trained, 600x the largest corpus (Llama 3's
+15T tokens) and 10,000x the largest run's compute (about 1e26) reported so far. A value outside
+is a typo (``1e60``, ``1e-30``), refused with the range rather than answered with nonsense."""
+
+
+def _in_range(flag: str, value: float | None) -> None:
+    low, high = PLAN_RANGES[flag]
+    if value is not None and not low <= value <= high:
+        raise UserError(
+            f"{flag} {value:g}: outside what a plan can answer ({low:g} to {high:g}); a typo in "
+            f"the exponent? E.g. --params 7e9 is a 7B model, --tokens 2e12 two trillion tokens."
+        )
+
+
 def _positive(flag: str, value: float | None) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
         raise UserError(f"{flag} {value}: must be a positive, finite number.")
@@ -241,6 +257,8 @@ def _check_inputs(
         ("--rule tokens-per-param", tokens_per_param),
     ):
         _positive(flag, value)
+    for flag, value in (("--flops", flops), ("--params", params), ("--tokens", tokens)):
+        _in_range(flag, value)
     if gpus is not None and (isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1):
         raise UserError(f"--gpus {gpus}: must be a whole number of GPUs, at least 1.")
     if mfu is not None and mfu > 1:

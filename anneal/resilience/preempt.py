@@ -30,6 +30,7 @@ start, removes such files of its host (``remove_stale``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
@@ -138,13 +139,68 @@ class SignalFlag:
         self._pid_file.unlink(missing_ok=True)
 
 
+class StopMidStep(Exception):
+    """Raised by ``Preemption.micro_batch_boundary`` in a one-process run that was signalled
+    inside a step: the step is abandoned at a micro-batch boundary (its weights and optimizer
+    are still those of the last completed step) and its micro-batches are done again on
+    resume (``anneal.train.Trainer.step``)."""
+
+
 class Preemption(SignalFlag):
-    """Installed once per rank by ``anneal.train.Trainer``; see the module docstring."""
+    """Installed once per rank by ``anneal.train.Trainer``; see the module docstring.
+
+    Where the signal comes inside a long step: a one-process run stops at the next micro-batch
+    boundary (``micro_batch_boundary`` raises ``StopMidStep``), since nothing but the
+    accumulated gradients, which a resume recomputes, is lost by dropping the step. Several
+    ranks would need a collective at every micro-batch to agree on which boundary, so they stop
+    after the step; the signal's line then says how long that is at the measured micro-batch
+    pace, with the last save's time, and warns where it is more than the grace time the job
+    was given (``GRACE_ENV``, which launcher/templates/multinode.sbatch exports)."""
 
     def __init__(self, run_dir: Path) -> None:
-        super().__init__(run_dir, _stopping)
         self.requested_by_any = False
         """Set on every rank by ``train_step``'s collective: some rank got a signal."""
+        self.last_save_s: float | None = None
+        """How long the last checkpoint took (``anneal.train.Trainer.checkpoint`` sets it)."""
+        self._at: tuple[int, int, int] | None = None  # (completed steps, micro-batch, of n)
+        self._boundary_t: float | None = None
+        self._micro_s: float | None = None  # the last micro-batch's time, measured
+        super().__init__(run_dir, self._announce)  # the handler reads the fields above
+
+    def micro_batch_boundary(self, step: int, index: int, count: int) -> None:
+        """Before micro-batch ``index`` of ``count`` of the step after ``step`` (every rank):
+        its pace measured, and in a one-process run that was signalled, ``StopMidStep``."""
+        now = time.perf_counter()
+        if index > 0 and self._boundary_t is not None:
+            self._micro_s = now - self._boundary_t
+        self._at, self._boundary_t = (step, index, count), now
+        if self.signalled and world_size() == 1:
+            raise StopMidStep()
+
+    def _announce(self, name: str) -> None:
+        """The signal's line: where it stops, how long that takes, against the grace time."""
+        at, micro_s, save_s = self._at, self._micro_s, self.last_save_s
+        save = f"the last save took {save_s:.1f} s" if save_s is not None else "no save yet"
+        if at is None or micro_s is None:  # before the first micro-batch was timed
+            where = "at the next micro-batch boundary" if world_size() == 1 else "after this step"
+            log.warning("got %s: stopping %s to checkpoint (%s)", name, where, save)
+            return
+        step, index, count = at
+        if world_size() == 1:
+            wait_s = micro_s
+            where = (
+                f"at the end of micro-batch {index + 1} of {count} of step {step + 1} (about "
+                f"{micro_s:.1f} s at the last one's pace), then saving step {step}'s checkpoint "
+                f"({save}); the unfinished step is done again on resume"
+            )
+        else:
+            wait_s = (count - index) * micro_s
+            where = (
+                f"after this step: {count - index} of its {count} micro-batches left, about "
+                f"{wait_s:.1f} s at the last one's pace, then the save ({save})"
+            )
+        log.warning("got %s: stopping %s", name, where)
+        check_grace(wait_s + (save_s or 0.0))
 
     def requested(self, device: torch.device) -> bool:
         """Collective: True on every rank when any rank got a signal. The training loop gets
@@ -175,7 +231,8 @@ class Preemption(SignalFlag):
             path=str(tag_dir),
         )
         log.warning(
-            "preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue",
+            "preempted (%s): checkpoint %s in %.1f s; exiting %d for requeue. To go on, run the "
+            "same command again (a scheduler's requeue does): it resumes from that checkpoint.",
             name,
             tag_dir,
             save_s,
@@ -185,5 +242,24 @@ class Preemption(SignalFlag):
         raise Preempted()
 
 
-def _stopping(name: str) -> None:
-    log.warning("got %s: stopping after this step to checkpoint", name)
+GRACE_ENV = "ANNEAL_GRACE_S"
+"""The seconds between the preemption signal and the kill, where the job says them (the sbatch
+template's ``--grace-s``)."""
+
+
+def check_grace(need_s: float) -> None:
+    """A warning when ``need_s`` (the wait and the save) is more than the job's grace time."""
+    try:
+        grace_s = float(os.environ.get(GRACE_ENV, ""))
+    except ValueError:
+        return
+    if need_s > grace_s:
+        log.warning(
+            "that is about %.0f s, more than the %.0f s between the signal and the kill (%s, the "
+            "job's --grace-s): the job may be killed before its checkpoint is written. Submit "
+            "with --grace-s %d or more (docs/resilience.md).",
+            need_s,
+            grace_s,
+            GRACE_ENV,
+            math.ceil(1.5 * need_s) + 30,
+        )

@@ -67,27 +67,9 @@ def load_universal(
 def _load_universal(engine, tag_dir: Path, *, ckpt_dir: Path, saved, here):
     universal = to_universal(tag_dir, ckpt_dir)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    (saved_ranks, saved_ep, saved_tp), (ranks, ep, tp) = saved, here
-
-    if saved == here:  # the ZeRO stage alone moves (checkpoint.load converts for that too)
-        log.warning(
-            "%s was saved at ZeRO-1/2 and this job runs ZeRO-3, or the other way (their files "
-            "differ): loading its universal form %s",
-            tag_dir,
-            universal,
-        )
-    else:
-        log.warning(
-            "%s was saved by %d ranks%s%s, this job has %d%s%s: loading its universal form %s",
-            tag_dir,
-            saved_ranks,
-            f" at expert-parallel degree {saved_ep}" if saved_ep != 1 else "",
-            f" at tensor-parallel degree {saved_tp}" if saved_tp != tp else "",
-            ranks,
-            f" at degree {ep}" if saved_ep != ep else "",
-            f" at tensor-parallel degree {tp}" if saved_tp != tp else "",
-            universal,
-        )
+    # The launch's "resume: ..." note said what moves and why, once (rank 0, INFO); this line
+    # only names the folder that is loaded.
+    log.info("%s: loading its universal form %s", tag_dir, universal)
     clip = getattr(engine.optimizer, "clip_grad", None)  # ZeRO-1/2's load sets the saved one
     engine._config.load_universal_checkpoint = True  # for this one load
     try:

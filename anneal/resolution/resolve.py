@@ -132,7 +132,7 @@ class Launch:
         n_params, active = count_params(self.preset), active_params(self.preset)
         sparse = f", {human_count(active)} active" if active != n_params else ""
         lines = [
-            f"model {self.cfg.model.preset}: {n_params:,} parameters "
+            f"model {self.cfg.model.init_from or self.cfg.model.preset}: {n_params:,} parameters "
             f"({human_count(n_params)}{sparse}), vocab {self.preset.vocab_size}, seq "
             f"{self.seq_len}; {self.layout.describe()} on {self.device_type}; ZeRO stage "
             f"{self.zero_stage}, "

@@ -24,6 +24,7 @@ from anneal.model import (
     param_groups,
 )
 from anneal.model.attention import SDPA
+from anneal.resolution.batch_share import check_batch_share
 from anneal.resolution.resolve import Launch, resolve_launch
 from anneal.train import experts, loss, sequence
 from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
@@ -31,7 +32,8 @@ from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
 
 def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
     """Resolve this launch for the live world and device (see ``anneal.resolution.resolve``), and
-    check its in-loop tasks (``anneal.eval.in_loop.check_launch``)."""
+    check its in-loop tasks (``anneal.eval.in_loop.check_launch``) and its batch against its
+    train split (``anneal.resolution.batch_share``)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
@@ -43,6 +45,7 @@ def resolve_run(cfg: RunConfig, overrides: list[str] = ()) -> Launch:
         fast_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(),
     )
     in_loop.check_launch(launch)  # train.eval_tasks: a layout or spec they cannot run with
+    check_batch_share(launch)  # a batch that is a large share of the train split
     return launch
 
 
@@ -65,7 +68,7 @@ def build_engine(launch: Launch):
     if launch.layout.sequence_parallel > 1:
         sequence.check_model(model, launch.attention.implementation)
     if launch.cfg.model.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     opt_params = ds["optimizer"]["params"]
     schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
@@ -224,3 +227,9 @@ def _share_cpu_threads() -> None:
         return
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def checkpoint_activations(model) -> None:
+    """transformers' activation checkpointing, non-reentrant, through its current name
+    (``gradient_checkpointing_enable`` is a deprecated alias that warns on every run)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

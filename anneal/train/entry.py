@@ -21,6 +21,7 @@ from anneal.config.run_checks import check_ranges
 from anneal.dist import print0, rank
 from anneal.resilience import checkpoint
 from anneal.resilience.guard import Guard
+from anneal.resilience.preempt import Preempted
 from anneal.rundir import RunDir
 from anneal.train.engine import build_engine, resolve_run, setup_process
 from anneal.train.trainer import Data, Trainer
@@ -68,9 +69,16 @@ def run(cfg: RunConfig, overrides: list[str] = ()) -> dict:
     run_dir = RunDir.for_launch(launch)
     try:
         return Trainer(launch, engine, guard, run_dir, data).train(client, resumed)
+    except Preempted:  # stopped inside the first step: its checkpoint (step 0) is kept
+        raise
     except BaseException:
         run_dir.undo()
         raise
+
+
+ROUTINE_NOTES = ("resume: ",)
+"""Notes of what the docs call routine (a resume at another layout: docs/resilience.md), logged
+as INFO; every other note is a WARNING (something the user did not ask for)."""
 
 
 def log_notes(notes: Sequence[str], *, rank: int) -> None:
@@ -78,4 +86,5 @@ def log_notes(notes: Sequence[str], *, rank: int) -> None:
     every rank resolves the same launch, so rank 0 says it for all."""
     if rank == 0:
         for note in notes:
-            log.warning(note)
+            routine = note.startswith(ROUTINE_NOTES)
+            log.log(logging.INFO if routine else logging.WARNING, note)

@@ -28,7 +28,7 @@ from anneal.eval import results
 from anneal.observe.metrics import MetricsLogger
 from anneal.observe.moe import MoeCounts, without_counts
 from anneal.observe.progress import ProgressBar, WandbSink, finish_run
-from anneal.planning import forecast
+from anneal.planning import forecast, measured_rate
 from anneal.resilience import heartbeat
 from anneal.resilience.preempt import Preemption
 
@@ -187,16 +187,30 @@ def headline(metrics: dict[str, float]) -> tuple[str | None, float]:
 
 class ForecastCheck(Observer):
     """The launcher's forecast against the measured step time and memory
-    (``anneal.planning.forecast``), told to ``events`` (the run's observers)."""
+    (``anneal.planning.forecast``), told to ``events`` (the run's observers). ``rate``: on a
+    CPU, (shape key, FLOPs per token) under which rank 0 keeps the rate this run measured for
+    the next forecast of the same shape (``anneal.planning.measured_rate``)."""
 
-    def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, events):
+    def __init__(self, run_dir: Path, *, start_step: int, tokens_per_step: int, events, rate=None):
         self.check = forecast.Check(run_dir, start_step=start_step)
         self.tokens_per_step, self.events = tokens_per_step, events
+        self.run_dir, self.rate, self.rows = Path(run_dir), rate, []
 
     def on_step(self, row: dict) -> None:
+        self.rows.append(row)
         fields = self.check.after_step(row, self.tokens_per_step)
         if fields is not None:
             self.events.on_event(row["step"], "forecast", **fields)
+
+    def close(self) -> None:
+        if self.rate is None or not is_main_process():
+            return
+        key, flops_per_token = self.rate
+        rate = measured_rate.rate_of(
+            self.rows, flops_per_token=flops_per_token, world_size=world_size()
+        )
+        if rate is not None:
+            measured_rate.remember(key, rate, run_dir=self.run_dir)
 
 
 class LiveView(Observer):

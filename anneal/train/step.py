@@ -161,7 +161,9 @@ def train_step(
     lr = engine.get_lr()[0]  # the LR this step applies
     loss_sum, wait_s = torch.zeros((), dtype=torch.float64, device=device), 0.0
     router = experts.RouterStats.of(engine, shape.moe)  # None for a dense model
-    for _ in range(shape.grad_accum):
+    for i in range(shape.grad_accum):
+        if preemption is not None:  # one process, signalled: StopMidStep (resilience.preempt)
+            preemption.micro_batch_boundary(state.step, i, shape.grad_accum)
         t0 = time.perf_counter()
         x, y = stream.next_batch()
         wait_s += time.perf_counter() - t0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from anneal.hardware import device_peak_flops
 from anneal.model import count_params, flops_per_token
 from anneal.model.muon import step_flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
+from anneal.planning import measured_rate
 from anneal.resilience import checkpoint, faults
 from anneal.resilience.guard import Guard
-from anneal.resilience.preempt import Preemption
+from anneal.resilience.preempt import Preemption, StopMidStep
 from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
@@ -91,14 +93,19 @@ class Trainer:
             world_size=world_size(),
         )
         self.last_train, self.last_val = None, None
+        self.last_checkpoint: Path | None = None
+        self.stopped_at_position: int | None = None  # set by a stop inside a step (step())
         self.tasks = None  # train.eval_tasks, loaded at the start (anneal.eval.in_loop)
 
     # -- state: one dict for save, resume and rewind ---------------------------------------
 
     def state_dict(self) -> dict:
+        data = self.stream.state_dict()
+        if self.stopped_at_position is not None:  # a step dropped at a micro-batch boundary
+            data = {**data, "position": self.stopped_at_position}
         return {
             **self.state.state_dict(),
-            "data": self.stream.state_dict(),
+            "data": data,
             "guard": self.guard.state_dict(),
             "tensor_parallel_size": self.launch.layout.tensor_parallel,  # into the manifest
             "sequence_parallel_size": self.launch.layout.sequence_parallel,  # and this
@@ -156,6 +163,8 @@ class Trainer:
                     self.preempt()
             if self.state.step >= self.cfg.train.max_steps:
                 self.observers.on_end()
+            else:
+                print0(self.stopped_line())
         except UserError:
             raise
         except Exception as e:
@@ -192,6 +201,7 @@ class Trainer:
                 start_step=start,
                 tokens_per_step=self.shape.tokens_per_step,
                 events=self.observers,
+                rate=self._rate_key(),
             ),
             observers.LiveView(
                 out, cfg=self.cfg, start_step=start, config_doc=self.launch.config_document()
@@ -211,8 +221,20 @@ class Trainer:
                 events=self.observers,
             )
 
+    def _rate_key(self) -> tuple[str, float] | None:
+        """On a CPU: the shape under which the measured rate is kept, and FLOPs per token."""
+        if self.launch.device_type != "cpu":
+            return None
+        flops = flops_per_token(self.launch.preset, seq_len=self.launch.seq_len)
+        return measured_rate.shape_key(self.launch), flops
+
     def step(self) -> dict:
-        row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
+        start = self.stream.position
+        try:
+            row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
+        except StopMidStep:  # one process, signalled inside the step: the step is dropped
+            self.stopped_at_position = start  # its samples are read again on resume
+            self.preempt()
         row["mfu"] = self.mfu(row["tokens_per_s"])
         self.last_train = row
         return row
@@ -287,6 +309,7 @@ class Trainer:
         """A checkpoint of this step, then the ``checkpoint`` event and ``on_checkpoint``."""
         train, step = self.cfg.train, self.state.step
         self.exports.wait()  # the previous export reads its tag; keep-K may remove it now
+        started = time.perf_counter()
         tag_dir = checkpoint.save(
             self.engine,
             rundir.checkpoints_dir(self.launch.out),
@@ -296,6 +319,8 @@ class Trainer:
             keep_every=train.keep_every,
             model=dataclasses.asdict(self.launch.preset),
         )
+        self.last_checkpoint = Path(tag_dir)
+        self.preemption.last_save_s = time.perf_counter() - started  # a stop's estimate
         self.observers.on_event(step, "checkpoint", path=str(tag_dir))
         self.observers.on_checkpoint(tag_dir)
 
@@ -309,11 +334,25 @@ class Trainer:
             events=self.observers,
         )
 
+    def stopped_line(self) -> str:
+        """What a stop before the last step (``train.stop_at_step``) says: where, what it
+        saved, and how to go on, so that it never reads like a crash."""
+        train, step = self.cfg.train, self.state.step
+        saved = f"checkpoint {self.last_checkpoint} written" if self.last_checkpoint else "saved"
+        return (
+            f"stopped at step {step} of {train.max_steps} (train.stop_at_step={train.stop_at_step})"
+            f": {saved}. To go on, run the same command again without train.stop_at_step (or "
+            f"with a later one): it resumes from that checkpoint."
+        )
+
     def summary(self) -> dict:
-        train, val = self.last_train or {}, self.last_val or {}
+        train, val = self.last_train or {}, self.last_val or self._earlier_val()
         return {
             "run_dir": str(self.launch.out),
             "step": self.state.step,
+            "max_steps": self.cfg.train.max_steps,
+            "val_step": val.get("step"),
+            "val_every": self.cfg.train.val_every if self.data.val is not None else None,
             "tokens": self.state.tokens,
             "train_loss": train.get("loss"),
             "tokens_per_s": train.get("tokens_per_s"),
@@ -321,6 +360,14 @@ class Trainer:
             "val_bpb": val.get("val_bpb"),
             "params": count_params(self.launch.preset),
         }
+
+    def _earlier_val(self) -> dict:
+        """The run's last validation row when this process ran none (it resumed after it, and
+        stopped before the next): the summary shows it with its step, not "n/a"."""
+        if rank() != 0 or not rundir.metrics_path(self.launch.out).is_file():
+            return {}
+        rows = rundir.read_metrics(self.launch.out, "val")
+        return rows[-1] if rows else {}
 
 
 def _due(step: int, every: int, last: int) -> bool:

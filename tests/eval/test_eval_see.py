@@ -337,7 +337,7 @@ def test_compare_sets_branches_side_by_side_and_says_who_wins(tmp_path, capsys):
         "  hellaswag acc_norm  0.4 ± 0.01   0.43 ± 0.01*",
         "  * the best of its row: the lowest loss, bits per byte or perplexity, the highest "
         "score otherwise",
-        "  a wins on val_loss, val_bpb, arc_easy acc (within 2 stderr of b: no clear win)",
+        "  a wins on val_loss, val_bpb; no clear win on arc_easy acc (within 2 stderr of b)",
         "  b wins on hellaswag acc_norm",
     ]
     config = json.loads((parent / "config.json").read_text())

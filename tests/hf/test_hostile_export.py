@@ -254,6 +254,7 @@ def test_same_size_bit_rot_is_refused_naming_the_file(run, tmp_path, capsys):
         untouched=[run],
     )
     assert "differ" in err
+    assert "(--tag; intact by size: step00000001)" in err  # not the damaged tag it refuses
     assert not out.exists() and not list(tmp_path.glob(".hf.partial*"))
 
 

@@ -240,6 +240,7 @@ def test_the_recipe_resolves_with_its_defaults(models, model_data, tmp_path, dev
     assert schedule.min_ratio == 0.0 and schedule.total_num_steps == 2400
     assert schedule.warmup_num_steps == 24  # 1% of the run (100M tokens would be 24 steps too)
     assert launch.bf16 is (device == "cuda")
+    assert launch.describe().startswith(f"model {models['llama']}: ")  # not "model pretrained"
     cfg, overrides = config_from_args(data, prog="c", on_cpu=device == "cpu", **spec)
     with pytest.raises(UserError, match="Give --init-from DIR"):
         resolve_launch(cfg, overrides, world_size=world, device_type=device)

@@ -58,6 +58,11 @@ class Rule:
 
 # A run of two optimizer steps at the suite's small shapes (tests/conftest.py's SMALL).
 TRAIN = ("--max-steps", "2", *SMALL)
+# The same for a command that sets its batch by optim.global_batch_tokens, which SMALL's pinned
+# accumulation would contradict (README's continued pretraining on a CPU).
+PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
+TRAIN_OWN_BATCH = ("--max-steps", "2")
+TRAIN_OWN_BATCH += tuple(x for p in PAIRS if p[1] != "ds.gradient_accumulation_steps=2" for x in p)
 # The fit from 64 grid starts and 4 bootstrap resamples (documented in docs/planning.md).
 FIT = ("--starts", "64", "--bootstrap", "4")
 STDLIB = ("data/stdlib",)
@@ -94,10 +99,19 @@ RULES = [
         skip="exports the run of the command before it (8 GPUs, a download); "
         "tests/hf/test_export.py exports runs",
     ),
+    Rule(
+        pattern=r"^python recipes/pretrain_tiny\.py --out .*optim\.global_batch_tokens",
+        given=STDLIB,
+        add=TRAIN_OWN_BATCH,
+    ),
     Rule(pattern=r"^python recipes/pretrain_tiny\.py --out ", given=STDLIB, add=TRAIN),
     Rule(pattern=r"^python recipes/pretrain_moe_tiny\.py --out ", given=STDLIB, add=TRAIN),
     Rule(
         pattern=r"^deepspeed --num_gpus 2 recipes/pretrain_moe_tiny\.py ", given=STDLIB, add=TRAIN
+    ),
+    Rule(
+        pattern=r"^python recipes/continue_pretraining\.py --init-from models/tiny",
+        add=("--max-steps", "2"),
     ),
     Rule(
         pattern=r"^deepspeed --num_gpus 8 recipes/continue_pretraining\.py ",

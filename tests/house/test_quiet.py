@@ -77,14 +77,17 @@ def test_the_filters_hide_only_the_known_messages():
 
 def test_launch_notes_are_logged_by_rank_0_only(caplog):
     """Every rank resolves the same launch; its notes (a batch rounded up, fp32 on a CPU, a
-    cooldown branch) are logged once, by rank 0, as warnings."""
-    notes = ["global batch rounded up", "cooldown branch of runs/p"]
+    cooldown branch) are logged once, by rank 0, as warnings; a resume at another layout, the
+    routine path of docs/resilience.md, as INFO (issue 46, point 8)."""
+    notes = ["global batch rounded up", "cooldown branch of runs/p", "resume: step4 was saved on"]
     with caplog.at_level(logging.INFO, logger="anneal.train.entry"):
         log_notes(notes, rank=1)
         assert caplog.records == []
         log_notes(notes, rank=0)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", n) for n in notes
+        ("WARNING", notes[0]),
+        ("WARNING", notes[1]),
+        ("INFO", notes[2]),
     ]
 
 
@@ -96,3 +99,79 @@ def test_the_launcher_names_the_accelerator_only_where_deepspeed_finds_none(monk
     found = deepspeed.get_accelerator().device_name()
     assert accelerator_env({}) == ({"DS_ACCELERATOR": "cpu"} if found == "cpu" else {})
     assert accelerator_env({"DS_ACCELERATOR": "cuda"}) == {}
+
+
+NOISE = r"""
+import logging, sys
+import anneal
+from tqdm import tqdm
+logging.basicConfig(level=logging.INFO)
+list(tqdm(range(3), desc="Building contexts"))
+logging.getLogger("lm_eval.evaluator").info("Running loglikelihood requests")
+logging.getLogger("lm_eval.api.task").warning("an lm-eval warning")
+"""
+
+
+def test_lm_evals_info_lines_and_tqdm_bars_stay_out_of_a_log():
+    """Issue 46, point 7: in a process whose stderr is a file (a log, Slurm's output), a tqdm
+    bar (lm-eval draws one per task and request type) draws nothing, and lm-eval's INFO lines
+    are left out; its warnings still show."""
+    e = {k: v for k, v in env().items() if k != "TQDM_DISABLE"}
+    done = subprocess.run(
+        [sys.executable, "-c", NOISE], capture_output=True, text=True, cwd=ROOT, env=e, check=True
+    )
+    assert "Building contexts" not in done.stderr and "\r" not in done.stderr, done.stderr
+    assert "Running loglikelihood requests" not in done.stderr
+    assert "an lm-eval warning" in done.stderr
+
+
+def test_activation_checkpointing_is_turned_on_without_transformers_deprecation():
+    """Issue 46, point 7: every run with activation checkpointing (the continued-pretraining
+    recipe's default) printed transformers' FutureWarning that ``gradient_checkpointing_enable``
+    is deprecated; Anneal calls its current name, non-reentrant, and it is on."""
+    import warnings
+
+    import transformers
+
+    from anneal.train.engine import checkpoint_activations
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint_activations(model)
+    assert [str(w.message) for w in caught if w.category is FutureWarning] == []
+    assert model.is_activation_checkpointing
+
+
+AUTOEP = r"""
+import logging
+import anneal
+from deepspeed.utils import logger
+logging.basicConfig(level=logging.INFO)
+logger.warning("autoep_size=1 means every rank owns all experts with no AllToAll. AutoEP ...")
+logger.warning("another DeepSpeed warning")
+kernels = logging.getLogger("deepspeed.moe.ep_kernels")
+kernels.info("Triton not available; using pure-PyTorch CPU fallback for permutation ...")
+kernels.info("another ep_kernels line")
+"""
+
+
+def test_a_sparse_runs_autoep_notices_are_left_out():
+    """Issue 46, point 7 (the tiny MoE journey): DeepSpeed AutoEP's notice that autoep_size=1
+    keeps every expert on every rank, and its kernels' that a CPU has no Triton, each by its
+    exact text and logger; the same loggers' other lines still show."""
+    done = subprocess.run(
+        [sys.executable, "-c", AUTOEP], capture_output=True, text=True, cwd=ROOT, env=env()
+    )
+    out = done.stdout + done.stderr  # DeepSpeed's logger writes to stdout
+    assert done.returncode == 0, out
+    assert "autoep_size=1" not in out and "Triton not available" not in out
+    assert "another DeepSpeed warning" in out and "another ep_kernels line" in out

@@ -311,3 +311,19 @@ def test_report_flags_a_collapsed_expert_and_a_sustained_imbalance(tmp_path):
     dense = tmp_path / "dense"
     observed(dense, [{"kind": "train", "step": s, "loss": 4.0} for s in (1, 2)], log_every=1)
     assert signals_of(dense) == {}
+
+
+def test_a_short_runs_balance_waits_for_evidence(tmp_path):
+    """Issue 46, point 5: docs/observability.md's own 20-step run (log_every 5: 4 moe rows, one
+    in the last quarter) had 2 PROBLEMs from one row of an untrained router's counts. A verdict
+    needs 2 moe rows in the last quarter (5 in all), as the validation loss waits for 2
+    validations: n/a with what it waits for; 5 rows of the same routing are judged."""
+    early = [[0.02, 0.02, 0.94, 0.02]] * LAYERS
+    got = signals_of(write_sparse_run(tmp_path / "short", lambda s: early, steps=20, log_every=5))
+    assert {n: s.status for n, s in got.items()} == {"experts": "n/a", "expert balance": "n/a"}
+    assert "steps 1-20 (4 moe row(s)): too few to judge; a verdict needs 2" in got["experts"].detail
+    got = signals_of(write_sparse_run(tmp_path / "five", lambda s: early, steps=25, log_every=5))
+    assert {n: s.status for n, s in got.items()} == {
+        "experts": "problem",
+        "expert balance": "problem",
+    }

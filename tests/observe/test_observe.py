@@ -4,7 +4,7 @@ reader; the one memory probe keeps a host peak until it is reset; its piped stdo
 progress lines (tqdm's bar only on a terminal);
 it writes its plots and health report at the end. Every plot is a valid PNG of a sensible size,
 drawn with no display; the schedule plot reads a ds_config and asks for "auto" values; the
-health report flags a synthetic bad run (flat loss near ln V, rising dev loss, NaN grad norm) and
+health report flags a synthetic bad run (flat loss near ln V, rising val loss, NaN grad norm) and
 passes a good one; plots and reports of a run with no metrics yet say so clearly."""
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def test_health_report_flags_a_bad_run(tmp_path, capsys):
     signals = {s.name: s for s in health(run)}
     assert signals["train loss"].status == PROBLEM
     assert "flat near the random baseline" in signals["train loss"].detail
-    assert signals["dev loss"].status == PROBLEM
-    assert "rises while train loss falls" in signals["dev loss"].detail
+    assert signals["val loss"].status == PROBLEM
+    assert "rises while train loss falls" in signals["val loss"].detail
     assert signals["grad norm"].status == PROBLEM
     assert "non-finite at steps [60, 61, 80]" in signals["grad norm"].detail
     table = format_table(list(signals.values()), run_dir=run)

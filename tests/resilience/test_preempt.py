@@ -7,7 +7,9 @@ ones
 run by bash, signals only the live ranks of its own job."""
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -295,3 +297,56 @@ def test_a_child_that_ends_inside_the_trap_is_seen_with_its_own_status(tmp_path,
     out = done.stdout + done.stderr
     assert f"exited {PREEMPTED_EXIT_CODE} at" in out, out
     assert requeued.read_text().strip() == "41", out
+
+
+def test_one_process_stops_at_the_next_micro_batch_and_says_how_long(tmp_path, caplog, monkeypatch):
+    """Issue 46, point 2: a signal inside a step of one process stops it at the next
+    micro-batch boundary (``StopMidStep``; the trainer drops the step and saves the last
+    completed one), and its line says where and how long, from the measured micro-batch and
+    the last save, warning where that is more than the job's grace time (ANNEAL_GRACE_S)."""
+    from anneal.resilience.preempt import StopMidStep
+
+    monkeypatch.setenv("ANNEAL_GRACE_S", "1")
+    p = Preemption(tmp_path)
+    try:
+        p.last_save_s = 2.0
+        p.micro_batch_boundary(4, 0, 8)
+        time.sleep(0.2)
+        p.micro_batch_boundary(4, 1, 8)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("got ")]
+        about = re.search(r"\(about (\d+\.\d) s at the last one's pace\)", line)
+        assert about and float(about[1]) >= 0.2, line  # the sleep, on a machine maybe busy
+        assert line.startswith("got SIGUSR1: stopping at the end of micro-batch 2 of 8 of step 5")
+        assert "then saving step 4's checkpoint (the last save took 2.0 s)" in line
+        assert "more than the 1 s between the signal and the kill" in caplog.text
+        want = math.ceil(1.5 * (float(about[1]) + 2.0)) + 30
+        assert f"--grace-s {want - 1} or more" in caplog.text or f"--grace-s {want}" in caplog.text
+        with pytest.raises(StopMidStep):
+            p.micro_batch_boundary(4, 2, 8)
+    finally:
+        p.close()
+
+
+def test_several_ranks_say_how_long_the_step_has_left(tmp_path, caplog, monkeypatch):
+    """On several ranks (who would need a collective per micro-batch to agree on a boundary)
+    the step ends first: the line counts the micro-batches left at the measured pace."""
+    from anneal.resilience import preempt
+
+    monkeypatch.setattr(preempt, "world_size", lambda: 2)
+    monkeypatch.delenv("ANNEAL_GRACE_S", raising=False)
+    p = Preemption(tmp_path)
+    try:
+        p.micro_batch_boundary(7, 0, 10)
+        time.sleep(0.1)
+        p.micro_batch_boundary(7, 1, 10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert "got SIGTERM: stopping after this step: 9 of its 10 micro-batches left, about" in (
+            caplog.text
+        )
+        assert "then the save (no save yet)" in caplog.text and "grace" not in caplog.text
+        p.micro_batch_boundary(7, 2, 10)  # no StopMidStep: the ranks stop after the step
+    finally:
+        p.close()

@@ -265,13 +265,13 @@ def test_report_tensorboard_and_plot_show_each_source(tmp_path):
 
     run = _blend_run(tmp_path / "forgets", forgotten=True)
     signals = {s.name: s for s in health(run)}
-    assert signals["dev loss"].status == HEALTHY  # the total falls...
-    assert signals["dev loss code.py"].status == PROBLEM  # ...while code.py is forgotten
-    assert "this source is being forgotten" in signals["dev loss code.py"].detail
-    assert signals["dev loss prose"].status == HEALTHY
-    assert "bits/byte" in signals["dev loss prose"].detail
+    assert signals["val loss"].status == HEALTHY  # the total falls...
+    assert signals["val loss code.py"].status == PROBLEM  # ...while code.py is forgotten
+    assert "this source is being forgotten" in signals["val loss code.py"].detail
+    assert signals["val loss prose"].status == HEALTHY
+    assert "bits/byte" in signals["val loss prose"].detail
     healthy = {s.name: s.status for s in health(_blend_run(tmp_path / "fine", forgotten=False))}
-    assert healthy["dev loss code.py"] == HEALTHY
+    assert healthy["val loss code.py"] == HEALTHY
 
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()

@@ -1,0 +1,93 @@
+"""A stop signal inside a long step of one process (issue 46, point 2): the run stops at the next
+micro-batch boundary instead of the end of the step, saves the last completed step with the
+data position at the dropped step's start, exits 75, and the resume from it reproduces the
+uninterrupted run's losses (the dropped step's micro-batches are read and computed again).
+
+Slow: three 1-rank launches of the tiny recipe (the reference, the stopped run, its resume),
+about 40 s here. The step is 64 micro-batches of SMALL's model, a second or two, so a SIGTERM
+sent once step 1 is logged lands inside step 2."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from anneal.resilience import checkpoint
+from tests.conftest import ROOT, SMALL, env, kill_tree, read_metrics, run_recipe
+
+pytestmark = pytest.mark.slow
+ACCUM = 64
+
+
+PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
+BASE = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for x in pair]
+
+
+def _args(data, out) -> list[str]:
+    return [
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-steps",
+        "4",
+        "--val-every",
+        "0",
+        "--save-every",
+        "0",
+        *BASE,
+        "--set",
+        f"ds.gradient_accumulation_steps={ACCUM}",
+        "--set",
+        "train.val_samples=0",
+    ]
+
+
+def test_a_signal_inside_a_step_stops_at_a_micro_batch_and_resumes_exactly(tiny_data, tmp_path):
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    run_recipe(_args(tiny_data, full))
+    proc = subprocess.Popen(
+        [sys.executable, "recipes/pretrain_tiny.py", *_args(tiny_data, stopped)],
+        cwd=ROOT,
+        env=env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = stopped / "metrics.jsonl"
+            if metrics.exists() and read_metrics(stopped, "train"):
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stop_s = time.monotonic() - signalled
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, err[-3000:]
+    [line] = [ln for ln in err.splitlines() if "got SIGTERM: stopping" in ln]
+    assert re.search(r"at the end of micro-batch \d+ of 64 of step 2 \(about", line), line
+    [event] = [e for e in read_metrics(stopped, "event") if e["event"] == "preempt"]
+    tag = stopped / "checkpoints" / "step00000001"
+    assert event["path"] == str(tag) and checkpoint.is_intact(tag)
+    ref = {r["step"]: r for r in read_metrics(full, "train")}
+    step_s = ref[2]["tokens"] / 2 / ref[2]["tokens_per_s"]  # the reference's second step
+    assert stop_s < step_s + 10, (stop_s, step_s)  # not the rest of the step: a micro-batch
+
+    resumed = run_recipe(_args(tiny_data, stopped))
+    assert f"resumed from {tag} at step 1" in resumed.stdout
+    [resume] = [e for e in read_metrics(stopped, "event") if e["event"] == "resume"]
+    rows = {r["step"]: r for r in read_metrics(stopped, "train")}
+    assert resume["position"] == ref[1]["tokens"] // 64  # samples of step 1: SMALL's seq_len
+    for step in (2, 3, 4):
+        assert rows[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert rows[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
