@@ -135,10 +135,11 @@ def _check_override(where: str, key: str, value, *, before) -> None:
     ok, want = _RANGES[key]
     finite = math.isfinite(value) and abs(value) <= INT64_MAX
     if not (finite and ok(value)) and not isinstance(value, bool):
+        kept = "its default" if before is None else f"the value it replaces ({before!r})"
         raise UserError(
             f"{key} is {value!r}: it must be {want}{'' if finite else ', and a finite number'}. "
-            f"Give --set {key}=VALUE with such a value, or drop {where} to keep the value it "
-            f"replaces ({before!r})."
+            f"Give --set {key}=VALUE with such a value, or drop {where} to keep {kept}.",
+            every_rank=True,
         )
 
 

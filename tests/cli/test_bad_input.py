@@ -41,7 +41,8 @@ def fail(args):
 def test_missing_data_directory(tmp_path):
     err = fail(["--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope")])
     assert "--data" in err and "not a prepared data directory" in err
-    assert "anneal data prepare --input stdlib" in err
+    assert f"anneal data prepare --input YOUR_TEXT --out {tmp_path / 'nope'}" in err
+    assert "`--input stdlib` for the embedded demo corpus" in err
     assert not (tmp_path / "run").exists()
 
 

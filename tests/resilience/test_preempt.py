@@ -172,7 +172,8 @@ def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
     got, ready = tmp_path / "rank.got", tmp_path / "rank.ready"
     fakes = {
         bin_dir / "python": "#!/bin/sh\nexit 0\n",
-        bin_dir / "deepspeed": f"#!/bin/bash\nkill -USR1 $PPID\nfor i in $(seq 100); do "
+        bin_dir
+        / "deepspeed": f"#!/bin/bash\nkill -USR1 $(ps -o ppid= -p $PPID)\nfor i in $(seq 100); do "
         f'[ -e "{got}" ] && exit 0; sleep 0.1; done\nexit 1\n',
         tmp_path / "slurm" / "srun": '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\n'
         'exec "$@"\n',
@@ -246,9 +247,10 @@ def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
 
 @pytest.mark.parametrize("template", ["multinode", "eval_watch"])
 def test_a_child_that_ends_inside_the_trap_is_seen_with_its_own_status(tmp_path, template):
-    """The fake deepspeed sends the batch shell SIGUSR1 and exits 75 (preempted) at once, so it
-    is gone while the trap still runs: the script reads 75, not the 138 (128 + SIGUSR1) of the
-    wait the trap cut short, and requeues. Under load in `make test-all` the trap drill above
+    """The fake deepspeed sends the batch shell (its grandparent: srun runs in a subshell that
+    keeps its status) SIGUSR1 and exits 75 (preempted) at once, so it is gone while the trap
+    still runs: the script reads 75, not the 138 (128 + SIGUSR1) of the wait the trap cut
+    short, and requeues. Under load in `make test-all` the trap drill above
     failed this way (``training exited 138``), which on a cluster would be a preempted job that
     is never requeued."""
     run_dir, bin_dir, slurm_dir = tmp_path / "run", tmp_path / "venv" / "bin", tmp_path / "slurm"
@@ -257,7 +259,8 @@ def test_a_child_that_ends_inside_the_trap_is_seen_with_its_own_status(tmp_path,
     requeued = tmp_path / "requeued"
     fakes = {
         bin_dir / "python": "#!/bin/sh\nexit 0\n",
-        bin_dir / "deepspeed": f"#!/bin/sh\nkill -USR1 $PPID\nexit {PREEMPTED_EXIT_CODE}\n",
+        bin_dir / "deepspeed": "#!/bin/sh\nkill -USR1 $(ps -o ppid= -p $PPID)\n"
+        f"exit {PREEMPTED_EXIT_CODE}\n",
         slurm_dir / "srun": '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
         slurm_dir / "scontrol": f'#!/bin/sh\n[ "$2" = hostnames ] && echo node1\n'
         f'[ "$1" = requeue ] && echo "$2" > {requeued}\nexit 0\n',
