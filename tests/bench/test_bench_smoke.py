@@ -47,9 +47,11 @@ def test_every_script_that_reads_the_corpus_is_handed_it():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the suite's 1200 s ran out once, beside two more sessions at load 17
 def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     """About 8 minutes in `make test-all` (480 s there before this session's cuts of the
-    bench_train and bench_sp smoke modes), two scripts at a time: every script of bench/
+    bench_train and bench_sp smoke modes; bench_muon and bench_docmask add about 30 and 60 s),
+    two scripts at a time: every script of bench/
     trains or measures for real, a few steps each, except bench_gpu.py, whose smoke mode is
     ``gpu.sh --cpu-smoke`` (36 s alone): tests/bench/test_bench_gpu.py runs that end to end, with a
     row
