@@ -158,6 +158,39 @@ time.sleep(60)
 """
 
 
+def run_batch_script(tmp_path: Path, text: str) -> str:
+    """``text`` (a rendered batch script) run by bash as job 41 on node1, with the fake srun and
+    scontrol of ``tmp_path/slurm`` first on PATH: its stdout and stderr."""
+    script = tmp_path / "submit.sbatch"
+    script.write_text(text)
+    env = {
+        "PATH": f"{tmp_path / 'slurm'}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "41",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NODEID": "0",
+    }
+    done = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    return f"exit {done.returncode}\n{done.stdout}{done.stderr}"
+
+
+def fake_job(tmp_path: Path, bin_dir: Path) -> dict:
+    """The job settings both trap drills render their scripts with (one node, no GPU)."""
+    return dict(
+        job_name="t",
+        nodes=1,
+        gpus_per_node=1,
+        gpus=False,
+        partition="debug",
+        time="00:10:00",
+        account=None,
+        grace_s=120,
+        workdir=tmp_path,
+        python=str(bin_dir / "python"),
+    )
+
+
 def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
     """The rendered sbatch script, run by bash as job 41 (fake srun and scontrol; the fake
     deepspeed sends the batch shell SIGUSR1, as Slurm's --signal does, and waits for the rank):
@@ -201,35 +234,14 @@ def test_the_sbatch_trap_signals_only_live_ranks_of_its_job(tmp_path):
             if ready.exists():
                 break
             time.sleep(0.1)
-        script = tmp_path / "submit.sbatch"
-        script.write_text(
-            slurm.render_sbatch(
-                job_name="t",
-                nodes=1,
-                gpus_per_node=1,
-                gpus=False,
-                partition="debug",
-                time="00:10:00",
-                account=None,
-                grace_s=120,
-                run_dir=run_dir,
-                workdir=tmp_path,
-                python=str(bin_dir / "python"),
-                recipe="recipes/pretrain_tiny.py",
-                recipe_args=["--out", str(run_dir)],
-            )
+        text = slurm.render_sbatch(
+            **fake_job(tmp_path, bin_dir),
+            run_dir=run_dir,
+            recipe="recipes/pretrain_tiny.py",
+            recipe_args=["--out", str(run_dir)],
         )
-        env = {
-            "PATH": f"{tmp_path / 'slurm'}:{os.environ['PATH']}",
-            "SLURM_JOB_ID": "41",
-            "SLURM_JOB_NODELIST": "node1",
-            "SLURM_NODEID": "0",
-        }
-        done = subprocess.run(
-            ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out
+        out = run_batch_script(tmp_path, text)
+        assert out.startswith("exit 0\n"), out
         assert got.read_text() == "got SIGUSR1", out
         assert reused.poll() is None and other_job.poll() is None, out  # not signalled
         assert not list(tmp_path.rglob("MARKER"))
@@ -268,36 +280,14 @@ def test_a_child_that_ends_inside_the_trap_is_seen_with_its_own_status(tmp_path,
     for path, text in fakes.items():
         path.write_text(text)
         path.chmod(0o755)
-    job = dict(
-        job_name="t",
-        nodes=1,
-        gpus_per_node=1,
-        gpus=False,
-        partition="debug",
-        time="00:10:00",
-        account=None,
-        grace_s=120,
-        workdir=tmp_path,
-        python=str(bin_dir / "python"),
-    )
-    script = tmp_path / "submit.sbatch"
+    job = fake_job(tmp_path, bin_dir)
     if template == "multinode":
         text = slurm.render_sbatch(
             **job, run_dir=run_dir, recipe="recipes/pretrain_tiny.py", recipe_args=[]
         )
     else:
         text = watch_job.render_watch(tasks="anneal_next_line", limit=None, run_dir=run_dir, **job)
-    script.write_text(text)
-    env = {
-        "PATH": f"{slurm_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "41",
-        "SLURM_JOB_NODELIST": "node1",
-        "SLURM_NODEID": "0",
-    }
-    done = subprocess.run(
-        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    out = done.stdout + done.stderr
+    out = run_batch_script(tmp_path, text)
     assert f"exited {PREEMPTED_EXIT_CODE} at" in out, out
     assert requeued.read_text().strip() == "41", out
 
