@@ -528,6 +528,14 @@ SMALL = [
     "--set",
     "train.log_every=1",
 ]
+# SMALL less its pinned accumulation, for runs that set their batch another way (a global batch,
+# an accumulation of their own).
+SMALL_OWN_BATCH = [
+    x
+    for pair in zip(SMALL[::2], SMALL[1::2], strict=True)
+    if pair[1] != "ds.gradient_accumulation_steps=2"
+    for x in pair
+]
 
 
 # The parallel layouts' tests (tests/train/test_tensor_parallel.py,

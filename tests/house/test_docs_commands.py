@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests import docs_blocks as db
-from tests.conftest import ROOT, SMALL, free_port, run_process
+from tests.conftest import ROOT, SMALL, SMALL_OWN_BATCH, free_port, run_process
 
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 COMMAND_TIMEOUT_S = 240
@@ -60,9 +60,7 @@ class Rule:
 TRAIN = ("--max-steps", "2", *SMALL)
 # The same for a command that sets its batch by optim.global_batch_tokens, which SMALL's pinned
 # accumulation would contradict (README's continued pretraining on a CPU).
-PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
-TRAIN_OWN_BATCH = ("--max-steps", "2")
-TRAIN_OWN_BATCH += tuple(x for p in PAIRS if p[1] != "ds.gradient_accumulation_steps=2" for x in p)
+TRAIN_OWN_BATCH = ("--max-steps", "2", *SMALL_OWN_BATCH)
 # The fit from 64 grid starts and 4 bootstrap resamples (documented in docs/planning.md).
 FIT = ("--starts", "64", "--bootstrap", "4")
 STDLIB = ("data/stdlib",)

@@ -29,7 +29,16 @@ from pathlib import Path
 import pytest
 
 from anneal.errors import UserError
-from tests.conftest import BIN, ROOT, SMALL, env, read_metrics, run_process, run_recipe
+from tests.conftest import (
+    BIN,
+    ROOT,
+    SMALL,
+    SMALL_OWN_BATCH,
+    env,
+    read_metrics,
+    run_process,
+    run_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -531,9 +540,7 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
 # SMALL with the global batch set instead of the accumulation: 16 samples a step on any number
 # of ranks (micro-batch 4: accumulation 2 on 2 ranks, 4 on 1), as a run resumed on fewer ranks
 # keeps it.
-PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
-FIXED_BATCH = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for x in pair]
-FIXED_BATCH += ["--set", "ds.train_batch_size=16"]
+FIXED_BATCH = [*SMALL_OWN_BATCH, "--set", "ds.train_batch_size=16"]
 
 
 def test_a_job_preempted_on_2_nodes_resumes_on_1_node(slurm, tiny_data, tmp_path):

@@ -18,14 +18,10 @@ import time
 import pytest
 
 from anneal.resilience import checkpoint
-from tests.conftest import ROOT, SMALL, env, kill_tree, read_metrics, run_recipe
+from tests.conftest import ROOT, SMALL_OWN_BATCH, env, kill_tree, read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 ACCUM = 64
-
-
-PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
-BASE = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for x in pair]
 
 
 def _args(data, out) -> list[str]:
@@ -40,7 +36,7 @@ def _args(data, out) -> list[str]:
         "0",
         "--save-every",
         "0",
-        *BASE,
+        *SMALL_OWN_BATCH,
         "--set",
         f"ds.gradient_accumulation_steps={ACCUM}",
         "--set",

@@ -21,13 +21,11 @@ import json
 
 import pytest
 
-from tests.conftest import SMALL, read_metrics, run_recipe, tree
+from tests.conftest import SMALL_OWN_BATCH, read_metrics, run_recipe, tree
 from tests.zero_state import adam_state, assert_same_adam_state, assert_same_zero3_state
 
 pytestmark = pytest.mark.slow
 N = 4
-PAIRS = zip(SMALL[::2], SMALL[1::2], strict=True)
-BASE = [x for pair in PAIRS if pair[1] != "ds.gradient_accumulation_steps=2" for x in pair]
 
 
 def _args(data, out, ranks, stage, *extra):
@@ -43,7 +41,7 @@ def _args(data, out, ranks, stage, *extra):
         str(N),
         "--val-every",
         "0",
-        *BASE,
+        *SMALL_OWN_BATCH,
         "--set",
         "train.val_samples=0",
         "--set",
