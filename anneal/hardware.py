@@ -184,8 +184,13 @@ def device_peak_flops(device: torch.device) -> float:
                 return peak
         log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
         return GPU_PEAK_FLOPS["H100"]
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return _cpu_peak_flops(cache_home / "anneal")
+    return _cpu_peak_flops(cache_dir())
+
+
+def cache_dir() -> Path:
+    """Anneal's folder of figures measured on this machine (the CPU's peak, the rate a shape
+    trained at): ``$XDG_CACHE_HOME/anneal``."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "anneal"
 
 
 def process_memory_bytes(pid: int | None = None, *, tree: bool = False, pss: bool = False) -> int:

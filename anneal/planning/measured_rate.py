@@ -13,12 +13,12 @@ peak is measured again at each launch, and a busy machine's would move an MFU.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from anneal.files import write_atomic
+from anneal.hardware import cache_dir
 from anneal.json_values import is_finite_number
 
 RATE_FILE = "measured_rate.json"
@@ -27,9 +27,8 @@ MIN_STEPS = 3
 
 
 def cache_file() -> Path:
-    """Where the rates are kept: the CPU peak's cache folder (``anneal.hardware``)."""
-    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return home / "anneal" / RATE_FILE
+    """Where the rates are kept: beside the CPU's peak (``anneal.hardware.cache_dir``)."""
+    return cache_dir() / RATE_FILE
 
 
 def shape_key(launch) -> str:
