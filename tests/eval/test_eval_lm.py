@@ -364,6 +364,7 @@ LOCKSTEP_OVERRIDES = [
     "model.intermediate_size=176",
     "model.num_attention_heads=4",
     f"model.seq_len={MAX_LENGTH}",
+    "optim.global_batch_tokens=512",  # the tiny split holds under a default batch (batch_share)
 ]
 
 

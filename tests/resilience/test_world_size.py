@@ -161,7 +161,6 @@ def test_resume_at_zero_3_then_back_at_zero_2(stdlib_data, tmp_path, tmp_path_fa
             f"ranks, ZeRO-{stage}: it is converted once" in done.stderr
         )
         assert f"loading its universal form {cache}/step{stop - N:08d}-" in done.stderr
-        assert "was saved at ZeRO-1/2 and this job runs ZeRO-3, or the other way" in done.stderr
         assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done.stderr
     rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}
     for step in range(N + 1, 3 * N + 1):

@@ -173,7 +173,6 @@ def test_resume_at_another_expert_parallel_degree_goes_through_the_universal_che
     name, source = ("resumed_ep1", "ep2_z2") if stage == 2 else ("resumed_z3_ep1", "ep2_z3")
     tag = tmp / source / "checkpoints" / "step00000005"
     assert f"resumed from {tag} at step 5" in done[name].stdout
-    assert "at expert-parallel degree 2, this job has 2 at degree 1" in done[name].stderr
     assert f"was saved on 2 ranks, ZeRO-{stage}, expert-parallel 2;" in done[name].stderr
     cache = tmp / name / "checkpoints" / ".universal"
     assert f"loading its universal form {cache}/step00000005-" in done[name].stderr

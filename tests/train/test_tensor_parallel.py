@@ -227,10 +227,7 @@ def test_resume_at_another_degree_through_the_universal_checkpoint(round_trip):
             f"ZeRO-2, tensor-parallel {a}, data-parallel {3 - a}; this launch is 2 ranks, "
             f"ZeRO-2, tensor-parallel {b}, data-parallel {3 - b}: it is converted once"
         ) in done.stderr
-        assert (
-            f"was saved by 2 ranks at tensor-parallel degree {a}, this job has 2 at "
-            f"tensor-parallel degree {b}: loading its universal form {cache}/step{step:08d}-"
-        ) in done.stderr
+        assert f"step{step:08d}: loading its universal form {cache}/step{step:08d}-" in done.stderr
         assert "param groups after the universal load: weight_decay [0.1, 0.0]" in done.stderr
     assert [p for p in cache.iterdir() if p.is_dir()] == []  # each removed by the next save
     assert_same_optimizer_state(
