@@ -1,7 +1,10 @@
 """tests/scripts/ranks.py, which starts the training drills' ranks (``tests.conftest.launch``):
 each rank gets the environment DeepSpeed's launcher gives it, a failing rank's status comes
 back and the other ranks are stopped, and the ranks stay in the caller's session, so that
-killing that session (a test's timeout, the crash drill) kills them all."""
+killing that session (a test's timeout, the crash drill) kills them all; each of these both
+ways it starts a rank (forked after the shared imports, the default, and ``--exec``). A forked
+rank runs its script as a new interpreter would: its own ``sys.argv``, ``sys.path[0]``,
+``__main__``, seeds and exit status."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.conftest import ROOT, launch, run_process
 
@@ -32,15 +37,24 @@ if mode != "ok":
 """
 
 
+MODES = pytest.mark.parametrize("mode", [[], ["--exec"]], ids=["fork", "exec"])
+
+
 def _script(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     return script
 
 
-def test_each_rank_gets_the_launchers_environment(tmp_path):
+def _launch(mode, *command):
+    cmd = launch(2, *command)
+    return [*cmd[:2], *mode, *cmd[2:]]
+
+
+@MODES
+def test_each_rank_gets_the_launchers_environment(tmp_path, mode):
     out = tmp_path / "env"
-    done = run_process(launch(2, str(_script(tmp_path)), str(out), "ok"), timeout_s=60)
+    done = run_process(_launch(mode, str(_script(tmp_path)), str(out), "ok"), timeout_s=60)
     assert done.returncode == 0, done.stderr
     seen = [json.loads((tmp_path / f"env.{r}").read_text()) for r in (0, 1)]
     for r, e in enumerate(seen):
@@ -50,19 +64,21 @@ def test_each_rank_gets_the_launchers_environment(tmp_path):
     assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"] and seen[0]["MASTER_PORT"].isdigit()
 
 
-def test_a_failing_rank_stops_the_others_and_its_status_comes_back(tmp_path):
+@MODES
+def test_a_failing_rank_stops_the_others_and_its_status_comes_back(tmp_path, mode):
     out = tmp_path / "env"
-    started = time.monotonic()
-    done = run_process(launch(2, str(_script(tmp_path)), str(out), "fail"), timeout_s=60)
+    done = run_process(_launch(mode, str(_script(tmp_path)), str(out), "fail"), timeout_s=60)
     assert done.returncode == 3
-    assert time.monotonic() - started < 5  # rank 0 got SIGTERM, not its 10 s of grace or 60 s
+    # from rank 0's start (after the shared imports): it got SIGTERM, not 10 s of grace or 60 s
+    assert time.time() - (tmp_path / "env.0").stat().st_mtime < 5
     pid = json.loads((tmp_path / "env.0").read_text())["pid"]
     assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z"
 
 
-def test_the_ranks_stay_in_the_callers_session(tmp_path):
+@MODES
+def test_the_ranks_stay_in_the_callers_session(tmp_path, mode):
     out = tmp_path / "env"
-    cmd = launch(2, str(_script(tmp_path)), str(out), "hang")
+    cmd = _launch(mode, str(_script(tmp_path)), str(out), "hang")
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
@@ -95,4 +111,34 @@ def test_the_usage_is_said_on_bad_arguments():
         text=True,
         timeout=30,
     )
-    assert done.returncode == 2 and "ranks.py N SCRIPT" in done.stderr
+    assert done.returncode == 2 and "ranks.py [--exec] N SCRIPT" in done.stderr
+
+
+SCRIPT_VIEW = """
+import json, os, random, sys
+import torch
+from helper import NAME
+out = sys.argv[1]
+rank = os.environ["RANK"]
+view = {"argv": sys.argv, "path0": sys.path[0], "main": __name__, "file": __file__,
+        "name": NAME, "random": random.random(), "torch": torch.rand(1).item()}
+with open(f"{out}.{rank}", "w") as f:
+    json.dump(view, f)
+sys.exit(int(rank) and 4)
+"""
+
+
+def test_a_forked_rank_runs_its_script_as_a_new_interpreter_would(tmp_path):
+    """Its own argv, sys.path[0] (a module beside the script imports), ``__main__``, unseeded
+    random numbers unlike the other rank's, and its status: 4 from rank 1's sys.exit(4)."""
+    script = tmp_path / "view.py"
+    script.write_text(SCRIPT_VIEW)
+    (tmp_path / "helper.py").write_text("NAME = 'beside'\n")
+    out = tmp_path / "view"
+    done = run_process(launch(2, str(script), str(out), "x"), timeout_s=120)
+    assert done.returncode == 4, done.stderr
+    seen = [json.loads((tmp_path / f"view.{r}").read_text()) for r in (0, 1)]
+    for v in seen:
+        assert v["argv"] == [str(script), str(out), "x"] and v["path0"] == str(tmp_path)
+        assert (v["main"], v["file"], v["name"]) == ("__main__", str(script), "beside")
+    assert seen[0]["random"] != seen[1]["random"] and seen[0]["torch"] != seen[1]["torch"]
