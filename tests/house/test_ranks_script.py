@@ -37,7 +37,8 @@ if mode != "ok":
 """
 
 
-MODES = pytest.mark.parametrize("mode", [[], ["--exec"]], ids=["fork", "exec"])
+# forked with nothing to import first (the scripts here import no torch), and as new interpreters
+MODES = pytest.mark.parametrize("mode", [["--preload="], ["--exec"]], ids=["fork", "exec"])
 
 
 def _script(tmp_path):
@@ -111,7 +112,9 @@ def test_the_usage_is_said_on_bad_arguments():
         text=True,
         timeout=30,
     )
-    assert done.returncode == 2 and "ranks.py [--exec] N SCRIPT" in done.stderr
+    assert (
+        done.returncode == 2 and "ranks.py [--exec | --preload=MODULE,...] N SCRIPT" in done.stderr
+    )
 
 
 SCRIPT_VIEW = """
@@ -135,7 +138,8 @@ def test_a_forked_rank_runs_its_script_as_a_new_interpreter_would(tmp_path):
     script.write_text(SCRIPT_VIEW)
     (tmp_path / "helper.py").write_text("NAME = 'beside'\n")
     out = tmp_path / "view"
-    done = run_process(launch(2, str(script), str(out), "x"), timeout_s=120)
+    cmd = launch(2, str(script), str(out), "x")
+    done = run_process([*cmd[:2], "--preload=torch", *cmd[2:]], timeout_s=120)
     assert done.returncode == 4, done.stderr
     seen = [json.loads((tmp_path / f"view.{r}").read_text()) for r in (0, 1)]
     for v in seen:

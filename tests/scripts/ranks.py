@@ -1,8 +1,8 @@
 """Start a script on N local ranks for the tests, as DeepSpeed's launcher does on one node, with
 none of the launcher processes that import torch and DeepSpeed first.
 
-    python tests/scripts/ranks.py [--exec] N SCRIPT [ARGS...]
-    python tests/scripts/ranks.py [--exec] N -m MODULE [ARGS...]
+    python tests/scripts/ranks.py [--exec | --preload=MODULE,...] N SCRIPT [ARGS...]
+    python tests/scripts/ranks.py [--exec | --preload=MODULE,...] N -m MODULE [ARGS...]
 
 Each rank gets the environment DeepSpeed's launcher gives it (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``MASTER_ADDR``,
@@ -23,7 +23,8 @@ ranks' own environment: the import, about 4 s of CPU a rank, is paid once a laun
 once a rank. The rank then runs the script as ``python -u SCRIPT`` would (its own ``sys.argv``,
 ``sys.path[0]``, ``__main__``, fresh seeds, the interpreter's exit), with nothing of the
 script or of Anneal run before it but Anneal's package import (its message filters, which a
-rank installs first anyway). ``--exec`` starts each rank as a new interpreter instead.
+rank installs first anyway). ``--exec`` starts each rank as a new interpreter instead;
+``--preload=`` names what to import first instead of ``PRELOAD`` (none: ``--preload=``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 _PATH = list(sys.path)  # as python set it for this script: [its folder, PYTHONPATH..., ...]
@@ -91,15 +93,15 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _preload(base: dict[str, str]) -> None:
-    """``PRELOAD`` imported in the ranks' environment (the libraries read it as they load:
+def _preload(base: dict[str, str], names: Sequence[str]) -> None:
+    """``names`` imported in the ranks' environment (the libraries read it as they load:
     OpenMP its thread count, DeepSpeed its accelerator), after Anneal's package import, as in a
     rank."""
     os.environ.clear()
     os.environ.update(base)
     import anneal  # noqa: F401
 
-    for name in PRELOAD:
+    for name in names:
         importlib.import_module(name)
     gc.freeze()  # the collector leaves what was imported alone: its pages stay shared
 
@@ -110,11 +112,12 @@ def _run_rank(env: dict[str, str], command: list[str]) -> int:
     os.environ.update(env)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(write_through=True)
-    import numpy  # a new process's seeds, not the ones forked from this one (random reseeds
-    import torch  # itself in a forked child)
-
-    numpy.random.seed()
-    torch.seed()
+    # a new process's seeds, not the ones forked from this one (random reseeds itself in a
+    # forked child; a library not imported yet seeds itself when the script imports it)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     try:
         if command[0] == "-m":
             sys.argv = [command[1], *command[2:]]
@@ -140,8 +143,11 @@ def _run_rank(env: dict[str, str], command: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    fork = not (argv and argv[0] == "--exec")
-    argv = argv if fork else argv[1:]
+    fork, preload = True, PRELOAD
+    if argv and argv[0] == "--exec":
+        fork, argv = False, argv[1:]
+    elif argv and argv[0].startswith("--preload="):
+        preload, argv = [m for m in argv[0].split("=", 1)[1].split(",") if m], argv[1:]
     if len(argv) < 2 or not argv[0].isdigit() or int(argv[0]) < 1:
         print(__doc__, file=sys.stderr)
         return 2
@@ -158,7 +164,7 @@ def main(argv: list[str]) -> int:
     )
     envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
     if fork:
-        _preload(base)
+        _preload(base, preload)
         procs = [Forked(e, command) for e in envs]
     else:
         procs = [subprocess.Popen([sys.executable, "-u", *command], env=e) for e in envs]
