@@ -65,49 +65,51 @@ def pytest_collection_modifyitems(config, items):
 # start, the cluster drills wait on Slurm and ssh, and a third session fills those gaps. Shard 1
 # takes every fast test (and the shared runs) and the slow files that read the shared runs; the
 # other slow files go, heaviest first, to the shard with the least so far, by these weights:
-# seconds of each file's slow tests (`tests/shards.py 2 --durations=0` on 2026-12-07, beside
-# other work on the machine, load 7-12: the sizes relative to each other are what counts), the
+# seconds of each file's slow tests (`tests/shards.py 3 --durations=0` on 2026-12-07, with the
+# forked ranks of tests/scripts/ranks.py, beside other work on the machine: the sizes relative
+# to each other are what counts), the
 # fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S. The tests marked
 # ``alone`` (peak memory measured against the estimate: another session's load moved a TP=2
 # rank's peak from 790 to 492 MiB) run after the shards, in a session of their own.
 SHARD_WEIGHTS_S = {
-    "<fast>": 250,  # the fast tests' durations together
-    "test_bench_smoke.py": 601,
-    "test_world_size.py": 563,
-    "test_muon_layouts.py": 225,  # 8 launches: 201 s alone at load 8 (2026-12-07)
-    "test_document_mask.py": 150,  # 4 launches: 100 s at load 7-8 (2026-12-07)
-    "test_cluster.py": 296,
-    "test_tensor_parallel.py": 253,
-    "test_docs_commands.py": 181,
-    "test_resume.py": 266,  # + its Muon case (86 s alone at load 8 on 2026-12-07)
-    "test_export.py": 150,
-    "test_eval_watch.py": 148,
-    "test_moe_parallel.py": 147,
-    "test_sequence_parallel.py": 141,
-    "test_eval_loop.py": 139,
-    "test_bench_gpu.py": 119,
-    "test_wsd.py": 110,
-    "test_eval_cmd.py": 104,
-    "test_crash_recovery.py": 101,
-    "test_guard.py": 79,
-    "test_eval_lm.py": 74,
-    "test_planner.py": 66,
-    "test_launcher.py": 64,
-    "test_recipes.py": 63,
-    "test_bad_input.py": 62,
-    "test_data_learning.py": 53,
-    "test_init_from.py": 50,
-    "test_scaling_sweep.py": 50,
-    "test_bench_train.py": 45,
-    "test_export_every_save.py": 39,
-    "test_rank_death.py": 30,
-    "test_cooldown.py": 29,
+    "<fast>": 314,  # the fast tests' durations together
+    "test_bench_smoke.py": 909,
+    "test_world_size.py": 314,
+    "test_cluster.py": 275,
+    "test_docs_commands.py": 244,
+    "test_resume.py": 199,
+    "test_eval_watch.py": 150,
+    "test_tensor_parallel.py": 146,
+    "test_export.py": 124,
+    "test_muon_layouts.py": 110,
+    "test_bench_gpu.py": 104,
+    "test_scaling_sweep.py": 97,
+    "test_guard.py": 94,
+    "test_moe_parallel.py": 93,
+    "test_wsd.py": 91,
+    "test_eval_cmd.py": 88,
+    "test_data_learning.py": 80,
+    "test_eval_loop.py": 79,
+    "test_stop_mid_step.py": 77,
+    "test_launcher.py": 77,
+    "test_sequence_parallel.py": 74,
+    "test_bad_input.py": 63,
+    "test_recipes.py": 60,  # 122 with five steps; two since
+    "test_crash_recovery.py": 50,
+    "test_document_mask.py": 49,
+    "test_export_every_save.py": 40,
+    "test_cooldown.py": 40,
+    "test_planner.py": 39,
+    "test_bench_train.py": 39,
+    "test_rank_death.py": 36,
+    "test_stale_state.py": 34,
+    "test_eval_lm.py": 32,
     "test_loss.py": 28,
-    "test_validation_sources.py": 28,
-    "test_data_scale_slurm.py": 19,
-    "test_moe_hf.py": 17,
+    "test_init_from.py": 24,
+    "test_data_scale_slurm.py": 23,
+    "test_validation_sources.py": 22,
+    "test_moe_hf.py": 19,
     "test_eval_tasks.py": 15,
-    "test_stale_state.py": 10,
 }
 DEFAULT_WEIGHT_S = 30
 # Files whose slow tests share something outside the session go to one shard together: all
