@@ -169,7 +169,9 @@ class TrainConfig:
     """Save in the background (docs/resilience.md, "Asynchronous saves"): the loop waits only
     for a host copy of the state (one more copy of each rank's checkpoint in host memory for
     the run); the files, hashes and manifest are written behind the next steps, and the
-    checkpoint counts (resume, export, eval, pruning) once every rank has written it."""
+    checkpoint counts (resume, export, eval, pruning) once every rank has written it. Off by
+    default: on a CPU the write takes the cores the training runs on and cost more than it hid
+    (docs/benchmarks.md, "Asynchronous saves")."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
     memory_per_rank: bool = False
