@@ -5,9 +5,10 @@ files are written, fsync'd and hashed.
 A save (``AsyncSaves.save``, collective) clears its tag directory as a synchronous save does,
 takes this rank's snapshot (``anneal.resilience.snapshot.take``: DeepSpeed's own
 ``save_checkpoint``, its writes recorded as host copies) and hands it to one thread
-(``BackgroundWrite``), which writes each file under a hidden temporary name, hashes it from
-the page cache, fsyncs it and renames it into place. Nothing marks the tag a checkpoint yet: it
-has no ``manifest.json``, so resume, export, the eval watcher and keep-K pruning do not see it.
+(``BackgroundWrite``, at a lower CPU priority), which writes each file under a hidden temporary
+name, hashes it from the page cache, fsyncs it and renames it into place. Nothing marks the
+tag a checkpoint yet: it has no ``manifest.json``, so resume, export, the eval watcher and keep-K
+pruning do not see it.
 
 The commit is collective and happens in the training thread, at the first of these points
 where every rank's write has finished: after each step (``poll``: one all-reduce of two numbers
@@ -82,6 +83,7 @@ class BackgroundWrite:
 
     def _run(self, files: list) -> None:
         start, path = time.perf_counter(), self.tag_dir
+        _yield_cpu()
         try:
             for i, (path, state) in enumerate(files):
                 if self.fault is not None:
@@ -99,6 +101,16 @@ class BackgroundWrite:
 
     def wait(self) -> None:
         self._thread.join()
+
+
+def _yield_cpu() -> None:
+    """Lower the calling thread's CPU priority (nice 10; on Linux a thread's nice value is its
+    own): where the training keeps every core busy, as on a CPU run, the write takes what the
+    training leaves. Nothing where that is not allowed."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclasses.dataclass
