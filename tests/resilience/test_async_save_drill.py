@@ -16,8 +16,8 @@ its end). One run directory, three launches that save every step in the backgrou
    the run waits for it, and the run stops (exit 2) with one paragraph that names rank 0, the
    file and the error; the checkpoint before stays the newest, verified.
 
-Slow: three 1-rank launches (the reference is the shared run), 60 s for the three here on
-2026-12-07 with other jobs on the machine (load 9), 6 s of it the faults' held writes."""
+Slow: three 1-rank launches (the reference is the shared run), 27 s for the three here on
+2026-12-07 at load average 3 (60 s at load 9), 6 s of it the faults' held writes."""
 
 from __future__ import annotations
 
