@@ -211,6 +211,8 @@ def measure(
         result.update(_config_figures(doc))
     if status == "ok":
         result.update(_step_figures(row, steps, flops_tok=result["flops_per_token"]))
+        if row.save_every:
+            result.update(save_figures(out / "metrics.jsonl"))
     else:
         if status == "timeout":
             result["reason"] = (
@@ -227,6 +229,33 @@ def measure(
             f.write("metrics " + json.dumps(s) + "\n")
     shutil.rmtree(out, ignore_errors=True)  # a killed run's directory holds no checkpoint
     return result
+
+
+def save_figures(metrics: Path) -> dict:
+    """A save row's figures from its events: the median seconds the loop waited at a save
+    (``blocking_s`` of each ``checkpoint`` event, or of each ``snapshot`` of an asynchronous
+    save, whose write may not be committed when the row is stopped) and of its background
+    writes (``write_s`` of the committed ones; 0 for synchronous saves), and how many."""
+    events = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("kind") == "event" and row.get("event") in ("snapshot", "checkpoint"):
+            events.append(row)
+    taken = [e for e in events if e["event"] == "snapshot"] or [
+        e for e in events if e["event"] == "checkpoint"
+    ]
+    committed = [e for e in events if e["event"] == "checkpoint"]
+    blocking = [e["blocking_s"] for e in taken if "blocking_s" in e]
+    writes = [e.get("write_s", 0.0) for e in committed]
+    return {
+        "saves": len(taken),
+        "saves_committed": len(committed),
+        "save_blocking_s": statistics.median(blocking) if blocking else None,
+        "save_write_s": statistics.median(writes) if writes else None,
+    }
 
 
 def _config_figures(doc: dict) -> dict:

@@ -49,6 +49,12 @@ class Row:
     document_mask: bool = False
     """``data.document_mask``: attention stays inside each document; such a row is named after
     its unmasked twin plus ``-docmask`` (``gpu_table.mask_pairs`` compares the two)."""
+    save_every: int = 0
+    """``--save-every``: 0, no save in the measured steps; a save row times its saves
+    (``gpu_measure.save_figures``), synchronous or, with ``async_save``, in the background."""
+    async_save: bool = False
+    """``train.async_save``: such a row is named after its synchronous twin with ``async``
+    for ``sync`` (``gpu_table.save_pairs`` compares the two)."""
     gpu: str = "h100"
     """The smallest GPU (``anneal.hardware.GPUS``) the row is sized for by Anneal's memory
     estimate: on a GPU with less memory ``bench_gpu`` skips it, saying so."""
@@ -74,6 +80,10 @@ class Row:
             sets.append("ds.optimizer.params.fused=true")
         if self.document_mask:
             sets.append("data.document_mask=true")
+        if self.save_every:
+            sets.append("train.keep_last=1")  # two checkpoints at most on the disk at a time
+        if self.async_save:
+            sets.append("train.async_save=true")
         return sets + list(self.extra)
 
     def command(self, python: str, *, data: Path, out: Path, cpu: bool, inject=()) -> list[str]:
@@ -89,7 +99,7 @@ class Row:
             "--max-steps",
             "1000000",  # the driver stops it; the schedule's warmup stays long
             "--save-every",
-            "0",
+            str(self.save_every),
             "--val-every",
             "0",
             "--resume",
@@ -128,7 +138,43 @@ def gpu_rows() -> list[Row]:
                         timeout_s=timeout,
                     )
                 )
-    return rows + moe_rows() + _long_context_rows() + document_mask_rows(rows) + _extra_rows()
+    return (
+        rows
+        + moe_rows()
+        + _long_context_rows()
+        + document_mask_rows(rows)
+        + _extra_rows()
+        + save_rows()
+    )
+
+
+def save_rows() -> list[Row]:
+    """The optional pair that times a checkpoint save at the 1b shape (1b-z1-nockpt's), one
+    GPU: saves every 3 steps, synchronous and asynchronous (``train.async_save``). A save
+    holds bf16 weights and the fp32 master and moments, about 16 GB at 1b; ``keep_last`` 1
+    keeps at most two on the disk. Each row's ``save_blocking_s`` (what the loop waited) and
+    ``save_write_s`` (the background write) come from its events; its tokens/s median runs over
+    the steps themselves (a synchronous save waits between them), so the pair's difference in
+    tokens/s is what a write behind the training costs its steps."""
+    base = dict(
+        preset="1b",
+        zero=1,
+        ckpt=False,
+        optimizer="torch-foreach",
+        micro=8,
+        global_tokens=2**17,
+        seq_len=2048,
+        warmup=2,
+        measure=10,
+        est_s=150,
+        timeout_s=300,
+        optional=True,
+        save_every=3,
+    )
+    return [
+        Row(name="1b-z1-nockpt-syncsave", **base),
+        Row(name="1b-z1-nockpt-asyncsave", async_save=True, **base),
+    ]
 
 
 def moe_rows() -> list[Row]:

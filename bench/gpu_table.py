@@ -71,6 +71,7 @@ def reading(results: list[dict], *, cpu: bool) -> str:
         )
     parts += loss_pairs(ok)
     parts += mask_pairs(ok)
+    parts += save_pairs(ok)
     parts += sparse_rows(ok)
     if failed:
         parts.append(f"Rows that did not finish: {', '.join(failed)} (reasons in the table).")
@@ -125,6 +126,27 @@ def mask_pairs(ok: list[dict]) -> list[str]:
             f"{masked['tokens_per_s']:,.0f} against {plain['tokens_per_s']:,.0f} tokens/s "
             f"({100 * (speed - 1):+.1f}%; goal: at most 4% slower with a varlen kernel), peak "
             f"{masked['peak_mem_gib']:.1f} against {plain['peak_mem_gib']:.1f} GiB."
+        )
+    return parts
+
+
+def save_pairs(ok: list[dict]) -> list[str]:
+    """What a save costs the training, synchronous against asynchronous, for each measured pair
+    of save rows (``NAME-syncsave`` and ``NAME-asyncsave``)."""
+    by_name = {r["name"]: r for r in ok}
+    parts = []
+    for asyn in ok:
+        sync = by_name.get(asyn["name"].replace("-asyncsave", "-syncsave"))
+        if not asyn.get("async_save") or sync is None or sync.get("save_blocking_s") is None:
+            continue
+        write = asyn.get("save_write_s")
+        parts.append(
+            f"A save at {sync['name'].removesuffix('-syncsave')}'s shape: the loop waited "
+            f"{sync['save_blocking_s']:.2f} s synchronous against "
+            f"{_fmt(asyn.get('save_blocking_s'), '.2f')} s asynchronous (its write "
+            f"{_fmt(write, '.2f')} s behind the training); in the steps themselves "
+            f"{asyn['tokens_per_s']:,.0f} against {sync['tokens_per_s']:,.0f} tokens/s (a "
+            f"synchronous save waits between steps, in its blocking time only)."
         )
     return parts
 

@@ -34,6 +34,7 @@ DEFAULT_DATA = ROOT / "data" / "stdlib"
 # The scripts that read the prepared corpus and take --data (bench_gpu prepares its own, with the
 # interpreter it benchmarks).
 TAKES_DATA = {
+    "bench_async_save.py",
     "bench_checkpoint.py",
     "bench_demo.py",
     "bench_docmask.py",

@@ -165,6 +165,13 @@ class TrainConfig:
     keep_every: int = 0
     """Checkpoints whose step is a multiple of this are milestones, never deleted by
     ``keep_last``; 0: none."""
+    async_save: bool = False
+    """Save in the background (docs/resilience.md, "Asynchronous saves"): the loop waits only
+    for a host copy of the state (one more copy of each rank's checkpoint in host memory for
+    the run); the files, hashes and manifest are written behind the next steps, and the
+    checkpoint counts (resume, export, eval, pruning) once every rank has written it. Off by
+    default: on a CPU the write competes with the training for its cores, the gain measured
+    here was small, and the host copy costs memory (docs/benchmarks.md, "Asynchronous saves")."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
     memory_per_rank: bool = False

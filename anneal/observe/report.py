@@ -228,6 +228,36 @@ def downstream_signals(run_dir: Path, rows: list[dict]) -> list[Signal]:
     return out
 
 
+SAVE_WAIT_S = 1.0
+"""An asynchronous save that waited longer than this for the write before it is a problem of
+the save interval (docs/resilience.md, "Asynchronous saves")."""
+
+
+def saves_signal(events: list[dict]) -> list[Signal]:
+    """What the checkpoints cost the training: the seconds the loop waited at each save
+    (``blocking_s``) and, for asynchronous saves, those their files took behind it
+    (``write_s``); a problem when an asynchronous save waited for the write before it (saves
+    more often than a write takes). None for a run whose events carry no save times."""
+    saves = [e for e in events if e.get("event") == "checkpoint" and "blocking_s" in e]
+    if not saves:
+        return []
+    blocking = sorted(e["blocking_s"] for e in saves)
+    detail = (
+        f"{len(saves)} save(s); the loop waited {blocking[len(blocking) // 2]:.2f} s (median, "
+        f"max {blocking[-1]:.2f} s)"
+    )
+    means = "no asynchronous save waits for the one before it"
+    if not any(e.get("asynchronous") for e in saves):
+        return [Signal("checkpoint saves", HEALTHY, detail + ", synchronous", means)]
+    writes = sorted(e.get("write_s", 0.0) for e in saves)
+    detail += f"; written behind the training in {writes[len(writes) // 2]:.2f} s (median)"
+    waited = [e["step"] for e in saves if e.get("waited_s", 0.0) > SAVE_WAIT_S]
+    if waited:
+        why = f"; the saves of steps {waited[:5]} waited for the write before: save less often"
+        return [Signal("checkpoint saves", PROBLEM, detail + why, means)]
+    return [Signal("checkpoint saves", HEALTHY, detail, means)]
+
+
 def health(run_dir: Path) -> list[Signal]:
     """The four signals of a run directory, one val-loss signal per source of a blend, one
     per downstream task and a sparse model's two (UserError if it has no train rows yet)."""
@@ -245,6 +275,7 @@ def health(run_dir: Path) -> list[Signal]:
         *source_signals(val, train),
         *downstream_signals(run_dir, rows),
         *moe.signals(rows),
+        *saves_signal(events),
     ]
 
 

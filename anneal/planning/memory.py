@@ -162,6 +162,9 @@ class MemoryEstimate:
     runtime: int
     host_bytes: int
     capacity: int | None = None
+    snapshot_bytes: int = 0
+    """Host bytes per GPU that ``train.async_save`` keeps for the run: the host copy of the
+    rank's checkpoint its saves are written from (``snapshot_bytes``); not in ``total``."""
 
     @property
     def model_state(self) -> int:
@@ -212,6 +215,7 @@ class MemoryEstimate:
             "total": self.total,
             "total_stacked": self.total_stacked,
             "host_bytes_per_gpu": self.host_bytes,
+            "async_save_host_bytes_per_gpu": self.snapshot_bytes,
             "capacity": self.capacity,
             "fits": self.fits,
         }
@@ -250,6 +254,18 @@ def model_state_bytes(
     return int(weights), int(grads), int(optimizer), int(host)
 
 
+def snapshot_bytes(params: int, zero: ZeroSetup, n_gpus: int, *, muon: bool = False) -> int:
+    """Host bytes of one rank's checkpoint, which an asynchronous save's snapshot holds
+    (``anneal.resilience.snapshot``): its share of the optimizer state (the fp32 master weights
+    and the moments: 12 bytes a parameter for AdamW) and the weights DeepSpeed saves from it,
+    in the training dtype: at ZeRO-3 its partition, at ZeRO-0/1/2 all of them (rank 0 writes
+    the model file; the largest rank is the one a GPU's budget has to hold)."""
+    w_bytes = 2 if zero.bf16 else 4
+    weights = w_bytes * params / n_gpus if zero.stage == 3 else w_bytes * params
+    share = n_gpus if zero.stage >= 1 else 1
+    return int(optimizer_bytes_per_param(zero, muon=muon) * params / share + weights)
+
+
 def estimate(
     preset: ModelPreset,
     zero: ZeroSetup,
@@ -284,6 +300,10 @@ def estimate(
     if experts:
         states.append(model_state_bytes(experts, zero, n_experts, muon=zero.muon))
     weights, grads, optimizer, host = (sum(column) for column in zip(*states, strict=True))
+    snapshot = snapshot_bytes(dense - on_muon, zero, n) + snapshot_bytes(
+        on_muon, zero, n, muon=True
+    )
+    snapshot += snapshot_bytes(experts, zero, n_experts, muon=zero.muon)
     value_bytes = 2 if zero.bf16 else 4
 
     buffers = {}
@@ -324,6 +344,7 @@ def estimate(
         runtime=runtime_bytes,
         host_bytes=host,
         capacity=capacity,
+        snapshot_bytes=snapshot,
     )
 
 

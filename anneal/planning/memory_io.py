@@ -133,6 +133,7 @@ def format_estimate(
     ]
     if est.host_bytes:
         lines.append(row("host memory per GPU (offloaded)", est.host_bytes))
+    lines.append(row("host copy per GPU, train.async_save", est.snapshot_bytes, "(if on)"))
     if est.capacity is not None:
         verdict = "fits" if est.fits else "does NOT fit"
         lines.append(

@@ -151,28 +151,47 @@ def save(
     recorded in the manifest so that a resume with another shape is refused before anything
     loads.
     """
-    tag = tag_for(step)
-    tag_dir = ckpt_dir / tag
+    tag_dir = clear_tag(ckpt_dir, step)
+    client_state = full_client_state(client_state)
+    barrier()
+    engine.save_checkpoint(
+        str(ckpt_dir), tag=tag_dir.name, client_state=client_state, save_latest=False
+    )
+    barrier()  # every rank's files are complete before any rank lists them
+    write_manifest(tag_dir, step=step, client_state=client_state, model=model)
+    publish(ckpt_dir, tag_dir, step=step, keep_last=keep_last, keep_every=keep_every)
+    return tag_dir
+
+
+def clear_tag(ckpt_dir: Path, step: int) -> Path:
+    """The tag directory of a save at ``step``, cleared by rank 0 of what is in the way (no
+    collective): its files would mix with the new ones. A save that never finished (no
+    manifest) is removed; anything else, a finished checkpoint of an earlier timeline (this run
+    resumed from an older tag, or fell back past a damaged one), is kept aside."""
+    tag_dir = ckpt_dir / tag_for(step)
     if is_main_process() and (tag_dir.exists() or tag_dir.is_symlink()):
-        # In the way: its files would mix with the new ones. A save that never finished (no
-        # manifest) is removed; anything else, a finished checkpoint of an earlier timeline
-        # (this run resumed from an older tag, or fell back past a damaged one), is kept aside.
         if tag_dir.is_dir() and not tag_dir.is_symlink() and not (tag_dir / MANIFEST).exists():
             shutil.rmtree(tag_dir)
         else:
             _move_aside(tag_dir)
-    client_state = {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
-    barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    barrier()  # every rank's files are complete before any rank lists them
-    write_manifest(tag_dir, step=step, client_state=client_state, model=model)
+    return tag_dir
+
+
+def full_client_state(client_state: dict) -> dict:
+    """Collective: the Trainer's client state with every rank's RNG and the world size, as a
+    checkpoint holds it."""
+    return {**client_state, "rng": gather_rng_states(), "world_size": world_size()}
+
+
+def publish(ckpt_dir: Path, tag_dir: Path, *, step: int, keep_last: int, keep_every: int) -> None:
+    """Collective, once ``tag_dir``'s manifest is written: rank 0 points ``latest`` at it, then
+    removes what keep-K and the universal conversions no longer need; a barrier ends it."""
     if is_main_process():
-        write_atomic(ckpt_dir / LATEST, tag, durable=True)
+        write_atomic(ckpt_dir / LATEST, tag_dir.name, durable=True)
         for old in to_prune(intact_checkpoints(ckpt_dir), keep_last, keep_every):
             shutil.rmtree(old, ignore_errors=True)
         prune_universal(ckpt_dir, saved_step=step)
     barrier()
-    return tag_dir
 
 
 def _move_aside(tag_dir: Path) -> Path:

@@ -12,6 +12,12 @@ comma-separated faults, each ``kind@key=value[:key=value...]``.
   by F: a bad sample in the data, which a rewind that skips it leaves behind.
 - ``kill@step=N``: SIGKILL at the start of step N (a crash: no cleanup, no save).
 - ``slow_rank@s=S``: sleep S seconds at the start of every step (``step=N``: only step N).
+- ``save_slow@s=S``: an asynchronous save's background write (``train.async_save``) sleeps S
+  seconds after its first file (``step=N``: only the save of step N), so that it is still in
+  flight, half written, over the next steps: the drills of a crash, a preemption and the end
+  of a run during a background write.
+- ``save_fail@step=N``: the background write of the save of step N fails with ENOSPC after its
+  first file, as on a full disk (without ``step``: every save's).
 
 Every fault takes ``rank=R`` to act on that rank only. ``Faults.wrap`` hooks them around the
 step from outside (``anneal.train.step.train_step`` has no branch for them); unset,
@@ -21,6 +27,7 @@ step from outside (``anneal.train.step.train_step`` has no branch for them); uns
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -39,6 +46,8 @@ _FAULT_KEYS = {
     "spike": {"step", "sample", "rank", "x"},
     "kill": {"step", "rank"},
     "slow_rank": {"step", "rank", "s"},
+    "save_slow": {"step", "rank", "s"},
+    "save_fail": {"step", "rank"},
 }
 
 
@@ -173,6 +182,18 @@ class Faults:
                 self.rank,
             )
             self._before = None
+
+    def before_save_write(self, step: int, index: int) -> None:
+        """In an asynchronous save's background write of step ``step``, before its file number
+        ``index`` (from 0): before the second (every rank writes at least two: its model and
+        optimizer states), ``save_slow`` sleeps and ``save_fail`` raises ENOSPC."""
+        for f in self.faults:
+            if f.kind == "save_slow" and f.step in (None, step) and index == 1:
+                log.warning("fault: save_slow %gs in the background write of step %d", f.s, step)
+                time.sleep(f.s)
+            if f.kind == "save_fail" and f.step in (None, step) and index == 1:
+                log.warning("fault: save_fail in the background write of step %d", step)
+                raise OSError(errno.ENOSPC, "No space left on device (fault injection)")
 
 
 class _Recording:

@@ -83,9 +83,31 @@ def write_manifest(
     anything loads."""
     tp = client_state.get("tensor_parallel_size", 1)
     shares = all_gather(_hash_share(tag_dir, _list_files(tag_dir), tp))
+    write_manifest_of(tag_dir, shares, step=step, client_state=client_state, model=model)
+
+
+def write_manifest_of(
+    tag_dir: Path,
+    shares: list[dict[str, dict]],
+    *,
+    step: int,
+    client_state: dict,
+    model: dict | None = None,
+) -> None:
+    """Rank 0 (the others return): the manifest of ``tag_dir`` from every rank's share of its
+    files (``{name: {size, hash}}``, each file already fsync'd by the rank that wrote it), the
+    files that no share names (a file DeepSpeed wrote itself, outside its checkpoint engine,
+    such as its recovery script) hashed and fsync'd here; the directory entries fsync'd, then
+    the manifest written durably. An asynchronous save
+    (``anneal.resilience.background_save``) gathers the shares its writers hashed."""
     if not is_main_process():
         return
+    tp = client_state.get("tensor_parallel_size", 1)
     files = {name: entry for share in shares for name, entry in share.items()}
+    rest = [n for n in _list_files(tag_dir) if n not in files]
+    for name in rest:
+        fsync_path(tag_dir / name)
+    files |= {n: {"size": (tag_dir / n).stat().st_size, HASH: file_hash(tag_dir / n)} for n in rest}
     for d in {(tag_dir / name).parent for name in files}:
         fsync_path(d)  # the files' directory entries
     manifest = {

@@ -2,12 +2,13 @@
 through one object (``Observers``): rows and events alike go this way out of the loop.
 
 - ``on_step(row)`` after each optimizer step, before the guard looks at it;
-- ``on_event(step, event, **fields)`` for each event: resume, spike, skip, rewind,
-  checkpoint, forecast, preempt, eval_failed (the guard, preemption, the forecast check and
-  the in-loop evaluator emit theirs through it too);
+- ``on_event(step, event, **fields)`` for each event: resume, spike, skip, rewind, snapshot
+  (an asynchronous save's state taken), checkpoint (a save complete), forecast, preempt,
+  eval_failed (the guard, preemption, the forecast check and the in-loop evaluator emit theirs
+  through it too);
 - ``on_val(row)`` after each validation; ``on_eval(doc)`` after each scoring of the
   downstream tasks (``anneal.eval.results``' document); ``on_checkpoint(tag_dir)`` after each
-  complete save;
+  complete save (an asynchronous one: once committed on every rank);
 - ``on_failure(error)`` when the loop raises (not on a ``UserError``);
 - ``on_end()`` once the run's last step (``max_steps``) is done;
 - ``close()`` at the end, whatever happened, in reverse order: the metrics file closes after
@@ -129,7 +130,7 @@ class Metrics(Observer):
         if event == "rewind":
             self.moe.drop()
         self.logger.event(step, event, **fields)
-        if event == "checkpoint":
+        if event in ("checkpoint", "snapshot"):  # an asynchronous save's state: its snapshot
             self.write_moe()
 
     def on_end(self) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from anneal.model import count_params, flops_per_token
 from anneal.model.muon import step_flops_per_token
 from anneal.observe.metrics import MetricsLogger, Mfu
 from anneal.planning import measured_rate
-from anneal.resilience import checkpoint, faults
+from anneal.resilience import faults
 from anneal.resilience.guard import Guard
 from anneal.resilience.preempt import Preemption, StopMidStep
 from anneal.resolution.resolve import Launch
@@ -37,6 +36,7 @@ from anneal.rundir import RunDir
 from anneal.train import observers
 from anneal.train.engine import data_replica
 from anneal.train.loss import next_token_loss
+from anneal.train.saving import Saves
 from anneal.train.step import StepShape, TrainState, train_step, validate
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,11 @@ class Trainer:
         self.exports = observers.ExportAfterSave(self.cfg.train.export_every_save)
         fault = faults.from_env(rank())  # ANNEAL_FAULTS: drills and tests only
         self.train_step = fault.wrap(train_step, next_token_loss) if fault else train_step
+        # synchronous or in the background (train.async_save); a save's pruning waits for the
+        # previous export, which reads its tag
+        self.saves = Saves(
+            launch, engine, self.preemption, before_commit=self.exports.wait, fault=fault
+        )
         self.val_step = validate
         self.shape = StepShape.of(launch)
         self.samples_per_step = launch.ds_config["train_batch_size"]
@@ -93,7 +98,6 @@ class Trainer:
             world_size=world_size(),
         )
         self.last_train, self.last_val = None, None
-        self.last_checkpoint: Path | None = None
         self.stopped_at_position: int | None = None  # set by a stop inside a step (step())
         self.tasks = None  # train.eval_tasks, loaded at the start (anneal.eval.in_loop)
 
@@ -161,6 +165,7 @@ class Trainer:
                     self.checkpoint()
                 if self.preemption.requested_by_any:  # any rank (the step's collective)
                     self.preempt()
+            self.saves.finish()  # the end of the run waits for its last save
             if self.state.step >= self.cfg.train.max_steps:
                 self.observers.on_end()
             else:
@@ -182,6 +187,7 @@ class Trainer:
         out, log_every = self.launch.out, self.cfg.train.log_every
         metrics = observers.Metrics(MetricsLogger(out), run_dir=out, log_every=log_every)
         self.observers = observers.Observers([observers.PlotsAndReport(out), metrics])
+        self.saves.events = self.observers
         if client is None:
             self._open_stream(0)
         else:
@@ -237,6 +243,7 @@ class Trainer:
             self.preempt()
         row["mfu"] = self.mfu(row["tokens_per_s"])
         self.last_train = row
+        self.saves.poll()  # a background save is committed once every rank has written it
         return row
 
     def end_step(self) -> int:
@@ -252,6 +259,7 @@ class Trainer:
     def rewind(self) -> None:
         """The guard's rewind: back to the newest intact checkpoint before the spike, through
         ``load_state_dict`` as for a resume, with the spike's samples skipped."""
+        self.saves.finish()  # the save in flight, if any, may be the one to go back to
         spike_step, spike_end = self.state.step, self.stream.position
         client, tag_dir = self.guard.load_before_spike(
             self.engine,
@@ -305,32 +313,20 @@ class Trainer:
         train, step = self.cfg.train, self.state.step
         return _due(step, train.save_every, train.max_steps) or step == train.stop_at_step
 
-    def checkpoint(self) -> None:
-        """A checkpoint of this step, then the ``checkpoint`` event and ``on_checkpoint``."""
-        train, step = self.cfg.train, self.state.step
-        self.exports.wait()  # the previous export reads its tag; keep-K may remove it now
-        started = time.perf_counter()
-        tag_dir = checkpoint.save(
-            self.engine,
-            rundir.checkpoints_dir(self.launch.out),
-            step=step,
-            client_state=self.state_dict(),
-            keep_last=train.keep_last,
-            keep_every=train.keep_every,
-            model=dataclasses.asdict(self.launch.preset),
-        )
-        self.last_checkpoint = Path(tag_dir)
-        self.preemption.last_save_s = time.perf_counter() - started  # a stop's estimate
-        self.observers.on_event(step, "checkpoint", path=str(tag_dir))
-        self.observers.on_checkpoint(tag_dir)
+    def checkpoint(self, *, wait: bool = False) -> None:
+        """A checkpoint of this step (``anneal.train.saving``); with ``wait``, committed
+        before this returns, even when it is written in the background."""
+        self.saves.save(self.state.step, self.state_dict(), wait=wait)
 
     def preempt(self) -> None:
-        """Collective: save this step (unless the regular save just did), tell the observers,
-        and exit 75 for a requeue (``anneal.resilience.preempt``)."""
+        """Collective: wait for the save in flight, save this step (unless the regular save
+        just did), tell the observers, and exit 75 for a requeue
+        (``anneal.resilience.preempt``)."""
+        self.saves.finish()
         self.preemption.stop(
             step=self.state.step,
             ckpt_dir=rundir.checkpoints_dir(self.launch.out),
-            save=self.checkpoint,
+            save=lambda: self.checkpoint(wait=True),
             events=self.observers,
         )
 
@@ -338,7 +334,8 @@ class Trainer:
         """What a stop before the last step (``train.stop_at_step``) says: where, what it
         saved, and how to go on, so that it never reads like a crash."""
         train, step = self.cfg.train, self.state.step
-        saved = f"checkpoint {self.last_checkpoint} written" if self.last_checkpoint else "saved"
+        last = self.saves.last
+        saved = f"checkpoint {last} written" if last else "saved"
         return (
             f"stopped at step {step} of {train.max_steps} (train.stop_at_step={train.stop_at_step})"
             f": {saved}. To go on, run the same command again without train.stop_at_step (or "

@@ -318,6 +318,43 @@ def test_document_mask_rows_are_twins_of_unmasked_rows_and_read_as_a_pair():
     )
 
 
+def test_the_save_rows_time_a_1b_save_both_ways_and_read_as_a_pair(tmp_path):
+    """The optional save rows (issue 44) differ from each other in ``train.async_save`` alone and
+    from 1b-z1-nockpt in their save cadence; their figures come from the run's events (an
+    asynchronous save's blocking time from its snapshot, its write from the commit) and the
+    reading compares the pair."""
+    by_name = {r.name: r for r in gpu_rows.gpu_rows()}
+    sync, asyn = by_name["1b-z1-nockpt-syncsave"], by_name["1b-z1-nockpt-asyncsave"]
+    assert dataclasses.replace(sync, name=asyn.name, async_save=True) == asyn
+    assert (sync.preset, sync.zero, sync.micro, sync.seq_len) == ("1b", 1, 8, 2048)
+    cmd = asyn.command("py", data=Path("d"), out=Path("o"), cpu=False)
+    assert cmd[cmd.index("--save-every") + 1] == "3" and "train.async_save=true" in cmd
+    assert "train.async_save=true" not in sync.command(
+        "py", data=Path("d"), out=Path("o"), cpu=False
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    events = [
+        {"kind": "event", "step": 3, "event": "snapshot", "blocking_s": 0.5},
+        {"kind": "event", "step": 3, "event": "checkpoint", "blocking_s": 0.5, "write_s": 9.0},
+        {"kind": "event", "step": 6, "event": "snapshot", "blocking_s": 0.7},
+    ]
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"torn')
+    figures = gpu_measure.save_figures(metrics)
+    assert figures == {
+        "saves": 2,
+        "saves_committed": 1,
+        "save_blocking_s": 0.6,
+        "save_write_s": 9.0,
+    }
+    on = {**_result(asyn, tokens_per_s=57_000, peak=60.0, mfu=0.37), **figures}
+    off = {**_result(sync, tokens_per_s=60_000, peak=45.0, mfu=0.39), "save_blocking_s": 12.0}
+    text = gpu_table.reading([off, on], cpu=False)
+    assert (
+        "A save at 1b-z1-nockpt's shape: the loop waited 12.00 s synchronous against 0.60 s "
+        "asynchronous (its write 9.00 s behind the training)" in text
+    )
+
+
 def test_a_row_past_its_timeout_is_killed_with_its_whole_session(tmp_path):
     child_pid = tmp_path / "child.pid"
     script = (

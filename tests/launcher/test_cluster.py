@@ -38,6 +38,7 @@ from tests.conftest import (
     read_metrics,
     run_process,
     run_recipe,
+    sets,
 )
 
 pytestmark = pytest.mark.slow
@@ -481,10 +482,25 @@ def preempt_after_first_step(slurm: Slurm, run: Path, job: str) -> None:
 
 
 def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_data, tmp_path):
+    """The preempted job saves every step in the background (``train.async_save``, issue 44),
+    the write of step 1 held 3 s (``save_slow``), so that the signal, sent once step 1 is
+    logged, comes with a save in flight: the stop waits for it, saves its own step, and the
+    requeued job resumes from there with the uninterrupted (synchronous) job's losses."""
     steps = 30
     ref, pre = tmp_path / "uninterrupted", tmp_path / "preempted"
     ref_job = submit(slurm, ref, stdlib_data, max_steps=steps, port=free_ports(1))
-    pre_job = submit(slurm, pre, stdlib_data, max_steps=steps, port=free_ports(1))
+    pre_job = job_id(
+        submit_printed(
+            slurm,
+            pre,
+            stdlib_data,
+            max_steps=steps,
+            port=free_ports(1),
+            # every checkpoint kept, so that the preemption's is still there at the end
+            extra=("--save-every", "1", *sets("train.async_save=true", "train.keep_last=0")),
+            extra_env={"ANNEAL_FAULTS": "save_slow@step=1:s=3"},
+        )
+    )
 
     preempt_after_first_step(slurm, pre, pre_job)
     # Skip the requeue's 120 s BeginTime, a little after it: slurmd refuses a job credential
@@ -508,6 +524,8 @@ def test_slurm_job_completes_and_a_preempted_job_resumes_exactly(slurm, stdlib_d
     assert len(preempt) == 1 and preempt[0]["signal"] == "SIGUSR1", events
     k = preempt[0]["step"]
     assert 1 <= k < steps
+    saved = [e for e in events if e["event"] == "checkpoint" and e["step"] <= k]
+    assert saved and all(e["asynchronous"] for e in saved) and saved[-1]["step"] == k
     resume = [e for e in events if e["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == k
     # Losses after the resume equal the uninterrupted job's; every step once, in order.

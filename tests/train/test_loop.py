@@ -144,13 +144,23 @@ class Tasks:
 
 
 def trainer(
-    tiny_data: Path, out: Path, step, *, save_s: float = 0.0, tasks: bool = False
+    tiny_data: Path,
+    out: Path,
+    step,
+    *,
+    save_s: float = 0.0,
+    tasks: bool = False,
+    async_save: bool = False,
 ) -> tuple[Trainer, Recorder]:
     """A Trainer of the tiny recipe: 6 steps, validation and a save every 2, the guard from 2
     good steps on; ``step`` for its train step, saves of ``save_s`` seconds; with ``tasks``, a
-    stand-in scoring of downstream tasks every 2 steps."""
+    stand-in scoring of downstream tasks every 2 steps; with ``async_save``, saves in the
+    background (the stand-in engine writes its file in the snapshot, so the write behind it has
+    nothing to do and the save commits after the next step)."""
     args = ["--data", str(tiny_data), "--out", str(out), "--max-steps", "6"]
     args += ["--val-every", "2", "--save-every", "2", "--set", "guard.min_history=2"]
+    if async_save:
+        args += ["--set", "train.async_save=true"]
     if tasks:
         args += ["--set", "train.eval_tasks=t", "--set", "train.eval_tasks_every=2"]
     launch = resolve_tiny(args, world_size=1)
@@ -215,6 +225,51 @@ def test_guard_before_validation_and_save_and_a_rewind_goes_on(tiny_data, world_
     assert [doc["step"] for doc in read_evals(out)] == [0, 2, 4, 6]  # evals/step-N.json
     assert summary["step"] == 6 and (out / "report.txt").is_file()  # drawn after the close
     assert t.run_dir.stepped
+
+
+def test_an_asynchronous_save_is_told_once_committed_and_a_rewind_goes_to_it(
+    tiny_data, world_of_one, tmp_path
+):
+    """With ``train.async_save``: the ``snapshot`` event at the save step, the ``checkpoint``
+    event and ``on_checkpoint`` only once committed (after the next step's row is made, before
+    the observers get it); a spike at step 4 rewinds to step 2's committed save; the last
+    save is committed before the end of the run."""
+    out = tmp_path / "run"
+    losses = [3.0, 2.9, 2.8, 30.0, 2.8, 2.7, 2.6, 2.5]
+    t, rec = trainer(tiny_data, out, stand_in_step(losses), async_save=True)
+    t.train(None, {})
+    saved = [("checkpoint", 2), ("saved", 2)]
+    assert rec.calls == [
+        ("step", 1),
+        ("step", 2),
+        ("val", 2),
+        ("snapshot", 2),
+        *saved,
+        ("step", 3),
+        ("step", 4),
+        ("spike", 4),
+        ("rewind", 4),
+        ("skip", 4),
+        ("step", 3),
+        ("step", 4),
+        ("val", 4),
+        ("snapshot", 4),
+        ("checkpoint", 4),
+        ("saved", 4),
+        ("step", 5),
+        ("step", 6),
+        ("val", 6),
+        ("snapshot", 6),
+        ("checkpoint", 6),
+        ("saved", 6),
+        ("end",),
+        ("close",),
+    ]
+    assert told(out) == [c for c in rec.calls if c[0] not in ("saved", "end", "close")]
+    [rewind] = [e for e in read_metrics(out, "event") if e["event"] == "rewind"]
+    assert rewind["to_step"] == 2, rewind
+    events = [e for e in read_metrics(out, "event") if e["event"] == "checkpoint"]
+    assert all(e["asynchronous"] and "write_s" in e and "blocking_s" in e for e in events)
 
 
 @pytest.mark.parametrize("signal_at", [2, 3], ids=["on-a-save-step", "between-saves"])
