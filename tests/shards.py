@@ -38,6 +38,23 @@ def one_thread(n: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"}
 
 
+def alone_args(args: list[str]) -> list[str]:
+    """``args`` for the session of the tests marked ``alone``: each folder among them replaced by
+    the test files under it that say ``pytest.mark.alone``, so that the session collects those
+    few files instead of the whole suite again (11 s of collection on its own, after the shards,
+    against 2 s). Options and files are kept as given."""
+    out = []
+    for arg in args:
+        path = Path(arg)
+        if arg.startswith("-") or not path.is_dir():
+            out.append(arg)
+            continue
+        out += sorted(
+            str(f) for f in path.rglob("test_*.py") if "pytest.mark.alone" in f.read_text()
+        )
+    return out
+
+
 def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
         print("usage: tests/shards.py N [pytest arguments...]", file=sys.stderr)
@@ -81,7 +98,7 @@ def main(argv: list[str]) -> int:
     # The tests marked alone measure the machine: on their own, once the shards are done.
     print("\n== the tests marked alone ==", flush=True)
     env = {**os.environ, "ANNEAL_TEST_SHARD": "alone"}
-    cmd = [sys.executable, "-m", "pytest", *args, "--basetemp", str(tmp / "alone")]
+    cmd = [sys.executable, "-m", "pytest", *alone_args(args), "--basetemp", str(tmp / "alone")]
     procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     codes.append(procs[-1].wait())
     ended.append(time.monotonic() - started)

@@ -83,3 +83,52 @@ def test_a_shard_computes_on_one_thread_where_the_shards_fill_the_cores(monkeypa
 def test_a_bad_shard_is_a_usage_error(spec):
     with pytest.raises(pytest.UsageError, match="expected i/n, 1 <= i <= n, or alone"):
         _shard_of(suite(), spec)
+
+
+@pytest.mark.slow
+def test_the_alone_session_collects_only_the_files_that_mark_tests_alone(tmp_path):
+    """tests/shards.py's last session: a folder among pytest's arguments becomes the files
+    under it that mark a test ``alone``; options and files given stay as they are; and in this
+    repository those files hold every test marked alone (pytest's own selection, against a
+    collection of the whole suite: a file that marked a test alone some other way would lose it
+    silently). Slow (12 s: two collections of the suite), as the part of `make test-all` it
+    checks."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.shards import alone_args
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_a.py").write_text("@pytest.mark.alone\ndef test(): pass\n")
+    (tmp_path / "test_b.py").write_text("def test(): pass\n")
+    args = ["-q", "--durations=10", str(tmp_path), "x/test_c.py"]
+    assert alone_args(args) == [
+        "-q",
+        "--durations=10",
+        str(tmp_path / "sub" / "test_a.py"),
+        "x/test_c.py",
+    ]
+
+    def selected(paths):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *paths,
+            ],
+            cwd=ROOT,
+            env={**__import__("os").environ, "ANNEAL_TEST_SHARD": "alone"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return sorted(line for line in done.stdout.splitlines() if "::" in line)
+
+    files = alone_args(["tests"])
+    assert files and selected(files) == selected(["tests"])
