@@ -100,7 +100,8 @@ def test_the_alone_session_collects_only_the_files_that_mark_tests_alone(tmp_pat
     from tests.shards import alone_args
 
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "test_a.py").write_text("@pytest.mark.alone\ndef test(): pass\n")
+    marked = "@pytest.mark." + "alone"  # spelled apart: this file marks no test alone
+    (tmp_path / "sub" / "test_a.py").write_text(f"{marked}\ndef test(): pass\n")
     (tmp_path / "test_b.py").write_text("def test(): pass\n")
     args = ["-q", "--durations=10", str(tmp_path), "x/test_c.py"]
     assert alone_args(args) == [
