@@ -235,6 +235,34 @@ def tree(*roots: Path) -> dict[str, str]:
     return out
 
 
+def signal_recipe_when(
+    args: list[str], ready, signum: int, *, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
+    """The tiny recipe on one rank with ``args``, sent ``signum`` once ``ready()`` holds (polled
+    every 20 ms, for at most 300 s, while it runs); its result and the seconds from the signal to
+    its exit. Its whole session is killed on the way out, whatever happened."""
+    proc = subprocess.Popen(
+        [sys.executable, "recipes/pretrain_tiny.py", *args],
+        cwd=ROOT,
+        env={**env(), **(extra_env or {})},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stop_s = time.monotonic() - signalled
+    finally:
+        kill_tree(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), stop_s
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the session a process was started in (start_new_session=True)."""
     try:

@@ -22,15 +22,12 @@ Slow: three 1-rank launches (the reference is the shared run), 27 s for the thre
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from anneal.resilience import checkpoint
 from anneal.rundir import read_metrics
-from tests.conftest import ROOT, SMALL, env, kill_tree, run_recipe
+from tests.conftest import SMALL, run_recipe, signal_recipe_when
 
 pytestmark = pytest.mark.slow
 
@@ -53,27 +50,18 @@ def _since_last_resume(out) -> list[dict]:
 
 def _preempt_while_step_2_is_written(data, out):
     """Launch 2: SIGUSR1 once step 2 is logged, while its write is held 4 s."""
-    proc = subprocess.Popen(
-        [sys.executable, "recipes/pretrain_tiny.py", *_args(data, out)],
-        cwd=ROOT,
-        env={**env(), "ANNEAL_FAULTS": "save_slow@step=2:s=4"},
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+
+    def step_2_logged() -> bool:
+        rows = _since_last_resume(out) if (out / "metrics.jsonl").exists() else []
+        return any(r["kind"] == "train" and r["step"] == 2 for r in rows)
+
+    done, _ = signal_recipe_when(
+        _args(data, out),
+        step_2_logged,
+        signal.SIGUSR1,
+        extra_env={"ANNEAL_FAULTS": "save_slow@step=2:s=4"},
     )
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            rows = _since_last_resume(out) if (out / "metrics.jsonl").exists() else []
-            if any(r["kind"] == "train" and r["step"] == 2 for r in rows):
-                break
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGUSR1)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        kill_tree(proc)
-    return proc.returncode, err
+    return done.returncode, done.stderr
 
 
 def test_crash_preemption_and_a_full_disk_during_background_writes(

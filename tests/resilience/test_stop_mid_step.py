@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from anneal.resilience import checkpoint
-from tests.conftest import ROOT, SMALL_OWN_BATCH, env, kill_tree, read_metrics, run_recipe
+from tests.conftest import SMALL_OWN_BATCH, read_metrics, run_recipe, signal_recipe_when
 
 pytestmark = pytest.mark.slow
 ACCUM = 64
@@ -47,29 +44,13 @@ def _args(data, out) -> list[str]:
 def test_a_signal_inside_a_step_stops_at_a_micro_batch_and_resumes_exactly(tiny_data, tmp_path):
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     run_recipe(_args(tiny_data, full))
-    proc = subprocess.Popen(
-        [sys.executable, "recipes/pretrain_tiny.py", *_args(tiny_data, stopped)],
-        cwd=ROOT,
-        env=env(),
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    done, stop_s = signal_recipe_when(
+        _args(tiny_data, stopped),
+        lambda: (stopped / "metrics.jsonl").exists() and bool(read_metrics(stopped, "train")),
+        signal.SIGTERM,
     )
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            metrics = stopped / "metrics.jsonl"
-            if metrics.exists() and read_metrics(stopped, "train"):
-                break
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        stop_s = time.monotonic() - signalled
-    finally:
-        kill_tree(proc)
-    assert proc.returncode == 75, err[-3000:]
+    err = done.stderr
+    assert done.returncode == 75, err[-3000:]
     [line] = [ln for ln in err.splitlines() if "got SIGTERM: stopping" in ln]
     assert re.search(r"at the end of micro-batch \d+ of 64 of step 2 \(about", line), line
     [event] = [e for e in read_metrics(stopped, "event") if e["event"] == "preempt"]
