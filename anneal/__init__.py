@@ -1,8 +1,18 @@
 """Anneal: LLM pretraining on DeepSpeed.
 
-Importing it quiets some messages of the libraries below it that say nothing an Anneal run can
-act on, and nothing else (each matched by its exact text, so any other warning of theirs still
-shows; docs/observability.md, "What else it prints"):
+Importing it does two things and nothing else. It makes the interpreter's exit cheap: at exit
+every object still alive is frozen (``gc.freeze``, an ``atexit`` call), so the
+interpreter's final collections no longer walk the millions of objects torch, transformers and
+DeepSpeed keep. That walk cost 2-4 s of CPU in every process that imported them (a rank, the
+report, each ``anneal`` command): a 1-rank run of 2 steps took 27.7, 16.6 and 14.6 s of CPU
+without the freeze and 19.2, 12.3 and 10.9 s with it, pairs run back to back on a loaded machine
+(docs/benchmarks.md, "The test suite"). Objects are still freed as their last reference goes;
+only garbage in reference cycles is left to the operating system, as ``os._exit`` would, and
+every file Anneal writes is closed (and flushed) by the code that opened it.
+
+And it quiets some messages of the libraries below it that say nothing an Anneal run can act
+on (each matched by its exact text, so any other warning of theirs still shows;
+docs/observability.md, "What else it prints"):
 
 - DeepSpeed's "Setting accelerator to CPU" warning, logged once by every process that imports
   DeepSpeed on a machine without a GPU. Anneal says which device a run trains on, once (the
@@ -23,6 +33,8 @@ shows; docs/observability.md, "What else it prints"):
   own bars, drawn only on a terminal, say ``disable=False`` and are not affected.
 """
 
+import atexit
+import gc
 import logging
 import os
 import re
@@ -63,3 +75,4 @@ warnings.filterwarnings(
 logging.getLogger("lm_eval").setLevel(logging.WARNING)
 if not (sys.stderr is not None and sys.stderr.isatty()):
     os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when it is imported
+atexit.register(gc.freeze)  # the exit's own collection skipped: see the docstring
