@@ -103,16 +103,23 @@ def run_one(
     cmd = [sys.executable, str(script), *extra]
     if alone:
         print(head, end="", flush=True)
-        rc = subprocess.call(cmd, cwd=ROOT)
-        print(f"== {script.name}: exit {rc} in {time.time() - start:.0f} s", flush=True)
+        rc, cpu = _wait_with_cpu(subprocess.Popen(cmd, cwd=ROOT))
+        print(f"== {script.name}: exit {rc} in {time.time() - start:.0f} s, {cpu}", flush=True)
         return rc, "", frag
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    output = head + done.stdout + done.stderr
-    return (
-        done.returncode,
-        output + f"== {script.name}: exit {done.returncode} in {time.time() - start:.0f} s\n",
-        frag,
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    output = head + proc.stdout.read()
+    rc, cpu = _wait_with_cpu(proc)
+    return rc, output + f"== {script.name}: exit {rc} in {time.time() - start:.0f} s, {cpu}\n", frag
+
+
+def _wait_with_cpu(proc: subprocess.Popen) -> tuple[int, str]:
+    """``proc``'s exit status once it ends, and the CPU seconds it and the processes it waited
+    for used (``wait4``'s own figure for this one script, whichever others run beside it)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, f"{usage.ru_utime + usage.ru_stime:.1f} s of CPU"
 
 
 def main() -> int:
