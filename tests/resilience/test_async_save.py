@@ -13,6 +13,8 @@ Three engines are built here (about 5 s each on 2 cores), cheaper than launches.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +91,22 @@ def _slow(s: float) -> Faults:
     return Faults([Fault("save_slow", s=s)], rank=0)
 
 
+class _Held:
+    """A fault hook that holds a background write before its second file until ``release``, and
+    for at least ``s`` seconds: the write is in flight for as long as the test needs, however
+    slow the training beside it (a fixed sleep of 1 s ran out under load, before the test
+    looked)."""
+
+    def __init__(self, s: float):
+        self.s, self.release = s, threading.Event()
+
+    def before_save_write(self, step: int, index: int) -> None:
+        if index == 1:
+            start = time.monotonic()
+            assert self.release.wait(120), "the test never released the write"
+            time.sleep(max(0.0, self.s - (time.monotonic() - start)))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_async_save_writes_the_state_of_its_step_and_resumes_as_the_sync_one(
     stage, engine_of, tmp_path
@@ -102,15 +120,17 @@ def test_async_save_writes_the_state_of_its_step_and_resumes_as_the_sync_one(
     def on_commit(tag_dir, step, times):
         commits.append((tag_dir, step, checkpoint.is_intact(tag_dir), times.write_s > 0.5))
 
+    held = _Held(0.6)
     saves = AsyncSaves(
-        engine, async_dir, keep_last=3, keep_every=0, on_commit=on_commit, fault=_slow(1.0)
+        engine, async_dir, keep_last=3, keep_every=0, on_commit=on_commit, fault=held
     )
     tag = saves.save(step=2, client_state=_client(2))
     _train(engine, 2, seed=1)  # the live state moves on while the write is in flight
-    saves.poll()  # its write sleeps 1 s after the first file: not committed yet
+    saves.poll()  # its write is held after the first file: not committed yet
     assert saves.in_flight is not None and not commits
     assert checkpoint.read_manifest(tag) is None and checkpoint.intact_checkpoints(async_dir) == []
     assert not (async_dir / "latest").exists()
+    held.release.set()
     saves.finish()
     assert commits == [(tag, 2, True, True)]
     assert (async_dir / "latest").read_text() == tag.name
