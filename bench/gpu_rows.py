@@ -22,7 +22,9 @@ class Row:
     zero: int
     ckpt: bool
     optimizer: str
-    """torch-foreach | torch-fused | ds-fused (DeepSpeed's FusedAdam, JIT-built with nvcc)."""
+    """torch-foreach | torch-fused | ds-fused (DeepSpeed's FusedAdam, JIT-built with nvcc) |
+    muon (``optim.optimizer=muon``: DeepSpeed's MuonWithAuxAdam, AdamW on the embeddings, head,
+    norms and router; such a row is named after its AdamW twin plus ``-muon``)."""
     micro: int
     global_tokens: int
     seq_len: int
@@ -73,9 +75,14 @@ class Row:
             f"optim.global_batch_tokens={self.global_tokens}",
             f"ds.train_micro_batch_size_per_gpu={self.micro}",
             f"ds.zero_optimization.stage={self.zero}",
-            f"ds.optimizer.params.torch_adam={str(self.optimizer != 'ds-fused').lower()}",
             f"train.loss={self.loss}",
         ]
+        if self.optimizer == "muon":  # its section is Anneal's, with no torch_adam key
+            sets.append("optim.optimizer=muon")
+        else:
+            sets.append(
+                f"ds.optimizer.params.torch_adam={str(self.optimizer != 'ds-fused').lower()}"
+            )
         if self.optimizer == "torch-fused":
             sets.append("ds.optimizer.params.fused=true")
         if self.document_mask:
@@ -143,6 +150,7 @@ def gpu_rows() -> list[Row]:
         + moe_rows()
         + _long_context_rows()
         + document_mask_rows(rows)
+        + muon_rows(rows)
         + _extra_rows()
         + save_rows()
     )
@@ -269,6 +277,19 @@ def document_mask_rows(rows: list[Row]) -> list[Row]:
     return [
         dataclasses.replace(twins[name], name=f"{name}-docmask", document_mask=True, optional=True)
         for name in ("1b-z1-nockpt", "1b-z1-ckpt-32k")
+    ]
+
+
+def muon_rows(rows: list[Row]) -> list[Row]:
+    """The optional rows with Muon, each the twin of an AdamW row: 125m and 1b at ZeRO-1 without
+    activation checkpointing. Muon's price is the pair's difference in step time (its
+    Newton-Schulz iterations on every hidden matrix, once a step; issue 42's goal: at most
+    1.10x AdamW's step at the larger shape) and in peak memory (one momentum buffer where AdamW
+    keeps two moments)."""
+    twins = {r.name: r for r in rows}
+    return [
+        dataclasses.replace(twins[name], name=f"{name}-muon", optimizer="muon", optional=True)
+        for name in ("125m-z1-nockpt", "1b-z1-nockpt")
     ]
 
 

@@ -17,6 +17,7 @@ OPTIMIZER_NAMES = {
     "torch-foreach": "torch AdamW (foreach)",
     "torch-fused": "torch AdamW (fused)",
     "ds-fused": "DeepSpeed FusedAdam",
+    "muon": "Muon (DeepSpeed MuonWithAuxAdam)",
 }
 SUMMARY_KEYS = ("name", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "reason")
 """A row's keys in the closing JSON line."""
@@ -71,6 +72,7 @@ def reading(results: list[dict], *, cpu: bool) -> str:
         )
     parts += loss_pairs(ok)
     parts += mask_pairs(ok)
+    parts += muon_pairs(ok)
     parts += save_pairs(ok)
     parts += sparse_rows(ok)
     if failed:
@@ -126,6 +128,25 @@ def mask_pairs(ok: list[dict]) -> list[str]:
             f"{masked['tokens_per_s']:,.0f} against {plain['tokens_per_s']:,.0f} tokens/s "
             f"({100 * (speed - 1):+.1f}%; goal: at most 4% slower with a varlen kernel), peak "
             f"{masked['peak_mem_gib']:.1f} against {plain['peak_mem_gib']:.1f} GiB."
+        )
+    return parts
+
+
+def muon_pairs(ok: list[dict]) -> list[str]:
+    """What Muon costs a step against AdamW, for each measured pair of rows that differ only in
+    the optimizer (``NAME`` and ``NAME-muon``)."""
+    by_name = {r["name"]: r for r in ok}
+    parts = []
+    for muon in ok:
+        adamw = by_name.get(muon["name"].removesuffix("-muon"))
+        if muon.get("optimizer") != "muon" or adamw is None or adamw is muon:
+            continue
+        step = adamw["tokens_per_s"] / muon["tokens_per_s"]  # equal tokens a step
+        parts.append(
+            f"Muon against AdamW at {adamw['name']}'s shape: {muon['tokens_per_s']:,.0f} against "
+            f"{adamw['tokens_per_s']:,.0f} tokens/s (Muon's step {step:.2f}x AdamW's; goal: at "
+            f"most 1.10x), peak {muon['peak_mem_gib']:.1f} against "
+            f"{adamw['peak_mem_gib']:.1f} GiB."
         )
     return parts
 

@@ -568,3 +568,32 @@ def test_without_a_gpu(tmp_path):
     assert skipped["probe"] == full["device"] and full["cuda_available"] is False
     assert "no CUDA GPU visible to this python" in sh_out.stdout
     assert (tmp_path / "logs" / "gpu_bench.log").read_text() == sh_out.stdout
+
+
+def test_muon_rows_are_twins_of_adamw_rows_and_read_as_a_pair():
+    """The optional -muon rows (issue 42: 125m and 1b at ZeRO-1) differ from their AdamW twins in
+    the optimizer alone: ``optim.optimizer=muon`` in place of the AdamW section's torch_adam
+    key; the reading gives Muon's step against AdamW's and the peaks."""
+    rows = gpu_rows.gpu_rows()
+    by_name = {r.name: r for r in rows}
+    muon = [r for r in rows if r.optimizer == "muon"]
+    assert [r.name for r in muon] == ["125m-z1-nockpt-muon", "1b-z1-nockpt-muon"]
+    for r in muon:
+        twin = by_name[r.name.removesuffix("-muon")]
+        assert dataclasses.replace(twin, name=r.name, optimizer="muon", optional=True) == r
+        cmd, twin_cmd = (
+            x.command("py", data=Path("d"), out=Path("o"), cpu=False) for x in (r, twin)
+        )
+        at, twin_at = (
+            cmd.index("optim.optimizer=muon"),
+            twin_cmd.index("ds.optimizer.params.torch_adam=true"),
+        )
+        assert cmd[at - 1] == twin_cmd[twin_at - 1] == "--set"
+        assert cmd[: at - 1] + cmd[at + 1 :] == twin_cmd[: twin_at - 1] + twin_cmd[twin_at + 1 :]
+    on = _result(by_name["1b-z1-nockpt-muon"], tokens_per_s=55_000, peak=36.0, mfu=0.36)
+    off = _result(by_name["1b-z1-nockpt"], tokens_per_s=60_500, peak=40.0, mfu=0.39)
+    text = gpu_table.reading([off, on], cpu=False)
+    assert (
+        "Muon against AdamW at 1b-z1-nockpt's shape: 55,000 against 60,500 tokens/s (Muon's "
+        "step 1.10x AdamW's; goal: at most 1.10x), peak 36.0 against 40.0 GiB." in text
+    )
