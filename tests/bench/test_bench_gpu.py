@@ -208,7 +208,8 @@ def test_gpu_rows_put_the_1b_figures_first_and_cover_the_matrix():
     required = {(r.preset, r.zero, r.ckpt) for r in rows if not r.optional}
     assert required == {(p, z, c) for p in ("1b", "125m") for z in (1, 3) for c in (False, True)}
     assert all(r.optimizer == "torch-foreach" for r in rows if not r.optional)
-    assert {r.optimizer for r in rows if r.optional} == {"torch-fused", "ds-fused", "torch-foreach"}
+    optional = {r.optimizer for r in rows if r.optional}
+    assert optional == {"torch-fused", "ds-fused", "torch-foreach", "muon"}
     assert [r.needs_nvcc for r in rows] == [r.optimizer == "ds-fused" for r in rows]
     # Long context on one GPU (SP=1): the 1b shape at 32K, the chunked loss and its plain twin.
     assert {(r.seq_len, r.loss) for r in rows if r.seq_len != 2048} == {
