@@ -1,7 +1,8 @@
 """`make test-all` and `make test`: the suite (``make test``: its fast tests, ``-m "not slow"``)
 as N pytest sessions side by side (``ANNEAL_TEST_SHARD=i/N``; tests/conftest.py says which
-tests each takes), shard 1's output as it comes, the others' after it; then the tests marked ``alone`` (they measure the machine) in one more session, on their
-own; and the exit status of the worst.
+tests each takes), shard 1's output as it comes, the others' after it; then the tests marked
+``alone`` (they measure the machine) in one more session, on their own (none under
+``make test``); and the exit status of the worst.
 
     .venv/bin/python tests/shards.py 3 -q --durations=10 tests
 
@@ -105,7 +106,8 @@ def main(argv: list[str]) -> int:
     print()
     names = [f"shard {i}/{n}" for i in range(1, n + 1)] + ["alone"]
     for name, code, took in zip(names, codes, ended, strict=True):
-        print(f"== {name}: exit {code}, done {took:.0f} s after the start")
+        said = "no tests selected" if code == NO_TESTS else f"exit {code}"
+        print(f"== {name}: {said}, done {took:.0f} s after the start")
     bad = [c for c in codes if c not in (0, NO_TESTS)]
     if bad:
         print(f"the sessions' files (--basetemp) are kept in {tmp}")
