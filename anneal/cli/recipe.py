@@ -12,6 +12,7 @@ import os
 import runpy
 import socket
 import sys
+from typing import NoReturn
 
 from anneal.cli.args import checked, path
 from anneal.config.run import (
@@ -218,9 +219,9 @@ def main(*, preset: str, ds_config: str, argv: list[str] | None = None, **defaul
             print(f"error ({where}): {e}", file=sys.stderr, flush=True)
         leave_promptly()  # a refusing rank is in no collective
         sys.exit(2)
-    except Preempted:  # its checkpoint committed on every rank: exit 75 for the requeue, now
+    except Preempted as stop:  # its checkpoint committed on every rank: 75, for the requeue
         leave_promptly()
-        raise
+        exit_preempted(stop.code)
     print_once(format_summary(summary))
     leave_promptly()
 
@@ -243,6 +244,22 @@ def leave_promptly() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     gc.freeze()
+
+
+def exit_preempted(status: int) -> NoReturn:
+    """A preempted rank's end, after ``leave_promptly``: the atexit handlers (logging's flush
+    among them), the standard streams flushed, then ``os._exit(status)``. What the interpreter's
+    shutdown would still do frees memory and runs C++ static destructors (perf: torch's
+    dispatcher deregistering its operators, module dicts torn down): 0.3 s of a preempted tiny
+    run's exit unloaded, 0.5-0.9 s more at load 8 on 2 cores here, out of the grace time, for
+    nothing a requeue needs: the checkpoint is committed, metrics.jsonl and the other files of
+    the run are closed (``anneal.train.Trainer.train``), the process group destroyed."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _flag_given(argv: list[str], flag: str) -> bool:

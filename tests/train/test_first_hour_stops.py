@@ -39,31 +39,40 @@ def test_the_summary_shows_the_last_validation_with_its_step():
     assert "val loss n/a (no val split)" in none
 
 
-def test_a_preempted_rank_leaves_without_the_exit_collection(monkeypatch, tmp_path):
-    """The stop bound (issue 46): a rank whose preemption checkpoint is committed exits 75 with
-    its process group destroyed and the heap frozen (``anneal.cli.recipe.leave_promptly``), so
-    that the interpreter's shutdown skips its passes of the garbage collector over the heap of
-    torch, DeepSpeed and transformers (2.3-2.4 s of each exit here; the seconds from the signal
-    to the exit are measured in tests/resilience/test_stop_mid_step.py). In process: the
-    training, already stopped, is ``anneal.train.run`` raising ``Preempted``."""
+def test_a_preempted_rank_leaves_without_the_interpreters_shutdown(monkeypatch, tmp_path):
+    """The stop bound (issue 46): a rank whose preemption checkpoint is committed destroys its
+    process group, freezes the heap (``anneal.cli.recipe.leave_promptly``) and ends through
+    ``exit_preempted(75)``: the atexit handlers, then ``os._exit``, without the interpreter's
+    shutdown (its collector passes over the heap of torch, DeepSpeed and transformers took
+    2.3-2.4 s of each exit here, the rest 0.3 s and more; the seconds from the signal to the
+    exit are bounded in tests/resilience/test_stop_mid_step.py). In process: the training,
+    already stopped, is ``anneal.train.run`` raising ``Preempted``, and ``exit_preempted``
+    (which would end pytest) records its status."""
     import gc
 
     import anneal.train
-    from anneal.cli.recipe import main
+    from anneal.cli import recipe
     from anneal.dist import world_of_one_env
     from anneal.resilience.preempt import PREEMPTED_EXIT_CODE, Preempted
 
     def stopped(cfg, overrides):
         raise Preempted()
 
+    class Exited(Exception):
+        pass
+
+    def exit_preempted(status):
+        raise Exited(status, gc.get_freeze_count())
+
     monkeypatch.setattr(anneal.train, "run", stopped)
+    monkeypatch.setattr(recipe, "exit_preempted", exit_preempted)
     for key in world_of_one_env():  # main makes this process a world of one: put back after
         monkeypatch.delenv(key, raising=False)
     gc.unfreeze()
     try:
-        with pytest.raises(Preempted) as info:
-            main(preset="tiny", ds_config="cpu.json", argv=["--out", str(tmp_path / "run")])
-        assert info.value.code == PREEMPTED_EXIT_CODE
-        assert gc.get_freeze_count() > 0
+        with pytest.raises(Exited) as info:
+            recipe.main(preset="tiny", ds_config="cpu.json", argv=["--out", str(tmp_path / "r")])
+        status, frozen = info.value.args
+        assert status == PREEMPTED_EXIT_CODE and frozen > 0
     finally:
         gc.unfreeze()
