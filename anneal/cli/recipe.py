@@ -232,7 +232,7 @@ def leave_promptly() -> None:
     out of the garbage collector's reach (``gc.freeze``). The interpreter's own shutdown runs
     the collector over the whole heap of torch, DeepSpeed and transformers objects several
     times: 2.3-2.4 s of a preempted tiny run's exit here (perf: ``gc_collect_main``), after its
-    checkpoint was committed, out of the scheduler's grace time (docs/resilience.md). Frozen,
+    checkpoint was committed, out of the scheduler's grace time (docs/cluster.md). Frozen,
     those passes find nothing to do; atexit handlers, the flushes of files and logs, and the
     destructors that reference counting runs are unchanged, and everything the run writes is
     closed by then (``anneal.train.Trainer.train``)."""
