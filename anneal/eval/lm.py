@@ -154,8 +154,12 @@ class EngineLM(TemplateLM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """TemplateLM's (tokenize each pair as HFLM does, then ``_loglikelihood_tokens``), its
-        progress bar on the job's first rank only."""
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or rank() != 0)
+        "Tokenizing inputs" bar on the job's first rank only, and not where ``TQDM_DISABLE`` is
+        set (``anneal/__init__`` sets it where stderr is not a terminal): lm-eval passes
+        ``disable=`` to that bar itself, which tqdm's default from the environment does not
+        override, so in a log it was a line of carriage returns."""
+        quiet = disable_tqdm or rank() != 0 or bool(os.environ.get("TQDM_DISABLE"))
+        return super().loglikelihood(requests, disable_tqdm=quiet)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each string's total log-likelihood over HFLM's disjoint rolling windows of

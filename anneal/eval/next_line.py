@@ -97,13 +97,8 @@ def _write(data_dir: Path, work_dir: Path, *, items: int) -> tuple[Path, str]:
     docs = val_documents(prepared, meta)
     rows = make_items(docs, items=items)
     if len(rows) < MIN_ITEMS:
-        raise UserError(
-            f"{prepared.path}: its val split holds {len(rows)} Python functions usable for "
-            f"{NAME} (at least {MIN_ITEMS} are needed): the task is built from the val "
-            f"split's Python code. Prepare the data again with a larger share held out for "
-            f"validation (`anneal data prepare ... --val-fraction 0.1`; the default is "
-            f"{PrepareConfig.val_fraction:g}), or with more Python code, or score another task."
-        )
+        fraction = meta.get("val_fraction", PrepareConfig.val_fraction)
+        raise UserError(too_few_functions(prepared.path, len(rows), len(docs), fraction))
     data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
     text = task_yaml(source, hashlib.sha256(data.encode()).hexdigest(), rows)
     make_dir(work_dir, flag="work_dir")
@@ -164,6 +159,28 @@ def _source_sha256(prepared: PreparedDir, meta: dict, items: int) -> str:
 
 
 # --- The val split's documents --------------------------------------------------------------
+
+
+def too_few_functions(path: Path, found: int, documents: int, val_fraction: float) -> str:
+    """Why the task cannot be built from a val split of ``documents`` documents (prepared with
+    ``val_fraction``) that holds ``found`` usable functions, and the fix: a larger share held
+    out where the data holds Python code (in proportion to what was found, and half again; at
+    least 0.1 or twice the share where none was), a task of one's own where it holds none
+    (prose: a larger share would not help)."""
+    if found:
+        more = min(0.5, val_fraction * 1.5 * MIN_ITEMS / found)
+    else:
+        more = min(0.5, max(0.1, 2 * val_fraction))
+    return (
+        f"{path}: its val split ({documents} documents, prepared with --val-fraction "
+        f"{val_fraction:g}) holds {found} Python functions usable for {NAME} (at least "
+        f"{MIN_ITEMS} are needed): the task is built from the val split's Python code. Where the "
+        f"data holds Python code, prepare it again with a larger share held out for validation "
+        f"(`anneal data prepare ... --val-fraction {more:.2g}`; the default is "
+        f"{PrepareConfig.val_fraction:g}); where it holds none (prose, another language), score "
+        f"a task of your own on it instead (a local YAML over a JSONL file: docs/evaluation.md, "
+        f'"Offline").'
+    )
 
 
 def val_documents(prepared: PreparedDir, meta: dict) -> list[tuple[int, int, str]]:

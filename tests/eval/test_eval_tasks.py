@@ -435,5 +435,11 @@ def test_shipped_task_needs_code_in_val(tiny_data, tmp_path):
         limit=None,
     )
     assert list(loaded.tasks) == ["good"]
-    assert "Python functions" in loaded.failed["anneal_next_line"]
+    why = loaded.failed["anneal_next_line"]
+    assert "Python functions" in why
+    # the data's own val fraction, and the fix for data without Python (the downstream journey's
+    # prose JSONL was told to prepare with --val-fraction 0.1, which it had been)
+    fraction = json.loads((tiny_data / "meta.json").read_text())["val_fraction"]
+    assert f"prepared with --val-fraction {fraction:g})" in why
+    assert "score a task of your own on it instead (a local YAML over a JSONL file" in why
     assert not (tmp_path / "w" / "anneal_next_line.yaml").exists()

@@ -103,9 +103,13 @@ RULES = [
         add=TRAIN_OWN_BATCH,
     ),
     Rule(pattern=r"^python recipes/pretrain_tiny\.py --out ", given=STDLIB, add=TRAIN),
-    Rule(pattern=r"^python recipes/pretrain_moe_tiny\.py --out ", given=STDLIB, add=TRAIN),
     Rule(
-        pattern=r"^deepspeed --num_gpus 2 recipes/pretrain_moe_tiny\.py ", given=STDLIB, add=TRAIN
+        pattern=r"^python recipes/pretrain_moe_tiny\.py --out ", given=STDLIB, add=TRAIN_OWN_BATCH
+    ),
+    Rule(
+        pattern=r"^deepspeed --num_gpus 2 recipes/pretrain_moe_tiny\.py ",
+        given=STDLIB,
+        add=TRAIN_OWN_BATCH,
     ),
     Rule(
         pattern=r"^python recipes/continue_pretraining\.py --init-from models/tiny",

@@ -175,3 +175,33 @@ def test_a_sparse_runs_autoep_notices_are_left_out():
     assert done.returncode == 0, out
     assert "autoep_size=1" not in out and "Triton not available" not in out
     assert "another DeepSpeed warning" in out and "another ep_kernels line" in out
+
+
+def test_lm_evals_tokenizing_bar_stays_out_of_a_log(monkeypatch, capsys):
+    """Issue 46, point 7 (the downstream journey, rerun): lm-eval's "Tokenizing inputs" bar,
+    whose ``disable=`` lm-eval passes itself (so ``TQDM_DISABLE`` does not reach it), is off in
+    Anneal's adapter where ``TQDM_DISABLE`` is set. Anneal's ``loglikelihood`` and lm-eval's
+    own tokenizing loop, on two requests; the model's part answers without a model."""
+    from lm_eval.api.instance import Instance
+
+    from anneal.eval.lm import EngineLM
+
+    class Probe(EngineLM):
+        prefix_token_id = 0
+
+        def __init__(self):  # no engine: only the tokenizing loop runs
+            pass
+
+        def tok_encode(self, string, add_special_tokens=None, **kwargs):
+            return [1] * len(string)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+            return [(0.0, True)] * len(requests)
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    requests = [
+        Instance("loglikelihood", {}, ("Question: which?\nAnswer:", f" {a}"), 0) for a in "ab"
+    ]
+    assert Probe().loglikelihood(requests) == [(0.0, True)] * 2
+    err = capsys.readouterr().err
+    assert "Tokenizing inputs" not in err and "\r" not in err, err
