@@ -386,6 +386,12 @@ def shared_runs(_shared_runs_started) -> dict:
       tests/train/test_engine_reference.py.
 
     Their users are the fixtures below."""
+    if _shared_runs_started is None:
+        pytest.fail(
+            "shared_runs: this session did not start the shared runs, as no test it collected "
+            "names them: take shared_runs (or a fixture built on it) as an argument, not "
+            "through request.getfixturevalue, so that the session and `make test`'s split see it"
+        )
     tmp, launches, shm_before, runs = _shared_runs_started
     done = runs.result()
     return {

@@ -12,17 +12,18 @@ import pytest
 from tests.conftest import SMALL, read_metrics, run_recipe, shm_files
 
 
-# The two-rank launch (20-30 s here) starts every process that could meet the lock or leave a
-# file; it is the session's two_rank_run (tests/conftest.py), which tests/hf/test_export.py
-# exports. One rank alone checks nothing more and runs with the slow tests.
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks, request):
-    if ranks == 2:
-        run = request.getfixturevalue("two_rank_run")
-        assert [r["step"] for r in read_metrics(run["out"], "train")] == [1, 2]
-        assert run["lock"].exists()  # nobody had to clear it
-        assert shm_files() - run["shm_before"] == set()
-        return
+def test_the_shared_two_rank_run_met_a_stale_lock_and_left_no_file_in_shm(two_rank_run):
+    """The two-rank launch (20-30 s here) starts every process that could meet the lock or leave
+    a file; it is the session's two_rank_run (tests/conftest.py), started with a stale lock in
+    its TORCH_EXTENSIONS_DIR, which tests/hf/test_export.py exports. Taken as an argument, so
+    that `make test`'s sessions see which tests read the shared runs."""
+    assert [r["step"] for r in read_metrics(two_rank_run["out"], "train")] == [1, 2]
+    assert two_rank_run["lock"].exists()  # nobody had to clear it
+    assert shm_files() - two_rank_run["shm_before"] == set()
+
+
+@pytest.mark.slow  # one rank alone checks nothing the two-rank run does not: with the drills
+def test_a_stale_extension_lock_does_not_hang_a_one_rank_run(tiny_data, tmp_path):
     extensions = tmp_path / "torch_extensions"
     lock = extensions / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
@@ -32,7 +33,6 @@ def test_a_stale_extension_lock_does_not_hang_a_run(tiny_data, tmp_path, ranks, 
     run_recipe(
         ["--out", str(out), "--data", str(tiny_data), "--max-steps", "2", "--val-every", "0"]
         + SMALL,
-        ranks=ranks,
         timeout_s=180,
         extra_env={"TORCH_EXTENSIONS_DIR": str(extensions)},
     )
