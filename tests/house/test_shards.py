@@ -10,13 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    DEFAULT_WEIGHT_S,
-    SHARD_TOGETHER,
-    SHARD_WEIGHTS_S,
-    SHARED_RUNS_WEIGHT,
-    _shard_of,
-)
+from tests.conftest import DEFAULT_WEIGHT_S, SHARD_TOGETHER, SHARD_WEIGHTS_S, _shard_of
 
 
 @dataclass(eq=False)
@@ -55,21 +49,6 @@ def test_the_shards_partition_the_suite(n):
     for group in SHARD_TOGETHER:
         homes = {i for i, s in enumerate(shards) for it in s if it.slow and it.path.name in group}
         assert len(homes) == 1, group
-
-
-def test_make_tests_two_sessions_share_the_fast_files_with_the_runs_readers_together():
-    """`make test` (fast tests only, two sessions): every test in one session, each file whole
-    in one, the readers of the shared runs in the first, and the counts even once the runs'
-    weight is added to the first."""
-    items = [Item(Path(f"tests/test_fast{i}.py")) for i in range(300) for _ in range(1 + i % 7)]
-    items += [Item(Path("tests/test_reader.py"), fixturenames=["shared_runs"]) for _ in range(9)]
-    items += [Item(Path("tests/test_reader2.py"), fixturenames=["shared_runs"])]
-    shards = [_shard_of(items, f"{i}/2") for i in (1, 2)]
-    assert sorted(map(id, shards[0] + shards[1])) == sorted(map(id, items))
-    assert {it.path for it in shards[0]}.isdisjoint(it.path for it in shards[1])
-    assert all(it in shards[0] for it in items if it.fixturenames)
-    loads = [len(shards[0]) + SHARED_RUNS_WEIGHT, len(shards[1])]
-    assert abs(loads[0] - loads[1]) <= 7, loads  # the largest file's count
 
 
 @pytest.mark.parametrize("n", [2, 3])  # 3: what `make test-all` runs
