@@ -28,9 +28,8 @@ demo: $(STAMP) data/stdlib/meta.json
 	$(BIN)/python scripts/demo.py
 
 # `make test` leaves out the tests marked slow (end-to-end drills: real Slurm, ssh, crash,
-# world size, long runs) and runs the rest as two pytest sessions side by side, their files
-# spread between them (tests/shards.py, tests/conftest.py's _fast_share); `make test-all` (CI)
-# runs everything, as three sessions (`make test SLOW=1` runs it all in one). How long each takes:
+# world size, long runs); `make test-all` (CI) runs everything, as three pytest sessions side by
+# side (tests/shards.py; `make test SLOW=1` runs it all in one). How long each takes:
 # docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a slow
 # one is seen.
 test: $(STAMP)

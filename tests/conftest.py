@@ -167,10 +167,9 @@ def _shard_of(items, spec: str) -> list:
     ]
 
 
-SHARED_RUNS_WEIGHT = 600
-"""The shared runs' weight, in fast tests: their eight launches train in the background of the
-shard that reads them. At 400, the shard with the runs ended 255 s after the start and the
-other at 206 s (`make test` at load 2-4 on 2026-12-07): about 600 evens them."""
+SHARED_RUNS_WEIGHT = 400
+"""The shared runs' weight in tests (about 0.1 s each on average in `make test`): their eight
+launches train in the background of the shard that reads them."""
 
 
 def _fast_share(items, i: int, n: int) -> list:

@@ -1,8 +1,7 @@
-"""`make test-all` and `make test`: the suite (``make test``: its fast tests, ``-m "not slow"``)
-as N pytest sessions side by side (``ANNEAL_TEST_SHARD=i/N``; tests/conftest.py says which
-tests each takes), shard 1's output as it comes, the others' after it; then the tests marked
-``alone`` (they measure the machine) in one more session, on their own (none under
-``make test``); and the exit status of the worst.
+"""`make test-all`: the whole suite as N pytest sessions side by side (``ANNEAL_TEST_SHARD=i/N``;
+tests/conftest.py says which tests each takes), shard 1's output as it comes, the others' after
+it; then the tests marked ``alone`` (they measure the machine) in one more session, on their
+own; and the exit status of the worst.
 
     .venv/bin/python tests/shards.py 3 -q --durations=10 tests
 
