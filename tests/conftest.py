@@ -38,7 +38,6 @@ def pytest_runtest_setup(item):
         )
 
 
-@pytest.hookimpl(trylast=True)  # after ``-m``'s deselection: a shard splits what was selected
 def pytest_collection_modifyitems(config, items):
     """The tests that read the shared runs go after the other fast tests, which run while those
     runs train in the background (``shared_runs``); the slow tests go last, on a quiet machine,
@@ -139,8 +138,6 @@ def _shard_of(items, spec: str) -> list:
     for item in items:
         if item.get_closest_marker("slow"):
             slow.setdefault(item.path.name, []).append(item)
-    if not slow:  # a session of fast tests only (`make test`): the fast files spread out
-        return _fast_share(items, i, n)
     load = [0.0] * n
     load[0] = SHARD_WEIGHTS_S["<fast>"]
     home = {}
@@ -165,29 +162,6 @@ def _shard_of(items, spec: str) -> list:
         for item in items
         if (home.get(item.path.name) if item.get_closest_marker("slow") else 0) == i - 1
     ]
-
-
-SHARED_RUNS_WEIGHT = 400
-"""The shared runs' weight in tests (about 0.1 s each on average in `make test`): their eight
-launches train in the background of the shard that reads them."""
-
-
-def _fast_share(items, i: int, n: int) -> list:
-    """Shard ``i`` of ``n`` of a session of fast tests only: the files that read the shared runs
-    (and so the runs) in shard 1, the others, largest first, to the shard with the fewest tests
-    so far (weighted by ``SHARED_RUNS_WEIGHT`` for the runs)."""
-    files: dict = {}
-    for item in items:
-        files.setdefault(item.path, []).append(item)
-    load, home = [0] * n, {}
-    for path, group in files.items():
-        if any(map(_uses_shared_runs, group)):
-            home[path] = 0
-            load[0] += len(group) + (SHARED_RUNS_WEIGHT if load[0] == 0 else 0)
-    for path in sorted(set(files) - set(home), key=lambda p: (-len(files[p]), str(p))):
-        home[path] = load.index(min(load))
-        load[home[path]] += len(files[path])
-    return [item for item in items if home[item.path] == i - 1]
 
 
 def _uses_shared_runs(item) -> bool:
