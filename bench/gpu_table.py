@@ -92,15 +92,19 @@ def sparse_rows(ok: list[dict]) -> list[str]:
     ]
 
 
+def twins(ok: list[dict], suffix: str, differs) -> list[tuple[dict, dict]]:
+    """(variant, base) for each measured row for which ``differs(row)`` holds and whose base, its
+    name less ``suffix``, was measured too: the rows that differ from their twin in one thing."""
+    by_name = {r["name"]: r for r in ok}
+    pairs = [(r, by_name.get(r["name"].removesuffix(suffix))) for r in ok if differs(r)]
+    return [(variant, base) for variant, base in pairs if base is not None and base is not variant]
+
+
 def loss_pairs(ok: list[dict]) -> list[str]:
     """What the chunked loss saves against the plain one, for each measured pair of rows that
     differ only in the loss (``NAME`` and ``NAME-plainloss``)."""
-    by_name = {r["name"]: r for r in ok}
     parts = []
-    for plain in ok:
-        chunked = by_name.get(plain["name"].removesuffix("-plainloss"))
-        if plain.get("loss") != "plain" or chunked is None or chunked is plain:
-            continue
+    for plain, chunked in twins(ok, "-plainloss", lambda r: r.get("loss") == "plain"):
         saved = plain["peak_mem_gib"] - chunked["peak_mem_gib"]
         speed = chunked["tokens_per_s"] / plain["tokens_per_s"]
         parts.append(
@@ -115,12 +119,8 @@ def loss_pairs(ok: list[dict]) -> list[str]:
 def mask_pairs(ok: list[dict]) -> list[str]:
     """What document masking costs, for each measured pair of rows that differ only in it
     (``NAME`` and ``NAME-docmask``)."""
-    by_name = {r["name"]: r for r in ok}
     parts = []
-    for masked in ok:
-        plain = by_name.get(masked["name"].removesuffix("-docmask"))
-        if not masked.get("document_mask") or plain is None or plain is masked:
-            continue
+    for masked, plain in twins(ok, "-docmask", lambda r: bool(r.get("document_mask"))):
         speed = masked["tokens_per_s"] / plain["tokens_per_s"]
         parts.append(
             f"Document masking at sequence {plain['seq_len']} ({masked['name']}, attention "
@@ -135,12 +135,8 @@ def mask_pairs(ok: list[dict]) -> list[str]:
 def muon_pairs(ok: list[dict]) -> list[str]:
     """What Muon costs a step against AdamW, for each measured pair of rows that differ only in
     the optimizer (``NAME`` and ``NAME-muon``)."""
-    by_name = {r["name"]: r for r in ok}
     parts = []
-    for muon in ok:
-        adamw = by_name.get(muon["name"].removesuffix("-muon"))
-        if muon.get("optimizer") != "muon" or adamw is None or adamw is muon:
-            continue
+    for muon, adamw in twins(ok, "-muon", lambda r: r.get("optimizer") == "muon"):
         step = adamw["tokens_per_s"] / muon["tokens_per_s"]  # equal tokens a step
         parts.append(
             f"Muon against AdamW at {adamw['name']}'s shape: {muon['tokens_per_s']:,.0f} against "
