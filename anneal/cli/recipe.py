@@ -235,7 +235,9 @@ def leave_promptly() -> None:
     checkpoint was committed, out of the scheduler's grace time (docs/cluster.md). Frozen,
     those passes find nothing to do; atexit handlers, the flushes of files and logs, and the
     destructors that reference counting runs are unchanged, and everything the run writes is
-    closed by then (``anneal.train.Trainer.train``)."""
+    closed by then (``anneal.train.Trainer.train``). Every process that imports Anneal also
+    freezes at exit (``anneal/__init__.py``); a rank does it here already, before the atexit
+    handlers that ``exit_preempted`` runs."""
     import gc
 
     from anneal.dist import shutdown
