@@ -71,11 +71,22 @@ class BackgroundWrite:
     and the exception), None if nothing did; ``write_s``: how long the thread took. ``fault``:
     ``anneal.resilience.faults.Faults`` (drills only)."""
 
-    def __init__(self, tag_dir: Path, files: list, *, step: int, zipfile: bool = True, fault=None):
+    def __init__(
+        self,
+        tag_dir: Path,
+        files: list,
+        *,
+        step: int,
+        buffers: snapshot.HostBuffers,
+        zipfile: bool = True,
+        fault=None,
+    ):
         self.tag_dir, self.step, self.fault, self.zipfile = tag_dir, step, fault, zipfile
+        self.buffers = buffers
         self.share: dict[str, dict] = {}
         self.error: str | None = None
         self.write_s: float | None = None
+        self.copied = threading.Event()  # set once nothing refers to the live state
         self._thread = threading.Thread(
             target=self._run, args=(files,), name=f"save-{tag_dir.name}", daemon=True
         )
@@ -83,8 +94,14 @@ class BackgroundWrite:
 
     def _run(self, files: list) -> None:
         start, path = time.perf_counter(), self.tag_dir
-        _yield_cpu()
         try:
+            try:
+                if self.fault is not None:
+                    self.fault.before_snapshot_copy(self.step)
+                files[:] = snapshot.copied(files, self.buffers)
+            finally:
+                self.copied.set()  # a failed copy is an error of the write: never a hang
+            _yield_cpu()
             for i, (path, state) in enumerate(files):
                 if self.fault is not None:
                     self.fault.before_save_write(self.step, i)
@@ -116,8 +133,9 @@ def _yield_cpu() -> None:
 @dataclasses.dataclass
 class SaveTimes:
     """What one save cost: ``blocking_s`` the loop waited for it (for an asynchronous save:
-    the snapshot; ``waited_s`` of it for the write before it), ``write_s`` its files took behind
-    the training (0 for a synchronous save)."""
+    the snapshot, ``waited_s`` of it for the write before it, and any wait of the next step
+    for the snapshot's host copy), ``write_s`` its files took behind the training, the host
+    copy included (0 for a synchronous save)."""
 
     blocking_s: float
     write_s: float = 0.0
@@ -158,11 +176,39 @@ class AsyncSaves:
         self.before_commit = before_commit
         self.buffers = snapshot.HostBuffers(pinned=engine.device.type == "cuda")
         self.in_flight: _InFlight | None = None
+        self._fenced = False
+
+    def fence(self) -> None:
+        """Before anything changes the engine's state: wait until the save in flight has its
+        host copy (``snapshot.copied``; at once where ``take`` copied already). The wait counts
+        in the save's ``blocking_s``."""
+        pending = self.in_flight
+        if pending is None or pending.write.copied.is_set():
+            return
+        start = time.perf_counter()
+        pending.write.copied.wait()
+        pending.times.blocking_s += time.perf_counter() - start
+
+    def _fence_the_engine(self) -> None:
+        """Route the engine's ``backward``, ``step`` and ``load_checkpoint`` through ``fence``:
+        DeepSpeed changes a saved tensor only in those (``anneal.resilience.snapshot``), and
+        every caller (the step, a rewind, a drill) goes through them."""
+        for name in ("backward", "step", "load_checkpoint"):
+            own = getattr(self.engine, name)
+
+            def fenced(*args, _own=own, **kwargs):
+                self.fence()
+                return _own(*args, **kwargs)
+
+            setattr(self.engine, name, fenced)
+        self._fenced = True
 
     def save(self, *, step: int, client_state: dict, model: dict | None = None) -> Path:
         """The snapshot of this step; its files are written behind the training. A save still
         in flight is waited for (and committed) first."""
         start = time.perf_counter()
+        if not self._fenced:
+            self._fence_the_engine()
         waited_s = self._wait_for_previous(step) if self.in_flight else 0.0
         tag_dir = checkpoint.clear_tag(self.ckpt_dir, step)
         client_state = checkpoint.full_client_state(client_state)
@@ -175,7 +221,9 @@ class AsyncSaves:
             buffers=self.buffers,
         )
         zipfile = snapshot.zipfile_serialization(self.engine)
-        write = BackgroundWrite(tag_dir, files, step=step, zipfile=zipfile, fault=self.fault)
+        write = BackgroundWrite(
+            tag_dir, files, step=step, buffers=self.buffers, zipfile=zipfile, fault=self.fault
+        )
         times = SaveTimes(blocking_s=time.perf_counter() - start, waited_s=waited_s)
         self.in_flight = _InFlight(tag_dir, step, client_state, model, write, times)
         return tag_dir

@@ -16,6 +16,9 @@ comma-separated faults, each ``kind@key=value[:key=value...]``.
   seconds after its first file (``step=N``: only the save of step N), so that it is still in
   flight, half written, over the next steps: the drills of a crash, a preemption and the end
   of a run during a background write.
+- ``save_slow_copy@s=S``: on a CPU engine, the background write sleeps S seconds before it
+  copies the snapshot's tensors to host memory: the engine's next ``backward`` waits for the
+  copy (the drill of the fence that keeps a snapshot the state of its step).
 - ``save_fail@step=N``: the background write of the save of step N fails with ENOSPC after its
   first file, as on a full disk (without ``step``: every save's).
 
@@ -47,6 +50,7 @@ _FAULT_KEYS = {
     "kill": {"step", "rank"},
     "slow_rank": {"step", "rank", "s"},
     "save_slow": {"step", "rank", "s"},
+    "save_slow_copy": {"step", "rank", "s"},
     "save_fail": {"step", "rank"},
 }
 
@@ -182,6 +186,15 @@ class Faults:
                 self.rank,
             )
             self._before = None
+
+    def before_snapshot_copy(self, step: int) -> None:
+        """In an asynchronous save's background write of step ``step``, before it copies a CPU
+        engine's state to host memory: ``save_slow_copy`` sleeps (the engine's next update
+        waits for the copy)."""
+        for f in self.faults:
+            if f.kind == "save_slow_copy" and f.step in (None, step):
+                log.warning("fault: save_slow_copy %gs before the host copy of step %d", f.s, step)
+                time.sleep(f.s)
 
     def before_save_write(self, step: int, index: int) -> None:
         """In an asynchronous save's background write of step ``step``, before its file number

@@ -2,11 +2,22 @@
 
 ``take`` runs DeepSpeed's own ``engine.save_checkpoint`` with ``SnapshotEngine`` installed as
 its checkpoint engine for that one call: each ``save(state_dict, path)`` DeepSpeed makes is
-recorded as (path, a copy of the state in host memory) instead of being written. What the
-files will hold is therefore exactly what a synchronous save writes (the same state dicts,
-names, ranks and client state), and nothing is read from the live tensors after ``take``
-returns: the training goes on and changes them while ``anneal.resilience.background_save``
-writes the copies.
+recorded for ``path`` instead of being written. What the files will hold is therefore exactly
+what a synchronous save writes (the same state dicts, names, ranks and client state).
+
+The record is taken in one of two ways:
+- on a GPU (``HostBuffers.pinned``): every tensor is copied to host memory while DeepSpeed
+  saves (device-to-host, asynchronous on the stream), and ``take`` waits for the copies;
+- on a CPU, where the state already lives in host memory: ``take`` keeps every container and
+  value as it is at the save (rebuilt and deep-copied) but only a reference to each tensor
+  (``freeze``), and the background writer copies the tensors (``host_copy``) before it writes
+  anything. The loop goes on meanwhile, and nothing that changes those tensors may run before
+  the copy is done: ``anneal.resilience.background_save.AsyncSaves`` fences the engine's
+  ``backward``, ``step`` and ``load_checkpoint`` on it. DeepSpeed changes a saved tensor only
+  there (the optimizer's states and fp32 weights in ``step``, Muon's momentum as the gradients
+  are reduced at the end of ``backward``, everything in a load): the forward pass of the next
+  micro-batch overlaps the copy. torchtitan's ``async_with_pinned_mem`` stages the same way,
+  waiting for its staging before the next optimizer step.
 
 The copies go to buffers kept from one save to the next (``HostBuffers``): the state's
 structure is the same at every save, so the second save writes into memory that is already
@@ -67,6 +78,27 @@ class HostBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
 
+def freeze(obj):
+    """``obj`` (a state dict as DeepSpeed hands it to ``torch.save``) as it is now: every
+    container rebuilt and every other value deep-copied, each tensor kept as a (detached)
+    reference to the live one, for ``host_copy`` to copy before anything changes it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps an OrderedDict's (or a defaultdict's) type
+        for key, value in obj.items():
+            out[key] = freeze(value)
+        return out
+    if isinstance(obj, list):
+        return [freeze(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [freeze(v) for v in obj]
+        if hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)  # a tuple, torch.Size
+    return copy.deepcopy(obj)
+
+
 def host_copy(obj, buffers: HostBuffers):
     """``obj`` (a state dict as DeepSpeed hands it to ``torch.save``) with every tensor copied
     to ``buffers`` and every container rebuilt, so that nothing in the result changes when the
@@ -89,8 +121,9 @@ def host_copy(obj, buffers: HostBuffers):
 
 
 class SnapshotEngine(CheckpointEngine):
-    """DeepSpeed's checkpoint engine for one snapshot: ``save`` records a host copy of the
-    state and the path it is for (``files``); nothing is written but the directories."""
+    """DeepSpeed's checkpoint engine for one snapshot: ``save`` records the state and the path
+    it is for (``files``): a host copy where the buffers are pinned (a GPU), else ``freeze``'s
+    record, for the writer to copy. Nothing is written but the directories."""
 
     def __init__(self, buffers: HostBuffers):
         super().__init__()
@@ -102,7 +135,8 @@ class SnapshotEngine(CheckpointEngine):
         pass
 
     def save(self, state_dict, path: str) -> None:
-        self.files.append((Path(path), host_copy(state_dict, self.buffers)))
+        state = host_copy(state_dict, self.buffers) if self.buffers.pinned else freeze(state_dict)
+        self.files.append((Path(path), state))
 
     def load(self, path: str, map_location=None):
         raise RuntimeError("the snapshot engine only saves; loading goes through DeepSpeed's own")
@@ -118,7 +152,9 @@ def take(
     engine, ckpt_dir: Path, *, tag: str, client_state: dict, buffers: HostBuffers
 ) -> list[tuple[Path, object]]:
     """Collective (DeepSpeed's ``save_checkpoint``): this rank's files of checkpoint ``tag``
-    as (path, host copy of its state), in the order DeepSpeed saves them; its directories are
+    as (path, its state), in the order DeepSpeed saves them: host copies where ``buffers`` are
+    pinned, else ``freeze``'s records, which ``host_copy`` must copy before the engine's next
+    ``backward``, ``step`` or load (``copied``); its directories are
     made, and any file DeepSpeed writes itself rather than through its checkpoint engine (its
     recovery script, on rank 0) is written."""
     recorder = SnapshotEngine(buffers)
@@ -131,6 +167,15 @@ def take(
         engine.checkpoint_engine = own
     buffers.ready()
     return recorder.files
+
+
+def copied(files: list[tuple[Path, object]], buffers: HostBuffers) -> list[tuple[Path, object]]:
+    """``take``'s files with every tensor in host memory of its own: ``freeze``'s records
+    copied to ``buffers``; host copies already (pinned buffers) as they are."""
+    if buffers.pinned:
+        return files
+    buffers.restart()
+    return [(path, host_copy(state, buffers)) for path, state in files]
 
 
 def zipfile_serialization(engine) -> bool:

@@ -48,12 +48,12 @@ def engine_of(tiny_data, tmp_path_factory, world_of_one):
     _ENGINES.clear()
 
 
-def _train(engine, steps: int, *, seed: int) -> float:
-    """``steps`` optimizer steps on random tokens; the last micro-batch's loss."""
+def _train(engine, steps: int, *, seed: int) -> list[float]:
+    """``steps`` optimizer steps on random tokens; each micro-batch's loss."""
     from anneal.train.loss import next_token_loss, targets
     from anneal.train.step import model_inputs
 
-    g = torch.Generator().manual_seed(seed)
+    g, losses = torch.Generator().manual_seed(seed), []
     for _ in range(steps * engine.gradient_accumulation_steps()):
         x = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 64), generator=g)
         inputs, y = model_inputs(engine, x[:, :-1], x[:, 1:], None)
@@ -61,7 +61,8 @@ def _train(engine, steps: int, *, seed: int) -> float:
             loss = next_token_loss(engine(**inputs).logits, y)
         engine.backward(loss)
         engine.step()
-    return loss.item()
+        losses.append(loss.item())
+    return losses
 
 
 def _client(step: int) -> dict:
@@ -95,10 +96,15 @@ class _Held:
     """A fault hook that holds a background write before its second file until ``release``, and
     for at least ``s`` seconds: the write is in flight for as long as the test needs, however
     slow the training beside it (a fixed sleep of 1 s ran out under load, before the test
-    looked)."""
+    looked). It also holds the host copy of a CPU snapshot ``copy_s`` seconds, the time of many
+    of this engine's steps: the training would change the state before it is copied, but for
+    the fence on the engine."""
 
-    def __init__(self, s: float):
-        self.s, self.release = s, threading.Event()
+    def __init__(self, s: float, copy_s: float = 0.0):
+        self.s, self.copy_s, self.release = s, copy_s, threading.Event()
+
+    def before_snapshot_copy(self, step: int) -> None:
+        time.sleep(self.copy_s)
 
     def before_save_write(self, step: int, index: int) -> None:
         if index == 1:
@@ -120,12 +126,14 @@ def test_async_save_writes_the_state_of_its_step_and_resumes_as_the_sync_one(
     def on_commit(tag_dir, step, times):
         commits.append((tag_dir, step, checkpoint.is_intact(tag_dir), times.write_s > 0.5))
 
-    held = _Held(0.6)
+    held = _Held(0.6, copy_s=0.4)
     saves = AsyncSaves(
         engine, async_dir, keep_last=3, keep_every=0, on_commit=on_commit, fault=held
     )
     tag = saves.save(step=2, client_state=_client(2))
-    _train(engine, 2, seed=1)  # the live state moves on while the write is in flight
+    assert saves.in_flight.times.blocking_s < 0.4  # the copy is not waited for here
+    never_stopped = _train(engine, 2, seed=1)  # the state moves on while the write is in flight
+    assert saves.in_flight.times.blocking_s >= 0.3  # but the first backward waited for it
     saves.poll()  # its write is held after the first file: not committed yet
     assert saves.in_flight is not None and not commits
     assert checkpoint.read_manifest(tag) is None and checkpoint.intact_checkpoints(async_dir) == []
@@ -150,8 +158,8 @@ def test_async_save_writes_the_state_of_its_step_and_resumes_as_the_sync_one(
     after = {}
     for source in (sync_dir, async_dir):
         checkpoint.load(engine, source / tag.name, ckpt_dir=source, zero_stage=stage)
-        after[source.name] = _train(engine, 1, seed=2)
-    assert after["async"] == after["sync"]
+        after[source.name] = _train(engine, 2, seed=1)
+    assert after["async"] == after["sync"] == never_stopped  # bitwise, the steps after the save
 
 
 def test_one_save_in_flight_pruning_after_commit_and_a_failed_write(engine_of, tmp_path, caplog):
