@@ -1,18 +1,21 @@
 """Asynchronous against synchronous saves (``train.async_save``), side by side in one run: the
 125m recipe at ZeRO-3 (``cpu.json``, fp32) on 2 ranks (``tests/scripts/ranks.py``), sequence
-64, one micro-batch per rank and step, saving every 2 steps, once with each kind of save, the
-two launches alternating (``--repeats`` pairs).
+64, one micro-batch per rank and step, 9 steps, saving every 3 (``--save-every``: a save's
+background write, about 7 s here, fits between two saves, which therefore never wait for each
+other), once with each kind of save, the two launches alternating (``--repeats`` pairs).
 
 From each launch's metrics.jsonl: every ``checkpoint`` event's ``blocking_s`` (what the loop
-waited: for an asynchronous save, the snapshot) and ``write_s`` (its files, written behind the
-training), the step times (tokens per step / ``tokens_per_s``) of the steps right after a save
-and of the others (the first step left out: it is slow on every launch), and the largest
-per-rank memory of a train row (``mem_max_gib``: host RSS on a CPU).
+waited: for an asynchronous save, the snapshot and the next update's wait for its host copy),
+``waited_s`` (the part of it spent waiting for the save before) and ``write_s`` (its files,
+written behind the training), the step times (tokens per step / ``tokens_per_s``) of the
+steps right after a save and of the others (the first step left out: it is slow on every
+launch), and the largest per-rank memory of a train row (``mem_max_gib``: host RSS on a CPU).
 
     PYTHONPATH=. .venv/bin/python bench/bench_async_save.py [--data DIR] [--preset 125m]
-        [--steps 7] [--repeats 1] [--report PATH] [--smoke]
+        [--steps 9] [--save-every 3] [--repeats 1] [--report PATH] [--smoke]
 
-``--smoke``: the tiny preset, 3 steps (a few seconds of compute; the code path only). Prints one
+``--smoke``: the tiny preset, 3 steps, a save every 2 (a few seconds of compute; the code path
+only). Prints one
 JSON line; ``--report`` also writes a markdown fragment for docs/benchmarks.md.
 """
 
@@ -47,7 +50,7 @@ def recipe_args(args, out: Path, *, asynchronous: bool) -> list[str]:
         str(RANKS),
         f"recipes/pretrain_{preset}.py",
         *("--out", str(out), "--data", args.data, "--max-steps", str(args.steps)),
-        *("--save-every", "2", "--val-every", "0", "--ds-config", "cpu.json"),
+        *("--save-every", str(args.save_every), "--val-every", "0", "--ds-config", "cpu.json"),
         *("--set", f"model.seq_len={SEQ_LEN}"),
         *("--set", f"optim.global_batch_tokens={4 * RANKS * SEQ_LEN}"),
         *("--set", "train.val_samples=0", "--set", "train.log_every=1"),
@@ -85,6 +88,7 @@ def one_launch(args, work: Path, name: str, *, asynchronous: bool) -> dict:
         "asynchronous": asynchronous,
         "wall_s": round(wall_s, 2),
         "blocking_s": [r["blocking_s"] for r in saves],
+        "waited_s": [r.get("waited_s", 0.0) for r in saves],
         "write_s": [r.get("write_s", 0.0) for r in saves],
         "step_after_save_s": after,
         "other_step_s": others,
@@ -108,6 +112,7 @@ def summary(launches: list[dict]) -> dict:
         out["async" if side else "sync"] = {
             "blocking_s": median(pick("blocking_s")),
             "blocking_s_all": pick("blocking_s"),
+            "waited_s_all": pick("waited_s"),
             "write_s": median(pick("write_s")),
             "step_after_save_s": median(pick("step_after_save_s")),
             "other_step_s": median(pick("other_step_s")),
@@ -142,13 +147,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="stdlib corpus (prepared if missing)")
     p.add_argument("--preset", default="125m")
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="pairs of launches")
     p.add_argument("--report", type=Path)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        args.steps = 3
+        args.steps, args.save_every = 3, 2
     args.data = str(ensure_data(args.data))
     work = Path(tempfile.mkdtemp(prefix="anneal-async-save-"))
     try:

@@ -633,3 +633,31 @@ def test_generate_refuses_what_is_not_an_export(tiny_model, tmp_path, capsys):
         names=[str(pickled), "safetensors"],
         untouched=[tmp_path],
     )
+
+
+# --- issue 44: a save still being written is never exported -------------------------------
+
+
+def test_a_save_still_being_written_is_never_exported(run, tmp_path, capsys):
+    """An asynchronous save in flight leaves a tag with no manifest yet and a file under its
+    hidden temporary name (``background_save.write_file``): export's choice of a run's
+    checkpoint passes over it for the newest committed one, and ``--tag`` naming it is refused
+    in a paragraph, nothing written."""
+    from anneal import rundir
+    from anneal.hf.source import select_checkpoint
+
+    newest = select_checkpoint(run, None)
+    in_flight = rundir.checkpoints_dir(run) / "step00000009"
+    shutil.copytree(newest, in_flight)
+    (in_flight / "manifest.json").unlink()
+    first = sorted(in_flight.glob("*.pt"))[0]
+    first.rename(first.with_name(f".{first.name}.partial"))
+    assert select_checkpoint(run, None) == newest
+    refused(
+        capsys,
+        "export",
+        run,
+        *("--out", tmp_path / "hf", "--tag", in_flight.name),
+        names=[f"--tag {in_flight.name}: not intact", "interrupted", newest.name],
+        untouched=[run, tmp_path],
+    )
