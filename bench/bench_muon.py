@@ -62,6 +62,17 @@ SHAPE = (
 )
 
 
+# --larger: the tiny preset's width (hidden 256, MLP 688) at 6 layers, the sweep's context and
+# tokens a step: 4.7M parameters on Muon, 4.2M in the embedding and head
+LARGER = (
+    "model.hidden_size=256",
+    "model.num_hidden_layers=6",
+    "model.num_attention_heads=4",
+    "model.intermediate_size=688",
+    "model.seq_len=128",
+    "ds.train_micro_batch_size_per_gpu=8",
+    "optim.global_batch_tokens=1024",
+)
 SPEED_TOKENS = 64 * 256  # the tiny recipe's optim.global_batch_tokens
 SPEED_SHAPE = (
     "ds.train_micro_batch_size_per_gpu=16",
@@ -70,8 +81,8 @@ SPEED_SHAPE = (
 )
 
 
-def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: list[str]):
-    items = [*SHAPE, "train.val_samples=64", "optim.warmup_max_share=0.1", *sets]
+def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: list[str], shape):
+    items = [*shape, "train.val_samples=64", "optim.warmup_max_share=0.1", *sets]
     items.append(f"optim.warmup_tokens={int(0.1 * steps) * 1024}")
     return [
         sys.executable,
@@ -83,13 +94,15 @@ def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: l
     ]
 
 
-def run(label: str, sets: list[str], *, work: Path, data: Path, steps: int, seed: int) -> dict:
+def run(
+    label: str, sets: list[str], *, work: Path, data: Path, steps: int, seed: int, shape=SHAPE
+) -> dict:
     out = work / f"{label}-seed{seed}"
     every = max(1, steps // 6)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     subprocess.run(
-        command(out=out, data=data, steps=steps, seed=seed, every=every, sets=sets),
+        command(out=out, data=data, steps=steps, seed=seed, every=every, sets=sets, shape=shape),
         cwd=ROOT,
         check=True,
         stdout=subprocess.DEVNULL,
@@ -148,6 +161,7 @@ def main() -> None:
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--report", help="write the sweep as markdown here")
     p.add_argument("--smoke", action="store_true", help="3 steps of each optimizer, nothing kept")
+    p.add_argument("--larger", action="store_true", help="the sweep at hidden 256, 6 layers")
     p.add_argument("--speed", action="store_true", help="step times at the tiny preset as shipped")
     p.add_argument("--rounds", type=int, default=2, help="--speed: AdamW-then-Muon launches")
     p.add_argument("--warmup", type=int, default=2, help="--speed: untimed steps a run")
@@ -162,10 +176,10 @@ def main() -> None:
     )
     if args.smoke:
         steps, seeds, lrs, ds_lrs = 3, [0], [3e-3], []
-    data = ensure_data(args.data)
+    data, shape = ensure_data(args.data), LARGER if args.larger else SHAPE
     with tempfile.TemporaryDirectory(prefix="bench-muon-") as tmp:
         runs = [
-            run(label, sets, work=Path(tmp), data=data, steps=steps, seed=seed)
+            run(label, sets, work=Path(tmp), data=data, steps=steps, seed=seed, shape=shape)
             for seed in seeds
             for label, sets in sweep(lrs, ds_lrs)
         ]
