@@ -17,6 +17,7 @@ docs/benchmarks.md).
     .venv/bin/python bench/bench_muon.py [--steps 150] [--seeds 0] [--lrs 1e-3,3e-3,1e-2]
                                          [--ds-lrs 3e-3,2e-2] [--report F]
     .venv/bin/python bench/bench_muon.py --smoke         (CI: 3 steps of each optimizer)
+    .venv/bin/python bench/bench_muon.py --larger ...    (the sweep at hidden 256, 6 layers)
     .venv/bin/python bench/bench_muon.py --speed [--rounds 2] [--warmup 2] [--measure 4]
 
 ``--speed`` times the two optimizers' steps side by side at a larger shape than the sweep's: the
