@@ -2,7 +2,7 @@
 measure behind Anneal's refusal of ``optim.optimizer=muon`` with ``tensor_parallel.autotp_size``
 above 1 (``anneal.resolution.optimizer``). DeepSpeed directly, not through Anneal.
 
-A 2-layer Llama (hidden 128, 4 heads, MLP 352, vocab 512, 1.4M parameters), fp32, gloo on CPU,
+A 2-layer Llama (hidden 128, 4 heads, MLP 352, vocab 512, 0.53M parameters), fp32, gloo on CPU,
 ZeRO-1, the same init (seed 0, AutoTP shards the whole model after it is built) and the same
 batches (8 sequences of 64 tokens a step, each an arithmetic run ``start + k*i`` mod 512 that
 the model can learn) at TP=1 on one rank and at TP=2 on two (one TP group, data-parallel size
