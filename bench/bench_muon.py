@@ -17,6 +17,17 @@ docs/benchmarks.md).
     .venv/bin/python bench/bench_muon.py [--steps 150] [--seeds 0] [--lrs 1e-3,3e-3,1e-2]
                                          [--ds-lrs 3e-3,2e-2] [--report F]
     .venv/bin/python bench/bench_muon.py --smoke         (CI: 3 steps of each optimizer)
+    .venv/bin/python bench/bench_muon.py --larger ...    (the sweep at hidden 256, 6 layers)
+    .venv/bin/python bench/bench_muon.py --speed [--rounds 2] [--warmup 2] [--measure 4]
+
+``--speed`` times the two optimizers' steps side by side at a larger shape than the sweep's: the
+tiny preset as shipped (hidden 256, 4 layers, MLP 688, context 256) at its recipe's 16,384
+tokens a step (micro-batch 16, accumulation 4), one CPU process a run, fp32, ZeRO-2, launches
+alternating AdamW, Muon, AdamW, Muon, ... (``--rounds``); of each run the steps after
+``--warmup`` are timed (``tokens / tokens_per_s`` of each step's metrics row). Printed: each
+run's median step, Muon's over AdamW's per round and over all, and the ratio that
+``anneal.model.muon.newton_schulz_flops`` predicts (1 + Newton-Schulz's FLOPs over the
+model's FLOPs a step).
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run_all import DEFAULT_DATA, ensure_data, machine_line  # noqa: E402
 
+from anneal.model import flops_per_token, get_preset  # noqa: E402
+from anneal.model.muon import newton_schulz_flops  # noqa: E402
 from anneal.observe.metrics import read_metrics  # noqa: E402
 
 SHAPE = (
@@ -50,8 +63,27 @@ SHAPE = (
 )
 
 
-def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: list[str]):
-    items = [*SHAPE, "train.val_samples=64", "optim.warmup_max_share=0.1", *sets]
+# --larger: the tiny preset's width (hidden 256, MLP 688) at 6 layers, the sweep's context and
+# tokens a step: 4.7M parameters on Muon, 4.2M in the embedding and head
+LARGER = (
+    "model.hidden_size=256",
+    "model.num_hidden_layers=6",
+    "model.num_attention_heads=4",
+    "model.intermediate_size=688",
+    "model.seq_len=128",
+    "ds.train_micro_batch_size_per_gpu=8",
+    "optim.global_batch_tokens=1024",
+)
+SPEED_TOKENS = 64 * 256  # the tiny recipe's optim.global_batch_tokens
+SPEED_SHAPE = (
+    "ds.train_micro_batch_size_per_gpu=16",
+    f"optim.global_batch_tokens={SPEED_TOKENS}",
+    "train.log_every=1",
+)
+
+
+def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: list[str], shape):
+    items = [*shape, "train.val_samples=64", "optim.warmup_max_share=0.1", *sets]
     items.append(f"optim.warmup_tokens={int(0.1 * steps) * 1024}")
     return [
         sys.executable,
@@ -63,13 +95,15 @@ def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: l
     ]
 
 
-def run(label: str, sets: list[str], *, work: Path, data: Path, steps: int, seed: int) -> dict:
+def run(
+    label: str, sets: list[str], *, work: Path, data: Path, steps: int, seed: int, shape=SHAPE
+) -> dict:
     out = work / f"{label}-seed{seed}"
     every = max(1, steps // 6)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     subprocess.run(
-        command(out=out, data=data, steps=steps, seed=seed, every=every, sets=sets),
+        command(out=out, data=data, steps=steps, seed=seed, every=every, sets=sets, shape=shape),
         cwd=ROOT,
         check=True,
         stdout=subprocess.DEVNULL,
@@ -86,9 +120,16 @@ def run(label: str, sets: list[str], *, work: Path, data: Path, steps: int, seed
         "val_loss": val,
         "tokens": {s: tokens[s] for s in val},
         "final_val_loss": val[max(val)],
-        "median_step_s": statistics.median(1024 / r["tokens_per_s"] for r in train[1:] or train),
+        "median_step_s": statistics.median(step_times(out, min(1, steps - 1))),
         "grad_norm_first_last": [train[0]["grad_norm"], train[-1]["grad_norm"]],
     }
+
+
+def step_times(out: str | Path, warmup: int) -> list[float]:
+    """Seconds of each step after the first ``warmup``, from the run's train rows."""
+    rows = read_metrics(Path(out), "train")
+    per_step = rows[0]["tokens"] / rows[0]["step"]  # a fresh run: tokens counted from 0
+    return [per_step / r["tokens_per_s"] for r in rows if r["step"] > warmup]
 
 
 def sweep(lrs: list[float], ds_lrs: list[float]) -> list[tuple[str, list[str]]]:
@@ -121,7 +162,14 @@ def main() -> None:
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--report", help="write the sweep as markdown here")
     p.add_argument("--smoke", action="store_true", help="3 steps of each optimizer, nothing kept")
+    p.add_argument("--larger", action="store_true", help="the sweep at hidden 256, 6 layers")
+    p.add_argument("--speed", action="store_true", help="step times at the tiny preset as shipped")
+    p.add_argument("--rounds", type=int, default=2, help="--speed: AdamW-then-Muon launches")
+    p.add_argument("--warmup", type=int, default=2, help="--speed: untimed steps a run")
+    p.add_argument("--measure", type=int, default=4, help="--speed: timed steps a run")
     args = p.parse_args()
+    if args.speed:
+        return speed(rounds=args.rounds, warmup=args.warmup, measure=args.measure, data=args.data)
     steps, seeds = args.steps, [int(s) for s in args.seeds.split(",")]
     lrs, ds_lrs = (
         [float(x) for x in args.lrs.split(",")],
@@ -129,10 +177,10 @@ def main() -> None:
     )
     if args.smoke:
         steps, seeds, lrs, ds_lrs = 3, [0], [3e-3], []
-    data = ensure_data(args.data)
+    data, shape = ensure_data(args.data), LARGER if args.larger else SHAPE
     with tempfile.TemporaryDirectory(prefix="bench-muon-") as tmp:
         runs = [
-            run(label, sets, work=Path(tmp), data=data, steps=steps, seed=seed)
+            run(label, sets, work=Path(tmp), data=data, steps=steps, seed=seed, shape=shape)
             for seed in seeds
             for label, sets in sweep(lrs, ds_lrs)
         ]
@@ -143,6 +191,8 @@ def main() -> None:
             f" grad_norm {r['grad_norm_first_last']}, val loss {curve}"
         )
     summary = summarize(runs, seeds)
+    if args.smoke:  # the speed mode's reading, on the smoke's two runs
+        summary["speed"] = side_by_side([[r["median_step_s"]] for r in runs], predicted=None)
     print(json.dumps({"bench": "muon", "steps": steps, "summary": summary, "runs": runs}))
     if args.report and not args.smoke:
         Path(args.report).write_text(fragment(runs, summary, steps=steps))
@@ -188,6 +238,64 @@ def fragment(runs: list[dict], summary: dict, *, steps: int) -> str:
         f"`.venv/bin/python bench/bench_muon.py --steps {steps}` on {machine_line()}.\n"
         f"Best per optimizer and seed: `{json.dumps(summary)}`\n\n" + "\n".join(rows) + "\n"
     )
+
+
+def predicted_ratio() -> dict:
+    """Muon's step over AdamW's if Newton-Schulz ran at the model's FLOP rate: the tiny preset
+    as shipped at ``SPEED_TOKENS`` a step."""
+    preset = get_preset("tiny")
+    model = flops_per_token(preset, seq_len=preset.seq_len) * SPEED_TOKENS
+    ns = newton_schulz_flops(preset)
+    return {"ns_gflop": ns / 1e9, "model_gflop": model / 1e9, "ratio": 1 + ns / model}
+
+
+def side_by_side(times: list[list[float]], *, predicted: dict | None) -> dict:
+    """``times``: AdamW's run, Muon's, AdamW's, ... Per round and over all: each median step
+    and Muon's over AdamW's."""
+    rounds = [
+        {
+            "adamw_s": statistics.median(times[i]),
+            "muon_s": statistics.median(times[i + 1]),
+            "ratio": statistics.median(times[i + 1]) / statistics.median(times[i]),
+        }
+        for i in range(0, len(times) - 1, 2)
+    ]
+    adamw = statistics.median(t for ts in times[0::2] for t in ts)
+    muon = statistics.median(t for ts in times[1::2] for t in ts)
+    return {
+        "rounds": rounds,
+        "adamw_s": adamw,
+        "muon_s": muon,
+        "ratio": muon / adamw,
+        "predicted": predicted,
+    }
+
+
+def speed(*, rounds: int, warmup: int, measure: int, data: str) -> None:
+    """AdamW and Muon launched in turn, ``rounds`` times, at the tiny preset as shipped."""
+    data, steps, times = ensure_data(data), warmup + measure, []
+    sets = {"adamw": [*SPEED_SHAPE], "muon": [*SPEED_SHAPE, "optim.optimizer=muon"]}
+    with tempfile.TemporaryDirectory(prefix="bench-muon-speed-") as tmp:
+        for i in range(rounds):
+            for kind in ("adamw", "muon"):
+                out = Path(tmp) / f"{kind}-{i}"
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+                cmd = [
+                    sys.executable,
+                    "recipes/pretrain_tiny.py",
+                    *("--out", str(out), "--data", str(data), "--max-steps", str(steps)),
+                    *("--ds-config", "cpu_zero2.json", "--val-every", "0", "--save-every", "0"),
+                    *[x for item in sets[kind] for x in ("--set", item)],
+                ]
+                subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+                times.append(step_times(out, warmup))
+                print(f"{kind} round {i}: steps {[round(t, 3) for t in times[-1]]} s", flush=True)
+    result = side_by_side(times, predicted=predicted_ratio())
+    print(
+        f"Muon's step over AdamW's: {result['ratio']:.3f} (predicted from FLOPs: "
+        f"{result['predicted']['ratio']:.3f}); {machine_line()}"
+    )
+    print(json.dumps({"bench": "muon-speed", "warmup": warmup, "measure": measure, **result}))
 
 
 if __name__ == "__main__":

@@ -434,7 +434,8 @@ def wait_peak_rss(proc: subprocess.Popen, log: Path) -> int:
 
 def estimate_for(sets: list[str], *, n_gpus: int = 1, tp: int = 1, sp: int = 1):
     """The estimate of the measured shape in ``sets`` (the run's --set items), without the
-    runtime allowance; the loss from ``train.loss`` (plain if not given)."""
+    runtime allowance; the loss from ``train.loss`` (plain if not given), the optimizer from
+    ``optim.optimizer`` (AdamW if not given)."""
     kv = dict(s.split("=") for s in sets)
     preset = dataclasses.replace(
         get_preset("tiny"),
@@ -453,7 +454,8 @@ def estimate_for(sets: list[str], *, n_gpus: int = 1, tp: int = 1, sp: int = 1):
         sp=sp,
         loss=kv.get("train.loss", "plain"),
     )
-    return memory.estimate(preset, zero_from("cpu.json"), w, runtime_bytes=0)
+    zero = dataclasses.replace(zero_from("cpu.json"), muon=kv.get("optim.optimizer") == "muon")
+    return memory.estimate(preset, zero, w, runtime_bytes=0)
 
 
 @pytest.mark.alone
@@ -467,13 +469,21 @@ def test_estimate_matches_measured_peak_rss_on_cpu(tmp_path, stdlib_data):
     read 2005 MiB under load and 1662 MiB on a quiet machine against 1984 estimated, a spread
     this check cannot hold yet. The lower bound is 0.75: inside a full CI session the same run
     (plain loss, same code) read 1669 MiB against 1908 MiB run alone (2053 estimated, 2026-12-02);
-    the cause is not found yet, and 0.75 still fails an estimate that is a third too high."""
+    the cause is not found yet, and 0.75 still fails an estimate that is a third too high.
+    Muon (``optim.optimizer=muon``, issue 42) at the same shape is held to the same bounds, with
+    the same runtime subtracted: its half of the parameters keeps one fp32 buffer where AdamW's
+    keeps two (108 MiB less estimated here). Measured 2026-12-07 under load: 1751 MiB against
+    1945 (0.90), AdamW 1969 against 2053 (0.96). The bounds are loose: an estimate that ignored
+    Muon would read 0.85 and pass too; tests/train/test_muon_layouts.py checks Muon's optimizer
+    bytes exactly against the checkpoint's files. One launch more than AdamW alone (about 30 s)."""
     base = peak_rss(tmp_path / "base", stdlib_data, SMALLEST)
-    big = peak_rss(tmp_path / "big", stdlib_data, MEASURED)
-    measured = big - base
-    expected = estimate_for(MEASURED).total_stacked - estimate_for(SMALLEST).total_stacked
-    print(f"measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
-    assert 0.75 <= measured / expected <= 1.20
+    ratios = {}
+    for name, sets in (("adamw", MEASURED), ("muon", [*MEASURED, "optim.optimizer=muon"])):
+        measured = peak_rss(tmp_path / name, stdlib_data, sets) - base
+        expected = estimate_for(sets).total_stacked - estimate_for(SMALLEST).total_stacked
+        print(f"{name}: measured {measured / 2**20:.0f} MiB, estimated {expected / 2**20:.0f} MiB")
+        ratios[name] = measured / expected
+    assert all(0.75 <= r <= 1.20 for r in ratios.values()), ratios
 
 
 def test_cli_estimate_counts_the_loss(capsys):

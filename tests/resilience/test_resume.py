@@ -4,7 +4,10 @@ losses, grad norms and learning rates at every step after N, and the same valida
 model, optimizer, scheduler, data position and RNG all continue. The same with bf16 (run here
 on tiny shapes) holds within 1e-3 relative. With Muon (``optim.optimizer=muon``, fp32) the
 same, bitwise, and the optimizer state at step 2N (Muon's momentum buffers, AdamW's moments, the
-fp32 masters) equals the never-stopped run's, bitwise: so it does in fp32 with AdamW.
+fp32 masters) equals the never-stopped run's, bitwise: so it does in fp32 with AdamW. Muon's
+first leg does not stop cleanly: every rank is killed with SIGKILL (``ANNEAL_FAULTS``
+``kill@step=N+1``) at the start of step N+1, after the step-N checkpoint is committed, so its
+resume is one after kill -9 (issue 42), with no launch of its own.
 
 In fp32 the stopped run saves asynchronously (``train.async_save``, issue 44) in both legs, so
 that the resume is from a checkpoint written behind the training and the step-2N optimizer files
@@ -13,6 +16,7 @@ launch of its own; the synchronous resume at 2 ranks stays proven by bf16, Muon 
 tests/resilience/test_crash_recovery.py."""
 
 import json
+import signal
 
 import pytest
 
@@ -44,7 +48,13 @@ def runs(request, stdlib_data, tmp_path_factory):
     split = ["--out", str(tmp / "split"), *common]
     if request.param == "fp32":
         split += ["--set", "train.async_save=true"]
-    first = run_recipe([*split, "--set", f"train.stop_at_step={N}"], ranks=2)
+    if request.param == "muon":  # kill -9 at the start of step N+1, no cleanup, no save
+        kill = {"ANNEAL_FAULTS": f"kill@step={N + 1}"}
+        first = run_recipe(split, ranks=2, check=False, extra_env=kill)
+        assert first.returncode == 128 + signal.SIGKILL, first.stderr[-2000:]
+        assert max(r["step"] for r in read_metrics(tmp / "split", "train")) == N
+    else:
+        first = run_recipe([*split, "--set", f"train.stop_at_step={N}"], ranks=2)
     second = run_recipe(split, ranks=2)
     return tmp / "full", tmp / "split", first, second, request.param
 
