@@ -233,6 +233,7 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
                 scratch=scratch,
                 flags=flags,
                 model=MODELS[model],
+                forked=args.smoke,
             )
             runs[spec[0]].append(res)
             print(
