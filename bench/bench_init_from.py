@@ -14,7 +14,7 @@ python bench/bench_init_from.py --smoke      (CI: a micro model, hidden 128, 2 l
                                              1,000: that the script runs; the figures mean nothing)
 
 --smoke also forks each launch's ranks from tests/scripts/ranks.py instead of starting them
-through the deepspeed runner (``train_run.RANKS``): the same ranks and loads, without the
+through the deepspeed runner (``train_run.RANKS_SCRIPT``): the same ranks and loads, without the
 runner's two interpreters that import torch and DeepSpeed first (the forked ranks share their
 imported pages, so the figures would mean nothing there either).
 """
@@ -128,7 +128,7 @@ def main() -> None:
         args.hidden, args.layers, args.vocab = 128, 2, 1000
     if args.rank_of:
         return rank_main(Path(args.rank_of[0]), int(args.rank_of[1]))
-    from train_run import RANKS  # bench/, the script's folder
+    from train_run import RANKS_SCRIPT  # bench/, the script's folder
 
     from anneal.dist import free_port
 
@@ -141,7 +141,7 @@ def main() -> None:
             runner = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.ranks)]
             # not 29500: another run on this host may hold it
             runner += ["--master_port", str(free_port())]
-            forked = [sys.executable, str(RANKS), str(args.ranks)]
+            forked = [sys.executable, str(RANKS_SCRIPT), str(args.ranks)]
             cmd = [*(forked if args.smoke else runner), __file__]
             cmd += ["--rank-of", str(directory), str(stage)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout

@@ -20,7 +20,7 @@ from anneal.dist import free_port  # noqa: E402
 from anneal.hardware import process_memory_bytes  # noqa: E402
 
 RECIPE = "recipes/pretrain_tiny.py"
-RANKS = ROOT / "tests" / "scripts" / "ranks.py"
+RANKS_SCRIPT = ROOT / "tests" / "scripts" / "ranks.py"
 """Starts several ranks forked from one import (``forked``: the smoke runs), where torchrun and
 the deepspeed runner start an interpreter a rank and one or two of their own."""
 MICRO, ACCUM = 4, 2  # cpu.json's micro-batch; accumulation 2 so the no-sync path is measured
@@ -51,7 +51,7 @@ class PeakRss:
 def launcher(kind: str, ranks: int, forked: bool = False) -> list[str]:
     """What starts a run of ``kind`` on ``ranks``: the interpreter for one rank; torchrun for the
     plain loop and the deepspeed runner for the others (the bare engine without
-    ``--local_rank``, which the reference does not take); ``RANKS`` for any when ``forked``
+    ``--local_rank``, which the reference does not take); ``RANKS_SCRIPT`` for any when ``forked``
     (the same rank variables, no ``--local_rank``), as ``--smoke`` runs them for CI's time: a
     smoke run checks the benchmark's code (the same loops, engines and collectives), not the
     launchers (the deepspeed runner's launches are tested in tests/launcher/ and by
@@ -60,7 +60,7 @@ def launcher(kind: str, ranks: int, forked: bool = False) -> list[str]:
     if ranks == 1:
         return [py]
     if forked:
-        return [py, str(RANKS), str(ranks)]
+        return [py, str(RANKS_SCRIPT), str(ranks)]
     if kind == "plain":
         torchrun = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
         return [*torchrun, "--master_port", str(free_port())]
