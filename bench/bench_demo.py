@@ -2,7 +2,12 @@
 throughput it logged. Prints one JSON line for docs/benchmarks.md.
 
     .venv/bin/python bench/bench_demo.py [--steps N] [--report F]   (default: the demo's steps)
-    .venv/bin/python bench/bench_demo.py --smoke                    (CI: 2 steps)
+    .venv/bin/python bench/bench_demo.py --smoke                    (CI: see below)
+
+--smoke runs the demo's whole path (the deepspeed runner's 2 ranks, the downstream scoring
+before the first step and after the last, a validation, two checkpoints, the export and the
+sample) at 2 steps, validating on 16 windows instead of all 233 and scoring 16 items of the
+task instead of 200 (``SMOKE_SETS``; 106 s of CPU before these two, docs/benchmarks.md).
 
 --data is the prepared stdlib corpus, as `make demo` reads it (default data/stdlib, prepared if
 missing).
@@ -25,6 +30,10 @@ from run_all import DEFAULT_DATA, ensure_data  # noqa: E402
 
 from anneal.observe.metrics import read_metrics  # noqa: E402
 
+SMOKE_SETS = ("train.val_samples=16", "train.eval_tasks_limit=16")
+"""--smoke's overrides after the demo's own: the same validation and scoring code, on fewer
+windows and items."""
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, help="optimizer steps (default: the demo's)")
 parser.add_argument("--smoke", action="store_true", help="2 steps, to check the script works")
@@ -39,7 +48,8 @@ start = time.time()
 subprocess.run(
     [sys.executable, "scripts/demo.py", "--out", str(out), "--data", args.data]
     + (["--steps", str(args.steps)] if args.steps else [])
-    + (["--no-baseline-check"] if args.smoke else []),
+    + (["--no-baseline-check"] if args.smoke else [])
+    + [a for s in (SMOKE_SETS if args.smoke else ()) for a in ("--set", s)],
     cwd=ROOT,
     check=True,
     capture_output=True,

@@ -12,6 +12,11 @@ so the figures are the load's own.
 python bench/bench_init_from.py --hidden 1024 --layers 8 --ranks 2
 python bench/bench_init_from.py --smoke      (CI: a micro model, hidden 128, 2 layers, vocab
                                              1,000: that the script runs; the figures mean nothing)
+
+--smoke also forks each launch's ranks from tests/scripts/ranks.py instead of starting them
+through the deepspeed runner (``train_run.RANKS_SCRIPT``): the same ranks and loads, without the
+runner's two interpreters that import torch and DeepSpeed first (the forked ranks share their
+imported pages, so the figures would mean nothing there either).
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ def main() -> None:
         args.hidden, args.layers, args.vocab = 128, 2, 1000
     if args.rank_of:
         return rank_main(Path(args.rank_of[0]), int(args.rank_of[1]))
+    from train_run import RANKS_SCRIPT  # bench/, the script's folder
+
     from anneal.dist import free_port
 
     with tempfile.TemporaryDirectory(prefix="anneal-init-from-") as tmp:
@@ -131,17 +138,12 @@ def main() -> None:
         )
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         for stage in (3, 1):
-            cmd = [
-                str(Path(sys.executable).parent / "deepspeed"),
-                "--num_gpus",
-                str(args.ranks),
-                "--master_port",  # not 29500: another run on this host may hold it
-                str(free_port()),
-                __file__,
-                "--rank-of",
-                str(directory),
-                str(stage),
-            ]
+            runner = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.ranks)]
+            # not 29500: another run on this host may hold it
+            runner += ["--master_port", str(free_port())]
+            forked = [sys.executable, str(RANKS_SCRIPT), str(args.ranks)]
+            cmd = [*(forked if args.smoke else runner), __file__]
+            cmd += ["--rank-of", str(directory), str(stage)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             result = json.loads(
                 next(x for x in out.splitlines() if "RESULT " in x).split(" ", 1)[1]

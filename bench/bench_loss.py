@@ -5,20 +5,23 @@ and the training step's time, for a micro model with a 32k vocabulary at 4096 to
     python bench/bench_loss.py            # body,plain,chunked,chunked:1024: about 7 minutes
     python bench/bench_loss.py --arms torch,checkpointed,ds-vocab-parallel,ds-tiled \
         --rounds 1 --steps 1                                             # about 3 minutes
-    python bench/bench_loss.py --seq 256 --rounds 1 --steps 1   # smoke: under a minute
+    python bench/bench_loss.py --seq 256 --rounds 1 --steps 1   # short: under a minute
+    python bench/bench_loss.py --smoke    # CI: seq 256, vocab 4096, one round of one step, the
+                                          # arms one after the other in one child process
 
 (docs/benchmarks.md, "The chunked loss": times on 2 shared cores.)
 
-Each arm runs in a fresh process on one thread: it builds the same micro Llama (seed 0, fp32,
-SDPA), takes one warm-up step, then ``--steps`` timed training steps (forward, loss, backward,
-torch AdamW, zero grads) on one sequence of ``--seq`` random tokens, and reports the median
-step time and its peak RSS (``getrusage``: large tensors are mmapped and unmapped when freed,
-so the peak RSS follows the peak of live tensors). The loss's memory is an arm's peak RSS minus
-that of the ``body`` arm, whose loss is the mean square of the last hidden states (the same
-model without its head's matmul; the head weight still gets a zero gradient and its AdamW
-state, so the baseline holds every parameter's gradient and state as the other arms do).
-Rounds run the arms in alternating order; medians over the rounds are reported with the range
-of the single rounds.
+Each arm runs in a fresh process on one thread (under ``--smoke`` the arms share one, whose peak
+RSS is then the largest arm's so far: its figures are not kept): it builds the same micro Llama
+(seed 0, fp32, SDPA), takes one warm-up step, then ``--steps`` timed training steps (forward,
+loss, backward, torch AdamW, zero grads) on one sequence of ``--seq`` random tokens, and reports
+the median step time and its peak RSS (``getrusage``: large tensors are mmapped and unmapped
+when freed, so the peak RSS follows the peak of live tensors). The loss's memory is an arm's
+peak RSS minus that of the ``body`` arm, whose loss is the mean square of the last hidden states
+(the same model without its head's matmul; the head weight still gets a zero gradient and its
+AdamW state, so the baseline holds every parameter's gradient and state as the other arms do).
+Rounds run the arms in alternating order; medians over the rounds are reported with the range of
+the single rounds.
 
 The arms: ``plain`` (the model's (T, V) logits, then ``F.cross_entropy``: Anneal's
 ``train.loss=plain``), ``chunked`` (Anneal's default: the head's matmul and the cross-entropy
@@ -131,7 +134,8 @@ def loss_fn(arm: str, model, chunk: int):
 
 
 def run_arm(arm: str, *, vocab: int, seq: int, steps: int, chunk: int) -> dict:
-    """One arm in this (fresh) process: its median step time and peak RSS."""
+    """One arm in this process (a fresh one but under ``--smoke``): its median step time and
+    peak RSS."""
     import torch
 
     torch.set_num_threads(1)
@@ -156,13 +160,15 @@ def run_arm(arm: str, *, vocab: int, seq: int, steps: int, chunk: int) -> dict:
     return {"arm": arm, "step_s": statistics.median(times), "peak_rss": peak, "loss": first}
 
 
-def child(arm: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", arm, *_shape_flags(args)]
+def child(arms: list[str], args) -> list[dict]:
+    """``arms`` run one after the other in one fresh process (one arm a process, but under
+    ``--smoke``), each arm's result in order."""
+    cmd = [sys.executable, __file__, "--child", ",".join(arms), *_shape_flags(args)]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
-        raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"arm(s) {', '.join(arms)} failed:\n{out.stderr[-3000:]}")
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(arms) :]]
 
 
 def _shape_flags(args) -> list[str]:
@@ -247,10 +253,9 @@ def main() -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        res = run_arm(
-            args.child, vocab=args.vocab, seq=args.seq, steps=args.steps, chunk=args.chunk
-        )
-        print(json.dumps(res))
+        for arm in args.child.split(","):
+            res = run_arm(arm, vocab=args.vocab, seq=args.seq, steps=args.steps, chunk=args.chunk)
+            print(json.dumps(res), flush=True)
         return 0
     if args.smoke:
         args.seq, args.vocab, args.rounds, args.steps, args.chunk = 256, 4096, 1, 1, 64
@@ -258,7 +263,10 @@ def main() -> int:
     rounds = []
     for i in range(args.rounds):
         order = arms if i % 2 == 0 else arms[::-1]
-        rounds.append([child(arm, args) for arm in order])
+        # --smoke: every arm in one process (one import of torch; its figures are not kept)
+        rounds.append(
+            child(order, args) if args.smoke else [r for a in order for r in child([a], args)]
+        )
         print(f"round {i + 1}: " + ", ".join(f"{r['arm']} {r['step_s']:.3f} s" for r in rounds[-1]))
     summary = summarize(rounds, arms)
     for arm, e in summary.items():

@@ -14,7 +14,9 @@ N. The order within a triple reverses every other round, and the triples rotate.
 
     .venv/bin/python bench/bench_moe.py [--ranks 1,2] [--repeats 2] [--steps 8] [--report F]
     .venv/bin/python bench/bench_moe.py --smoke     (CI: 3 steps at ZeRO-2 on 2 ranks, no
-                                                     figures kept)
+                                                     figures kept; the triple's ranks forked
+                                                     from tests/scripts/ranks.py, as
+                                                     bench_train.py --smoke starts them)
 
 Every option of bench_train.py applies (``--stages 2``, ``--bare-zero shipped``, ...).
 """

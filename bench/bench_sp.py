@@ -3,7 +3,9 @@ CPU: the peak memory per rank of a training step at a long sequence, SP=2 on 2 r
 SP=1 on 1 rank, for a micro model.
 
     python bench/bench_sp.py                        # seq 8192 and 256, SP 1 and 2: ~4 minutes
-    python bench/bench_sp.py --seq 2048 --base-seq 128 --steps 1         # smoke: ~1 minute
+    python bench/bench_sp.py --seq 2048 --base-seq 128 --steps 1         # short: ~1 minute
+    python bench/bench_sp.py --smoke     # CI: seq 32 alone, one step, SP=2's ranks forked by
+                                         # tests/scripts/ranks.py (not the deepspeed runner)
 
 (docs/benchmarks.md, "Sequence parallelism": peak memory on 2 shared cores.)
 
@@ -37,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from train_run import launcher  # noqa: E402 (bench/, the script's folder)
 
 TINY = REPO / "recipes" / "pretrain_tiny.py"
 SHAPE = [
@@ -119,9 +123,8 @@ def arm(args, *, sp: int, seq: int, tmp: Path) -> list[dict]:
         env |= dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         env |= dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         cmd = [sys.executable, __file__, *flags]
-    else:
-        ds = str(Path(sys.executable).parent / "deepspeed")
-        cmd = [ds, "--num_gpus", str(sp), "--master_port", str(free_port()), __file__, *flags]
+    else:  # --smoke: forked ranks (train_run.launcher), not the deepspeed runner's processes
+        cmd = [*launcher("recipe", sp, args.smoke), __file__, *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if done.returncode:
         sys.exit(f"arm SP={sp} seq={seq} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -15,6 +15,12 @@ peak (``anneal.hardware``, all cores); peak RSS is summed over the run's process
     .venv/bin/python bench/bench_train.py [--models tiny,small] [--repeats 3] [--report F]
     .venv/bin/python bench/bench_train.py --smoke        (CI: a few steps, no figures kept)
 
+--smoke: 2 ranks, the reference and the group's last stage (ZeRO-3; ``--bare``: one stage), one
+round of 3 steps, each run's ranks forked from tests/scripts/ranks.py instead of started by
+torchrun or the deepspeed runner (``train_run.launcher``: the same loops and collectives after
+one import of torch and DeepSpeed, not one a rank plus the runner's); the step-1 losses of the
+two sides must agree.
+
 An A/B of DeepSpeed options is one command: ``--stages`` keeps only the listed recipe stages
 beside the reference, and each ``--arm LABEL=STAGE:KEY=VALUE[;KEY=VALUE]`` adds a recipe run at
 that stage with those ``--set`` overrides, alternating with the rest. For example ZeRO-2 with
@@ -233,6 +239,7 @@ def measure(args, model: str, ranks: int, group: list, pairs: list, scratch: Pat
                 scratch=scratch,
                 flags=flags,
                 model=MODELS[model],
+                forked=args.smoke,
             )
             runs[spec[0]].append(res)
             print(

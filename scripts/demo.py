@@ -1,7 +1,7 @@
 """`make demo`: pretrain the tiny preset on the embedded stdlib corpus with the real
 DeepSpeed launcher (2 CPU ranks with ZeRO-3, or every GPU present), then summarise.
 
-Usage: python scripts/demo.py [--steps N] [--out DIR]
+Usage: python scripts/demo.py [--steps N] [--out DIR] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,8 +68,11 @@ TASK = "anneal_next_line"
 line of a function among four, built from the val split (docs/evaluation.md); chance 25%."""
 
 
-def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) -> list[str]:
-    """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too)."""
+def demo_command(
+    *, n_procs: int, steps: int, out: str, data: str, port: int, sets: Sequence[str] = ()
+) -> list[str]:
+    """The exact ``deepspeed`` command ``make demo`` runs (tested on the GPU path too);
+    ``sets``: more ``--set`` overrides, after the demo's own (the later of two wins)."""
     return [
         str(Path(sys.executable).parent / "deepspeed"),
         "--num_gpus",
@@ -102,6 +106,7 @@ def demo_command(*, n_procs: int, steps: int, out: str, data: str, port: int) ->
         f"optim.global_batch_tokens={BATCH_TOKENS}",
         "--set",
         f"optim.lr={PEAK_LR}",
+        *(a for s in sets for a in ("--set", s)),
     ]
 
 
@@ -132,6 +137,14 @@ def main() -> int:
         "steps, e.g. bench/bench_demo.py --smoke)",
     )
     parser.add_argument("--data", default="data/stdlib")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override after the demo's own, repeatable (bench/bench_demo.py --smoke: "
+        "a shorter validation and scoring)",
+    )
     parser.add_argument("--out", default=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
 
@@ -139,7 +152,12 @@ def main() -> int:
 
     n_procs = torch.cuda.device_count() or 2
     cmd = demo_command(
-        n_procs=n_procs, steps=args.steps, out=args.out, data=args.data, port=free_port()
+        n_procs=n_procs,
+        steps=args.steps,
+        out=args.out,
+        data=args.data,
+        port=free_port(),
+        sets=args.set,
     )
     print("$", " ".join(cmd), flush=True)
     start = time.time()

@@ -54,8 +54,10 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     two scripts at a time: every script of bench/
     trains or measures for real, a few steps each, except bench_gpu.py, whose smoke mode is
     ``gpu.sh --cpu-smoke`` (36 s alone): tests/bench/test_bench_gpu.py runs that end to end, with a
-    row
-    made to fail, and its ``--smoke`` past the deadline."""
+    row made to fail, and its ``--smoke`` past the deadline. The smoke modes fork the ranks of
+    their 2-rank runs from one import (tests/scripts/ranks.py; bench_demo keeps the deepspeed
+    runner, as ``make demo``), which cut about 120 s of CPU from a run of the scripts here
+    (docs/benchmarks.md, "Cheaper smoke modes")."""
     # A corpus that does not exist yet, as in a fresh clone before `make demo` (CI's case; a
     # developer's data/stdlib would hide it): run_all prepares it and hands it to each script.
     data = tmp_path / "stdlib"

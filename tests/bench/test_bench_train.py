@@ -155,6 +155,24 @@ def test_bare_pairs_run_back_to_back_in_alternating_order(tmp_path):
     assert "--set=ds.zero_optimization.stage=3" in bare and "--out" not in bare
 
 
+def test_smoke_forks_the_ranks_of_the_same_commands(tmp_path):
+    """--smoke starts a 2-rank run from tests/scripts/ranks.py (one import forked per rank)
+    instead of torchrun or the deepspeed runner: what follows the launcher is the full mode's
+    command but for the runner's ``--local_rank`` (ranks.py passes none); one rank is plain
+    python either way."""
+    common = dict(data="d", steps=3, out=tmp_path, sets=["train.val_samples=0"], flags=["--x"])
+    for kind in ("plain", "bare", "recipe"):
+        full = train_run.command(kind, 2, 3, **common)
+        smoke = train_run.command(kind, 2, 3, forked=True, **common)
+        assert smoke[:3] == [sys.executable, str(ROOT / "tests/scripts/ranks.py"), "2"]
+        script = next(i for i, a in enumerate(full) if a.endswith(".py") and i > 0)
+        assert smoke[3:] == full[script:]
+        assert train_run.command(kind, 1, 3, forked=True, **common) == train_run.command(
+            kind, 1, 3, **common
+        )
+    assert train_run.launcher("plain", 2)[1:3] == ["-m", "torch.distributed.run"]
+
+
 def test_the_bare_report_gives_each_sides_rate_and_the_ratio_per_round():
     def run(tps):
         return {"tokens_per_s": tps, "peak_rss_mib": 1000, "loss": [5.0]}

@@ -112,6 +112,20 @@ def test_make_demo_resolves_on_a_gpu_machine(n_gpus, stdlib_data, tmp_path):
     assert plan.cfg.train.eval_tasks == (demo.TASK,)  # scored in lockstep on any GPU count
 
 
+def test_the_demos_extra_sets_come_after_its_own(stdlib_data, tmp_path):
+    """``scripts/demo.py --set`` (bench_demo's --smoke: a shorter validation and scoring)
+    overrides the demo's own settings of the same key, and leaves the others as shipped."""
+    demo = load_demo()
+    sets = ("train.val_samples=16", "train.eval_tasks_limit=16")
+    cmd = demo.demo_command(
+        n_procs=2, steps=2, out=str(tmp_path), data=str(stdlib_data), port=1, sets=sets
+    )
+    recipe = next(a for a in cmd if a.startswith("recipes/"))
+    _, plan = plan_for(ROOT / recipe, cmd[cmd.index(recipe) + 1 :], device="cpu", world=2)
+    assert plan.cfg.train.val_samples == 16 != demo.VAL_WINDOWS
+    assert plan.cfg.train.eval_tasks_limit == 16 and plan.cfg.train.eval_tasks == (demo.TASK,)
+
+
 def test_big_recipes_checkpoint_activations():
     for name in ("1b", "7b"):
         assert load_recipe(ROOT / "recipes" / f"pretrain_{name}.py")[
