@@ -48,8 +48,9 @@ def engine_of(tiny_data, tmp_path_factory, world_of_one):
     _ENGINES.clear()
 
 
-def _train(engine, steps: int, *, seed: int) -> list[float]:
-    """``steps`` optimizer steps on random tokens; each micro-batch's loss."""
+def _train(engine, steps: int, *, seed: int, before_backward=lambda: None) -> list[float]:
+    """``steps`` optimizer steps on random tokens; each micro-batch's loss. ``before_backward``
+    is called after each forward."""
     from anneal.train.loss import next_token_loss, targets
     from anneal.train.step import model_inputs
 
@@ -59,6 +60,7 @@ def _train(engine, steps: int, *, seed: int) -> list[float]:
         inputs, y = model_inputs(engine, x[:, :-1], x[:, 1:], None)
         with targets(engine.module, y):
             loss = next_token_loss(engine(**inputs).logits, y)
+        before_backward()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -96,15 +98,20 @@ class _Held:
     """A fault hook that holds a background write before its second file until ``release``, and
     for at least ``s`` seconds: the write is in flight for as long as the test needs, however
     slow the training beside it (a fixed sleep of 1 s ran out under load, before the test
-    looked). It also holds the host copy of a CPU snapshot ``copy_s`` seconds, the time of many
-    of this engine's steps: the training would change the state before it is copied, but for
-    the fence on the engine."""
+    looked). With ``copy_s``, it holds the host copy of a CPU snapshot until the training's
+    first forward after the save is done (``forward_done``), then ``copy_s`` seconds more, the
+    time of many of this engine's steps: the backward that comes next would change the state
+    before it is copied, but for the fence on the engine (a fixed hold of 0.4 s from the save
+    ran out under load before the first backward came, and the fence had little to wait for)."""
 
     def __init__(self, s: float, copy_s: float = 0.0):
         self.s, self.copy_s, self.release = s, copy_s, threading.Event()
+        self.forward_done = threading.Event()
 
     def before_snapshot_copy(self, step: int) -> None:
-        time.sleep(self.copy_s)
+        if self.copy_s:
+            assert self.forward_done.wait(120), "the test never trained after the save"
+            time.sleep(self.copy_s)
 
     def before_save_write(self, step: int, index: int) -> None:
         if index == 1:
@@ -132,8 +139,9 @@ def test_async_save_writes_the_state_of_its_step_and_resumes_as_the_sync_one(
     )
     tag = saves.save(step=2, client_state=_client(2))
     assert saves.in_flight.times.blocking_s < 0.4  # the copy is not waited for here
-    never_stopped = _train(engine, 2, seed=1)  # the state moves on while the write is in flight
-    assert saves.in_flight.times.blocking_s >= 0.3  # but the first backward waited for it
+    # the state moves on while the write is in flight, but the first backward waits for the copy
+    never_stopped = _train(engine, 2, seed=1, before_backward=held.forward_done.set)
+    assert saves.in_flight.times.blocking_s >= 0.35
     saves.poll()  # its write is held after the first file: not committed yet
     assert saves.in_flight is not None and not commits
     assert checkpoint.read_manifest(tag) is None and checkpoint.intact_checkpoints(async_dir) == []
