@@ -65,52 +65,52 @@ def pytest_collection_modifyitems(config, items):
 # start, the cluster drills wait on Slurm and ssh, and a third session fills those gaps. Shard 1
 # takes every fast test (and the shared runs) and the slow files that read the shared runs; the
 # other slow files go, heaviest first, to the shard with the least so far, by these weights:
-# seconds of each file's slow tests (`tests/shards.py 3 --durations=0` on 2026-12-07, with the
-# forked ranks of tests/scripts/ranks.py, beside other work on the machine: the sizes relative
-# to each other are what counts), the
-# fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S. The tests marked
-# ``alone`` (peak memory measured against the estimate: another session's load moved a TP=2
-# rank's peak from 790 to 492 MiB) run after the shards, in a session of their own.
+# seconds of each file's slow tests (`tests/shards.py 3 --durations=0` on 2026-12-07 at 20:50,
+# on 5b3f785, beside other work on the machine: the sizes relative to each other are what
+# counts), the fast tests together as one; a file not listed weighs DEFAULT_WEIGHT_S. The
+# tests marked ``alone`` (peak memory measured against the estimate: another session's load
+# moved a TP=2 rank's peak from 790 to 492 MiB) run after the shards, in a session of their own.
 SHARD_WEIGHTS_S = {
-    "<fast>": 314,  # the fast tests' durations together
-    "test_bench_smoke.py": 909,
-    "test_world_size.py": 314,
-    "test_cluster.py": 275,
-    "test_docs_commands.py": 244,
-    "test_resume.py": 199,
-    "test_eval_watch.py": 150,
-    "test_tensor_parallel.py": 146,
-    "test_export.py": 124,
-    "test_muon_layouts.py": 110,
-    "test_bench_gpu.py": 104,
-    "test_scaling_sweep.py": 97,
-    "test_guard.py": 94,
-    "test_moe_parallel.py": 93,
-    "test_wsd.py": 91,
-    "test_eval_cmd.py": 88,
-    "test_data_learning.py": 80,
-    "test_eval_loop.py": 79,
-    "test_stop_mid_step.py": 77,
-    "test_launcher.py": 77,
-    "test_sequence_parallel.py": 74,
-    "test_bad_input.py": 63,
-    "test_recipes.py": 60,  # 122 with five steps; two since
-    "test_crash_recovery.py": 50,
-    "test_document_mask.py": 66,  # 49, and 17 s of the 2-rank logits launch (2026-12-07)
-    "test_export_every_save.py": 40,
-    "test_cooldown.py": 40,
-    "test_planner.py": 39,
-    "test_bench_train.py": 39,
-    "test_rank_death.py": 36,
-    "test_stale_state.py": 34,
+    "<fast>": 386,  # the fast tests' durations together
+    "test_bench_smoke.py": 662,
+    "test_cluster.py": 283,
+    "test_world_size.py": 236,
+    "test_docs_commands.py": 207,
+    "test_resume.py": 200,
+    "test_eval_watch.py": 135,
+    "test_bench_gpu.py": 131,
+    "test_data_learning.py": 113,
+    "test_eval_loop.py": 102,
+    "test_export.py": 96,
+    "test_muon_layouts.py": 89,
+    "test_stop_mid_step.py": 85,
+    "test_eval_cmd.py": 84,
+    "test_wsd.py": 82,
+    "test_planner.py": 80,
+    "test_bad_input.py": 80,
+    "test_scaling_sweep.py": 80,
+    "test_tensor_parallel.py": 76,
+    "test_launcher.py": 75,
+    "test_moe_parallel.py": 72,
+    "test_guard.py": 67,
+    "test_crash_recovery.py": 66,
+    "test_document_mask.py": 61,
+    "test_sequence_parallel.py": 55,
+    "test_async_save_drill.py": 48,
+    "test_rank_death.py": 42,
+    "test_bench_train.py": 41,
+    "test_cooldown.py": 38,
+    "test_export_every_save.py": 38,
+    "test_init_from.py": 37,
+    "test_recipes.py": 33,
+    "test_validation_sources.py": 33,
     "test_eval_lm.py": 32,
-    "test_loss.py": 28,
-    "test_init_from.py": 24,
-    "test_data_scale_slurm.py": 23,
-    "test_validation_sources.py": 22,
-    "test_moe_hf.py": 19,
-    "test_eval_tasks.py": 15,
-    "test_async_save_drill.py": 44,  # alone on 2026-12-07, in `make test-all`
+    "test_loss.py": 26,
+    "test_data_scale_slurm.py": 22,
+    "test_stale_state.py": 17,
+    "test_shards.py": 15,
+    "test_moe_hf.py": 14,
+    "test_eval_tasks.py": 6,
 }
 DEFAULT_WEIGHT_S = 30
 # Files whose slow tests share something outside the session go to one shard together: all
