@@ -149,8 +149,7 @@ class Launch:
             lines.append(describe_split(self.preset, scale=self.cfg.optim.muon_scale))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         lines.append(self.attention.describe())
-        if self.cfg.train.float8 != "off":
-            lines.append(throughput.describe_float8(self.cfg.train, self.preset))
+        lines += throughput.describe_throughput(self.cfg.train, self.preset, self.zero_stage)
         return "\n".join(lines)
 
 
@@ -203,7 +202,11 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
     )
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
     notes += throughput.check_throughput(
-        cfg.train, preset, tensor_parallel=layout.tensor_parallel, device_type=device_type
+        cfg.train,
+        preset,
+        layout,
+        zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
+        device_type=device_type,
     )
     out = Path(cfg.out)
     old_record = check_run_dir(cfg, out, data_dir=data_dir)

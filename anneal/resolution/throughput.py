@@ -15,6 +15,14 @@ TORCHAO_PIN = "torchao==0.18.0"
 """The torchao that requirements.txt pins: its float8 training runs on this torch (2.13), on
 the CPU build too (``torch._scaled_mm``)."""
 TORCHAO_OLDEST = (0, 18)
+DEEPCOMPILE_PASSES = {1: ["z1"], 3: ["z3"]}
+"""DeepCompile's passes by ZeRO stage (DeepSpeed 0.19.8 has ZeRO-1's and ZeRO-3's)."""
+
+
+def deepcompile_section(zero_stage: int) -> dict:
+    """The DeepSpeed config's ``compile`` section of ``train.compile=deepcompile`` at
+    ``zero_stage`` (``check_throughput`` refused the stages without passes)."""
+    return {"deepcompile": True, "passes": list(DEEPCOMPILE_PASSES[zero_stage])}
 
 
 def installed_torchao() -> str | None:
@@ -49,19 +57,56 @@ def torchao_refusal(version: str | None) -> str | None:
 
 
 def check_throughput(
-    train: TrainConfig, preset: ModelPreset, *, tensor_parallel: int, device_type: str
+    train: TrainConfig, preset: ModelPreset, layout, *, zero_stage: int, device_type: str
 ) -> list[str]:
     """Refuse what does not compose (UserError, one paragraph); the notes of what does."""
     notes = []
     if train.float8 != "off":
-        _check_float8(train, preset, tensor_parallel=tensor_parallel)
-    if train.compile == "deepcompile" and device_type != "cuda":
+        _check_float8(train, preset, tensor_parallel=layout.tensor_parallel)
+    if train.compile != "off" and preset.is_moe:
         raise UserError(
-            "--set train.compile=deepcompile: DeepSpeed's DeepCompile runs its passes through "
-            "a CUDA operator, so it cannot run on a CPU. Use --set train.compile=torch "
-            "(torch.compile on the engine, which runs here) or off."
+            f"--set train.compile={train.compile} with the sparse model {preset.name}: AutoEP's "
+            f"routing and expert loops are untested under torch.compile here. Train it with "
+            f"--set train.compile=off."
+        )
+    if train.compile == "deepcompile":
+        _check_deepcompile(train, layout, zero_stage=zero_stage, device_type=device_type)
+    if train.compile == "torch":
+        notes.append(
+            "train.compile=torch: the first step compiles the model (inductor; tens of seconds "
+            "on a CPU), shown apart as its compile_s; its tokens_per_s leaves that out"
         )
     return notes
+
+
+def _check_deepcompile(train: TrainConfig, layout, *, zero_stage: int, device_type: str) -> None:
+    """DeepCompile (DeepSpeed 0.19.8): a CUDA GPU, a stage with passes (ZeRO-1's z1, ZeRO-3's
+    z3), no AutoTP or Ulysses beside it and no float8 (untested together)."""
+    base = "--set train.compile=deepcompile"
+    if device_type != "cuda":
+        raise UserError(
+            f"{base}: DeepSpeed's DeepCompile runs its passes through a CUDA operator, so it "
+            f"cannot run on a CPU. Use --set train.compile=torch (torch.compile on the engine, "
+            f"which runs here) or off."
+        )
+    if zero_stage not in (1, 3):
+        raise UserError(
+            f"{base} at ZeRO stage {zero_stage}: DeepSpeed 0.19.8's DeepCompile has passes for "
+            f"ZeRO-1 (z1) and ZeRO-3 (z3) only. Set ds.zero_optimization.stage=1 or 3, or use "
+            f"--set train.compile=torch."
+        )
+    if layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
+        raise UserError(
+            f"{base} with tensor or sequence parallelism: DeepCompile's own autotp and autosp "
+            f"passes replace DeepSpeed's AutoTP and Ulysses, which Anneal uses, and the two are "
+            f"untested together. Use --set train.compile=torch, or no TP/SP."
+        )
+    if train.float8 != "off":
+        raise UserError(
+            f"{base} with --set train.float8={train.float8}: DeepCompile's passes over torchao's "
+            f"float8 layers are untested. Use --set train.compile=torch with float8 (torchao's "
+            f"own pairing), or DeepCompile with --set train.float8=off."
+        )
 
 
 def _check_float8(train: TrainConfig, preset: ModelPreset, *, tensor_parallel: int) -> None:
@@ -96,3 +141,16 @@ def describe_float8(train: TrainConfig, preset: ModelPreset) -> str:
         dense_linear_shapes(preset), recipe=train.float8, layers=train.float8_layers
     )
     return f"{head}; {choice.describe(train.float8)}"
+
+
+def describe_throughput(train: TrainConfig, preset: ModelPreset, zero_stage: int) -> list[str]:
+    """The launch's lines for ``train.compile`` and ``train.float8`` (none when both are off)."""
+    lines = []
+    if train.compile == "torch":
+        lines.append("train.compile=torch: engine.compile() (torch.compile, inductor)")
+    elif train.compile == "deepcompile":
+        passes = ", ".join(DEEPCOMPILE_PASSES[zero_stage])
+        lines.append(f"train.compile=deepcompile: DeepSpeed's DeepCompile, passes {passes}")
+    if train.float8 != "off":
+        lines.append(describe_float8(train, preset))
+    return lines

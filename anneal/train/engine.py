@@ -26,7 +26,9 @@ from anneal.model import (
 from anneal.model.attention import SDPA
 from anneal.resolution.batch_share import check_batch_share
 from anneal.resolution.resolve import Launch, resolve_launch
+from anneal.resolution.throughput import deepcompile_section
 from anneal.train import experts, loss, sequence
+from anneal.train.compiled import compile_engine
 from anneal.train.float8 import convert_float8
 from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
 
@@ -75,6 +77,8 @@ def build_engine(launch: Launch):
     opt_params = ds["optimizer"]["params"]
     schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
+    if launch.cfg.train.compile == "deepcompile":
+        engine_config["compile"] = deepcompile_section(launch.zero_stage)
     engine = _initialize(
         model=model,
         model_parameters=_optimizer_groups(model, opt_params, launch),
@@ -94,6 +98,8 @@ def build_engine(launch: Launch):
             "the loss runs plain, over the full logits",
             type(engine.module.get_output_embeddings()).__name__,
         )
+    if train.compile != "off":  # after the chunked loss: the head is compiled with it
+        compile_engine(engine)
     return engine
 
 

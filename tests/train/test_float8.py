@@ -109,9 +109,10 @@ def test_refusals_before_launch(tiny_data, tmp_path, monkeypatch):
 STEPS = 20
 
 
-def _losses(launch, data_dir, steps: int) -> tuple[list[float], object]:
+def _losses(launch, data_dir, steps: int, *, clock=None) -> tuple[list[float], object]:
     """``steps`` optimizer steps of ``launch``'s engine on the first windows of the train
-    split, in order; each step's mean micro-batch loss."""
+    split, in order: each step's mean micro-batch loss, and the engine. ``clock``: a
+    ``CompileClock`` told of each step."""
     from anneal.data.stream import PackedSplit
     from anneal.train.engine import build_engine
     from anneal.train.loss import next_token_loss, targets
@@ -131,6 +132,8 @@ def _losses(launch, data_dir, steps: int) -> tuple[list[float], object]:
             engine.step()
             total += loss.item()
         losses.append(total / launch.grad_accum)
+        if clock is not None:
+            clock.account({"step": len(losses), "tokens_per_s": 1.0}, tokens_per_step=1)
     return losses, engine
 
 
