@@ -160,3 +160,70 @@ def test_float8_learns_like_the_runs_own_precision(
     assert base[-1] < 0.5 * base[0]  # it learned
     assert ours[-1] == pytest.approx(base[-1], rel=0.03), (ours, base)
     assert ours != base  # float8 ran: its rounding shows
+
+
+LAUNCH_STEPS, LAUNCH_STOP = 6, 3
+EXPORT_REL = 0.02
+"""The export's validation loss against the live float8 engine's: the export holds the same
+weights and computes in fp32 where the engine cast every Linear's input and weight to float8
+(e4m3: 3 mantissa bits, each value within 6.25% of its own; the rounding averages out over
+a matrix product's sums), so the losses differ by that rounding alone. 2% relative."""
+
+
+def _launch_args(data, out, *extra: str) -> list[str]:
+    return [
+        *("--out", str(out), "--data", str(data), "--max-steps", str(LAUNCH_STEPS)),
+        *("--val-every", str(LAUNCH_STEPS), "--save-every", str(LAUNCH_STOP)),
+        *SMALL,
+        *sets("train.float8=tensorwise", "train.float8_layers=all"),
+        *sets("ds.zero_optimization.stage=3"),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_two_ranks_float8_resumes_exactly_and_exports_plain_linear_weights(tiny_data, tmp_path):
+    """Two ranks (gloo, ZeRO-3, tensorwise, every Linear but the head in float8): a run stopped
+    after step 3 and resumed logs the losses, grad norms and LRs of the run that never stopped
+    (``assert_resumed_steps_match``); ``anneal export`` of the full run writes plain Linear
+    weights under the usual names, which plain transformers loads as LlamaForCausalLM, and
+    its loss on the validation windows is the live engine's last validation loss within
+    EXPORT_REL. Three 2-rank launches, two at a time, and one export."""
+    from anneal import rundir
+    from anneal.cli import main as cli_main
+    from anneal.data.stream import PackedSplit, heldout_windows
+    from tests.conftest import assert_resumed_steps_match, run_recipe, run_recipes
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    stop = sets(f"train.stop_at_step={LAUNCH_STOP}")
+    run_recipes(
+        [
+            dict(args=_launch_args(tiny_data, full), ranks=2),
+            dict(args=_launch_args(tiny_data, split, *stop), ranks=2),
+        ]
+    )
+    run_recipe(_launch_args(tiny_data, split), ranks=2, extra_env={"OMP_NUM_THREADS": "1"})
+    rows = {
+        name: {r["step"]: r for r in rundir.read_metrics(d, "train")}
+        for name, d in (("full", full), ("split", split))
+    }
+    assert_resumed_steps_match(
+        {s: r for s, r in rows["split"].items() if s > LAUNCH_STOP},
+        rows["full"],
+        range(LAUNCH_STOP + 1, LAUNCH_STEPS + 1),
+    )
+    assert cli_main(["export", str(full), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {torch.nn.Linear}
+    val = PackedSplit(tiny_data, "val", seq_len=64)
+    windows = heldout_windows([(0, val.n_windows)], 16)  # SMALL: train.val_samples=16
+    ids = torch.stack([torch.as_tensor(val.window(j).astype("int64")) for j in windows])
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1]).logits
+    ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]).item()
+    live = rundir.read_metrics(full, "val")[-1]
+    assert live["step"] == LAUNCH_STEPS
+    assert ours == pytest.approx(live["val_loss"], rel=EXPORT_REL), (ours, live["val_loss"])
