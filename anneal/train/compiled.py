@@ -4,7 +4,7 @@ process, and the time it takes kept apart from the steps'.
 torch.compile compiles lazily: the first forward and backward of a step trace and compile the
 model (inductor; on a CPU that takes tens of seconds even for a tiny model), and a guard that
 fails later (a new shape, a changed attribute) compiles it again. ``CompileClock`` reads
-torch's own count of the seconds spent compiling (``torch._dynamo.utils``) after each step:
+torch's own count of the seconds spent compiling (``torch._dynamo.utils``) around each step:
 what a step spent compiling is its row's ``compile_s``, its ``tokens_per_s`` is the rate
 without it, and a compilation after the first step is a recompilation, warned about with the
 count so far."""
@@ -40,6 +40,11 @@ class CompileClock:
     def __init__(self) -> None:
         self.seen_s = compile_seconds()
         self.compiled_steps: list[int] = []
+
+    def start(self) -> None:
+        """Before a step: what compiles from here on is the step's (a validation's first pass
+        compiles too, between steps, and is no step's)."""
+        self.seen_s = compile_seconds()
 
     def account(self, row: dict, *, tokens_per_step: int) -> None:
         """Add ``compile_s`` to a step's ``row`` that compiled, and set its ``tokens_per_s``

@@ -238,6 +238,8 @@ class Trainer:
 
     def step(self) -> dict:
         start = self.stream.position
+        if self.compile_clock is not None:
+            self.compile_clock.start()
         try:
             row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
         except StopMidStep:  # one process, signalled inside the step: the step is dropped

@@ -91,19 +91,25 @@ def test_compile_on_a_sparse_model_is_refused(tiny_data, tmp_path):
 
 
 def test_the_compile_clock_takes_compile_time_out_of_the_rate(monkeypatch, caplog):
-    """A step that compiled 3 of its 4 s: ``compile_s`` 3, the rate of the other second; a
-    later step that compiles again is warned about with the steps so far."""
+    """A step that compiled 3 of its 4 s: ``compile_s`` 3, the rate of the other second;
+    compilation between steps (a validation's) is no step's; a later step that compiles again
+    is warned about with the steps so far."""
     from anneal.train import compiled
 
-    spent = iter([10.0, 13.0, 13.0, 14.0])
+    # torch's count: at the clock's making, around step 1, around step 2, then a validation
+    # compiled 5 s between steps 2 and 3 (no step's), and step 3 compiled 1 s
+    spent = iter([0.0, 10.0, 13.0, 13.0, 13.0, 18.0, 19.0])
     monkeypatch.setattr(compiled, "compile_seconds", lambda: next(spent))
     clock = compiled.CompileClock()
+    clock.start()
     first = {"step": 1, "tokens_per_s": 100 / 4.0}
     clock.account(first, tokens_per_step=100)
     assert first == {"step": 1, "tokens_per_s": pytest.approx(100.0), "compile_s": 3.0}
+    clock.start()
     second = {"step": 2, "tokens_per_s": 50.0}
     clock.account(second, tokens_per_step=100)
     assert second == {"step": 2, "tokens_per_s": 50.0}
+    clock.start()
     with caplog.at_level(logging.WARNING, logger="anneal.train.compiled"):
         clock.account({"step": 3, "tokens_per_s": 50.0}, tokens_per_step=100)
     assert "step 3 compiled the model again (1.0 s; compilations at steps 1, 3)" in caplog.text

@@ -123,6 +123,8 @@ def _losses(launch, data_dir, steps: int, *, clock=None) -> tuple[list[float], o
     micro, losses, window = launch.micro_batch, [], 0
     for _ in range(steps):
         total = 0.0
+        if clock is not None:
+            clock.start()
         for _ in range(launch.grad_accum):
             x, y = split.batch(list(range(window, window + micro)))
             window += micro
