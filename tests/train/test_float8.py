@@ -152,7 +152,8 @@ def test_float8_learns_like_the_runs_own_precision(
     """The loss after 20 steps with every Linear but the head in float8 is within 3% of the
     same run without float8 (fp32 here), at ZeRO-2 (tensorwise) and ZeRO-3 (rowwise); the
     float8 engine's modules are torchao's ``Float8Linear`` under DeepSpeed (ZeRO-3's
-    partitioned weights included). Two in-process engines per stage: about 10 s a stage."""
+    partitioned weights included). Two in-process engines per stage: 15.5 s (ZeRO-2) and
+    11.3 s (ZeRO-3) here, one window a step (``ONE_WINDOW``)."""
     from anneal.train.float8 import float8_layer_names
 
     args = ["--out", str(tmp_path / "run"), "--data", str(tiny_data), *SMALL_OWN_BATCH]
@@ -170,11 +171,13 @@ def test_float8_learns_like_the_runs_own_precision(
 
 
 LAUNCH_STEPS, LAUNCH_STOP = 6, 3
-EXPORT_REL = 0.02
-"""The export's validation loss against the live float8 engine's: the export holds the same
-weights and computes in fp32 where the engine cast every Linear's input and weight to float8
-(e4m3: 3 mantissa bits, each value within 6.25% of its own; the rounding averages out over
-a matrix product's sums), so the losses differ by that rounding alone. 2% relative."""
+EXPORT_REL = 1e-3
+"""The export's validation loss against the live float8 engine's. The export holds the same
+weights and computes in fp32, where the engine cast each float8 layer's input and weight to
+float8 (e4m3: 3 mantissa bits, each value within 6.25% of its own; the errors average out over
+a matrix product's sums and the loss's mean), so the two differ by that rounding alone:
+7.3e-5 relative here (4.392885 against 4.392563 at step 6, 2026-12-07); 1e-3 leaves room for
+another machine's kernels and still fails any export whose weights are not the run's."""
 
 
 def _launch_args(data, out, *extra: str) -> list[str]:
@@ -195,7 +198,7 @@ def test_two_ranks_float8_resumes_exactly_and_exports_plain_linear_weights(tiny_
     (``assert_resumed_steps_match``); ``anneal export`` of the full run writes plain Linear
     weights under the usual names, which plain transformers loads as LlamaForCausalLM, and
     its loss on the validation windows is the live engine's last validation loss within
-    EXPORT_REL. Three 2-rank launches, two at a time, and one export."""
+    EXPORT_REL. Three 2-rank launches, two at a time, and one export: 39 s here."""
     from anneal import rundir
     from anneal.cli import main as cli_main
     from anneal.data.stream import PackedSplit, heldout_windows
