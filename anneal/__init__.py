@@ -24,6 +24,11 @@ docs/observability.md, "What else it prints"):
 - DeepSpeed AutoEP's two notices on a sparse model (``DEEPSPEED_AUTOEP_NOTICES``): that
   ``autoep_size=1`` keeps every expert on every rank, and that without Triton a CPU loops over
   the experts. Anneal's own layout line says both.
+- torchao's import noise where it is installed (``train.float8``): transformers imports it
+  with any model, and on a CPU, or a torch built without its CUDA version, its compiled GPU
+  kernels (``torchao/_C*.so``) fail to load with a warning each, and torch warns that two of
+  its enums need no ``register_constant`` any more (``TORCHAO_IMPORT_NOTICES``). Neither
+  touches float8 training, whose matrix multiply is torch's ``_scaled_mm``.
 - lm-evaluation-harness's INFO lines (its loggers under ``lm_eval``: "Building contexts",
   "Running loglikelihood requests", ...): Anneal prints each scoring's own lines; lm-eval's
   warnings and errors still show.
@@ -48,6 +53,12 @@ DEEPSPEED_AUTOEP_NOTICES = {
 }
 """A sparse model's two notices from DeepSpeed's AutoEP, by logger: the degree 1 that Anneal
 chose and says in its layout line, and the loop over experts a CPU runs (docs/moe.md)."""
+TORCHAO_IMPORT_NOTICES = {
+    "torchao": "Failed to load ",
+    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported by torch.",
+}
+"""torchao's import notices, by logger: a compiled GPU kernel of its wheel that this torch
+cannot load, and torch's notice on two of torchao's enums (only when the enum is torchao's)."""
 TORCH_DEPRECATIONS = (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 )
@@ -61,11 +72,23 @@ def _not_an_autoep_notice(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(DEEPSPEED_AUTOEP_NOTICES.get(record.name, "\0"))
 
 
+def _not_a_torchao_notice(record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(TORCHAO_IMPORT_NOTICES.get(record.name, "\0")):
+        return True
+    if record.name == "torchao":  # the wheel's own compiled libraries, nothing else
+        return "/torchao/_C" not in str(record.msg)
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (args and str(getattr(args[0], "__module__", "")).startswith("torchao."))
+
+
 if _not_the_cpu_notice not in logging.getLogger("DeepSpeed").filters:
     logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_notice)
 for _name in DEEPSPEED_AUTOEP_NOTICES:
     if _not_an_autoep_notice not in logging.getLogger(_name).filters:
         logging.getLogger(_name).addFilter(_not_an_autoep_notice)
+for _name in TORCHAO_IMPORT_NOTICES:
+    if _not_a_torchao_notice not in logging.getLogger(_name).filters:
+        logging.getLogger(_name).addFilter(_not_a_torchao_notice)
 warnings.filterwarnings(
     "ignore",
     message=TORCH_DEPRECATIONS,

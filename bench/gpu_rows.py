@@ -57,6 +57,10 @@ class Row:
     async_save: bool = False
     """``train.async_save``: such a row is named after its synchronous twin with ``async``
     for ``sync`` (``gpu_table.save_pairs`` compares the two)."""
+    compile: str = "off"
+    float8: str = "off"
+    """``train.compile`` and ``train.float8``: such a row is named after its eager twin plus
+    ``-compile`` or ``-compile-float8`` (``throughput_rows``)."""
     gpu: str = "h100"
     """The smallest GPU (``anneal.hardware.GPUS``) the row is sized for by Anneal's memory
     estimate: on a GPU with less memory ``bench_gpu`` skips it, saying so."""
@@ -91,6 +95,10 @@ class Row:
             sets.append("train.keep_last=1")  # two checkpoints at most on the disk at a time
         if self.async_save:
             sets.append("train.async_save=true")
+        if self.compile != "off":
+            sets.append(f"train.compile={self.compile}")
+        if self.float8 != "off":
+            sets.append(f"train.float8={self.float8}")
         return sets + list(self.extra)
 
     def command(self, python: str, *, data: Path, out: Path, cpu: bool, inject=()) -> list[str]:
@@ -151,6 +159,7 @@ def gpu_rows() -> list[Row]:
         + _long_context_rows()
         + document_mask_rows(rows)
         + muon_rows(rows)
+        + throughput_rows(rows)
         + _extra_rows()
         + save_rows()
     )
@@ -290,6 +299,20 @@ def muon_rows(rows: list[Row]) -> list[Row]:
     return [
         dataclasses.replace(twins[name], name=f"{name}-muon", optimizer="muon", optional=True)
         for name in ("125m-z1-nockpt", "1b-z1-nockpt")
+    ]
+
+
+def throughput_rows(rows: list[Row]) -> list[Row]:
+    """The optional twins of 1b-z1-nockpt (docs/throughput.md): torch.compile, and
+    torch.compile with float8 (tensorwise, the layers that gain by torchao's thresholds: 125
+    of the 127 Linear layers at 1b). Each against its twin is what compile, then float8, gives
+    in tokens/s at the same steps."""
+    eager = {r.name: r for r in rows}["1b-z1-nockpt"]
+    # + the compilation in the first step, not measured here on a GPU yet: room for 2 min
+    slow = dict(optional=True, compile="torch", est_s=150, timeout_s=300)
+    return [
+        dataclasses.replace(eager, name="1b-z1-nockpt-compile", **slow),
+        dataclasses.replace(eager, name="1b-z1-nockpt-compile-float8", float8="tensorwise", **slow),
     ]
 
 

@@ -201,6 +201,17 @@ class TrainConfig:
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits take 8 bytes x this x the vocabulary
     (512: the loss's memory 8x below plain's on the CPU benchmark, docs/benchmarks.md)."""
+    compile: str = "off"
+    """off | torch | deepcompile (docs/throughput.md). torch: ``engine.compile()`` once per
+    process (inductor); deepcompile: DeepSpeed's compiler passes, which need a CUDA GPU."""
+    float8: str = "off"
+    """off | tensorwise | rowwise (docs/throughput.md): torchao's float8 training on the Linear
+    layers ``float8_layers`` picks, before ``deepspeed.initialize``; the rest of the model and
+    the optimizer stay in the run's precision. Speed needs an H100-class GPU."""
+    float8_layers: str = "auto"
+    """auto: the Linear layers that gain on an H100 (torchao's size thresholds; dimensions
+    divisible by 16; the first Linear and the output head kept) | all: every Linear but the head
+    whose dimensions are divisible by 16, small ones too (tests at tiny shapes)."""
     cooldown_from: str = ""
     """A checkpoint of a WSD run to branch a cooldown from (``--cooldown-from``): a tag directory
     (RUN/checkpoints/stepNNNNNNNN), or a run directory (its newest intact checkpoint). The new
@@ -310,81 +321,3 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# Comparing a run directory's config with a new launch.
-
-# Keys that may change between launches of the same run (and every guard.* key: tuning the guard
-# after a spike is what a resume is for).
-_RESUMABLE_KEYS = {
-    "resume",
-    "resume_explicit",
-    "restart",
-    "force",
-    "train.stop_at_step",
-    "train.log_every",
-    "train.memory_per_rank",
-    "train.loss",
-    "train.loss_chunk_tokens",
-    "train.heartbeat_timeout_s",
-    "train.collective_timeout_s",
-    "train.eval_tasks",  # scoring reads the weights and changes nothing of the run
-    "train.eval_tasks_every",
-    "train.eval_tasks_limit",
-    "data.prefetch_batches",
-}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:  # a tuple reads back from config.json as a list
-            flat[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
-    return flat
-
-
-def _under_new_names(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flattened document with the keys an older Anneal wrote under their new names
-    (``run.train.eval_every`` -> ``run.train.val_every``, the ``branch`` section ->
-    ``cooldown``), so an older run compares equal."""
-    new_names = {f"run.{old}": f"run.{new}" for old, new in RENAMED_KEYS.items()}
-    return {
-        new_names.get(k, "cooldown." + k[7:] if k.startswith("branch.") else k): v
-        for k, v in flat.items()
-    }
-
-
-_LAYOUT_KEYS = {
-    "ds_config.gradient_accumulation_steps",
-    "ds_config.train_micro_batch_size_per_gpu",
-    "resolved_from.gradient_accumulation_steps",
-    "resolved_from.train_micro_batch_size_per_gpu",
-    "resolved_from.train_batch_size",
-}
-"""How the global batch splits over the ranks: they change with the number of ranks (a job
-resubmitted on fewer nodes) and, while ``ds_config.train_batch_size`` holds, the run does not."""
-
-
-_ADDED_KEYS = {"run.data.document_mask": False}
-"""Keys an older Anneal did not write, and the value an older run trained with."""
-
-
-def config_differences(old: dict, new: dict) -> list[str]:
-    """Keys whose values differ between two resolved ``config.json`` documents. The split of
-    the global batch into micro-batches and accumulation steps counts only with another global
-    batch: a run resumed on another number of ranks keeps its global batch."""
-    a, b = (_ADDED_KEYS | _under_new_names(_flatten(doc)) for doc in (old, new))
-    same_batch = a.get("ds_config.train_batch_size") == b.get("ds_config.train_batch_size")
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        short = key.removeprefix("run.")
-        if short in _RESUMABLE_KEYS or key.startswith("launch.") or short.startswith("guard."):
-            continue
-        if same_batch and key in _LAYOUT_KEYS:
-            continue
-        if a.get(key, "<unset>") != b.get(key, "<unset>"):
-            diffs.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
-    return diffs

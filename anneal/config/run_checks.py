@@ -40,6 +40,9 @@ _SECTIONS = {
 _CHOICES = {
     ("train", "precision"): ("auto", "bf16", "fp32"),
     ("train", "loss"): ("chunked", "plain"),
+    ("train", "compile"): ("off", "torch", "deepcompile"),
+    ("train", "float8"): ("off", "tensorwise", "rowwise"),
+    ("train", "float8_layers"): ("auto", "all"),
     ("optim", "schedule"): SCHEDULES,
     ("optim", "decay_shape"): DECAY_SHAPES,
     ("optim", "optimizer"): ("adamw", "muon"),

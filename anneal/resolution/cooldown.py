@@ -22,7 +22,8 @@ import re
 from pathlib import Path
 
 from anneal import rundir
-from anneal.config.run import AUTO, RunConfig, config_differences
+from anneal.config.run import AUTO, RunConfig
+from anneal.config.run_compare import config_differences
 from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from anneal import rundir
 from anneal.config.ds_schema import degrees
-from anneal.config.run import AUTO, RunConfig, config_differences
+from anneal.config.run import AUTO, RunConfig
 from anneal.config.run_checks import check_ranges, optim_keys_set
+from anneal.config.run_compare import config_differences
 from anneal.config.schedule import Schedule
 from anneal.data.prepared_dir import PreparedDir
 from anneal.errors import UserError
@@ -29,7 +30,7 @@ from anneal.model import (
     human_count,
 )
 from anneal.resilience import checkpoint
-from anneal.resolution import cooldown, expert_layout, optimizer, parallel
+from anneal.resolution import cooldown, expert_layout, optimizer, parallel, throughput
 from anneal.resolution import ds as ds_config
 from anneal.resolution.preset import launch_attention, model_preset
 from anneal.run_record import RunRecord
@@ -148,6 +149,7 @@ class Launch:
             lines.append(describe_split(self.preset, scale=self.cfg.optim.muon_scale))
         lines.append(f"LR schedule ({self.cfg.optim.schedule}): {self.schedule.describe()}")
         lines.append(self.attention.describe())
+        lines += throughput.describe_throughput(self.cfg.train, self.preset, self.zero_stage)
         return "\n".join(lines)
 
 
@@ -199,6 +201,13 @@ def _resolve(cfg, overrides, *, world_size, device_type, fast_bf16) -> Launch:
         ds, preset, device_type=device_type, source=str(ds_path)
     )
     layout = parallel.layout(ds, preset, world_size=world_size, source=str(ds_path))
+    notes += throughput.check_throughput(
+        cfg.train,
+        preset,
+        layout,
+        zero_stage=ds.get("zero_optimization", {}).get("stage", 0),
+        device_type=device_type,
+    )
     out = Path(cfg.out)
     old_record = check_run_dir(cfg, out, data_dir=data_dir)
     cfg, branch, branch_notes = cooldown.resolve(

@@ -13,7 +13,7 @@ import torch
 
 from anneal.config.run import RunConfig
 from anneal.config.schedule import WarmupDecay
-from anneal.dist import init_distributed, setup_logging, world_size
+from anneal.dist import init_distributed, rank, setup_logging, world_size
 from anneal.eval import in_loop
 from anneal.model import (
     build_model,
@@ -26,7 +26,10 @@ from anneal.model import (
 from anneal.model.attention import SDPA
 from anneal.resolution.batch_share import check_batch_share
 from anneal.resolution.resolve import Launch, resolve_launch
+from anneal.resolution.throughput import deepcompile_section
 from anneal.train import experts, loss, sequence
+from anneal.train.compiled import compile_engine
+from anneal.train.float8 import convert_float8
 from anneal.train.muon_engine import cpu_newton_schulz, muon_tags
 
 
@@ -69,9 +72,13 @@ def build_engine(launch: Launch):
         sequence.check_model(model, launch.attention.implementation)
     if launch.cfg.model.activation_checkpointing:
         checkpoint_activations(model)
+    if launch.cfg.train.float8 != "off":  # before initialize: DeepSpeed sees the float8 modules
+        _train_in_float8(model, launch.cfg.train)
     opt_params = ds["optimizer"]["params"]
     schedule = launch.schedule
     engine_config = {k: v for k, v in ds.items() if k != "scheduler"}
+    if launch.cfg.train.compile == "deepcompile":
+        engine_config["compile"] = deepcompile_section(launch.zero_stage)
     engine = _initialize(
         model=model,
         model_parameters=_optimizer_groups(model, opt_params, launch),
@@ -91,7 +98,17 @@ def build_engine(launch: Launch):
             "the loss runs plain, over the full logits",
             type(engine.module.get_output_embeddings()).__name__,
         )
+    if train.compile != "off":  # after the chunked loss: the head is compiled with it
+        compile_engine(engine)
     return engine
+
+
+def _train_in_float8(model, train) -> None:
+    """torchao's float8 training on the layers ``anneal.model.float8_rule`` picks; which, said
+    once (rank 0)."""
+    choice = convert_float8(model, recipe=train.float8, layers=train.float8_layers)
+    if rank() == 0:
+        logging.getLogger(__name__).info("%s", choice.describe(train.float8))
 
 
 def build_scoring_engine(preset, ds: dict, *, tensor_parallel: int, load_weights):

@@ -34,6 +34,7 @@ from anneal.resilience.preempt import Preemption, StopMidStep
 from anneal.resolution.resolve import Launch
 from anneal.rundir import RunDir
 from anneal.train import observers
+from anneal.train.compiled import CompileClock
 from anneal.train.engine import data_replica
 from anneal.train.loss import next_token_loss
 from anneal.train.saving import Saves
@@ -88,6 +89,7 @@ class Trainer:
         )
         self.val_step = validate
         self.shape = StepShape.of(launch)
+        self.compile_clock = CompileClock() if self.cfg.train.compile != "off" else None
         self.samples_per_step = launch.ds_config["train_batch_size"]
         self.mfu = Mfu(
             flops_per_token=flops_per_token(launch.preset, seq_len=launch.seq_len)
@@ -236,11 +238,15 @@ class Trainer:
 
     def step(self) -> dict:
         start = self.stream.position
+        if self.compile_clock is not None:
+            self.compile_clock.start()
         try:
             row = self.train_step(self.engine, self.stream, self.state, self.shape, self.preemption)
         except StopMidStep:  # one process, signalled inside the step: the step is dropped
             self.stopped_at_position = start  # its samples are read again on resume
             self.preempt()
+        if self.compile_clock is not None:  # compile time apart from the step's
+            self.compile_clock.account(row, tokens_per_step=self.shape.tokens_per_step)
         row["mfu"] = self.mfu(row["tokens_per_s"])
         self.last_train = row
         self.saves.poll()  # a background save is committed once every rank has written it

@@ -108,6 +108,7 @@ def _check_row_launch(row: gpu_rows.Row, plan, *, capacity: int) -> None:
         assert "expert_parallel" not in ds
     assert plan.cfg.model.activation_checkpointing is row.ckpt
     assert plan.cfg.train.loss == row.loss
+    assert (plan.cfg.train.compile, plan.cfg.train.float8) == (row.compile, row.float8)
     assert plan.attention.document_mask is row.document_mask
     assert plan.micro_batch == row.micro
     assert plan.micro_batch * plan.grad_accum * row.seq_len == row.global_tokens
@@ -598,3 +599,21 @@ def test_muon_rows_are_twins_of_adamw_rows_and_read_as_a_pair():
         "Muon against AdamW at 1b-z1-nockpt's shape: 55,000 against 60,500 tokens/s (Muon's "
         "step 1.10x AdamW's; goal: at most 1.10x), peak 36.0 against 40.0 GiB." in text
     )
+
+
+def test_the_throughput_rows_are_twins_of_the_eager_1b_row():
+    """torch.compile, and torch.compile with float8 (tensorwise), each the optional twin of
+    1b-z1-nockpt but for those settings and the room its compilation needs
+    (docs/throughput.md)."""
+    by_name = {r.name: r for r in gpu_rows.gpu_rows()}
+    eager = by_name["1b-z1-nockpt"]
+    slow = dict(optional=True, est_s=150, timeout_s=300)
+    assert by_name["1b-z1-nockpt-compile"] == dataclasses.replace(
+        eager, name="1b-z1-nockpt-compile", compile="torch", **slow
+    )
+    both = by_name["1b-z1-nockpt-compile-float8"]
+    assert both == dataclasses.replace(
+        eager, name=both.name, compile="torch", float8="tensorwise", **slow
+    )
+    cmd = both.command("py", data=Path("d"), out=Path("o"), cpu=False)
+    assert "train.compile=torch" in cmd and "train.float8=tensorwise" in cmd

@@ -3,8 +3,9 @@ the one batch-arithmetic function, and which config differences block a relaunch
 
 import pytest
 
-from anneal.config.run import RunConfig, config_differences
+from anneal.config.run import RunConfig
 from anneal.config.run_checks import apply_overrides, optim_keys_set
+from anneal.config.run_compare import config_differences
 from anneal.errors import UserError
 from anneal.resolution.ds_resolve import batch_arithmetic
 

@@ -10,8 +10,9 @@ import pytest
 
 from anneal.cli.recipe import config_from_args
 from anneal.config import run as runlib
-from anneal.config.run import RunConfig, TrainConfig, config_differences
+from anneal.config.run import RunConfig, TrainConfig
 from anneal.config.run_checks import apply_overrides
+from anneal.config.run_compare import config_differences
 from anneal.run_record import RunRecord
 
 

@@ -11,8 +11,9 @@ import math
 
 import pytest
 
-from anneal.config.run import RunConfig, config_differences
+from anneal.config.run import RunConfig
 from anneal.config.run_checks import apply_overrides, check_ranges
+from anneal.config.run_compare import config_differences
 from anneal.errors import UserError
 from anneal.eval import in_loop, results
 from tests.conftest import ROOT, parallel_args, resolve_tiny

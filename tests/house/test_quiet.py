@@ -205,3 +205,37 @@ def test_lm_evals_tokenizing_bar_stays_out_of_a_log(monkeypatch, capsys):
     assert Probe().loglikelihood(requests) == [(0.0, True)] * 2
     err = capsys.readouterr().err
     assert "Tokenizing inputs" not in err and "\r" not in err, err
+
+
+def test_torchaos_import_notices_are_hidden_and_nothing_else_of_theirs():
+    """Where torchao is installed (float8 training), transformers imports it with any model:
+    its warning that a compiled GPU kernel of its own (``torchao/_C*.so``) does not load, and
+    torch's notice on an enum of torchao's, are hidden; the same words about another file or
+    another module's enum, and any other warning of those loggers, still show."""
+    import enum
+
+    import anneal  # noqa: F401 (installs the filters)
+
+    class TorchaoEnum(enum.Enum):
+        A = 1
+
+    class OtherEnum(enum.Enum):
+        A = 1
+
+    TorchaoEnum.__module__ = "torchao.quantization.quantize_"
+
+    def shown(name: str, msg: str, *args) -> bool:
+        record = logging.LogRecord(name, logging.WARNING, "f.py", 1, msg, args, None)
+        return logging.getLogger(name).filter(record)
+
+    lib = "/venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    assert not shown("torchao", f"Failed to load {lib}: Could not load this library: {lib}")
+    assert shown("torchao", "Failed to load /elsewhere/mine.so: no such file")
+    assert shown("torchao", "Skipping import of cpp extensions")
+    notice = (
+        "%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+        "value type. Calling register_constant() on Enum subclasses is deprecated"
+    )
+    assert not shown("torch.utils._pytree", notice, TorchaoEnum)
+    assert shown("torch.utils._pytree", notice, OtherEnum)
+    assert shown("torch.utils._pytree", "another pytree warning")

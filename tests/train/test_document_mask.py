@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from anneal.config.run import config_differences
+from anneal.config.run_compare import config_differences
 from anneal.model import build_model, get_preset, init_weights_
 from anneal.model.attention import Attention
 from anneal.train import loss

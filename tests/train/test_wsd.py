@@ -320,7 +320,7 @@ def test_a_resume_keeps_the_auto_warmup_and_a_plain_relaunch_sees_no_difference(
     """An "auto" warmup (here 0.1 x 100 steps = 10) is kept on a resume whose --max-steps would
     give another (20 at 200 steps); with the same value the note is the fresh one, so the
     relaunch of an unchanged run finds its config.json equal (anneal.config.run)."""
-    from anneal.config.run import config_differences
+    from anneal.config.run_compare import config_differences
 
     optim = OptimConfig(warmup_tokens=10**12)  # the cap decides: warmup_max_share x max_steps
     fresh, notes = resolve(optim)
