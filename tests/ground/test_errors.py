@@ -24,6 +24,14 @@ from anneal.resolution.ds import load_ds_config
 ROOT = Path(__file__).resolve().parents[2]
 
 INTERNAL_VALUE_ERRORS = {
+    ("anneal/model/float8_rule.py", "gains"): (
+        "recipe is train.float8, which reaches it only through the strict loader's choices "
+        "(anneal/config/run_checks.py: off, tensorwise, rowwise), and only when not off"
+    ),
+    ("anneal/model/float8_rule.py", "choose_float8"): (
+        "layers is train.float8_layers, which reaches it only through the strict loader's "
+        "choices (anneal/config/run_checks.py: auto, all)"
+    ),
     ("anneal/resolution/ds_resolve.py", "batch_arithmetic"): (
         "its one caller, resolve_ds_config, always passes the accumulation or the "
         "global batch (a missing key reads as auto, and auto/auto computes the batch)"
