@@ -10,6 +10,16 @@ without the freeze and 19.2, 12.3 and 10.9 s with it, pairs run back to back on 
 only garbage in reference cycles is left to the operating system, as ``os._exit`` would, and
 every file Anneal writes is closed (and flushed) by the code that opened it.
 
+It keeps torchao (installed for ``train.float8``) from being imported by a process that does
+not train in float8: transformers imports torchao with any model wherever it is installed
+(``quantizers/auto.py``), which cost 0.3-0.55 s of CPU in every process that imports
+transformers (``perf stat`` of ``from transformers import LlamaForCausalLM; import deepspeed``:
+6.07-6.10 s without torchao installed, 6.39-6.64 s with it, 2026-12-07), and four warnings.
+``sys.modules["torchao"]`` is set to None here, so that ``importlib.util.find_spec``
+(transformers' test) finds nothing and transformers' own torchao integration stays off;
+``anneal.train.float8.import_torchao`` clears it before Anneal's float8 path imports torchao.
+A process that imported torchao before Anneal keeps it.
+
 And it quiets some messages of the libraries below it that say nothing an Anneal run can act
 on (each matched by its exact text, so any other warning of theirs still shows;
 docs/observability.md, "What else it prints"):
@@ -24,11 +34,11 @@ docs/observability.md, "What else it prints"):
 - DeepSpeed AutoEP's two notices on a sparse model (``DEEPSPEED_AUTOEP_NOTICES``): that
   ``autoep_size=1`` keeps every expert on every rank, and that without Triton a CPU loops over
   the experts. Anneal's own layout line says both.
-- torchao's import noise where it is installed (``train.float8``): transformers imports it
-  with any model, and on a CPU, or a torch built without its CUDA version, its compiled GPU
-  kernels (``torchao/_C*.so``) fail to load with a warning each, and torch warns that two of
-  its enums need no ``register_constant`` any more (``TORCHAO_IMPORT_NOTICES``). Neither
-  touches float8 training, whose matrix multiply is torch's ``_scaled_mm``.
+- torchao's import noise in a float8 run: on a CPU, or a torch built without its CUDA
+  version, its compiled GPU kernels (``torchao/_C*.so``) fail to load with a warning each, and
+  torch warns that two of its enums need no ``register_constant`` any more
+  (``TORCHAO_IMPORT_NOTICES``). Neither touches float8 training, whose matrix multiply is
+  torch's ``_scaled_mm``.
 - lm-evaluation-harness's INFO lines (its loggers under ``lm_eval``: "Building contexts",
   "Running loglikelihood requests", ...): Anneal prints each scoring's own lines; lm-eval's
   warnings and errors still show.
@@ -99,3 +109,5 @@ logging.getLogger("lm_eval").setLevel(logging.WARNING)
 if not (sys.stderr is not None and sys.stderr.isatty()):
     os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when it is imported
 atexit.register(gc.freeze)  # the exit's own collection skipped: see the docstring
+if "torchao" not in sys.modules:
+    sys.modules["torchao"] = None  # out of transformers' sight: see the docstring

@@ -9,6 +9,7 @@ ZeRO-3 gathers the weights in the run's precision (torchao's float8 all-gather i
 from __future__ import annotations
 
 import logging
+import sys
 
 from torch import nn
 
@@ -27,9 +28,17 @@ def linear_shapes(model: nn.Module) -> list[LinearShape]:
     ]
 
 
+def import_torchao() -> None:
+    """Make torchao importable in this process: ``import anneal`` hides it (a None in
+    ``sys.modules``) from every process that does not train in float8 (anneal/__init__.py)."""
+    if "torchao" in sys.modules and sys.modules["torchao"] is None:
+        del sys.modules["torchao"]
+
+
 def convert_float8(model: nn.Module, *, recipe: str, layers: str) -> Float8Choice:
     """Swap the chosen Linear layers of ``model`` for torchao's ``Float8Linear`` with
     ``recipe``'s scaling (tensorwise | rowwise), in place; the choice, which the caller logs."""
+    import_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     choice = choose_float8(linear_shapes(model), recipe=recipe, layers=layers)
@@ -44,6 +53,7 @@ def convert_float8(model: nn.Module, *, recipe: str, layers: str) -> Float8Choic
 
 def float8_layer_names(model: nn.Module) -> list[str]:
     """The names of ``model``'s modules that compute in float8 (``Float8Linear``)."""
+    import_torchao()
     from torchao.float8.float8_linear import Float8Linear
 
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]

@@ -239,3 +239,23 @@ def test_torchaos_import_notices_are_hidden_and_nothing_else_of_theirs():
     assert not shown("torch.utils._pytree", notice, TorchaoEnum)
     assert shown("torch.utils._pytree", notice, OtherEnum)
     assert shown("torch.utils._pytree", "another pytree warning")
+
+
+def test_a_process_that_imports_anneal_does_not_import_torchao():
+    """transformers imports torchao, where installed, with any model (0.3-0.55 s of CPU a
+    process, and its notices); after ``import anneal`` it finds none, and Anneal's float8 path
+    makes it importable again (anneal/__init__.py)."""
+    code = (
+        "import importlib.util, sys\n"
+        "import anneal\n"
+        "import transformers.quantizers.auto\n"
+        "assert 'torchao' not in sys.modules or sys.modules['torchao'] is None\n"
+        "from anneal.train.float8 import import_torchao\n"
+        "import_torchao()\n"
+        "print(importlib.util.find_spec('torchao') is not None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"], "torchao is installed (requirements.txt)"
