@@ -78,46 +78,40 @@ class HostBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
 
+def rebuilt(obj, tensor, other=copy.deepcopy):
+    """``obj`` (a state dict as DeepSpeed hands it to ``torch.save``) with every container
+    rebuilt (a dict keeps its type: an OrderedDict, a defaultdict; a namedtuple and a
+    ``torch.Size`` theirs), each tensor replaced by ``tensor(t)`` and any other value by
+    ``other(value)``."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = rebuilt(value, tensor, other)
+        return out
+    if isinstance(obj, list):
+        return [rebuilt(v, tensor, other) for v in obj]
+    if isinstance(obj, tuple):
+        items = [rebuilt(v, tensor, other) for v in obj]
+        if hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)  # a tuple, torch.Size
+    return other(obj)
+
+
 def freeze(obj):
-    """``obj`` (a state dict as DeepSpeed hands it to ``torch.save``) as it is now: every
-    container rebuilt and every other value deep-copied, each tensor kept as a (detached)
-    reference to the live one, for ``host_copy`` to copy before anything changes it."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps an OrderedDict's (or a defaultdict's) type
-        for key, value in obj.items():
-            out[key] = freeze(value)
-        return out
-    if isinstance(obj, list):
-        return [freeze(v) for v in obj]
-    if isinstance(obj, tuple):
-        items = [freeze(v) for v in obj]
-        if hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)  # a tuple, torch.Size
-    return copy.deepcopy(obj)
+    """``obj`` as it is now: every container rebuilt and every other value deep-copied, each
+    tensor kept as a (detached) reference to the live one, for ``host_copy`` to copy before
+    anything changes it."""
+    return rebuilt(obj, torch.Tensor.detach)
 
 
-def host_copy(obj, buffers: HostBuffers):
-    """``obj`` (a state dict as DeepSpeed hands it to ``torch.save``) with every tensor copied
-    to ``buffers`` and every container rebuilt, so that nothing in the result changes when the
-    training changes the live state. Any other object is deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return buffers.copy(obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps an OrderedDict's (or a defaultdict's) type
-        for key, value in obj.items():
-            out[key] = host_copy(value, buffers)
-        return out
-    if isinstance(obj, list):
-        return [host_copy(v, buffers) for v in obj]
-    if isinstance(obj, tuple):
-        items = [host_copy(v, buffers) for v in obj]
-        if hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)  # a tuple, torch.Size
-    return copy.deepcopy(obj)
+def host_copy(obj, buffers: HostBuffers, *, other=copy.deepcopy):
+    """``obj`` with every tensor copied to ``buffers`` and every container rebuilt, so that
+    nothing in the result changes when the training changes the live state. Any other object
+    is deep-copied (``other``: kept as it is, where ``freeze`` copied it already)."""
+    return rebuilt(obj, buffers.copy, other)
 
 
 class SnapshotEngine(CheckpointEngine):
@@ -175,7 +169,7 @@ def copied(files: list[tuple[Path, object]], buffers: HostBuffers) -> list[tuple
     if buffers.pinned:
         return files
     buffers.restart()
-    return [(path, host_copy(state, buffers)) for path, state in files]
+    return [(path, host_copy(state, buffers, other=lambda v: v)) for path, state in files]
 
 
 def zipfile_serialization(engine) -> bool:
