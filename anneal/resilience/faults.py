@@ -11,7 +11,8 @@ comma-separated faults, each ``kind@key=value[:key=value...]``.
 - ``spike@sample=I:x=F``: the loss of the micro-batch that holds global sample I is multiplied
   by F: a bad sample in the data, which a rewind that skips it leaves behind.
 - ``kill@step=N``: SIGKILL at the start of step N (a crash: no cleanup, no save).
-- ``slow_rank@s=S``: sleep S seconds at the start of every step (``step=N``: only step N).
+- ``slow_rank@s=S``: sleep S seconds at the start of every step (``step=N``: only step N),
+  before a ``kill`` of the same step.
 - ``save_slow@s=S``: an asynchronous save's background write (``train.async_save``) sleeps S
   seconds after its first file (``step=N``: only the save of step N), so that it is still in
   flight, half written, over the next steps: the drills of a crash, a preemption and the end
@@ -151,13 +152,13 @@ class Faults:
 
     def step_start(self, step: int, module: torch.nn.Module) -> None:
         """Before the first micro-batch of optimizer step ``step``."""
+        for f in self.faults:  # before a kill of the same step: a drill's write goes on meanwhile
+            if f.kind == "slow_rank" and f.step in (None, step):
+                time.sleep(f.s)
         if self._at("kill", step):
             log.warning("fault: kill at step %d", step)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
-        for f in self.faults:
-            if f.kind == "slow_rank" and f.step in (None, step):
-                time.sleep(f.s)
         # a drill with a NaN fault compares the weights around every step (sample-keyed NaNs
         # are only known once the batch is read)
         nan = any(f.kind == "nan_loss" for f in self.faults)

@@ -2,8 +2,8 @@
 suite's shared ``fp32`` run, which never stopped (same seed, data and shape; it saved only at
 its end). One run directory, three launches that save every step in the background:
 
-1. **Crash in flight.** SIGKILL (``kill@step=3``) while the write of step 2 is in flight
-   (``save_slow``: the next file 60 s away): step 2's tag has no manifest, and the
+1. **Crash in flight.** SIGKILL (``kill@step=3``, 2 s into that step) while the write of step
+   2 is in flight (``save_slow``: the next file 60 s away): step 2's tag has no manifest, and the
    newest intact checkpoint, the one resume chooses, is step 1.
 2. **Preemption in flight.** The same command resumes from step 1 (the half-written tag is
    never chosen); SIGUSR1 comes while the write of step 2 is held 4 s: the run waits for it,
@@ -73,7 +73,8 @@ def test_crash_preemption_and_a_full_disk_during_background_writes(
     killed = run_recipe(
         _args(tiny_data, out),
         check=False,
-        extra_env={"ANNEAL_FAULTS": "save_slow@step=2:s=60,kill@step=3"},
+        # the kill waits 2 s: the background write copies the state before its first file
+        extra_env={"ANNEAL_FAULTS": "save_slow@step=2:s=60,slow_rank@step=3:s=2,kill@step=3"},
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert checkpoint.intact_checkpoints(ckpt) == [ckpt / "step00000001"]
