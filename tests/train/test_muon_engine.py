@@ -144,7 +144,9 @@ def test_a_sparse_models_experts_take_muon_and_its_router_adamw(tiny_data, tmp_p
     from anneal.train.loss import next_token_loss
     from tests.train.test_moe import _resolve
 
-    launch = _resolve(tiny_data, tmp_path / "run", *sets("optim.optimizer=muon"))
+    launch = _resolve(
+        tiny_data, tmp_path / "run", *sets("optim.optimizer=muon", "optim.global_batch_tokens=64")
+    )
     engine = build_engine(launch)
     named = dict(engine.module.named_parameters())
     experts = [n for n in named if ".experts." in n]
