@@ -33,7 +33,7 @@ demo: $(STAMP) data/stdlib/meta.json
 # docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a slow
 # one is seen.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=10 $(if $(SLOW),,-m "not slow") tests
+	$(BIN)/python tests/shards.py 2 -q --durations=10 $(if $(SLOW),,-m "not slow") tests
 
 test-all: $(STAMP)
 	$(BIN)/python tests/shards.py 3 -q --durations=10 tests

@@ -38,6 +38,7 @@ def pytest_runtest_setup(item):
         )
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected: a shard splits what is selected
 def pytest_collection_modifyitems(config, items):
     """The tests that read the shared runs go after the other fast tests, which run while those
     runs train in the background (``shared_runs``); the slow tests go last, on a quiet machine,
@@ -140,6 +141,8 @@ def _shard_of(items, spec: str) -> list:
     for item in items:
         if item.get_closest_marker("slow"):
             slow.setdefault(item.path.name, []).append(item)
+    if not slow:
+        return _fast_shard_of(items, i, n)
     load = [0.0] * n
     load[0] = SHARD_WEIGHTS_S["<fast>"]
     home = {}
@@ -164,6 +167,67 @@ def _shard_of(items, spec: str) -> list:
         for item in items
         if (home.get(item.path.name) if item.get_closest_marker("slow") else 0) == i - 1
     ]
+
+
+# `make test` (tests/shards.py 2 -m "not slow") splits the fast tests over two sessions side by
+# side, each process on one thread: one session keeps 2 cores about 1.36 busy (250 s of CPU in
+# 184 s, 2026-12-07). Session 1 takes the shared runs (they train in its background) and every
+# file that reads them; the other files go, heaviest first, to the session with the least so
+# far, by these weights: seconds of each file's fast tests (`pytest -m "not slow" --durations=0`
+# on a fresh clone of 2b5ee8a, 2026-12-07 22:45, alone), FAST_DEFAULT_S for a file not listed.
+FAST_WEIGHTS_S = {
+    "<shared runs>": 60,  # their CPU in session 1's background (9 launches, estimated)
+    "test_bench_gpu.py": 12.1,
+    "test_checkpoint_trust.py": 9.9,
+    "test_data_prepare.py": 9.7,
+    "test_data_scale.py": 9.4,
+    "test_data_tokenizer.py": 8.2,
+    "test_hostile_run.py": 8.0,
+    "test_async_save.py": 7.6,
+    "test_data_bad_input.py": 7.4,
+    "test_eval_see.py": 6.7,
+    "test_export_every_save.py": 6.5,
+    "test_eval_watch.py": 5.4,
+    "test_planner.py": 4.7,
+    "test_hostile_data.py": 4.7,
+    "test_loop.py": 4.1,
+    "test_observe.py": 3.8,
+    "test_data_single_file.py": 3.6,
+    "test_validation_sources.py": 3.0,
+    "test_export.py": 2.5,
+    "test_bench_prepare.py": 2.5,
+    "test_eval_tasks.py": 2.4,
+    "test_layout.py": 2.3,
+    "test_hostile_plot.py": 2.3,
+    "test_launcher.py": 2.2,
+    "test_ranks_script.py": 2.2,
+    "test_moe_hf.py": 2.2,
+    "test_bad_input.py": 2.0,
+    "test_quiet.py": 1.6,
+    "test_eval_loop.py": 1.6,
+    "test_prune_universal.py": 1.5,
+}
+FAST_DEFAULT_S = 0.5
+
+
+def _fast_shard_of(items, i: int, n: int) -> list:
+    """Shard ``i`` of ``n`` of a session of fast tests only (``_shard_of``): whole files, the
+    readers of the shared runs in shard 1."""
+    files = {}
+    for item in items:
+        files.setdefault(item.path.name, []).append(item)
+    load = [0.0] * n
+    load[0] = FAST_WEIGHTS_S["<shared runs>"]
+    home = {}
+    for name, group in files.items():
+        if any(map(_uses_shared_runs, group)):
+            home[name] = 0
+            load[0] += FAST_WEIGHTS_S.get(name, FAST_DEFAULT_S)
+    rest = sorted(set(files) - set(home), key=lambda f: (-FAST_WEIGHTS_S.get(f, FAST_DEFAULT_S), f))
+    for name in rest:
+        home[name] = load.index(min(load))
+        load[home[name]] += FAST_WEIGHTS_S.get(name, FAST_DEFAULT_S)
+    return [item for item in items if home[item.path.name] == i - 1]
 
 
 def _uses_shared_runs(item) -> bool:
