@@ -28,10 +28,10 @@ demo: $(STAMP) data/stdlib/meta.json
 	$(BIN)/python scripts/demo.py
 
 # `make test` leaves out the tests marked slow (end-to-end drills: real Slurm, ssh, crash,
-# world size, long runs); `make test-all` (CI) runs everything, as three pytest sessions side by
-# side (tests/shards.py; `make test SLOW=1` runs it all in one). How long each takes:
-# docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a slow
-# one is seen.
+# world size, long runs), as two pytest sessions side by side; `make test-all` (CI) runs
+# everything, as three (tests/shards.py; `make test SLOW=1` runs it all in two). How long each
+# takes: docs/benchmarks.md, "The test suite". Each session prints its 10 slowest tests, so a
+# slow one is seen. One test alone: `.venv/bin/python -m pytest tests/PATH::NAME`.
 test: $(STAMP)
 	$(BIN)/python tests/shards.py 2 -q --durations=10 $(if $(SLOW),,-m "not slow") tests
 

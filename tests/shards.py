@@ -111,7 +111,12 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"the sessions' files (--basetemp) are kept in {tmp}")
         return max(bad)
+    removing = time.monotonic()
     shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"== every session passed; their files removed in {time.monotonic() - removing:.0f} s, "
+        f"{time.monotonic() - started:.0f} s after the start"
+    )
     return 0
 
 

@@ -1,7 +1,8 @@
 """`make test-all`'s shards (tests/conftest.py ``_shard_of``, run by tests/shards.py): together,
 with the tests marked alone, they hold every test once; the fast tests, and the slow ones that
 read the shared runs, stay in shard 1 with those runs; the files that drive the local cluster
-share a shard; the slow files' weights come out balanced."""
+share a shard; the slow files' weights come out balanced. `make test`'s two sessions of fast
+tests split whole files, the readers of the shared runs with them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEFAULT_WEIGHT_S, SHARD_TOGETHER, SHARD_WEIGHTS_S, _shard_of
+from tests.conftest import (
+    DEFAULT_WEIGHT_S,
+    FAST_DEFAULT_S,
+    FAST_WEIGHTS_S,
+    SHARD_TOGETHER,
+    SHARD_WEIGHTS_S,
+    _shard_of,
+)
 
 
 @dataclass(eq=False)
@@ -64,6 +72,28 @@ def test_the_shards_carry_about_the_same_weight(n):
     loads[0] += SHARD_WEIGHTS_S["<fast>"]
     heaviest = max(SHARD_WEIGHTS_S.values())
     assert max(loads) - min(loads) <= heaviest / 2, loads
+
+
+def test_make_tests_two_sessions_split_the_fast_files_whole_and_about_evenly():
+    """`make test` (``-m "not slow"``: no slow test selected): both sessions together hold
+    every test once, each file in one session, the readers of the shared runs in the first
+    (where those runs train) and the weights about even."""
+    items = [Item(Path(f"tests/test_fast{i}.py")) for i in range(40) for _ in range(2)]
+    items += [Item(Path("tests") / name) for name in FAST_WEIGHTS_S if name.endswith(".py")]
+    items.append(Item(Path("tests/test_fast3.py"), fixturenames=["shared_runs"]))
+    shards = [_shard_of(items, f"{i}/2") for i in (1, 2)]
+    assert sorted(map(id, sum(shards, []))) == sorted(map(id, items))
+    homes = {}
+    for i, shard in enumerate(shards):
+        for it in shard:
+            homes.setdefault(it.path.name, set()).add(i)
+    assert all(len(h) == 1 for h in homes.values()) and homes["test_fast3.py"] == {0}
+    loads = [FAST_WEIGHTS_S["<shared runs>"], 0.0]
+    for i, shard in enumerate(shards):
+        loads[i] += sum(
+            FAST_WEIGHTS_S.get(f, FAST_DEFAULT_S) for f in {it.path.name for it in shard}
+        )
+    assert abs(loads[0] - loads[1]) <= max(FAST_WEIGHTS_S.values()) / 2, loads
 
 
 def test_a_shard_computes_on_one_thread_where_the_shards_fill_the_cores(monkeypatch):
