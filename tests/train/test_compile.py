@@ -157,9 +157,9 @@ def test_compiled_equals_eager_and_resumes_exactly_on_two_ranks(compiled_runs, s
     its first step. At ZeRO-3 torch.compile breaks the graph at each module's parameter gather
     (21 graphs against 3 at ZeRO-1/2), hence its own compile time.
 
-    Slow: one 2-rank launch for the three stages, 128 s here with a cold inductor cache
-    (about 55 s compiling at ZeRO-1, 0 at ZeRO-2, 45 s at ZeRO-3; 101 s of CPU) beside other
-    work at load 5-6 (2026-12-07)."""
+    Slow: one 2-rank launch for the three stages, 97 s under pytest with a cold inductor cache
+    (95 s of CPU) beside other work at load 5-6 (2026-12-07); compiling took 52-55 s of it at
+    ZeRO-1, none at ZeRO-2 and 43-52 s at ZeRO-3 (the script's TOOK lines, three launches)."""
     eager, compiled = compiled_runs["eager", stage], compiled_runs["compiled", stage]
     steps = list(range(1, COMPILE_STEPS + 1))
     assert sorted(eager) == sorted(compiled) == steps
