@@ -155,11 +155,11 @@ def test_compiled_equals_eager_and_resumes_exactly_on_two_ranks(compiled_runs, s
     run resumed from the compiled run's checkpoint at step 5 logs the losses, grad norms and LRs
     of steps 6-10 bitwise equal to the never-stopped compiled run's, compiling nothing after
     its first step. At ZeRO-3 torch.compile breaks the graph at each module's parameter gather
-    (21 graphs against 3 at ZeRO-1/2), hence its own compile time.
+    (19 graphs against 1 at ZeRO-1/2), hence its own compile time.
 
-    Slow: one 2-rank launch for the three stages, 97 s under pytest with a cold inductor cache
-    (95 s of CPU) beside other work at load 5-6 (2026-12-07); compiling took 52-55 s of it at
-    ZeRO-1, none at ZeRO-2 and 43-52 s at ZeRO-3 (the script's TOOK lines, three launches)."""
+    Slow: one 2-rank launch for the three stages, 93 s under pytest with a cold inductor cache
+    (93 s of CPU) beside other work at load 2.5-3 (2026-12-07; 97 s at load 5-6); in a launch
+    of the script alike, compiling took 39 s at ZeRO-1, none at ZeRO-2 and 21 s at ZeRO-3."""
     eager, compiled = compiled_runs["eager", stage], compiled_runs["compiled", stage]
     steps = list(range(1, COMPILE_STEPS + 1))
     assert sorted(eager) == sorted(compiled) == steps
