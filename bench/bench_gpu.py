@@ -61,6 +61,9 @@ from anneal.hardware import GPUS  # noqa: E402
 
 TABLE_RESERVE_S = 8.0
 """Seconds kept back at the deadline for the table and files."""
+GPU_BUDGET_S = 470.0
+"""Seconds for everything on a GPU (``--budget-s``'s default), counted from gpu.sh's start:
+with the set-up and the table, within the device tool's 10 minutes a command."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -247,7 +250,7 @@ def run_rows(s: Setup, rows: list[Row], inject: dict) -> tuple[list[dict], list[
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    last_wall: dict[tuple[str, int], float] = {}
+    last_wall: dict[tuple[str, int, str], float] = {}
     try:
         for row in rows:
             result = run_row(s, row, inject=inject.get(row.name, ()), last_wall=last_wall)
@@ -262,12 +265,13 @@ def run_rows(s: Setup, rows: list[Row], inject: dict) -> tuple[list[dict], list[
     return results, interrupted
 
 
-def run_row(s: Setup, row: Row, *, inject, last_wall: dict[tuple[str, int], float]) -> dict:
+def run_row(s: Setup, row: Row, *, inject, last_wall: dict[tuple[str, int, str], float]) -> dict:
     """One row's result line: measured, or skipped (no nvcc, or out of time) with its reason.
-    ``last_wall`` holds the wall time of the last measured row of each preset and sequence
-    length, the estimate for the next."""
+    ``last_wall`` holds the wall time of the last measured row of each preset, sequence length
+    and ``train.compile``, the estimate for the next (an eager row's time says nothing of a
+    compiled twin's first step)."""
     left = s.deadline - time.time() - TABLE_RESERVE_S
-    key = (row.preset, row.seq_len)
+    key = (row.preset, row.seq_len, row.compile)
     est = last_wall.get(key, 0) * 1.15 or row.est_s
     if row.optimizer == "ds-fused" and key in last_wall:
         est += row.est_s - 75  # the JIT build on top of a measured row of this size
@@ -355,7 +359,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cpu = args.cpu_smoke or args.smoke
     t0 = float(os.environ.get("ANNEAL_BENCH_T0") or time.time())
-    budget = args.budget_s if args.budget_s is not None else (900.0 if cpu else 470.0)
+    budget = args.budget_s if args.budget_s is not None else (900.0 if cpu else GPU_BUDGET_S)
     python, env = sys.executable, child_env(cpu=cpu)
     if not cpu and not args.logdir:  # `make bench`: no arguments
         skipped = no_gpu_here(python, env)

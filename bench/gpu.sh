@@ -3,8 +3,9 @@
 # this GPU, three steps of the 125m recipe in bf16), then 1b and 125m on one GPU, bf16, ZeRO-1 and
 # ZeRO-3, sequence 2048, act. checkpointing off and on; tokens/s, TFLOP/s, MFU, peak memory.
 # Optional rows (MoE: tiny-moe and OLMoE's shape at 8 layers; 1b at 32K, chunked and plain loss;
-# 1b with data.document_mask at 2048 and 32K; 125m and 1b with Muon; --only NAME,... runs them
-# alone) use the time left of 8 min.
+# 1b with data.document_mask at 2048 and 32K; 125m and 1b with Muon; compile, float8 and
+# DeepCompile at 1b and an 8B-like shape; --only NAME,... runs them alone) use the time left of
+# 8 min.
 #
 #   bash bench/gpu.sh LOGDIR [bench_gpu.py options]        the benchmark, logs into LOGDIR
 #   bash bench/gpu.sh --cpu-smoke LOGDIR [options]         the same path on CPU (tiny, tiny-moe)
@@ -153,7 +154,7 @@ if [[ ${1:-} == --fetch-wheels ]]; then
   exit $?
 fi
 if [[ $# -lt 1 || ${1:-} == -h || ${1:-} == --help || (${1:-} == --cpu-smoke && $# -lt 2) ]]; then
-  sed -n '2,24p' "$0"
+  sed -n '2,25p' "$0"
   exit 2
 fi
 logdir=$1

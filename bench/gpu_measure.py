@@ -291,4 +291,8 @@ def _step_figures(row: Row, steps: list[dict], *, flops_tok: float) -> dict:
         mfu_logged=round(statistics.median(s["mfu"] for s in measured), 4),
         peak_flops=peak,
         peak_mem_gib=max(s.get("mem_max_gib", 0.0) for s in steps),
+        # the loss after the same steps, which twin rows (compile, float8) compare
+        last_loss=measured[-1]["loss"],
+        last_step=measured[-1]["step"],
+        compile_s=round(sum(s.get("compile_s", 0.0) for s in steps), 1),
     )

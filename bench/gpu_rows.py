@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from gpu_throughput import throughput_rows
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -60,7 +62,7 @@ class Row:
     compile: str = "off"
     float8: str = "off"
     """``train.compile`` and ``train.float8``: such a row is named after its eager twin plus
-    ``-compile`` or ``-compile-float8`` (``throughput_rows``)."""
+    ``-compile``, ``-compile-float8`` or ``-deepcompile`` (``gpu_throughput``)."""
     gpu: str = "h100"
     """The smallest GPU (``anneal.hardware.GPUS``) the row is sized for by Anneal's memory
     estimate: on a GPU with less memory ``bench_gpu`` skips it, saying so."""
@@ -159,7 +161,7 @@ def gpu_rows() -> list[Row]:
         + _long_context_rows()
         + document_mask_rows(rows)
         + muon_rows(rows)
-        + throughput_rows(rows)
+        + throughput_rows({r.name: r for r in rows}["1b-z1-nockpt"])
         + _extra_rows()
         + save_rows()
     )
@@ -299,20 +301,6 @@ def muon_rows(rows: list[Row]) -> list[Row]:
     return [
         dataclasses.replace(twins[name], name=f"{name}-muon", optimizer="muon", optional=True)
         for name in ("125m-z1-nockpt", "1b-z1-nockpt")
-    ]
-
-
-def throughput_rows(rows: list[Row]) -> list[Row]:
-    """The optional twins of 1b-z1-nockpt (docs/throughput.md): torch.compile, and
-    torch.compile with float8 (tensorwise, the layers that gain by torchao's thresholds: 125
-    of the 127 Linear layers at 1b). Each against its twin is what compile, then float8, gives
-    in tokens/s at the same steps."""
-    eager = {r.name: r for r in rows}["1b-z1-nockpt"]
-    # + the compilation in the first step, not measured here on a GPU yet: room for 2 min
-    slow = dict(optional=True, compile="torch", est_s=150, timeout_s=300)
-    return [
-        dataclasses.replace(eager, name="1b-z1-nockpt-compile", **slow),
-        dataclasses.replace(eager, name="1b-z1-nockpt-compile-float8", float8="tensorwise", **slow),
     ]
 
 

@@ -74,6 +74,7 @@ def reading(results: list[dict], *, cpu: bool) -> str:
     parts += mask_pairs(ok)
     parts += muon_pairs(ok)
     parts += save_pairs(ok)
+    parts += throughput_pairs(ok)
     parts += sparse_rows(ok)
     if failed:
         parts.append(f"Rows that did not finish: {', '.join(failed)} (reasons in the table).")
@@ -165,6 +166,43 @@ def save_pairs(ok: list[dict]) -> list[str]:
             f"{asyn['tokens_per_s']:,.0f} against {sync['tokens_per_s']:,.0f} tokens/s (a "
             f"synchronous save waits between steps, in its blocking time only)."
         )
+    return parts
+
+
+THROUGHPUT_TWINS = (
+    # (suffix, the setting in words, the suffix of the row it is read against, the goal)
+    ("-compile", "torch.compile", "", "goal at the 1b shape: +10%"),
+    ("-compile-float8", "torch.compile + float8", "", ""),
+    ("-compile-float8", "torch.compile + float8", "-compile", "goal at the 8B-like shape: +20%"),
+    ("-deepcompile", "DeepCompile", "", ""),
+)
+"""The throughput rows (bench/gpu_throughput.py) by suffix: each is read against the row that
+its name less the suffix, plus the second suffix, names (none: the eager row)."""
+
+
+def throughput_pairs(ok: list[dict]) -> list[str]:
+    """What compile, float8 and DeepCompile give, for each measured throughput row whose twin was
+    measured (docs/throughput.md): tokens/s, MFU, the loss after the same steps (against eager
+    bf16, the issue's goal: within 1%) and the seconds the run spent compiling."""
+    by_name = {r["name"]: r for r in ok}
+    parts = []
+    for suffix, words, against, goal in THROUGHPUT_TWINS:
+        for r in ok:
+            shape = r["name"].removesuffix(suffix)
+            base = by_name.get(shape + against)
+            if shape == r["name"] or base is None or "last_loss" not in r:
+                continue
+            speed = r["tokens_per_s"] / base["tokens_per_s"] - 1
+            loss = r["last_loss"] / base["last_loss"] - 1
+            loss_goal = "" if against else "; goal: within 1%"
+            parts.append(
+                f"{words} against {'compile' if against else 'eager'} at {shape}'s shape: "
+                f"{r['tokens_per_s']:,.0f} against {base['tokens_per_s']:,.0f} tokens/s "
+                f"({100 * speed:+.1f}%{'; ' + goal if goal else ''}), MFU {100 * r['mfu']:.1f}% "
+                f"against {100 * base['mfu']:.1f}%, loss after step {r['last_step']} "
+                f"{r['last_loss']:.4f} against {base['last_loss']:.4f} ({100 * loss:+.2f}%"
+                f"{loss_goal}); {_fmt(r.get('compile_s'), '.0f')} s compiling."
+            )
     return parts
 
 

@@ -91,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.grads
-        del ctx.grads
+        ctx.grads = None  # released; a ``del`` would break torch.compile's graph here
         if grad_h is not None:
             grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
         if grad_w is not None:

@@ -114,10 +114,9 @@ slow reference kernel (0.55 s for the forward of SMALL's 14 float8 layers on 64 
 tests are about."""
 
 
-def _losses(launch, data_dir, steps: int, *, clock=None) -> tuple[list[float], object]:
+def _losses(launch, data_dir, steps: int) -> tuple[list[float], object]:
     """``steps`` optimizer steps of ``launch``'s engine on the first windows of the train
-    split, in order: each step's mean micro-batch loss, and the engine. ``clock``: a
-    ``CompileClock`` told of each step."""
+    split, in order: each step's mean micro-batch loss, and the engine."""
     from anneal.data.stream import PackedSplit
     from anneal.train.engine import build_engine
     from anneal.train.loss import next_token_loss, targets
@@ -128,8 +127,6 @@ def _losses(launch, data_dir, steps: int, *, clock=None) -> tuple[list[float], o
     micro, losses, window = launch.micro_batch, [], 0
     for _ in range(steps):
         total = 0.0
-        if clock is not None:
-            clock.start()
         for _ in range(launch.grad_accum):
             x, y = split.batch(list(range(window, window + micro)))
             window += micro
@@ -139,8 +136,6 @@ def _losses(launch, data_dir, steps: int, *, clock=None) -> tuple[list[float], o
             engine.step()
             total += loss.item()
         losses.append(total / launch.grad_accum)
-        if clock is not None:
-            clock.account({"step": len(losses), "tokens_per_s": 1.0}, tokens_per_step=1)
     return losses, engine
 
 
