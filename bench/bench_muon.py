@@ -27,11 +27,12 @@ launches alternating AdamW, Muon, AdamW, Muon, ... (``--rounds``); of each run t
 
 - ``tiny`` (the default): the tiny preset as shipped (hidden 256, 4 layers, MLP 688, context
   256: 7.4M parameters) at its recipe's 16,384 tokens a step (micro-batch 16, accumulation 4);
-  2 rounds of 2 + 4 steps by default, about 3 minutes;
+  2 rounds of 2 + 4 steps by default;
 - ``h512``: a shape a user could train, larger than any the sweep takes: hidden 512, 8 layers,
   8 heads, MLP 1376, context 512 (33.7M parameters, 25.3M of them on Muon) at 32,768 tokens a
-  step (micro-batch 8, accumulation 8). A step of either optimizer took 70-90 s on this 2-core
-  CPU, so its defaults are 2 rounds of 1 + 1 steps: about 12 minutes on a quiet machine.
+  step (micro-batch 8, accumulation 8). A step of either optimizer took 61-97 s on this 2-core
+  CPU beside other work, so its defaults are 2 rounds of 1 + 1 steps: the whole measurement
+  took 9 min 40 s at load 2.3-2.9 (docs/benchmarks.md).
 
 Printed: each run's steps and the load average after it, each run's median step, Muon's over
 AdamW's per round and over all, and the ratio that ``anneal.model.muon.newton_schulz_flops``
@@ -118,8 +119,8 @@ SPEED_SHAPES = {
     # the tiny preset as its recipe ships it: 7.4M parameters, 16,384 tokens a step
     "tiny": SpeedShape({}, micro_batch=16, tokens=64 * 256, rounds=2, warmup=2, measure=4),
     # twice the width, twice the depth, twice the context: 33.7M parameters (25.3M in the 56
-    # matrices on Muon), 32,768 tokens a step (micro-batch 8, accumulation 8); a step of each
-    # optimizer measured 70-90 s here (docs/benchmarks.md), so one round is about 5 minutes
+    # matrices on Muon), 32,768 tokens a step (micro-batch 8, accumulation 8); a step of either
+    # optimizer took 61-97 s here (docs/benchmarks.md), so a launch of 2 steps is 2-4 minutes
     "h512": SpeedShape(
         {
             "hidden_size": 512,

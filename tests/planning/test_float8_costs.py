@@ -129,3 +129,26 @@ def test_float8_linear_saves_its_high_precision_input_and_the_weights_storage():
     layer.weight.data = torch.zeros(32, 64)  # gathered again, into another buffer
     y.sum().backward()
     assert x.grad.abs().sum() > 0 and layer.weight.grad.shape == (32, 64)
+
+
+def test_estimate_takes_a_runs_float8_and_compile_unless_a_flag_says(tmp_path, capsys):
+    """``--model RUN/config.json``: the run's ``train.float8`` and ``train.compile``; a flag
+    wins over them."""
+    import json
+
+    from anneal.resolution.ds import find_ds_config, load_ds_config
+
+    run = tmp_path / "config.json"
+    doc = {
+        "run": {"train": {"float8": "rowwise", "compile": "torch"}},
+        "ds_config": load_ds_config(find_ds_config("zero3_bf16.json")),
+        "model": dataclasses.asdict(get_preset("1b")),
+    }
+    run.write_text(json.dumps(doc))
+    assert cli.main(["estimate", "--model", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["float8"]["recipe"], out["float8"]["compiled"]) == ("rowwise", True)
+    assert out["float8"]["converted_layers"] == 2 * LAYERS and "float8 casts" in out["buffers"]
+    assert cli.main(["estimate", "--model", str(run), "--json", "--float8", "off"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["float8"]["recipe"] == "off" and "float8 casts" not in out["buffers"]
