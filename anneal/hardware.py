@@ -39,6 +39,16 @@ GPU_PEAK_FLOPS = {
 }
 
 
+# Dense float8 (e4m3) peak by the same fragments, for the float8 layers' matmuls in the
+# forecast (anneal.planning.float8_costs); none for the A100 (no float8 units) or a CPU.
+GPU_FP8_PEAK_FLOPS = {
+    "H200": 1979e12,
+    "H100 PCIe": 1513e12,
+    "H100 NVL": 1671e12,
+    "H100": 1979e12,
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuSpec:
     """An accelerator the planner and the memory estimator know by a short name."""
@@ -48,14 +58,22 @@ class GpuSpec:
     """Dense bf16 tensor-core peak in FLOP/s (no sparsity)."""
     memory_bytes: int
     """Device memory in bytes, as nvidia-smi reports it (MiB x 2**20)."""
+    fp8_peak_flops: float | None = None
+    """Dense float8 tensor-core peak in FLOP/s; None without float8 units."""
 
 
 GPUS = {
     "h100": GpuSpec(
-        name="H100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["H100"], memory_bytes=81559 * 2**20
+        name="H100 SXM 80GB",
+        peak_flops=GPU_PEAK_FLOPS["H100"],
+        memory_bytes=81559 * 2**20,
+        fp8_peak_flops=GPU_FP8_PEAK_FLOPS["H100"],
     ),
     "h200": GpuSpec(
-        name="H200 SXM 141GB", peak_flops=GPU_PEAK_FLOPS["H200"], memory_bytes=143771 * 2**20
+        name="H200 SXM 141GB",
+        peak_flops=GPU_PEAK_FLOPS["H200"],
+        memory_bytes=143771 * 2**20,
+        fp8_peak_flops=GPU_FP8_PEAK_FLOPS["H200"],
     ),
     "a100": GpuSpec(
         name="A100 SXM 80GB", peak_flops=GPU_PEAK_FLOPS["A100"], memory_bytes=81920 * 2**20
@@ -185,6 +203,16 @@ def device_peak_flops(device: torch.device) -> float:
         log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
         return GPU_PEAK_FLOPS["H100"]
     return _cpu_peak_flops(cache_dir())
+
+
+def device_fp8_peak_flops(device: torch.device) -> float | None:
+    """Dense float8 peak FLOP/s of one device; None where none is known (a CPU, an A100)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for frag, peak in GPU_FP8_PEAK_FLOPS.items() if frag in name), None)
 
 
 def cache_dir() -> Path:

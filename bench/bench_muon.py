@@ -1,5 +1,5 @@
 """Muon beside AdamW (issue 42): a short LR sweep of each on one small shape, and their step
-times side by side.
+times side by side at two larger ones.
 
 Each run is the tiny recipe on one CPU process (fp32, ZeRO-2, ``cpu_zero2.json``) at a smaller
 shape (hidden 128, 4 layers, 4 heads, MLP 352, context 128: 0.80M parameters in matrices that
@@ -18,21 +18,32 @@ docs/benchmarks.md).
                                          [--ds-lrs 3e-3,2e-2] [--report F]
     .venv/bin/python bench/bench_muon.py --smoke         (CI: 3 steps of each optimizer)
     .venv/bin/python bench/bench_muon.py --larger ...    (the sweep at hidden 256, 6 layers)
-    .venv/bin/python bench/bench_muon.py --speed [--rounds 2] [--warmup 2] [--measure 4]
+    .venv/bin/python bench/bench_muon.py --speed [--shape tiny|h512] [--rounds R] [--warmup W]
+                                         [--measure M]
 
-``--speed`` times the two optimizers' steps side by side at a larger shape than the sweep's: the
-tiny preset as shipped (hidden 256, 4 layers, MLP 688, context 256) at its recipe's 16,384
-tokens a step (micro-batch 16, accumulation 4), one CPU process a run, fp32, ZeRO-2, launches
-alternating AdamW, Muon, AdamW, Muon, ... (``--rounds``); of each run the steps after
-``--warmup`` are timed (``tokens / tokens_per_s`` of each step's metrics row). Printed: each
-run's median step, Muon's over AdamW's per round and over all, and the ratio that
-``anneal.model.muon.newton_schulz_flops`` predicts (1 + Newton-Schulz's FLOPs over the
-model's FLOPs a step).
+``--speed`` times the two optimizers' steps side by side, one CPU process a run, fp32, ZeRO-2,
+launches alternating AdamW, Muon, AdamW, Muon, ... (``--rounds``); of each run the steps after
+``--warmup`` are timed (``tokens / tokens_per_s`` of each step's metrics row). ``--shape``:
+
+- ``tiny`` (the default): the tiny preset as shipped (hidden 256, 4 layers, MLP 688, context
+  256: 7.4M parameters) at its recipe's 16,384 tokens a step (micro-batch 16, accumulation 4);
+  2 rounds of 2 + 4 steps by default;
+- ``h512``: a shape a user could train, larger than any the sweep takes: hidden 512, 8 layers,
+  8 heads, MLP 1376, context 512 (33.7M parameters, 25.3M of them on Muon) at 32,768 tokens a
+  step (micro-batch 8, accumulation 8). A step of either optimizer took 61-97 s on this 2-core
+  CPU beside other work, so its defaults are 2 rounds of 1 + 1 steps: the whole measurement
+  took 9 min 40 s at load 2.3-2.9 (docs/benchmarks.md).
+
+Printed: each run's steps and the load average after it, each run's median step, Muon's over
+AdamW's per round and over all, and the ratio that ``anneal.model.muon.newton_schulz_flops``
+predicts (1 + Newton-Schulz's FLOPs over the model's FLOPs a step: 1.037 at ``tiny``, 1.050 at
+``h512``). ``--smoke`` does not run ``--speed``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -74,12 +85,57 @@ LARGER = (
     "ds.train_micro_batch_size_per_gpu=8",
     "optim.global_batch_tokens=1024",
 )
-SPEED_TOKENS = 64 * 256  # the tiny recipe's optim.global_batch_tokens
-SPEED_SHAPE = (
-    "ds.train_micro_batch_size_per_gpu=16",
-    f"optim.global_batch_tokens={SPEED_TOKENS}",
-    "train.log_every=1",
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedShape:
+    """A shape ``--speed`` times: the tiny preset's fields it changes (``model.*``), the
+    micro-batch and tokens a step, and the ``--rounds``/``--warmup``/``--measure`` that keep the
+    whole measurement within about 15 minutes on a quiet machine."""
+
+    model: dict
+    micro_batch: int
+    tokens: int
+    rounds: int
+    warmup: int
+    measure: int
+
+    def sets(self) -> list[str]:
+        return [
+            *(f"model.{key}={value}" for key, value in self.model.items()),
+            f"ds.train_micro_batch_size_per_gpu={self.micro_batch}",
+            f"optim.global_batch_tokens={self.tokens}",
+            "train.log_every=1",
+            "train.val_samples=8",  # the run's one validation, at its end, untimed
+        ]
+
+    def preset(self):
+        tiny = get_preset("tiny")
+        heads = self.model.get("num_attention_heads", tiny.num_attention_heads)
+        return dataclasses.replace(tiny, num_key_value_heads=heads, **self.model)
+
+
+SPEED_SHAPES = {
+    # the tiny preset as its recipe ships it: 7.4M parameters, 16,384 tokens a step
+    "tiny": SpeedShape({}, micro_batch=16, tokens=64 * 256, rounds=2, warmup=2, measure=4),
+    # twice the width, twice the depth, twice the context: 33.7M parameters (25.3M in the 56
+    # matrices on Muon), 32,768 tokens a step (micro-batch 8, accumulation 8); a step of either
+    # optimizer took 61-97 s here (docs/benchmarks.md), so a launch of 2 steps is 2-4 minutes
+    "h512": SpeedShape(
+        {
+            "hidden_size": 512,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "intermediate_size": 1376,
+            "seq_len": 512,
+        },
+        micro_batch=8,
+        tokens=64 * 512,
+        rounds=2,
+        warmup=1,
+        measure=1,
+    ),
+}
 
 
 def command(*, out: Path, data: Path, steps: int, seed: int, every: int, sets: list[str], shape):
@@ -163,13 +219,21 @@ def main() -> None:
     p.add_argument("--report", help="write the sweep as markdown here")
     p.add_argument("--smoke", action="store_true", help="3 steps of each optimizer, nothing kept")
     p.add_argument("--larger", action="store_true", help="the sweep at hidden 256, 6 layers")
-    p.add_argument("--speed", action="store_true", help="step times at the tiny preset as shipped")
-    p.add_argument("--rounds", type=int, default=2, help="--speed: AdamW-then-Muon launches")
-    p.add_argument("--warmup", type=int, default=2, help="--speed: untimed steps a run")
-    p.add_argument("--measure", type=int, default=4, help="--speed: timed steps a run")
+    p.add_argument("--speed", action="store_true", help="AdamW's and Muon's step side by side")
+    p.add_argument("--shape", choices=SPEED_SHAPES, default="tiny", help="--speed: the model")
+    p.add_argument("--rounds", type=int, help="--speed: AdamW-then-Muon launches")
+    p.add_argument("--warmup", type=int, help="--speed: untimed steps a run")
+    p.add_argument("--measure", type=int, help="--speed: timed steps a run")
     args = p.parse_args()
     if args.speed:
-        return speed(rounds=args.rounds, warmup=args.warmup, measure=args.measure, data=args.data)
+        shape = SPEED_SHAPES[args.shape]
+        return speed(
+            shape=args.shape,
+            rounds=shape.rounds if args.rounds is None else args.rounds,
+            warmup=shape.warmup if args.warmup is None else args.warmup,
+            measure=shape.measure if args.measure is None else args.measure,
+            data=args.data,
+        )
     steps, seeds = args.steps, [int(s) for s in args.seeds.split(",")]
     lrs, ds_lrs = (
         [float(x) for x in args.lrs.split(",")],
@@ -240,11 +304,10 @@ def fragment(runs: list[dict], summary: dict, *, steps: int) -> str:
     )
 
 
-def predicted_ratio() -> dict:
-    """Muon's step over AdamW's if Newton-Schulz ran at the model's FLOP rate: the tiny preset
-    as shipped at ``SPEED_TOKENS`` a step."""
-    preset = get_preset("tiny")
-    model = flops_per_token(preset, seq_len=preset.seq_len) * SPEED_TOKENS
+def predicted_ratio(shape: SpeedShape) -> dict:
+    """Muon's step over AdamW's if Newton-Schulz ran at the model's FLOP rate, at ``shape``."""
+    preset = shape.preset()
+    model = flops_per_token(preset, seq_len=preset.seq_len) * shape.tokens
     ns = newton_schulz_flops(preset)
     return {"ns_gflop": ns / 1e9, "model_gflop": model / 1e9, "ratio": 1 + ns / model}
 
@@ -271,10 +334,11 @@ def side_by_side(times: list[list[float]], *, predicted: dict | None) -> dict:
     }
 
 
-def speed(*, rounds: int, warmup: int, measure: int, data: str) -> None:
-    """AdamW and Muon launched in turn, ``rounds`` times, at the tiny preset as shipped."""
+def speed(*, shape: str, rounds: int, warmup: int, measure: int, data: str) -> None:
+    """AdamW and Muon launched in turn, ``rounds`` times, at ``SPEED_SHAPES[shape]``."""
     data, steps, times = ensure_data(data), warmup + measure, []
-    sets = {"adamw": [*SPEED_SHAPE], "muon": [*SPEED_SHAPE, "optim.optimizer=muon"]}
+    sets = SPEED_SHAPES[shape].sets()
+    sets = {"adamw": sets, "muon": [*sets, "optim.optimizer=muon"]}
     with tempfile.TemporaryDirectory(prefix="bench-muon-speed-") as tmp:
         for i in range(rounds):
             for kind in ("adamw", "muon"):
@@ -289,13 +353,21 @@ def speed(*, rounds: int, warmup: int, measure: int, data: str) -> None:
                 ]
                 subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
                 times.append(step_times(out, warmup))
-                print(f"{kind} round {i}: steps {[round(t, 3) for t in times[-1]]} s", flush=True)
-    result = side_by_side(times, predicted=predicted_ratio())
+                print(
+                    f"{kind} round {i}: steps {[round(t, 3) for t in times[-1]]} s "
+                    f"(load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    result = side_by_side(times, predicted=predicted_ratio(SPEED_SHAPES[shape]))
     print(
-        f"Muon's step over AdamW's: {result['ratio']:.3f} (predicted from FLOPs: "
+        f"{shape}: Muon's step over AdamW's: {result['ratio']:.3f} (predicted from FLOPs: "
         f"{result['predicted']['ratio']:.3f}); {machine_line()}"
     )
-    print(json.dumps({"bench": "muon-speed", "warmup": warmup, "measure": measure, **result}))
+    print(
+        json.dumps(
+            {"bench": "muon-speed", "shape": shape, "warmup": warmup, "measure": measure, **result}
+        )
+    )
 
 
 if __name__ == "__main__":

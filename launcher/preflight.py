@@ -20,6 +20,7 @@ from pathlib import Path
 from anneal.errors import UserError
 from anneal.hardware import DEFAULT_MFU
 from anneal.planning import forecast, memory, memory_tp
+from anneal.planning.float8_costs import Float8Setting
 
 SSH_TIMEOUT_S = 10
 
@@ -182,6 +183,22 @@ def peak_flops(device_type: str, *, gpu: str | None, ranks_per_host: int) -> flo
     return hardware.get_gpu(hardware.DEFAULT_GPU).peak_flops
 
 
+def fp8_peak_flops(device_type: str, *, gpu: str | None) -> float | None:
+    """Float8 FLOP/s of one device for the forecast, as ``peak_flops`` picks the device; None
+    on a CPU or a GPU without float8 units."""
+    import torch
+
+    from anneal import hardware
+
+    if device_type == "cpu":
+        return None
+    if gpu:
+        return hardware.get_gpu(gpu).fp8_peak_flops
+    if torch.cuda.is_available():
+        return hardware.device_fp8_peak_flops(torch.device("cuda", 0))
+    return hardware.get_gpu(hardware.DEFAULT_GPU).fp8_peak_flops
+
+
 def preflight(
     *,
     recipe: str,
@@ -221,6 +238,12 @@ def preflight(
         eval_tokens=forecast_tokens(launch.cfg.train, start_step=start),
         device_type=device_type,
         mfu_source=mfu_source,
+        float8=Float8Setting(
+            recipe=launch.cfg.train.float8,
+            layers=launch.cfg.train.float8_layers,
+            compiled=launch.cfg.train.compile != "off",
+        ),
+        fp8_peak_flops=fp8_peak_flops(device_type, gpu=gpu),
     )
     return Preflight(
         launch=launch,

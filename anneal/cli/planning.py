@@ -96,7 +96,6 @@ def _fit(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from anneal.config.ds_schema import degrees
     from anneal.hardware import get_gpu
     from anneal.planning import memory, memory_io, memory_levers
     from anneal.resolution.ds import find_ds_config, load_ds_config
@@ -117,23 +116,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         spec = get_gpu(args.gpu)
         capacity, capacity_name = spec.memory_bytes, spec.name
-    loss = record.loss_settings if record is not None else {}
-    if args.loss is not None:
-        loss["loss"] = args.loss
-    d = degrees(ds)
-    work = memory.Workload(
-        micro_batch=ds["train_micro_batch_size_per_gpu"]
-        if args.micro_batch is None
-        else args.micro_batch,
-        seq_len=preset.seq_len if args.seq is None else args.seq,
-        n_gpus=args.nodes * args.gpus_per_node,
-        activation_checkpointing=args.activation_checkpointing,
-        eager_attention=args.eager_attention,
-        tp=d.tp if args.tp is None else args.tp,
-        sp=d.sp if args.sp is None else args.sp,
-        ep=d.ep if args.ep is None else args.ep,
-        **loss,
-    )
+    work = _workload(args, preset, ds, record)
     est = memory.estimate(preset, zero, work, capacity=capacity)
     lever_list = []
     if not est.fits:
@@ -155,6 +138,7 @@ def _estimate(args: argparse.Namespace) -> int:
             "loss": work.loss,
             "loss_chunk_tokens": work.loss_chunk_tokens,
             "levers": [dataclasses.asdict(lever) for lever in lever_list],
+            "float8": memory_io.float8_figures(preset, zero, work, gpu=args.gpu),
         }
         print(json.dumps(doc))
     else:
@@ -170,6 +154,42 @@ def _estimate(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _workload(args: argparse.Namespace, preset, ds: dict, record):
+    """The estimate's ``memory.Workload``: each flag given, else the run's setting when
+    ``--model`` is a run's config.json (``record``), else the ds_config's or the default."""
+    from anneal.config.ds_schema import degrees
+    from anneal.planning import memory
+    from anneal.planning.float8_costs import Float8Setting
+
+    loss = record.loss_settings if record is not None else {}
+    if args.loss is not None:
+        loss["loss"] = args.loss
+    train = record.train_settings if record is not None else {}
+
+    def setting(flag, key: str, default: str) -> str:
+        return flag if flag is not None else str(train.get(key, default))
+
+    d = degrees(ds)
+    return memory.Workload(
+        micro_batch=ds["train_micro_batch_size_per_gpu"]
+        if args.micro_batch is None
+        else args.micro_batch,
+        seq_len=preset.seq_len if args.seq is None else args.seq,
+        n_gpus=args.nodes * args.gpus_per_node,
+        activation_checkpointing=args.activation_checkpointing,
+        eager_attention=args.eager_attention,
+        tp=d.tp if args.tp is None else args.tp,
+        sp=d.sp if args.sp is None else args.sp,
+        ep=d.ep if args.ep is None else args.ep,
+        float8=Float8Setting(
+            recipe=setting(args.float8, "float8", "off"),
+            layers=setting(args.float8_layers, "float8_layers", "auto"),
+            compiled=setting(args.compile, "compile", "off") != "off",
+        ),
+        **loss,
+    )
 
 
 def add_commands(sub) -> None:
@@ -283,6 +303,8 @@ def _add_fit(sub) -> None:
 
 
 def _add_estimate(sub) -> None:
+    from anneal.config.run import TrainConfig
+    from anneal.config.run_checks import setting_choices
     from anneal.hardware import DEFAULT_GPU
     from anneal.model import NOMINAL_VOCAB
     from anneal.planning import memory
@@ -339,6 +361,18 @@ def _add_estimate(sub) -> None:
     )
     est.add_argument(
         "--vocab-size", type=int, help=f"default: the model's (presets: {NOMINAL_VOCAB})"
+    )
+    for flag, key in (("--float8", "float8"), ("--float8-layers", "float8_layers")):
+        est.add_argument(
+            flag,
+            choices=setting_choices("train", key),
+            help=f"train.{key} (default: the run's when --model is a run's config.json, else "
+            f"{TrainConfig.__dataclass_fields__[key].default}; docs/throughput.md)",
+        )
+    est.add_argument(
+        "--compile",
+        choices=setting_choices("train", "compile"),
+        help="train.compile: whether float8's casts are fused (default: the run's, else off)",
     )
     est.add_argument("--gpu", default=DEFAULT_GPU, help=f"{_gpu_names()} (default %(default)s)")
     est.add_argument("--gpu-mem-gib", type=float, help="device memory instead of --gpu")

@@ -52,6 +52,12 @@ _PATHS = {("data", "path"), ("model", "init_from"), ("train", "cooldown_from")}
 """The keys that hold a path: never empty, never longer than the file system takes."""
 
 
+def setting_choices(section: str, field: str) -> tuple[str, ...]:
+    """The values a ``section.field`` setting takes (``train.float8``: off, tensorwise, ...),
+    for a command line that offers the same choices (``anneal estimate``)."""
+    return _CHOICES[section, field]
+
+
 def _quoted(text: str, limit: int = 40) -> str:
     """``text`` quoted for a message, cut to ``limit`` characters."""
     return repr(text if len(text) <= limit else text[:limit] + "...")

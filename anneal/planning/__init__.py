@@ -4,8 +4,9 @@ planner behind ``anneal plan`` (``planner``), and fitting the law to a user's ow
 memory of a run behind ``anneal estimate`` (``memory`` the estimate, ``memory_activations`` what
 a layer keeps for backward, ``memory_tp``, ``memory_sp`` and ``memory_ep`` the tensor, sequence
 and expert parallelism, ``memory_levers`` what to change when it does not fit, ``memory_io``
-what the command reads and prints), how a sparse model is planned (``sparse``) and the forecast
-a run checks itself against (``forecast``).
+what the command reads and prints, ``float8_costs`` what float8 training changes), how a
+sparse model is planned (``sparse``) and the forecast a run checks itself against
+(``forecast``).
 
 The names below are the public interface; ``from anneal import planning`` and
 ``planning.plan(...)`` keep working whichever module a name lives in. docs/planning.md has the

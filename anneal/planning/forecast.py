@@ -6,7 +6,9 @@ the end of the run at an assumed MFU (``--mfu``)::
     step_s = flops_per_token x tokens_per_step / (mfu x peak_flops x world_size)
 
 (under Muon, flops_per_token gains its Newton-Schulz FLOPs per step / tokens_per_step:
-``anneal.model.muon.newton_schulz_flops``)
+``anneal.model.muon.newton_schulz_flops``; under ``train.float8``, the float8 layers' matmuls
+run at the device's float8 peak where one is known, at the same MFU, and the MFU printed beside
+it is against the bf16 peak, as the anchors report it: ``anneal.planning.float8_costs``)
 
 Time to the end is ``step_s x`` the steps left, plus the in-loop downstream scorings
 (``train.eval_tasks``): their forward tokens at a third of the training FLOPs per token (no
@@ -34,7 +36,8 @@ from anneal.config.ds_schema import degrees
 from anneal.hardware import GiB
 from anneal.model import ModelPreset, flops_per_token
 from anneal.model.muon import step_flops_per_token
-from anneal.planning import memory
+from anneal.planning import float8_costs, memory
+from anneal.planning.float8_costs import FLOAT8_OFF, Float8Setting
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,9 @@ class Forecast:
     mfu_source: str = ""
     """Where ``mfu`` comes from: "--mfu", a run of the same shape on this machine
     (``anneal.planning.measured_rate``), or "" (assumed: ``anneal.hardware.DEFAULT_MFU``)."""
+    float8_step_factor: float = 1.0
+    """``step_s`` over what it would be without float8 (``float8_costs.step_time_factor``);
+    1 without float8 or without a known float8 peak."""
 
     @property
     def remaining_s(self) -> float:
@@ -83,6 +89,8 @@ def make(
     eval_tokens: int = 0,
     device_type: str = "cuda",
     mfu_source: str = "",
+    float8: Float8Setting = FLOAT8_OFF,
+    fp8_peak_flops: float | None = None,
 ) -> Forecast:
     micro, d = ds_config["train_micro_batch_size_per_gpu"], degrees(ds_config)
     est = memory.estimate(
@@ -96,14 +104,22 @@ def make(
             sp=d.sp,
             ep=d.ep,
             activation_checkpointing=activation_checkpointing,
+            float8=float8,
         ),
     )
     flops = flops_per_token(preset, seq_len=preset.seq_len)
     ns = step_flops_per_token(preset, tokens_per_step=tokens_per_step, ds_config=ds_config)
     per_s = mfu * peak_flops * world_size
+    factor = float8_costs.step_time_factor(
+        preset,
+        float8,
+        flops_per_token=flops + ns,
+        speedup=fp8_peak_flops / peak_flops if fp8_peak_flops else None,
+    )
     return Forecast(
         memory_bytes_per_gpu=est.total,
-        step_s=(flops + ns) * tokens_per_step / per_s,
+        step_s=(flops + ns) * tokens_per_step / per_s * factor,
+        float8_step_factor=factor,
         eval_tokens=eval_tokens,
         eval_s=flops / 3 * eval_tokens / per_s,
         remaining_steps=max(0, max_steps - start_step),
@@ -143,6 +159,12 @@ def describe(f: Forecast) -> str:
             f", of which {format_duration(f.eval_s)} scoring train.eval_tasks (about "
             f"{f.eval_tokens:,} forward tokens)"
             if f.eval_tokens
+            else ""
+        )
+        + (
+            f"; float8 layers' matmuls at the float8 peak: {f.float8_step_factor:.2f}x the "
+            f"step time, MFU {f.mfu / f.float8_step_factor:.0%} against the bf16 peak"
+            if f.float8_step_factor != 1.0
             else ""
         )
         + " (validation and checkpoints not counted)"

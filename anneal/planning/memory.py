@@ -20,10 +20,12 @@ buffers) or the optimizer step (the fp32 gradient copy DeepSpeed makes for Adam)
 lets the phases reuse each other's freed memory, as PyTorch's CUDA caching allocator does;
 ``total_stacked`` does not, which is how host RSS behaves (docs/planning.md has the CPU check).
 
-Tensor parallelism is ``memory_tp``, sequence parallelism ``memory_sp``, a sparse model's
-experts under expert parallelism ``memory_ep`` (each family of parameters partitioned over its
-own group); the layouts it refuses, as the launch does, ``memory_layout``; the levers for a run
-that does not fit, ``memory_levers``; what ``anneal estimate`` reads and prints, ``memory_io``.
+What ``train.float8`` changes (casts in flight; at ZeRO-3 the gathered weights its layers
+keep until backward) is ``float8_costs``. Tensor parallelism is ``memory_tp``, sequence
+parallelism ``memory_sp``, a sparse model's experts under expert parallelism ``memory_ep`` (each
+family of parameters partitioned over its own group); the layouts it refuses, as the launch
+does, ``memory_layout``; the levers for a run that does not fit, ``memory_levers``; what
+``anneal estimate`` reads and prints, ``memory_io``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from anneal.hardware import GiB
 from anneal.model import ModelPreset, count_params  # noqa: F401 (memory.count_params)
 from anneal.model.layout_rules import offloads
 from anneal.model.muon import muon_shapes
-from anneal.planning import memory_ep, memory_layout, memory_sp
+from anneal.planning import float8_costs, memory_ep, memory_layout, memory_sp
+from anneal.planning.float8_costs import FLOAT8_OFF, Float8Setting
 from anneal.planning.memory_activations import (  # noqa: F401 (memory.saved_tensors, ...)
     activation_bytes,
     layer_activation_bytes,
@@ -144,6 +147,8 @@ class Workload:
     """``train.loss``: chunked (a chunk's logits at a time, the default) | plain (full logits)."""
     loss_chunk_tokens: int = 512
     """``train.loss_chunk_tokens`` (its default, as ``anneal.config.run.TrainConfig``)."""
+    float8: Float8Setting = FLOAT8_OFF
+    """``train.float8``, ``train.float8_layers`` and compiled or not (``float8_costs``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -305,18 +310,7 @@ def estimate(
     )
     snapshot += snapshot_bytes(experts, zero, n_experts, muon=zero.muon)
     value_bytes = 2 if zero.bf16 else 4
-
-    buffers = {}
-    if zero.stage >= 2 or (zero.stage == 1 and n > 1):
-        copies = 2 if zero.overlap_comm else 1
-        buffers["reduce bucket"] = copies * min(zero.reduce_bucket_size, p) * value_bytes
-    if zero.stage == 3:
-        live = memory_ep.largest_module_params(preset, tp=work.tp, ep=work.ep)
-        live += min(zero.prefetch_bucket_size, p)
-        buffers["gathered weights"] = live * value_bytes
-    if preset.is_moe:
-        routed = memory_ep.routed_buffer_bytes(preset, local, value_bytes=value_bytes)
-        buffers["MoE dispatch and combine"] = routed
+    buffers = _forward_backward_buffers(preset, zero, work, local, params=p, dp=n)
     step = {}
     if not zero.offload_optimizer:
         # One parameter group's fp32 copy at a time (stage_1_and_2.step frees each before the
@@ -339,13 +333,40 @@ def estimate(
         optimizer=optimizer,
         activations=activation_bytes(preset, local, bf16=zero.bf16),
         logits=logits_bytes(preset, local, bf16=zero.bf16),
-        buffers={k: int(v) for k, v in buffers.items()},
+        buffers=buffers,
         step_buffers={k: int(v) for k, v in step.items()},
         runtime=runtime_bytes,
         host_bytes=host,
         capacity=capacity,
         snapshot_bytes=snapshot,
     )
+
+
+def _forward_backward_buffers(
+    preset: ModelPreset, zero: ZeroSetup, work: Workload, local: Workload, *, params: int, dp: int
+) -> dict[str, int]:
+    """Working buffers of forward/backward by name, on one GPU holding ``params`` parameters
+    of a data-parallel group of ``dp``; ``local``: one rank's share of the sequence."""
+    p, value_bytes, buffers = params, 2 if zero.bf16 else 4, {}
+    if zero.stage >= 2 or (zero.stage == 1 and dp > 1):
+        copies = 2 if zero.overlap_comm else 1
+        buffers["reduce bucket"] = copies * min(zero.reduce_bucket_size, p) * value_bytes
+    if zero.stage == 3:
+        live = memory_ep.largest_module_params(preset, tp=work.tp, ep=work.ep)
+        live += min(zero.prefetch_bucket_size, p)
+        buffers["gathered weights"] = live * value_bytes
+    if preset.is_moe:
+        routed = memory_ep.routed_buffer_bytes(preset, local, value_bytes=value_bytes)
+        buffers["MoE dispatch and combine"] = routed
+    if work.float8.on:  # anneal.planning.float8_costs
+        tokens = local.micro_batch * local.seq_len
+        buffers["float8 casts"] = float8_costs.cast_buffer_bytes(preset, work.float8, tokens=tokens)
+        held = float8_costs.held_weight_bytes(
+            preset, work.float8, stage=zero.stage, dp=dp, value_bytes=value_bytes
+        )
+        if held:
+            buffers["float8 held weights"] = held
+    return {k: int(v) for k, v in buffers.items()}
 
 
 def format_bytes(n: float) -> str:

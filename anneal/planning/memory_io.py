@@ -28,7 +28,9 @@ from anneal.model import (
     human_count,
     preset_from_dict,
 )
-from anneal.planning.memory import MemoryEstimate, Workload, ZeroSetup, format_bytes
+from anneal.model.float8_rule import dense_linear_shapes
+from anneal.planning import float8_costs
+from anneal.planning.memory import MemoryEstimate, Workload, ZeroSetup, estimate, format_bytes
 from anneal.planning.memory_levers import Lever
 from anneal.run_record import RunRecord
 
@@ -134,6 +136,9 @@ def format_estimate(
     if est.host_bytes:
         lines.append(row("host memory per GPU (offloaded)", est.host_bytes))
     lines.append(row("host copy per GPU, train.async_save", est.snapshot_bytes, "(if on)"))
+    if preset.moe is None:
+        fig = float8_figures(preset, zero, work, gpu=gpu)
+        lines += _float8_lines(fig, peak=est.total, gpu=gpu)
     if est.capacity is not None:
         verdict = "fits" if est.fits else "does NOT fit"
         lines.append(
@@ -155,6 +160,76 @@ def format_estimate(
                 f"context cannot."
             )
     return "\n".join(lines)
+
+
+def float8_figures(preset: ModelPreset, zero: ZeroSetup, work: Workload, *, gpu: str) -> dict:
+    """What ``train.float8`` does to this run (``anneal.planning.float8_costs``): its layers,
+    their share of the FLOPs, its memory terms, the step at ``gpu``'s float8 peak (MFU still
+    against the bf16 peak), and the estimate's peak with float8 switched (on: off; off:
+    tensorwise) and, with float8 on, with ``train.compile`` switched."""
+    f8, spec = work.float8, get_gpu(gpu)
+    flops = flops_per_token(preset, seq_len=work.seq_len)
+    shown = f8 if f8.on else dataclasses.replace(f8, recipe="tensorwise")
+    layers = float8_costs.converted_linears(preset, shown)
+    speedup = spec.fp8_peak_flops / spec.peak_flops if spec.fp8_peak_flops else None
+    factor = float8_costs.step_time_factor(preset, shown, flops_per_token=flops, speedup=speedup)
+
+    def peak_with(setting) -> int:
+        return estimate(preset, zero, dataclasses.replace(work, float8=setting)).total
+
+    switched = {"float8": "off" if f8.on else "tensorwise"}
+    switched["peak_bytes"] = peak_with(dataclasses.replace(f8, recipe=switched["float8"]))
+    out = {
+        "recipe": f8.recipe,
+        "layers": f8.layers,
+        "compiled": f8.compiled,
+        "figures_for": shown.recipe,
+        "converted_layers": len(layers),
+        "linear_layers": len(dense_linear_shapes(preset)) if preset.moe is None else 0,
+        "flops_share": float8_costs.float8_flops_per_token(preset, shown) / flops,
+        "step_time_factor": factor,
+        "fp8_peak_flops": spec.fp8_peak_flops,
+        "mfu_against_bf16_peak": DEFAULT_MFU["cuda"] / factor,
+        "switched": switched,
+    }
+    if f8.on:
+        compiled = dataclasses.replace(f8, compiled=not f8.compiled)
+        out["compile_switched"] = {"compiled": compiled.compiled, "peak_bytes": peak_with(compiled)}
+    return out
+
+
+def _float8_lines(fig: dict, *, peak: int, gpu: str) -> list[str]:
+    """``anneal estimate``'s float8 lines: the chosen setting, then the levers."""
+    what = (
+        f"{fig['converted_layers']} of {fig['linear_layers']} Linear layers "
+        f"({fig['flops_share']:.0%} of the FLOPs per token)"
+    )
+    step = (
+        f"at the {gpu.upper()}'s float8 peak ({fig['fp8_peak_flops'] / 1e12:,.0f} TFLOP/s) "
+        f"{fig['step_time_factor']:.2f}x the step time, MFU {fig['mfu_against_bf16_peak']:.0%} "
+        "against the bf16 peak (an upper bound: the casts take time too)"
+        if fig["fp8_peak_flops"]
+        else f"no float8 peak known for the {gpu.upper()}: step time unchanged"
+    )
+    switched = fig["switched"]
+    delta = switched["peak_bytes"] - peak
+    lines = ["float8 (docs/throughput.md):"]
+    if fig["recipe"] != "off":
+        how = "compiled" if fig["compiled"] else "eager: casts unfused"
+        lines.append(f"  train.float8={fig['recipe']} ({how}): {what}; {step}")
+    lines.append(
+        f"  lever train.float8={switched['float8']}: peak {format_bytes(switched['peak_bytes'])}"
+        f" ({'+' if delta >= 0 else '-'}{format_bytes(abs(delta))})"
+        + (f"; {what}; {step}" if fig["recipe"] == "off" else "; step time as without float8")
+    )
+    if "compile_switched" in fig:
+        other = fig["compile_switched"]
+        lines.append(
+            f"  lever train.compile={'torch' if other['compiled'] else 'off'}: float8's casts "
+            f"{'fused' if other['compiled'] else 'unfused'}, peak "
+            f"{format_bytes(other['peak_bytes'])}; its speed is not counted here"
+        )
+    return lines
 
 
 def _compute_line(compute: dict, *, preset: ModelPreset, gpu: str) -> str:

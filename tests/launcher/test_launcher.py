@@ -572,3 +572,24 @@ def test_two_nodes_train_checkpoint_and_resume(stdlib_data, tmp_path):
     assert "resumed from" in logs[0]
     assert [r["step"] for r in read_metrics(out, "train")] == [1, 2, 3, 4]
     assert (out / "checkpoints" / "step00000004" / "manifest.json").is_file()
+
+
+def test_submit_forecasts_a_float8_run_at_the_float8_peak(stdlib_data, tmp_path, capsys):
+    """The same dry run of the 1b recipe with ``train.float8=tensorwise``: the forecast counts
+    its float8 layers' matmuls (every hidden matrix but the first: 6 N K FLOPs a token each) at
+    the H100's float8 peak (1,979 TFLOP/s) and says the MFU against the bf16 peak."""
+    from anneal.model import flops_per_token, get_preset
+
+    h, inter = 2048, 5504
+    share = 6 * (18 * (4 * h * h + 3 * h * inter) - h * h)
+    share /= flops_per_token(get_preset("1b").with_vocab(8192))  # the stdlib corpus's vocab
+    factor = 1 - share + share * 989 / 1979
+    argv = ["submit", "recipes/pretrain_1b.py", "--nodes", "2", "--gpus-per-node", "8"]
+    argv += ["--partition", "gpu", "--time", "04:00:00", "--dry-run", "--"]
+    argv += ["--out", str(tmp_path / "run"), "--data", str(stdlib_data)]
+    argv += ["--set", "train.val_samples=0", "--set", "train.float8=tensorwise"]
+    code = launcher_main(argv)
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "at MFU 40% of 989 TFLOP/s x 16 devices" in printed
+    assert f"float8 peak: {factor:.2f}x the step time, MFU {0.4 / factor:.0%} against" in printed
