@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GiB = 2**30
-
 # Dense bf16 peak per device in FLOP/s (tensor cores, no sparsity), by a fragment of the name
 # torch reports; the first fragment found in the name wins, so variants come before the family.
 GPU_PEAK_FLOPS = {
