@@ -195,11 +195,11 @@ def device_peak_flops(device: torch.device) -> float:
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for fragment, peak in GPU_PEAK_FLOPS.items():
-            if fragment in name:
-                return peak
-        log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
-        return GPU_PEAK_FLOPS["H100"]
+        peak = _by_name(GPU_PEAK_FLOPS, name)
+        if peak is None:
+            log.warning("no peak FLOP/s known for %s; MFU is reported against the H100's", name)
+            return GPU_PEAK_FLOPS["H100"]
+        return peak
     return _cpu_peak_flops(cache_dir())
 
 
@@ -209,8 +209,12 @@ def device_fp8_peak_flops(device: torch.device) -> float | None:
 
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for frag, peak in GPU_FP8_PEAK_FLOPS.items() if frag in name), None)
+    return _by_name(GPU_FP8_PEAK_FLOPS, torch.cuda.get_device_name(device))
+
+
+def _by_name(peaks: dict[str, float], name: str) -> float | None:
+    """The peak of the first fragment of ``peaks`` found in the device's ``name``."""
+    return next((peak for fragment, peak in peaks.items() if fragment in name), None)
 
 
 def cache_dir() -> Path:
