@@ -97,6 +97,7 @@ def _estimate(args: argparse.Namespace) -> int:
     import json
 
     from anneal.hardware import get_gpu
+    from anneal.model.float8_rule import sparse_refusal
     from anneal.planning import memory, memory_io, memory_levers
     from anneal.resolution.ds import find_ds_config, load_ds_config
 
@@ -117,6 +118,12 @@ def _estimate(args: argparse.Namespace) -> int:
         spec = get_gpu(args.gpu)
         capacity, capacity_name = spec.memory_bytes, spec.name
     work = _workload(args, preset, ds, record)
+    if work.float8.on and (reason := sparse_refusal(preset)):
+        raise UserError(
+            f"--float8 {work.float8.recipe} with the sparse model {preset.name}: {reason}, so "
+            f"the launch refuses it. Estimate this model with --float8 off, or float8 on a "
+            f"dense preset."
+        )
     est = memory.estimate(preset, zero, work, capacity=capacity)
     lever_list = []
     if not est.fits:

@@ -57,6 +57,18 @@ class Float8Choice:
         )
 
 
+def sparse_refusal(preset: ModelPreset) -> str | None:
+    """Why float8 does not train ``preset``, or None: a sparse model's experts are not Linear
+    layers. The launch (``anneal.resolution.throughput``) and ``anneal estimate`` each put
+    their own flag before it."""
+    if not preset.is_moe:
+        return None
+    return (
+        "its experts are fused tensors that AutoEP replaces, not Linear layers, so float8 would "
+        "reach only the attention and the router, and a router in float8 is untested"
+    )
+
+
 def gains(shape: LinearShape, recipe: str) -> bool:
     """Whether a float8 matrix multiply of this shape is faster than bf16 on an H100, by
     torchao 0.18's thresholds for ``recipe`` (``_auto_filter_for_tensorwise`` /

@@ -9,7 +9,7 @@ from importlib import metadata
 from anneal.config.run import TrainConfig
 from anneal.errors import UserError
 from anneal.model import ModelPreset
-from anneal.model.float8_rule import choose_float8, dense_linear_shapes
+from anneal.model.float8_rule import choose_float8, dense_linear_shapes, sparse_refusal
 
 TORCHAO_PIN = "torchao==0.18.0"
 """The torchao that requirements.txt pins: its float8 training runs on this torch (2.13), on
@@ -122,12 +122,10 @@ def _check_float8(train: TrainConfig, preset: ModelPreset, *, tensor_parallel: i
             f"with it until a GPU test shows it right. Train float8 with ZeRO (stage 1 to 3) "
             f"and no AutoTP, or keep AutoTP with --set train.float8=off."
         )
-    if preset.is_moe:
+    if reason := sparse_refusal(preset):
         raise UserError(
-            f"--set train.float8={train.float8} with the sparse model {preset.name}: its experts "
-            f"are fused tensors that AutoEP replaces, not Linear layers, so float8 would reach "
-            f"only the attention and the router, and a router in float8 is untested. Train "
-            f"float8 on a dense preset, or this one with --set train.float8=off."
+            f"--set train.float8={train.float8} with the sparse model {preset.name}: {reason}. "
+            f"Train float8 on a dense preset, or this one with --set train.float8=off."
         )
 
 

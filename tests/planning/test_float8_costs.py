@@ -101,6 +101,22 @@ def test_estimate_prints_float8_and_its_levers(capsys):
     assert "lever train.float8=tensorwise: peak 18.21 GiB (+2.12 GiB)" in capsys.readouterr().out
 
 
+def test_estimate_refuses_float8_on_a_sparse_model_as_the_launch_does(capsys):
+    """`anneal estimate --float8` on a sparse preset: exit 2 and one paragraph that names the
+    flag and the fix, with the launch's own reason (``float8_rule.sparse_refusal``)."""
+    from anneal.model.float8_rule import sparse_refusal
+
+    assert cli.main(["estimate", "--model", "tiny-moe", "--float8", "rowwise"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(
+        "anneal estimate: error: --float8 rowwise with the sparse model tiny-moe: "
+    )
+    assert sparse_refusal(get_preset("tiny-moe")) in said and "--float8 off" in said
+    assert "\n" not in said
+    assert sparse_refusal(get_preset("1b")) is None
+    assert cli.main(["estimate", "--model", "tiny-moe"]) == 0
+
+
 @pytest.mark.slow
 def test_float8_linear_saves_its_high_precision_input_and_the_weights_storage():
     """What the estimate's memory terms rest on: torchao 0.18's Float8Linear saves for
