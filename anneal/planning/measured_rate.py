@@ -33,17 +33,22 @@ def cache_file() -> Path:
 
 def shape_key(launch) -> str:
     """What the rate of a run depends on, besides the machine: the device, the ranks, the
-    model's shape, the sequence, the micro-batch, the ZeRO stage, the precision and activation
-    checkpointing (``launch``: ``anneal.resolution.resolve.Launch``)."""
+    model's shape, the sequence, the micro-batch, the ZeRO stage, the precision, activation
+    checkpointing, and ``train.float8`` and ``train.compile`` where on (float8 ran about 5x
+    slower on this CPU; a key without them is the one runs kept before they existed)
+    (``launch``: ``anneal.resolution.resolve.Launch``)."""
     p = launch.preset
     model = (
         f"h{p.hidden_size}-l{p.num_hidden_layers}-i{p.intermediate_size}-a{p.num_attention_heads}"
         f"-v{p.vocab_size}"
     )
+    train = launch.cfg.train
     return (
         f"{launch.device_type}|ranks{launch.world_size}|{model}|seq{launch.seq_len}|micro"
         f"{launch.micro_batch}|zero{launch.zero_stage}|{'bf16' if launch.bf16 else 'fp32'}|ac"
         f"{int(bool(launch.cfg.model.activation_checkpointing))}"
+        + (f"|float8-{train.float8}" if train.float8 != "off" else "")
+        + (f"|compile-{train.compile}" if train.compile != "off" else "")
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from anneal.model import flops_per_token
 from anneal.planning import measured_rate
-from tests.conftest import resolve_tiny
+from tests.conftest import resolve_tiny, sets
 
 
 def _rows(tokens_per_s: list[float]) -> list[dict]:
@@ -54,3 +54,10 @@ def test_too_few_steps_keep_nothing_and_another_shape_is_not_used(tiny_data, tmp
     two = measured_rate.shape_key(resolve_tiny(args, world_size=2))
     measured_rate.remember(one, 5.0, run_dir=tmp_path)
     assert measured_rate.recall(two) is None and measured_rate.recall(one)[0] == 5.0
+    # float8 (about 5x slower on this CPU) and compile are other rates; off, the key is as before
+    others = [
+        measured_rate.shape_key(resolve_tiny([*args, *sets(item)], world_size=1))
+        for item in ("train.float8=tensorwise", "train.compile=torch", "train.float8=off")
+    ]
+    assert others[0].endswith("|float8-tensorwise") and others[1].endswith("|compile-torch")
+    assert others[2] == one and all(measured_rate.recall(k) is None for k in others[:2])
