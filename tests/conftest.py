@@ -176,9 +176,10 @@ def _shard_of(items, spec: str) -> list:
 # far, by these weights: seconds of each file's fast tests (`pytest -m "not slow" --durations=0`
 # on a fresh clone of 2b5ee8a, 2026-12-07 22:45, alone), FAST_DEFAULT_S for a file not listed.
 FAST_WEIGHTS_S = {
-    # their 8 launches one after another: 69 s of CPU (23:09, load 5); at 75 the sessions
-    # ended at 121 and 148 s on a fresh clone of b860378 (23:33, alone), so less
-    "<shared runs>": 62,
+    # their 8 launches one after another: 69 s of CPU (23:09, load 5); on fresh clones, alone,
+    # at 75 the sessions ended at 121 and 148 s (b860378), at 62 at 102 and 124 s (539c342,
+    # session 1 waiting 36 s on the shared runs), so less
+    "<shared runs>": 50,
     "test_bench_gpu.py": 12.1,
     "test_checkpoint_trust.py": 9.9,
     "test_data_prepare.py": 9.7,
