@@ -110,12 +110,17 @@ def held_weight_bytes(
 
 
 def step_time_factor(
-    preset: ModelPreset, setting: Float8Setting, *, flops_per_token: float, speedup: float | None
+    preset: ModelPreset,
+    setting: Float8Setting,
+    *,
+    flops_per_token: float,
+    peak_flops: float,
+    fp8_peak_flops: float | None,
 ) -> float:
     """A step's time with float8 over its time without: the converted layers' share of
-    ``flops_per_token`` at ``speedup`` (the float8 peak over the bf16 peak), the rest as before;
-    1 where no float8 peak is known (``speedup`` None: a CPU, an A100)."""
-    if speedup is None or not setting.on:
+    ``flops_per_token`` at ``fp8_peak_flops`` instead of ``peak_flops`` (bf16), the rest as
+    before; 1 where no float8 peak is known (``fp8_peak_flops`` None: a CPU, an A100)."""
+    if not fp8_peak_flops or not setting.on:
         return 1.0
     share = float8_flops_per_token(preset, setting) / flops_per_token
-    return 1 - share + share / speedup
+    return 1 - share + share * peak_flops / fp8_peak_flops

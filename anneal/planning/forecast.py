@@ -114,7 +114,8 @@ def make(
         preset,
         float8,
         flops_per_token=flops + ns,
-        speedup=fp8_peak_flops / peak_flops if fp8_peak_flops else None,
+        peak_flops=peak_flops,
+        fp8_peak_flops=fp8_peak_flops,
     )
     return Forecast(
         memory_bytes_per_gpu=est.total,

@@ -171,8 +171,13 @@ def float8_figures(preset: ModelPreset, zero: ZeroSetup, work: Workload, *, gpu:
     flops = flops_per_token(preset, seq_len=work.seq_len)
     shown = f8 if f8.on else dataclasses.replace(f8, recipe="tensorwise")
     layers = float8_costs.converted_linears(preset, shown)
-    speedup = spec.fp8_peak_flops / spec.peak_flops if spec.fp8_peak_flops else None
-    factor = float8_costs.step_time_factor(preset, shown, flops_per_token=flops, speedup=speedup)
+    factor = float8_costs.step_time_factor(
+        preset,
+        shown,
+        flops_per_token=flops,
+        peak_flops=spec.peak_flops,
+        fp8_peak_flops=spec.fp8_peak_flops,
+    )
 
     def peak_with(setting) -> int:
         return estimate(preset, zero, dataclasses.replace(work, float8=setting)).total
