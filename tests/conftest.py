@@ -158,9 +158,7 @@ def _shard_of(items, spec: str) -> list:
     def weight(unit: str) -> float:
         return sum(SHARD_WEIGHTS_S.get(name, DEFAULT_WEIGHT_S) for name in units[unit])
 
-    for unit in sorted(units, key=lambda u: (-weight(u), u)):
-        shard_index = load.index(min(load))
-        load[shard_index] += weight(unit)
+    for unit, shard_index in _spread(units, weight, load).items():
         home.update(dict.fromkeys(units[unit], shard_index))
     return [
         item
@@ -226,11 +224,19 @@ def _fast_shard_of(items, i: int, n: int) -> list:
         if any(map(_uses_shared_runs, group)):
             home[name] = 0
             load[0] += FAST_WEIGHTS_S.get(name, FAST_DEFAULT_S)
-    rest = sorted(set(files) - set(home), key=lambda f: (-FAST_WEIGHTS_S.get(f, FAST_DEFAULT_S), f))
-    for name in rest:
-        home[name] = load.index(min(load))
-        load[home[name]] += FAST_WEIGHTS_S.get(name, FAST_DEFAULT_S)
+    rest = set(files) - set(home)
+    home.update(_spread(rest, lambda f: FAST_WEIGHTS_S.get(f, FAST_DEFAULT_S), load))
     return [item for item in items if home[item.path.name] == i - 1]
+
+
+def _spread(names, weight, load: list[float]) -> dict[str, int]:
+    """{name: shard} for ``names``, heaviest first (by ``weight``, then name), each to the shard
+    with the least ``load`` so far; ``load`` grows by what it takes."""
+    home = {}
+    for name in sorted(names, key=lambda n: (-weight(n), n)):
+        home[name] = load.index(min(load))
+        load[home[name]] += weight(name)
+    return home
 
 
 def _uses_shared_runs(item) -> bool:
