@@ -177,6 +177,12 @@ class Preemption(SignalFlag):
         if self.signalled and world_size() == 1:
             raise StopMidStep()
 
+    def step_done(self, step: int, count: int) -> None:
+        """After step ``step``'s last micro-batch and its collective (every rank): a signal from
+        here to the next step's first boundary stops before that step (one process) or after
+        it (several ranks), not inside the step just done."""
+        self._at = (step, count, count)
+
     def _announce(self, name: str) -> None:
         """The signal's line: where it stops, how long that takes, against the grace time."""
         at, micro_s, save_s = self._at, self._micro_s, self.last_save_s
@@ -186,7 +192,14 @@ class Preemption(SignalFlag):
             log.warning("got %s: stopping %s to checkpoint (%s)", name, where, save)
             return
         step, index, count = at
-        if world_size() == 1:
+        between = index == count  # step ``step`` done (``step_done``), the next not begun
+        if world_size() == 1 and between:
+            wait_s = 0.0
+            where = (
+                f"before the first micro-batch of step {step + 1} (step {step} is done), then "
+                f"saving step {step}'s checkpoint ({save}); nothing is done again on resume"
+            )
+        elif world_size() == 1:
             wait_s = micro_s
             where = (
                 f"at the end of micro-batch {index + 1} of {count} of step {step + 1} (about "
@@ -194,10 +207,12 @@ class Preemption(SignalFlag):
                 f"({save}); the unfinished step is done again on resume"
             )
         else:
-            wait_s = (count - index) * micro_s
+            left = count if between else count - index
+            wait_s = left * micro_s
             where = (
-                f"after this step: {count - index} of its {count} micro-batches left, about "
-                f"{wait_s:.1f} s at the last one's pace, then the save ({save})"
+                f"after {'the next' if between else 'this'} step: {left} of its {count} "
+                f"micro-batches left, about {wait_s:.1f} s at the last one's pace, then the save "
+                f"({save})"
             )
         log.warning("got %s: stopping %s", name, where)
         check_grace(wait_s + (save_s or 0.0))

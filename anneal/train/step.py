@@ -187,9 +187,10 @@ def train_step(
         memory_per_rank=shape.memory_per_rank,
         extra=None if router is None else router.vector(),
     )
+    state.step += 1
     if preemption is not None:
         preemption.requested_by_any = preempt
-    state.step += 1
+        preemption.step_done(state.step, shape.grad_accum)
     state.tokens += shape.tokens_per_step
     grad_norm = engine.get_global_grad_norm()
     elapsed = time.perf_counter() - start

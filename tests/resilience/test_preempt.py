@@ -343,3 +343,42 @@ def test_several_ranks_say_how_long_the_step_has_left(tmp_path, caplog, monkeypa
         p.micro_batch_boundary(7, 2, 10)  # no StopMidStep: the ranks stop after the step
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_signal_between_steps_names_the_next_step_not_the_one_done(
+    tmp_path, caplog, monkeypatch, ranks
+):
+    """A signal after a step's last micro-batch and its collective, before the next step's
+    first boundary (CI saw it: the line said "micro-batch 64 of 64 of step 1, then saving step
+    0's checkpoint" where step 1 was done and its checkpoint was the one saved): one process
+    stops before the next step and saves the step done; several ranks do the whole next step."""
+    from anneal.resilience import preempt
+    from anneal.resilience.preempt import StopMidStep
+
+    monkeypatch.setattr(preempt, "world_size", lambda: ranks)
+    monkeypatch.delenv("ANNEAL_GRACE_S", raising=False)
+    p = Preemption(tmp_path)
+    try:
+        p.micro_batch_boundary(0, 0, 4)
+        time.sleep(0.05)
+        for i in (1, 2, 3):
+            p.micro_batch_boundary(0, i, 4)
+        p.step_done(1, 4)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("got ")]
+        if ranks == 1:
+            assert line == (
+                "got SIGTERM: stopping before the first micro-batch of step 2 (step 1 is done), "
+                "then saving step 1's checkpoint (no save yet); nothing is done again on resume"
+            )
+            with pytest.raises(StopMidStep):
+                p.micro_batch_boundary(1, 0, 4)
+        else:
+            assert line.startswith(
+                "got SIGTERM: stopping after the next step: 4 of its 4 micro-batches left, about"
+            ), line
+            p.micro_batch_boundary(1, 0, 4)  # no StopMidStep: the ranks stop after the step
+    finally:
+        p.close()

@@ -52,7 +52,10 @@ def test_a_signal_inside_a_step_stops_at_a_micro_batch_and_resumes_exactly(tiny_
     err = done.stderr
     assert done.returncode == 75, err[-3000:]
     [line] = [ln for ln in err.splitlines() if "got SIGTERM: stopping" in ln]
-    assert re.search(r"at the end of micro-batch \d+ of 64 of step 2 \(about", line), line
+    # inside step 2, or (rarely: CI saw it once) after step 1's row and before step 2's first
+    # micro-batch, where nothing of step 2 is dropped
+    inside = re.search(r"at the end of micro-batch \d+ of 64 of step 2 \(about ([0-9.]+) s", line)
+    assert inside or "before the first micro-batch of step 2 (step 1 is done)" in line, line
     [event] = [e for e in read_metrics(stopped, "event") if e["event"] == "preempt"]
     tag = stopped / "checkpoints" / "step00000001"
     assert event["path"] == str(tag) and checkpoint.is_intact(tag)
@@ -61,7 +64,7 @@ def test_a_signal_inside_a_step_stops_at_a_micro_batch_and_resumes_exactly(tiny_
     assert stop_s < step_s + 10, (stop_s, step_s)  # not the rest of the step: a micro-batch
     # and the exit right after the save: the micro-batch, the save, and under 1.5 s besides (the
     # interpreter's collection over the heap at exit took 2.3-2.4 s of it before leave_promptly)
-    micro_s = float(re.search(r"\(about ([0-9.]+) s at the last one's pace\)", line)[1])
+    micro_s = float(inside[1]) if inside else 0.0
     assert stop_s < micro_s + event["save_s"] + 1.5, (stop_s, micro_s, event["save_s"])
 
     resumed = run_recipe(_args(tiny_data, stopped))
