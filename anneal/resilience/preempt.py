@@ -193,12 +193,16 @@ class Preemption(SignalFlag):
             return
         step, index, count = at
         between = index == count  # step ``step`` done (``step_done``), the next not begun
-        if world_size() == 1 and between:
-            wait_s = 0.0
+        last = index + 1 == count  # no boundary left: the step ends, its collective stops it
+        if world_size() == 1 and (between or last):
+            wait_s = 0.0 if between else micro_s
+            done = step if between else step + 1
             where = (
-                f"before the first micro-batch of step {step + 1} (step {step} is done), then "
-                f"saving step {step}'s checkpoint ({save}); nothing is done again on resume"
-            )
+                f"before the first micro-batch of step {step + 1} (step {step} is done)"
+                if between
+                else f"at the end of step {done}, its last micro-batch (about {micro_s:.1f} s at "
+                "the last one's pace)"
+            ) + f", then saving step {done}'s checkpoint ({save}); nothing is done again on resume"
         elif world_size() == 1:
             wait_s = micro_s
             where = (

@@ -382,3 +382,30 @@ def test_a_signal_between_steps_names_the_next_step_not_the_one_done(
             p.micro_batch_boundary(1, 0, 4)  # no StopMidStep: the ranks stop after the step
     finally:
         p.close()
+
+
+def test_a_signal_in_the_last_micro_batch_of_one_process_saves_that_step(
+    tmp_path, caplog, monkeypatch
+):
+    """In one process, a signal inside a step's last micro-batch has no boundary left to stop
+    at: the step ends, its collective stops the run, and the step itself is saved, which the
+    line says (it named the step before's checkpoint and "done again on resume")."""
+    from anneal.resilience import preempt
+
+    monkeypatch.setattr(preempt, "world_size", lambda: 1)
+    monkeypatch.delenv("ANNEAL_GRACE_S", raising=False)
+    p = Preemption(tmp_path)
+    try:
+        for i in range(4):
+            p.micro_batch_boundary(2, i, 4)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("got ")]
+        head = "got SIGTERM: stopping at the end of step 3, its last micro-batch (about"
+        assert line.startswith(head), line
+        assert line.endswith(
+            "then saving step 3's checkpoint (no save yet); nothing is done again on resume"
+        ), line
+        assert p.requested(torch.device("cpu"))  # the step's collective: the run stops after it
+    finally:
+        p.close()
