@@ -194,23 +194,7 @@ class Preemption(SignalFlag):
         step, index, count = at
         between = index == count  # step ``step`` done (``step_done``), the next not begun
         last = index + 1 == count  # no boundary left: the step ends, its collective stops it
-        if world_size() == 1 and (between or last):
-            wait_s = 0.0 if between else micro_s
-            done = step if between else step + 1
-            where = (
-                f"before the first micro-batch of step {step + 1} (step {step} is done)"
-                if between
-                else f"at the end of step {done}, its last micro-batch (about {micro_s:.1f} s at "
-                "the last one's pace)"
-            ) + f", then saving step {done}'s checkpoint ({save}); nothing is done again on resume"
-        elif world_size() == 1:
-            wait_s = micro_s
-            where = (
-                f"at the end of micro-batch {index + 1} of {count} of step {step + 1} (about "
-                f"{micro_s:.1f} s at the last one's pace), then saving step {step}'s checkpoint "
-                f"({save}); the unfinished step is done again on resume"
-            )
-        else:
+        if world_size() > 1:
             left = count if between else count - index
             wait_s = left * micro_s
             where = (
@@ -218,6 +202,19 @@ class Preemption(SignalFlag):
                 f"micro-batches left, about {wait_s:.1f} s at the last one's pace, then the save "
                 f"({save})"
             )
+        else:
+            pace, after = f"(about {micro_s:.1f} s at the last one's pace)", step + 1
+            if between:
+                wait_s, saved = 0.0, step
+                where = f"before the first micro-batch of step {after} (step {step} is done)"
+            elif last:
+                wait_s, saved = micro_s, after
+                where = f"at the end of step {after}, its last micro-batch {pace}"
+            else:  # the step is dropped
+                wait_s, saved = micro_s, step
+                where = f"at the end of micro-batch {index + 1} of {count} of step {after} {pace}"
+            redo = "nothing is done" if between or last else "the unfinished step is done"
+            where += f", then saving step {saved}'s checkpoint ({save}); {redo} again on resume"
         log.warning("got %s: stopping %s", name, where)
         check_grace(wait_s + (save_s or 0.0))
 
